@@ -1,0 +1,41 @@
+"""The one error hierarchy of `resumable`.
+
+Every error the library raises on purpose is a `CheckpointError`; each subclass also
+inherits the builtin a caller would naturally catch (`ValueError`, `OSError`, ...), so
+``except OSError`` around a save still sees a storage failure. Messages say what was
+expected, what was found, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by `resumable`."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint exists but cannot be trusted: bad checksum, truncated or missing file,
+    malformed or hostile manifest. Restore skips such checkpoints; it raises this error
+    only when checkpoints exist and none of them is valid."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """A specific checkpoint was asked for (``restore(step=N)``, ``show --step N``) and
+    is not there."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (I/O error, full disk, permission, unreachable server)."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """An object in the user's ``state`` cannot be checkpointed safely."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """A checkpoint does not fit the ``state`` it is restored into (missing keys,
+    different shapes or structure)."""
+
+
+class PersistError(CheckpointError, RuntimeError):
+    """A save that was started earlier failed; raised at the next ``save``/``wait``/``close``."""
