@@ -1,0 +1,41 @@
+"""resumable: cheap, atomic, exactly-resumable checkpoints for PyTorch training.
+
+ckpt = resumable.Checkpointer("runs/exp1", state={"model": model, "optim": opt})
+start = ckpt.restore()
+for step in range(start, total_steps):
+    ...
+    ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
+ckpt.close()
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from resumable.capture import Stateful
+from resumable.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PersistError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedStateError,
+)
+from resumable.manager import Checkpointer
+from resumable.policy import Every, Keep
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "Every",
+    "Keep",
+    "NoCheckpointError",
+    "PersistError",
+    "StateMismatchError",
+    "Stateful",
+    "StorageError",
+    "UnsupportedStateError",
+    "__version__",
+]

@@ -1,0 +1,62 @@
+"""The audit log: one JSON line per save start, commit, skip, failure, delete, restore
+and cleanup, in ``audit.jsonl`` at the checkpoint root.
+
+Lines are appended with a single ``write`` each (``O_APPEND``), so concurrent writers
+never interleave within a line. A failure to write the audit log is logged and never
+fails training: the log describes the checkpoints, it is not one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from resumable.storage.base import Storage
+
+AUDIT_LOG = "audit.jsonl"
+log = logging.getLogger("resumable")
+
+
+class AuditLog:
+    def __init__(self, storage: Storage, *, rank: int = 0) -> None:
+        self.storage = storage
+        self.rank = rank
+        self._warned = False
+
+    def record(self, event: str, **fields: Any) -> None:
+        entry = {
+            "time": round(time.time(), 6),
+            "event": event,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "rank": self.rank,
+            **fields,
+        }
+        line = json.dumps(entry, default=str, allow_nan=False) + "\n"
+        try:
+            self.storage.append(AUDIT_LOG, line.encode())
+        except Exception as exc:  # the log must never break training
+            if not self._warned:
+                log.warning("could not append to the audit log of %s: %s", self.storage.url, exc)
+                self._warned = True
+
+
+def read_audit(storage: Storage) -> list[dict[str, Any]]:
+    """Parsed audit entries; unparseable lines (a torn last line after a crash) are skipped."""
+    try:
+        data = storage.read(AUDIT_LOG)
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out

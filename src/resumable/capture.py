@@ -1,0 +1,459 @@
+"""Walk the user's training state into tensors plus a JSON tree, and back.
+
+`capture` turns ``state={"model": model, "optim": optimizer, ...}`` into a flat,
+ordered mapping of tensor names to tensors and a JSON-able *tree* that records the
+structure and every non-tensor value, with tensors replaced by references to their
+names. `restore` does the reverse into the *live* objects: ``load_state_dict`` for
+stateful objects, in-place updates for plain containers and tensors, ``set_state`` for
+random generators. Nothing below this module knows about models.
+
+The tree is a closed vocabulary of tagged nodes (see ``docs/format.md``): decoding it
+can build only dicts, lists, tuples, strings, numbers, booleans, ``None``, bytes,
+dtypes, devices and tensors. Nothing in a checkpoint can name a class or a function, so
+loading never executes code from it.
+
+Random streams are captured without being asked: Python's `random`, NumPy's global
+generator, torch's CPU generator and every initialised CUDA device's generator, under
+the reserved key ``"__rng__"``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import random
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from resumable.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+
+RNG_KEY = "__rng__"
+
+JSONValue = Any
+Tree = Any
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything that can hand out its state and take it back.
+
+    ``state_dict()`` returns plain containers of tensors and JSON values (and nested
+    state dicts); ``load_state_dict(sd)`` receives an equal structure, with tensors on
+    the CPU or on ``map_location``.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class Captured:
+    """The result of `capture`: a JSON-able tree and the tensors it references, in order."""
+
+    tree: Tree
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def _tensor_name(path: tuple[Any, ...], taken: Mapping[str, Any]) -> str:
+    base = "/".join(str(p) for p in path) or "tensor"
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}#{n}"
+    return name
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        if t.is_sparse or t.layout != torch.strided:
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: cannot checkpoint a {t.layout} tensor; "
+                "convert it to a dense tensor in state_dict()"
+            )
+        if t.is_quantized or t.is_complex() or t.device.type == "meta":
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: cannot checkpoint a {t.dtype} tensor on {t.device}; "
+                "store a real-valued dense copy instead"
+            )
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: cannot checkpoint tensor subclass {type(t).__name__} "
+                "with this version; pass a plain tensor"
+            )
+        name = _tensor_name(path, self.tensors)
+        self.tensors[name] = t.detach()
+        return {"tensor": name, "device": str(t.device)}
+
+    def value(self, v: Any, path: tuple[Any, ...]) -> Any:
+        # bool before int: bool is a subclass of int.
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, float):
+            if math.isfinite(v):
+                return float(v)
+            return {"float": repr(v)}
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v, path)
+        if isinstance(v, np.ndarray):
+            if v.dtype == object:
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: cannot checkpoint a NumPy array of Python objects"
+                )
+            node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path)
+            return {"ndarray": node["tensor"]}
+        if isinstance(v, np.generic):
+            return {"npscalar": v.dtype.str, "v": self.value(v.item(), path)}
+        if isinstance(v, torch.dtype):
+            return {"dtype": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.device):
+            return {"device": str(v)}
+        if isinstance(v, (bytes, bytearray)):
+            return {"bytes": base64.b64encode(bytes(v)).decode("ascii")}
+        if isinstance(v, torch.Generator):
+            node = self.tensor(v.get_state(), path)
+            return {"torch_generator": node["tensor"]}
+        if isinstance(v, np.random.Generator):
+            return {"np_generator": self.value(v.bit_generator.state, path)}
+        if isinstance(v, Mapping) and not _is_stateful(v):
+            items = []
+            for k, item in v.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise UnsupportedStateError(
+                        f"{_path_str(path)}: cannot checkpoint a dict key of type "
+                        f"{type(k).__name__} ({k!r}); use str or int keys"
+                    )
+                items.append([k, self.value(item, (*path, k))])
+            return {"dict": items}
+        if isinstance(v, torch.Size):
+            return {"size": list(v)}
+        if isinstance(v, list):
+            return {"list": [self.value(x, (*path, i)) for i, x in enumerate(v)]}
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return {"tuple": [self.value(x, (*path, i)) for i, x in enumerate(v)]}
+        if _is_stateful(v):
+            try:
+                sd = v.state_dict()
+            except Exception as exc:  # the user's object failed; say where
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: {type(v).__name__}.state_dict() raised {exc!r}"
+                ) from exc
+            return {"stateful": self.value(sd, path)}
+        raise UnsupportedStateError(
+            f"{_path_str(path)}: cannot checkpoint {type(v)!r}; "
+            "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
+        )
+
+
+def _is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(
+        getattr(v, "load_state_dict", None)
+    )
+
+
+def rng_state() -> dict[str, Any]:
+    """The process-wide random streams, as plain values and tensors."""
+    out: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=False),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def capture(state: Mapping[str, Any], *, include_rng: bool = True) -> Captured:
+    """Encode ``state`` (and, by default, the global RNG streams) into a `Captured`.
+
+    Called on the training thread at a step boundary. The returned tensors are the live
+    tensors (detached, not copied): the caller must copy them before training goes on.
+    Raises `UnsupportedStateError` naming the path of anything that cannot be captured.
+    """
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(
+            f"state must be a dict of named objects, found {type(state).__name__}; "
+            'pass state={"model": model, "optim": optimizer, ...}'
+        )
+    enc = _Encoder()
+    top: list[list[Any]] = []
+    for key, obj in state.items():
+        if not isinstance(key, str) or key == RNG_KEY:
+            raise UnsupportedStateError(
+                f"state keys must be strings other than {RNG_KEY!r}, found {key!r}"
+            )
+        top.append([key, enc.value(obj, (key,))])
+    if include_rng:
+        top.append([RNG_KEY, enc.value(rng_state(), (RNG_KEY,))])
+    return Captured(tree={"dict": top}, tensors=enc.tensors)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class _Decoder:
+    """Builds plain values from a tree; every malformed node is a `CorruptCheckpointError`."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], map_location: Any) -> None:
+        self.tensors = tensors
+        self.map_location = map_location
+
+    def _get_tensor(self, name: Any) -> torch.Tensor:
+        if not isinstance(name, str) or name not in self.tensors:
+            raise CorruptCheckpointError(
+                f"manifest tree references tensor {name!r}, which is not in the tensor index"
+            )
+        return self.tensors[name]
+
+    def _device(self, recorded: Any) -> torch.device:
+        if self.map_location is not None:
+            if callable(self.map_location):
+                return torch.device(self.map_location(recorded))
+            return torch.device(self.map_location)
+        try:
+            dev = torch.device(recorded)
+        except (RuntimeError, TypeError):
+            return torch.device("cpu")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            return torch.device("cpu")
+        return dev
+
+    def value(self, node: Any) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if not isinstance(node, dict) or len(node) not in (1, 2, 3):
+            raise CorruptCheckpointError(f"malformed tree node: {str(node)[:80]}")
+        if "tensor" in node:
+            t = self._get_tensor(node["tensor"])
+            dev = self._device(node.get("device", "cpu"))
+            return t if dev.type == "cpu" else t.to(dev)
+        if "dict" in node:
+            out: dict[Any, Any] = {}
+            for pair in _as_list(node["dict"]):
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise CorruptCheckpointError("malformed dict entry in manifest tree")
+                k, v = pair
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise CorruptCheckpointError(f"malformed dict key in tree: {k!r}")
+                out[k] = self.value(v)
+            return out
+        if "list" in node:
+            return [self.value(x) for x in _as_list(node["list"])]
+        if "tuple" in node:
+            return tuple(self.value(x) for x in _as_list(node["tuple"]))
+        if "stateful" in node:
+            return self.value(node["stateful"])
+        if "float" in node:
+            if node["float"] not in ("nan", "inf", "-inf"):
+                raise CorruptCheckpointError(f"malformed float node: {node!r}")
+            return float(node["float"])
+        if "ndarray" in node:
+            return self._get_tensor(node["ndarray"]).numpy()
+        if "npscalar" in node:
+            try:
+                return np.dtype(str(node["npscalar"])).type(self.value(node.get("v")))
+            except (TypeError, ValueError) as exc:
+                raise CorruptCheckpointError(f"malformed NumPy scalar node: {node!r}") from exc
+        if "dtype" in node:
+            dt = getattr(torch, str(node["dtype"]), None)
+            if not isinstance(dt, torch.dtype):
+                raise CorruptCheckpointError(f"unknown dtype in tree: {node['dtype']!r}")
+            return dt
+        if "device" in node:
+            try:
+                return torch.device(str(node["device"]))
+            except (RuntimeError, TypeError) as exc:
+                raise CorruptCheckpointError(f"malformed device node: {node!r}") from exc
+        if "bytes" in node:
+            try:
+                return base64.b64decode(str(node["bytes"]), validate=True)
+            except ValueError as exc:
+                raise CorruptCheckpointError("malformed bytes node in tree") from exc
+        if "size" in node:
+            return torch.Size([int(x) for x in _as_list(node["size"])])
+        if "torch_generator" in node:
+            return {"__torch_generator_state__": self._get_tensor(node["torch_generator"])}
+        if "np_generator" in node:
+            return {"__np_generator_state__": self.value(node["np_generator"])}
+        raise CorruptCheckpointError(f"unknown tree node {sorted(node)!r}")
+
+
+def _as_list(x: Any) -> list[Any]:
+    if not isinstance(x, list):
+        raise CorruptCheckpointError(f"expected a list in the manifest tree, found {type(x)}")
+    return x
+
+
+def decode(tree: Tree, tensors: Mapping[str, torch.Tensor], map_location: Any = None) -> Any:
+    """Turn a tree back into plain values; tensors go to their recorded device or
+    ``map_location``. Raises `CorruptCheckpointError` for any malformed node."""
+    try:
+        return _Decoder(tensors, map_location).value(tree)
+    except RecursionError as exc:
+        raise CorruptCheckpointError("manifest tree is nested too deeply") from exc
+
+
+def iter_tensor_refs(
+    tree: Tree, path: tuple[Any, ...] = ()
+) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """Yield ``(path, tensor_name)`` for every tensor reference in a tree, in order."""
+    if isinstance(tree, dict):
+        for tag in ("tensor", "ndarray", "torch_generator"):
+            if tag in tree and isinstance(tree[tag], str):
+                yield path, tree[tag]
+                return
+        if "dict" in tree and isinstance(tree["dict"], list):
+            for pair in tree["dict"]:
+                if isinstance(pair, list) and len(pair) == 2:
+                    yield from iter_tensor_refs(pair[1], (*path, pair[0]))
+        for tag in ("list", "tuple"):
+            if tag in tree and isinstance(tree[tag], list):
+                for i, x in enumerate(tree[tag]):
+                    yield from iter_tensor_refs(x, (*path, i))
+        for tag in ("stateful", "np_generator"):
+            if tag in tree:
+                yield from iter_tensor_refs(tree[tag], path)
+
+
+def subtree(tree: Tree, key: str) -> Tree:
+    """The node stored under top-level ``key``; `KeyError` if absent."""
+    for k, node in tree.get("dict", []):
+        if k == key:
+            return node
+    raise KeyError(key)
+
+
+# --------------------------------------------------------------------------- restoring
+
+
+def restore(state: Mapping[str, Any], values: Mapping[Any, Any]) -> None:
+    """Load decoded ``values`` into the live objects of ``state``, and the RNG streams.
+
+    Called on the training thread after every tensor was verified. Stateful objects get
+    ``load_state_dict``; dicts and lists are updated in place; tensors are copied in
+    place when shape and dtype agree. Raises `StateMismatchError` when the checkpoint
+    does not fit ``state`` (missing key, different structure or shapes).
+    """
+    missing = [k for k in state if k not in values]
+    if missing:
+        raise StateMismatchError(
+            f"checkpoint has no entry for state key(s) {missing}; it holds "
+            f"{sorted(str(k) for k in values if k != RNG_KEY)}. Restore into the same "
+            "state keys it was saved with, or start a new checkpoint directory"
+        )
+    for key, obj in state.items():
+        new = _restore_into(obj, values[key], (key,))
+        if new is not obj and isinstance(state, dict):
+            state[key] = new
+    if RNG_KEY in values:
+        set_rng_state(values[RNG_KEY])
+
+
+def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
+    """Restore ``value`` into ``obj`` in place where possible; returns the object to keep."""
+    try:
+        if isinstance(obj, torch.Generator):
+            # A fresh tensor: set_state crashes on views with a storage offset.
+            payload = _generator_payload(value, "__torch_generator_state__", path)
+            obj.set_state(payload.detach().to("cpu", torch.uint8).clone())
+            return obj
+        if isinstance(obj, np.random.Generator):
+            obj.bit_generator.state = _generator_payload(value, "__np_generator_state__", path)
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
+                raise StateMismatchError(f"{_path_str(path)}: expected a tensor in the checkpoint")
+            if obj.shape == value.shape and obj.dtype == value.dtype:
+                with torch.no_grad():
+                    obj.copy_(value)
+                return obj
+            return value.to(obj.device)
+        if isinstance(obj, Mapping) and not _is_stateful(obj):
+            if not isinstance(value, dict):
+                raise StateMismatchError(
+                    f"{_path_str(path)}: expected a dict, checkpoint has {type(value).__name__}"
+                )
+            if isinstance(obj, dict):
+                for k in list(obj):
+                    if k not in value:
+                        del obj[k]
+                for k, v in value.items():
+                    obj[k] = _restore_into(obj[k], v, (*path, k)) if k in obj else v
+                return obj
+            return value
+        if isinstance(obj, list):
+            if not isinstance(value, list):
+                raise StateMismatchError(
+                    f"{_path_str(path)}: expected a list, checkpoint has {type(value).__name__}"
+                )
+            if len(obj) == len(value):
+                obj[:] = [
+                    _restore_into(o, v, (*path, i)) for i, (o, v) in enumerate(zip(obj, value))
+                ]
+            else:
+                obj[:] = value
+            return obj
+        if _is_stateful(obj):
+            if not isinstance(value, dict):
+                raise StateMismatchError(
+                    f"{_path_str(path)}: expected a state dict, checkpoint has "
+                    f"{type(value).__name__}"
+                )
+            obj.load_state_dict(value)
+            return obj
+    except StateMismatchError:
+        raise
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise StateMismatchError(
+            f"{_path_str(path)}: the checkpoint does not fit this object ({exc}). "
+            "Restore into the same kind of model/optimizer it was saved from"
+        ) from exc
+    return value
+
+
+def _generator_payload(value: Any, tag: str, path: tuple[Any, ...]) -> Any:
+    if not isinstance(value, dict) or tag not in value:
+        raise StateMismatchError(f"{_path_str(path)}: expected a generator state in the checkpoint")
+    return value[tag]
+
+
+def set_rng_state(rng: Any) -> None:
+    """Put back the process-wide random streams recorded by `rng_state`."""
+    if not isinstance(rng, dict):
+        raise CorruptCheckpointError("malformed RNG entry in checkpoint")
+    try:
+        if "python" in rng:
+            version, internal, gauss = rng["python"]
+            random.setstate((version, tuple(internal), gauss))
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
+        if "torch_cpu" in rng:
+            torch.set_rng_state(rng["torch_cpu"].to("cpu", torch.uint8).clone())
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"malformed RNG state in checkpoint: {exc}") from exc
+    cuda = rng.get("torch_cuda")
+    if cuda and torch.cuda.is_available():
+        states = [t.to("cpu", torch.uint8).clone() for t in cuda]
+        if len(states) != torch.cuda.device_count():
+            warnings.warn(
+                f"checkpoint holds RNG states for {len(states)} CUDA devices, this process "
+                f"sees {torch.cuda.device_count()}; restoring the first ones only",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        for i, s in enumerate(states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)

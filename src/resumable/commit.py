@@ -1,0 +1,137 @@
+"""Atomic commit: a checkpoint becomes visible all at once, or not at all.
+
+Strategy for filesystems (`RenameCommit`), the classic one:
+
+1. write every data file into a hidden staging directory next to the final one
+   (``.tmp-step-000000001200.<pid>.<nonce>``), each file fsync-ed;
+2. write ``manifest.json`` last, fsync it and the staging directory;
+3. rename the staging directory to ``step-000000001200`` and fsync the root.
+
+A crash before step 3 leaves only a staging directory, which no listing reports and
+the next start removes (and logs). A crash after it leaves a complete checkpoint. A
+committed checkpoint of the same step (possible only after resuming from an older one
+because the newer one was corrupt) is first moved aside to ``.trash-...``, so at every
+instant the newest earlier checkpoint stays loadable.
+
+Object stores have no rename; their strategy (unique data keys per attempt, manifest
+put last with a conditional write) lives beside this one and lists the same way: a
+checkpoint is committed iff ``step-N/manifest.json`` exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+from resumable.format import MANIFEST
+from resumable.storage.base import Storage
+
+_STEP_DIR = re.compile(r"^step-(\d{12,20})$")
+_STAGING = re.compile(r"^\.(tmp|trash)-step-(\d{12,20})\.(\d+)\.([0-9a-f]+)$")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of a checkpoint: sorts numerically by step as plain text."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_committed(storage: Storage) -> list[int]:
+    """Steps of committed checkpoints (a ``step-N`` directory holding a manifest), ascending.
+    Says nothing about validity: the reader verifies before use."""
+    steps = []
+    for name in storage.list_dir(""):
+        step = parse_step_dir(name)
+        if step is not None and storage.exists(f"{name}/{MANIFEST}"):
+            steps.append(step)
+    return sorted(steps)
+
+
+def list_uncommitted(storage: Storage) -> list[str]:
+    """Names of ``step-N`` directories without a manifest (not written by a completed
+    commit: foreign or damaged). Listed for operators; never loaded or deleted."""
+    return [
+        n
+        for n in storage.list_dir("")
+        if parse_step_dir(n) is not None and not storage.exists(f"{n}/{MANIFEST}")
+    ]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try at committing a step: data files go under ``staging``."""
+
+    step: int
+    staging: str
+    final: str
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RenameCommit:
+    """Commit by renaming a fully written, fsync-ed staging directory."""
+
+    def __init__(self, storage: Storage) -> None:
+        if not storage.supports_rename:
+            raise TypeError(f"{type(storage).__name__} cannot rename; use a marker commit")
+        self.storage = storage
+
+    def begin(self, step: int) -> Attempt:
+        final = step_dir(step)
+        staging = f".tmp-{final}.{os.getpid()}.{secrets.token_hex(4)}"
+        return Attempt(step, staging, final)
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> bool:
+        """Write the manifest last and publish; returns whether an older checkpoint of
+        the same step was replaced. On failure nothing new is visible."""
+        s = self.storage
+        s.write(f"{attempt.staging}/{MANIFEST}", [manifest])
+        s.sync_dir(attempt.staging)
+        replaced = False
+        trash = None
+        if s.exists(attempt.final):
+            trash = f".trash-{attempt.final}.{os.getpid()}.{secrets.token_hex(4)}"
+            s.rename_dir(attempt.final, trash)
+            replaced = True
+        s.rename_dir(attempt.staging, attempt.final)
+        s.sync_dir("")
+        if trash is not None:
+            s.delete(trash)
+        return replaced
+
+    def delete(self, step: int) -> None:
+        """Remove a committed checkpoint: first renamed aside (atomically un-committed),
+        then deleted, so a crash midway never leaves a listed but damaged checkpoint."""
+        trash = f".trash-{step_dir(step)}.{os.getpid()}.{secrets.token_hex(4)}"
+        self.storage.rename_dir(step_dir(step), trash)
+        self.storage.delete(trash)
+
+    def abort(self, attempt: Attempt) -> None:
+        self.storage.delete(attempt.staging)
+
+    def stale(self) -> list[str]:
+        """Staging and trash directories left by processes that no longer run."""
+        out = []
+        for name in self.storage.list_dir(""):
+            m = _STAGING.match(name)
+            if m and not _pid_alive(int(m.group(3))):
+                out.append(name)
+        return out

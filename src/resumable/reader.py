@@ -1,0 +1,174 @@
+"""Read and verify a committed checkpoint, defensively.
+
+This is the load path, and it trusts nothing it reads: the manifest is validated
+(structure, names, sizes, digest) by `resumable.format.decode_manifest`; every data file
+must have the size the manifest declares and a safetensors header that agrees with the
+tensor index; every tensor's bytes are checksummed before a tensor is built from them.
+Only then does the manager touch the live training state. There is no pickle here, and
+every path goes through the storage's root check.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from resumable.commit import step_dir
+from resumable.errors import CorruptCheckpointError
+from resumable.format import (
+    CHECKSUM,
+    MANIFEST,
+    byte_view,
+    checksum,
+    decode_manifest,
+    dtype_from_name,
+    parse_safetensors_header,
+)
+from resumable.storage.base import Storage
+
+
+class CheckpointReader:
+    """One committed checkpoint of ``storage``; reads lazily and caches the manifest."""
+
+    def __init__(self, storage: Storage, step: int) -> None:
+        self.storage = storage
+        self.step = step
+        self.dir = step_dir(step)
+        self.where = f"checkpoint {self.dir} in {storage.url}"
+        self._manifest: dict[str, Any] | None = None
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        if self._manifest is None:
+            try:
+                raw = self.storage.read(f"{self.dir}/{MANIFEST}")
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{self.where}: manifest is missing") from exc
+            m = decode_manifest(raw, where=self.where)
+            if m["step"] != self.step:
+                raise CorruptCheckpointError(
+                    f"{self.where}: manifest says step {m['step']}, directory says {self.step}"
+                )
+            self._manifest = m
+        return self._manifest
+
+    @property
+    def tree(self) -> Any:
+        """The state tree of rank 0."""
+        return self.manifest["ranks"][0]["tree"]
+
+    def check_files(self) -> None:
+        """Every listed file exists with the declared size and a safetensors header that
+        agrees with the tensor index."""
+        m = self.manifest
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name, info in m["tensors"].items():
+            by_file[info["file"]].append(name)
+        for fname, finfo in m["files"].items():
+            path = f"{self.dir}/{fname}"
+            try:
+                actual = self.storage.size(path)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{self.where}: data file {fname} is missing") from exc
+            if actual != finfo["size"]:
+                raise CorruptCheckpointError(
+                    f"{self.where}: {fname} has {actual} bytes, manifest declares {finfo['size']}"
+                    " (truncated or overwritten)"
+                )
+            head = self.storage.read_range(path, 0, min(actual, 8))
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or 8 + n > actual:
+                raise CorruptCheckpointError(f"{self.where}: {fname} is not a safetensors file")
+            start, header = parse_safetensors_header(
+                head + self.storage.read_range(path, 8, n), actual
+            )
+            for name in by_file.get(fname, []):
+                info = m["tensors"][name]
+                h = header.get(name)
+                if (
+                    not isinstance(h, dict)
+                    or h.get("dtype") != info["dtype"]
+                    or h.get("shape") != info["shape"]
+                    or [start + o for o in h.get("data_offsets", [-1, -1])] != info["offsets"]
+                ):
+                    raise CorruptCheckpointError(
+                        f"{self.where}: {fname}'s safetensors header disagrees with the "
+                        f"manifest about tensor {name!r}"
+                    )
+
+    def tensors(
+        self, names: Iterable[str] | None = None, *, verify: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Read (and by default checksum) tensors, as CPU tensors. All of a file's
+        tensors are read with one sequential read of its data span."""
+        m = self.manifest
+        index = m["tensors"]
+        wanted = list(index) if names is None else list(names)
+        for name in wanted:
+            if name not in index:
+                raise CorruptCheckpointError(f"{self.where}: no tensor {name!r} in the index")
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in wanted:
+            by_file[index[name]["file"]].append(name)
+        out: dict[str, torch.Tensor] = {}
+        for fname, names_in_file in by_file.items():
+            path = f"{self.dir}/{fname}"
+            ranges = [index[n]["offsets"] for n in names_in_file]
+            lo = min(r[0] for r in ranges)
+            hi = max(r[1] for r in ranges)
+            span = sum(r[1] - r[0] for r in ranges)
+            if hi - lo <= 2 * span:
+                buf = self._read(path, lo, hi - lo)
+                for n in names_in_file:
+                    b, e = index[n]["offsets"]
+                    out[n] = self._tensor(n, buf, b - lo, e - lo, verify)
+            else:
+                for n in names_in_file:
+                    b, e = index[n]["offsets"]
+                    out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
+        return out
+
+    def _read(self, path: str, offset: int, length: int) -> torch.Tensor:
+        buf = torch.empty(length, dtype=torch.uint8)
+        if length == 0:
+            return buf
+        view = byte_view(buf)
+        read_into = getattr(self.storage, "read_into", None)
+        if read_into is not None:
+            read_into(path, offset, view)
+        else:
+            data = self.storage.read_range(path, offset, length)
+            view[:] = data
+        return buf
+
+    def _tensor(self, name: str, buf: torch.Tensor, b: int, e: int, verify: bool) -> torch.Tensor:
+        info = self.manifest["tensors"][name]
+        raw = buf[b:e]
+        if verify:
+            got = checksum(byte_view(raw)) if e > b else checksum(b"")
+            if got != info[CHECKSUM]:
+                raise CorruptCheckpointError(
+                    f"{self.where}: checksum mismatch in tensor {name!r} "
+                    f"(expected {info[CHECKSUM]}, found {got}); the file is damaged"
+                )
+        dtype = dtype_from_name(info["dtype"])
+        if raw.storage_offset() % _itemsize(dtype) != 0:
+            raw = raw.clone()
+        return raw.view(dtype).view(info["shape"])
+
+    def verify(self) -> int:
+        """Full check: manifest, files, every checksum, tree references. Returns bytes
+        verified; raises `CorruptCheckpointError` on the first problem."""
+        from resumable.capture import decode
+
+        self.check_files()
+        tensors = self.tensors()
+        decode(self.tree, tensors)
+        return sum(f["size"] for f in self.manifest["files"].values())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

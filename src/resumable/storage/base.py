@@ -1,0 +1,79 @@
+"""The storage protocol: a few byte-level verbs plus the primitives commits build on.
+
+Every backend (local filesystem, memory, object storage) implements `Storage`, and the
+shared test suite in ``tests/storage/`` runs against each of them. Paths are relative,
+``/``-separated and validated by `check_relpath` before any backend sees them, so no
+name found in a checkpoint can reach outside the root.
+
+Contract for every backend:
+- `write` returns only once the bytes are durable (fsync on a filesystem, a completed
+  PUT on object storage); a failed write raises `StorageError` and leaves no object or
+  a partial one that no manifest references.
+- `read_range` never returns fewer bytes than asked: a short object is a
+  `CorruptCheckpointError` (the checkpoint is damaged, not the storage).
+- Missing paths: `read*`/`size` raise `FileNotFoundError`-derived `NoCheckpointError`;
+  `list_dir` returns ``[]``; `delete` is a no-op.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+from resumable.format import check_relpath
+
+Buffer = Any  # bytes, bytearray, memoryview, or anything exporting the buffer protocol
+
+
+class Storage(ABC):
+    """A checkpoint root. Methods may be called from the training thread or a persist
+    worker, but a given path is only ever written by one caller at a time."""
+
+    url: str
+    supports_rename: bool = False
+
+    @abstractmethod
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        """Write ``chunks`` in order to ``path`` (replacing it), durably; return bytes written."""
+
+    @abstractmethod
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of ``path`` starting at ``offset``."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes of the file at ``path``."""
+
+    @abstractmethod
+    def list_dir(self, path: str = "") -> list[str]:
+        """Names (not paths) directly under ``path``, sorted; ``[]`` if it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove a file or a whole directory tree; no error if missing."""
+
+    @abstractmethod
+    def append(self, path: str, data: bytes) -> None:
+        """Append ``data`` to ``path`` (used for the audit log)."""
+
+    def read(self, path: str) -> bytes:
+        return self.read_range(path, 0, self.size(path))
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically make directory ``src`` visible as ``dst`` (which must not exist)."""
+        raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
+
+    def sync_dir(self, path: str = "") -> None:
+        """Make prior renames/creations inside ``path`` durable (no-op where meaningless)."""
+
+    def close(self) -> None:
+        """Release connections or handles."""
+
+    @staticmethod
+    def join(*parts: str) -> str:
+        path = "/".join(p for p in parts if p)
+        return check_relpath(path) if path else path
