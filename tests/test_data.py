@@ -249,7 +249,7 @@ def make_epochs(loader: ResumableDataLoader, epochs: int) -> list[Any]:
     return [b for _ in range(epochs) for b in loader]
 
 
-def _global_rng_states() -> tuple[torch.Tensor, object, tuple[Any, ...]]:
+def _global_rng_states() -> tuple[torch.Tensor, object, Any]:
     return torch.get_rng_state(), random.getstate(), np.random.get_state()
 
 
@@ -281,6 +281,34 @@ def test_iteration_leaves_global_rngs_untouched(num_workers: int) -> None:
     _assert_same_rng(before, _global_rng_states())
 
 
+class NoisyDataset(IndexDataset):
+    """Sample ``i`` is ``i`` plus noise from the global torch RNG."""
+
+    def __getitem__(self, index: int) -> Any:
+        self.calls.append(index)
+        return index + torch.rand(()).item()
+
+
+def test_global_rng_augmentation_is_exact_without_workers() -> None:
+    def make() -> ResumableDataLoader:
+        return ResumableDataLoader(NoisyDataset(7), 2, seed=6)
+
+    torch.manual_seed(0)
+    reference = [b.tolist() for b in make_epochs(make(), 2)]
+    for k in (1, 3, 4, 6):
+        torch.manual_seed(0)
+        loader = make()
+        got = [b.tolist() for _, b in zip(range(k), loader)]
+        state, rng = _roundtrip(loader.state_dict()), torch.get_rng_state()
+        torch.manual_seed(99)
+        resumed = make()
+        resumed.load_state_dict(state)
+        torch.set_rng_state(rng)
+        while resumed.epoch < 2:
+            got += [b.tolist() for b in resumed]
+        assert got == reference
+
+
 def test_break_and_iterate_again_continues() -> None:
     loader = ResumableDataLoader(IndexDataset(10), 3, seed=8)
     got: list[int] = []
@@ -309,7 +337,7 @@ def test_stale_iterator_raises() -> None:
         next(new)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(0, 23),
     batch_size=st.integers(1, 9),

@@ -14,6 +14,7 @@ augmentation from a worker's global RNG) is reproduced only when resuming at an 
 boundary; per-sample randomness must be derived from the sample index to be exact mid-epoch.
 """
 
+import weakref
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
@@ -227,11 +228,13 @@ class ResumableSampler(Sampler[int]):
             "num_samples": self.num_samples,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore epoch and offset; raises `StateMismatchError` if the state is malformed or
         its seed, shuffle or length differ from this sampler's (nothing is changed then)."""
         what = "ResumableSampler"
-        s = _validated_state(state, what, ("epoch", "start", "seed", "num_samples"), ("shuffle",))
+        s = _validated_state(
+            state_dict, what, ("epoch", "start", "seed", "num_samples"), ("shuffle",)
+        )
         _expect_same(what, "num_samples", s["num_samples"], self.num_samples, "Use the same data.")
         _expect_same(what, "seed", s["seed"], self._seed, f"Construct it with seed={s['seed']}.")
         _expect_same(
@@ -258,13 +261,16 @@ def _iter_chunks(indices: torch.Tensor) -> Iterator[int]:
 class _EpochIterator(Iterator[Any]):
     """One pass over the rest of the current epoch of a `ResumableDataLoader`."""
 
-    def __init__(self, owner: "ResumableDataLoader", inner: Iterator[Any] | None) -> None:
+    def __init__(
+        self, owner: "ResumableDataLoader", generation: int, inner: Iterator[Any] | None
+    ) -> None:
         self._owner = owner
+        self._generation = generation
         self._inner = inner
         self._done = False
 
     def __next__(self) -> Any:
-        if self._owner._active is not self:
+        if self._owner._generation != self._generation:
             raise RuntimeError(
                 "this ResumableDataLoader iterator is stale: iter(loader) or "
                 "load_state_dict() was called after it was created. Iterate the new one."
@@ -375,7 +381,8 @@ class ResumableDataLoader:
         )
         self._epoch = 0
         self._batches = 0
-        self._active: _EpochIterator | None = None
+        self._generation = 0
+        self._active: weakref.ref[_EpochIterator] | None = None
 
     @property
     def dataset(self) -> Dataset[Any]:
@@ -436,13 +443,21 @@ class ResumableDataLoader:
             self._sampler.start_at(self._batches * self._batch_size)
             self._generator.manual_seed(_derive_seed(self.seed, self._epoch, _WORKER_STREAM))
             inner = iter(self._loader)
-        self._active = _EpochIterator(self, inner)
-        return self._active
+        iterator = _EpochIterator(self, self._generation, inner)
+        self._active = weakref.ref(iterator)
+        return iterator
 
     def _invalidate(self) -> None:
-        if self._active is not None:
-            self._active._close()
-            self._active = None
+        """Make every existing iterator stale and stop the workers of the live one.
+
+        The loader holds its iterator weakly: a strong reference would form a cycle that keeps
+        worker processes alive until the cyclic garbage collector runs.
+        """
+        self._generation += 1
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active._close()
+        self._active = None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: ``epoch`` and ``batches`` handed out in it, plus the
@@ -458,7 +473,7 @@ class ResumableDataLoader:
             "dataset_len": self._sampler.num_samples,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Make the next ``iter`` resume at the saved ``(epoch, batches)``.
 
         Raises `StateMismatchError`, changing nothing, if the state is malformed or was saved
@@ -467,7 +482,7 @@ class ResumableDataLoader:
         """
         what = "ResumableDataLoader"
         s = _validated_state(
-            state,
+            state_dict,
             what,
             ("epoch", "batches", "seed", "batch_size", "dataset_len"),
             ("shuffle", "drop_last"),
