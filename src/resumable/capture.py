@@ -98,7 +98,9 @@ class _Encoder:
         return {"tensor": name, "device": str(t.device)}
 
     def value(self, v: Any, path: tuple[Any, ...]) -> Any:
-        # bool before int: bool is a subclass of int.
+        # np.generic first: np.float64 is a float subclass. bool before int: bool is an int.
+        if isinstance(v, np.generic):
+            return {"npscalar": v.dtype.str, "v": self.value(v.item(), path)}
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int):
@@ -114,10 +116,15 @@ class _Encoder:
                 raise UnsupportedStateError(
                     f"{_path_str(path)}: cannot checkpoint a NumPy array of Python objects"
                 )
-            node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path)
+            try:  # not ascontiguousarray: it turns a 0-d array into shape (1,)
+                as_tensor = torch.from_numpy(v if v.flags.c_contiguous else v.copy(order="C"))
+            except (TypeError, ValueError) as exc:
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: cannot checkpoint a NumPy array of dtype {v.dtype} "
+                    f"({exc}); convert it to a native-endian numeric or bool array"
+                ) from exc
+            node = self.tensor(as_tensor, path)
             return {"ndarray": node["tensor"]}
-        if isinstance(v, np.generic):
-            return {"npscalar": v.dtype.str, "v": self.value(v.item(), path)}
         if isinstance(v, torch.dtype):
             return {"dtype": str(v).removeprefix("torch.")}
         if isinstance(v, torch.device):
@@ -226,11 +233,11 @@ class _Decoder:
             return torch.device(self.map_location)
         try:
             dev = torch.device(recorded)
-        except (RuntimeError, TypeError):
+            if dev.type != "cpu":
+                torch.empty(0, device=dev)  # usable in this process? (backend, ordinal)
+        except Exception:  # e.g. saved on a GPU, restored on a CPU-only machine
             return torch.device("cpu")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            return torch.device("cpu")
-        return dev
+        return torch.device("cpu") if dev.type == "meta" else dev
 
     def value(self, node: Any) -> Any:
         if node is None or isinstance(node, (bool, int, float, str)):
@@ -265,11 +272,15 @@ class _Decoder:
             return self._get_tensor(node["ndarray"]).numpy()
         if "npscalar" in node:
             try:
-                return np.dtype(str(node["npscalar"])).type(self.value(node.get("v")))
-            except (TypeError, ValueError) as exc:
+                npdt, v = np.dtype(str(node["npscalar"])), self.value(node.get("v"))
+                kind = npdt.kind
+                if kind not in "biufSU" or (kind in "SU" and not isinstance(v, (str, bytes))):
+                    raise TypeError(f"NumPy scalars of kind {kind!r} are not stored")
+                return npdt.type(v)
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise CorruptCheckpointError(f"malformed NumPy scalar node: {node!r}") from exc
         if "dtype" in node:
-            dt = getattr(torch, str(node["dtype"]), None)
+            dt = _TORCH_DTYPES.get(str(node["dtype"]))  # never getattr: torch imports lazily
             if not isinstance(dt, torch.dtype):
                 raise CorruptCheckpointError(f"unknown dtype in tree: {node['dtype']!r}")
             return dt
@@ -284,12 +295,18 @@ class _Decoder:
             except ValueError as exc:
                 raise CorruptCheckpointError("malformed bytes node in tree") from exc
         if "size" in node:
-            return torch.Size([int(x) for x in _as_list(node["size"])])
+            dims = _as_list(node["size"])
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in dims):
+                raise CorruptCheckpointError(f"malformed torch.Size node: {str(node)[:80]}")
+            return torch.Size(dims)
         if "torch_generator" in node:
             return {"__torch_generator_state__": self._get_tensor(node["torch_generator"])}
         if "np_generator" in node:
             return {"__np_generator_state__": self.value(node["np_generator"])}
         raise CorruptCheckpointError(f"unknown tree node {sorted(node)!r}")
+
+
+_TORCH_DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 def _as_list(x: Any) -> list[Any]:
@@ -348,6 +365,12 @@ def restore(state: Mapping[str, Any], values: Mapping[Any, Any]) -> None:
     place when shape and dtype agree. Raises `StateMismatchError` when the checkpoint
     does not fit ``state`` (missing key, different structure or shapes).
     """
+    if not isinstance(values, Mapping):
+        raise CorruptCheckpointError(
+            f"the checkpoint's state tree holds a {type(values).__name__}, not a dict of entries"
+        )
+    if RNG_KEY in values:
+        check_rng_state(values[RNG_KEY])  # before any live object is touched
     missing = [k for k in state if k not in values]
     if missing:
         raise StateMismatchError(
@@ -429,6 +452,16 @@ def _generator_payload(value: Any, tag: str, path: tuple[Any, ...]) -> Any:
     if not isinstance(value, dict) or tag not in value:
         raise StateMismatchError(f"{_path_str(path)}: expected a generator state in the checkpoint")
     return value[tag]
+
+
+def check_rng_state(rng: Any) -> None:
+    """Raise `CorruptCheckpointError` if `set_rng_state` would refuse ``rng``; the
+    process-wide random streams are left as they were either way."""
+    saved = rng_state()
+    try:
+        set_rng_state(rng)
+    finally:
+        set_rng_state(saved)
 
 
 def set_rng_state(rng: Any) -> None:

@@ -25,11 +25,12 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from resumable.errors import CorruptCheckpointError
 from resumable.format import MANIFEST
 from resumable.storage.base import Storage
 
-_STEP_DIR = re.compile(r"^step-(\d{12,20})$")
-_STAGING = re.compile(r"^\.(tmp|trash)-step-(\d{12,20})\.(\d+)\.([0-9a-f]+)$")
+_STEP_DIR = re.compile(r"^step-([0-9]{12,20})\Z")
+_STAGING = re.compile(r"^\.(tmp|trash)-step-([0-9]{12,20})\.([0-9]+)\.([0-9a-f]+)\Z")
 
 
 def step_dir(step: int) -> str:
@@ -50,7 +51,13 @@ def list_committed(storage: Storage) -> list[int]:
     steps = []
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
-        if step is not None and storage.exists(f"{name}/{MANIFEST}"):
+        if step is None:
+            continue
+        try:
+            committed = storage.exists(f"{name}/{MANIFEST}")
+        except CorruptCheckpointError:
+            committed = True  # e.g. a symlink out of the root: listed, so the reader refuses it
+        if committed:
             steps.append(step)
     return sorted(steps)
 

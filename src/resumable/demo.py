@@ -10,6 +10,7 @@ optimizer tensor, so two runs print the same line only if they end bit-identical
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import time
 from collections.abc import Callable
@@ -140,3 +141,30 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
     line = f"final step={step} loss={extra['loss']:.6f} params_sha256={digest}"
     echo(line)
     return line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``resumable demo`` arguments."""
+    p.add_argument("--dir", required=True, help="checkpoint directory (resumes if it has any)")
+    p.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps")
+    p.add_argument("--seed", type=int, default=DemoConfig.seed, help="seed of model and data")
+    p.add_argument("--every", type=int, default=DemoConfig.every, help="persist every K steps")
+    p.add_argument("--workers", type=int, default=DemoConfig.workers, help="DataLoader workers")
+    p.add_argument("--log-every", type=int, default=DemoConfig.log_every, help="progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``resumable demo``: train (or resume) and print the final line."""
+    for name in ("steps", "every", "log_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    cfg = DemoConfig(
+        dir=args.dir,
+        steps=args.steps,
+        seed=args.seed,
+        every=args.every,
+        workers=args.workers,
+        log_every=args.log_every,
+    )
+    run_demo(cfg, echo=lambda line: print(line, flush=True))
+    return 0

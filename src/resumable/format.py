@@ -101,7 +101,7 @@ def check_relpath(path: Any) -> str:
     if not isinstance(path, str) or not path or len(path) > 1024:
         raise CorruptCheckpointError(f"invalid path {str(path)[:100]!r} in checkpoint")
     for part in path.split("/"):
-        if part in (".", "..") or not _SAFE_COMPONENT.match(part):
+        if part in (".", "..") or not _SAFE_COMPONENT.fullmatch(part):
             raise CorruptCheckpointError(
                 f"refusing path {path[:200]!r}: only relative names of letters, digits, "
                 "'_', '-' and '.' are allowed inside a checkpoint"
@@ -258,7 +258,7 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a resumable manifest")
     version = m.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
         raise CorruptCheckpointError(
             f"{where}: format version {version!r} is not supported by this resumable "
             f"(reads 1..{FORMAT_VERSION}); upgrade resumable to read it"
@@ -276,6 +276,8 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{where}: bad entry for file {fname!r}")
     for name, info in m["tensors"].items():
         _check_tensor_entry(name, info, m["files"], where)
+    if not m["ranks"]:
+        raise CorruptCheckpointError(f"{where}: manifest lists no rank")
     for r in m["ranks"]:
         if not isinstance(r, dict) or "tree" not in r:
             raise CorruptCheckpointError(f"{where}: malformed rank entry")

@@ -1,21 +1,35 @@
 """`Checkpointer`: the one object a training script talks to.
 
-It wires the layers: capture the state, snapshot it into the arena (the only blocking
-part), persist and commit it, apply retention, and record everything in the audit log.
-On ``restore()`` it finds the newest *valid* checkpoint, verifying before touching the
-live objects, and skips corrupt ones with a WARNING; it refuses to start over silently
-when checkpoints exist but none is valid.
+It wires the layers. A *memory snapshot* captures the state and copies it into a
+shared-memory slot (`snapshot.ShmArena`); that copy is the only part that blocks
+training. A *persist* hands a snapshot to the persist worker (`worker.PersistWorker`, a
+separate process by default), which writes, commits and applies retention in the
+background. Two cadences drive them (``memory_every``, ``persist_every``), and a
+persist reuses the memory snapshot of the same step instead of copying again.
+
+On ``restore()`` it finds the newest *valid* state across tiers: the shared-memory
+snapshot left by a crashed launch of this run (persisted right away if it is newer
+than storage) and the committed checkpoints, verifying before touching any live object.
+Corrupt checkpoints are skipped with a WARNING; if checkpoints exist and none is valid,
+it raises rather than starting over.
+
+Persist modes: ``"process"`` (default for local storage), ``"thread"`` (default for
+in-process backends such as ``memory://``), and ``"sync"``, which writes on the
+training thread and needs no shared memory (for machines with a tiny ``/dev/shm``).
+``RESUMABLE_PERSIST`` in the environment overrides the default.
 
 Threading contract: every public method is called from the training thread (the one
-that owns ``state``). Persistence is synchronous in this version: ``save`` returns after
-the commit is durable. Errors of a save are raised by that ``save``.
+that owns ``state``). A background failure is raised by the next ``save``,
+``maybe_save``, ``snapshot``, ``wait`` or ``close``: it is never swallowed.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -23,17 +37,26 @@ from typing import Any
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import RenameCommit, list_committed, parse_step_dir, step_dir
-from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from resumable.persist import PersistResult, write_checkpoint
+from resumable.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PersistError,
+)
+from resumable.format import _json_metrics, checksum
 from resumable.policy import Entry, Every, Keep
 from resumable.reader import CheckpointReader
-from resumable.snapshot import Arena
-from resumable.storage import Storage, open_storage
+from resumable.shm import run_key
+from resumable.snapshot import Arena, MemorySnapshot, ShmArena, Snapshot
+from resumable.storage import LocalStorage, Storage, open_storage
+from resumable.worker import JobRunner, PersistWorker
 
 log = logging.getLogger("resumable")
 
 PINS_DIR = "pins"
 DEFAULT_KEEP = Keep(last=3)
+PERSIST_MODES = ("auto", "process", "thread", "sync")
+_DEFAULT_MODE = "sync"
 
 
 class Checkpointer:
@@ -43,11 +66,17 @@ class Checkpointer:
         url: a local directory, ``file://`` URL or ``memory://name`` (tests).
         state: named objects with ``state_dict()``/``load_state_dict()``, plain
             containers of tensors and JSON values, or generators.
-        persist_every: when `maybe_save` saves (default every 100 steps).
+        memory_every: cadence of memory snapshots taken by `maybe_save` (default none).
+        persist_every: cadence of persists taken by `maybe_save` (default every 100 steps).
         keep: retention applied after each commit (default the 3 newest); ``None`` keeps all.
         map_location: device (or callable mapping a recorded device string to one) for
             tensors that are rebuilt rather than copied into existing ones.
         capture_rng: also capture Python, NumPy, torch CPU and CUDA random streams.
+        persist: ``"auto"``, ``"process"``, ``"thread"`` or ``"sync"`` (see module doc).
+        on_busy: when a persist is due while the previous one still runs: ``"skip"``
+            (default; logged, and the persist is taken as soon as the worker is free)
+            or ``"wait"``.
+        shm_dir: where the shared-memory slots live (default ``/dev/shm``).
     """
 
     def __init__(
@@ -55,96 +84,187 @@ class Checkpointer:
         url: str | os.PathLike[str] | Storage,
         state: Mapping[str, Any],
         *,
+        memory_every: Every | None = None,
         persist_every: Every | None = None,
         keep: Keep | None = DEFAULT_KEEP,
         map_location: Any = None,
         capture_rng: bool = True,
+        persist: str = "auto",
+        on_busy: str = "skip",
+        shm_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
+        if persist not in PERSIST_MODES:
+            raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
+        if on_busy not in ("skip", "wait"):
+            raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self.storage = open_storage(url)
         self.url = self.storage.url
         self.state = state
+        self.memory_every = memory_every
         self.persist_every = persist_every if persist_every is not None else Every(steps=100)
         self.keep = keep
         self.map_location = map_location
         self.capture_rng = capture_rng
+        self.on_busy = on_busy
+        if persist == "auto":
+            persist = os.environ.get("RESUMABLE_PERSIST", "auto")
+            if persist not in PERSIST_MODES:
+                raise ValueError(
+                    f"RESUMABLE_PERSIST must be one of {PERSIST_MODES}, got {persist!r}"
+                )
+        if persist == "auto":
+            persist = _DEFAULT_MODE or (
+                "process" if isinstance(self.storage, LocalStorage) else "thread"
+            )
+        self.persist_mode = persist
         self.audit = AuditLog(self.storage)
         self._committer = RenameCommit(self.storage)
-        self._arena = Arena()
-        self._last_step: int | None = None
-        self._last_time = time.monotonic()
-        self._metrics_cache: dict[int, Mapping[str, Any]] = {}
+        self._runner = JobRunner(self.storage, {"keep": _keep_json(keep), "rank": 0})
+        self._shm: ShmArena | None = None
+        self._arena: Arena | None = None
+        if persist != "sync" or memory_every is not None:
+            from pathlib import Path
+
+            self._shm = ShmArena(
+                run_key(f"{os.uname().nodename}:{self.url}"),
+                directory=Path(shm_dir) if shm_dir is not None else None,
+            )
+        else:
+            self._arena = Arena()
+        self._worker: PersistWorker | None = None
+        self._jobs: dict[int, tuple[int, int]] = {}  # job id -> (slot index, step)
+        self._errors: list[str] = []
+        self._adopted = False
+        self._last_persist: int | None = None
+        self._last_memory: int | None = None
+        self._persist_clock = time.monotonic()
+        self._memory_clock = time.monotonic()
+        self._committed: int | None = None
+        self._owed = False
         self._closed = False
-        self.last_result: PersistResult | None = None
+        self.last_snapshot_s: float | None = None
         self._remove_stale()
+        self._atexit = _register_atexit(self)
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> PersistResult:
-        """Checkpoint the state as of ``step`` now, and commit it.
+    def snapshot(self, step: int, metrics: Mapping[str, Any] | None = None) -> MemorySnapshot:
+        """Take a memory snapshot of the state as of ``step`` (no persist).
 
-        On return the checkpoint is committed and durable. Raises on failure; nothing
-        committed earlier is lost.
+        Returns once the copy is complete: afterwards the trainer may change every
+        tensor. Needs the memory tier (any persist mode but ``"sync"``, or
+        ``memory_every`` given).
         """
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _check_step(step)
+        self._collect()
+        if self._shm is None:
+            raise CheckpointError(
+                "memory snapshots need the memory tier; create the Checkpointer with "
+                "memory_every=... or a persist mode other than 'sync'"
+            )
+        self._adopt()
         t0 = time.perf_counter()
         captured = capture_mod.capture(self.state, include_rng=self.capture_rng)
-        snap = self._arena.snapshot(captured.tensors)
-        blocked = time.perf_counter() - t0
-        self.audit.record("save_start", step=step, bytes=snap.nbytes, snapshot_s=round(blocked, 6))
-        try:
-            result = write_checkpoint(
-                self.storage,
-                self._committer,
-                step=step,
-                snapshot=snap,
-                tree=captured.tree,
-                metrics=metrics,
+        meta = {
+            "step": step,
+            "tree": captured.tree,
+            "metrics": _json_metrics(metrics or {}),
+            "created": time.time(),
+        }
+        snap = self._shm.snapshot(step, captured.tensors, meta)
+        self.last_snapshot_s = time.perf_counter() - t0
+        self._last_memory = step
+        self._memory_clock = time.monotonic()
+        return snap
+
+    def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Checkpoint the state as of ``step`` now: snapshot it (or reuse the memory
+        snapshot of this step) and persist it.
+
+        In ``"sync"`` mode it returns after the commit is durable. Otherwise it returns
+        after the snapshot copy, and the persist commits in the background (`wait`
+        blocks until it did). If the previous persist still runs and ``on_busy`` is
+        ``"skip"``, only the memory snapshot is taken, the skip is logged, the persist
+        is taken as soon as the worker is free, and this returns False.
+        """
+        self._check_open()
+        _check_step(step)
+        self._collect()
+        if self.persist_mode == "sync" and self._shm is None:
+            return self._save_sync_arena(step, metrics)
+        busy = self._worker is not None and self._worker.busy
+        if busy and self.on_busy == "wait":
+            self._wait_worker()
+            busy = False
+        newest = self._shm.newest if self._shm is not None else None
+        if (
+            newest is None
+            or newest.step != step
+            or (self._shm and newest.index in self._shm.locked)
+        ):
+            newest = self.snapshot(step, metrics)
+        if busy:
+            running = sorted(s for _, s in self._jobs.values())
+            self.audit.record(
+                "skip", step=step, reason=f"persist of step(s) {running} still running"
             )
-        except BaseException as exc:
-            self.audit.record("failure", step=step, error=repr(exc)[:500])
-            log.error("saving step %d to %s failed: %s", step, self.url, exc)
-            raise
-        self.audit.record(
-            "commit",
-            step=step,
-            bytes=result.nbytes,
-            duration_s=round(result.seconds + blocked, 6),
-            snapshot_s=round(blocked, 6),
-            replaced=result.replaced,
-            metrics=result.manifest["metrics"],
-        )
-        self._metrics_cache[step] = result.manifest["metrics"]
-        self._last_step = step
-        self._last_time = time.monotonic()
-        self.last_result = result
-        self._apply_retention(just_written=step)
-        return result
+            log.info("persist of step %d deferred: step(s) %s still persisting", step, running)
+            self._owed = True
+            return False
+        self._persist_snapshot(newest)
+        return True
 
     def maybe_save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
-        """Save if the ``persist_every`` policy says so; returns whether it saved."""
-        self._check_open()
-        due = self.persist_every.due(
-            step, last_step=self._last_step, since_last_s=time.monotonic() - self._last_time
-        )
-        if due:
-            self.save(step, metrics)
-        return due
+        """Persist or snapshot if a policy says so; returns whether a persist started.
 
-    def wait(self) -> None:
-        """Block until every pending persist committed, or raise its error. Saves are
-        synchronous in this version, so there is never anything pending."""
+        Cheap when nothing is due. A persist deferred because the worker was busy is
+        taken at the first call that finds the worker free.
+        """
         self._check_open()
+        self._collect()
+        now = time.monotonic()
+        worker_free = self._worker is None or not self._worker.busy
+        if (self._owed and worker_free) or self.persist_every.due(
+            step, last_step=self._last_persist, since_last_s=now - self._persist_clock
+        ):
+            return self.save(step, metrics)
+        if self.memory_every is not None and self.memory_every.due(
+            step, last_step=self._last_memory, since_last_s=now - self._memory_clock
+        ):
+            self.snapshot(step, metrics)
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending persist committed; raise `PersistError` if one failed."""
+        self._check_open()
+        self._wait_worker(timeout)
 
     def close(self) -> None:
-        """Wait for pending work and release resources. Idempotent."""
+        """Persist the newest memory snapshot if it is newer than the last commit, wait
+        for pending persists, stop the worker and remove this run's shared memory.
+
+        Raises `PersistError` if a persist failed; the shared-memory snapshot is then
+        kept so the next launch can recover it. Idempotent.
+        """
         if self._closed:
             return
-        self._closed = True
-        self.storage.close()
+        ok = False
+        try:
+            self._flush()
+            ok = True
+        finally:
+            self._closed = True
+            _unregister_atexit(self._atexit)
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
+            if self._shm is not None:
+                self._shm.close(unlink=ok)
+            self._runner.close()
+            self.storage.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -155,7 +275,14 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        # Training raised: make the newest snapshot durable, but never mask the error.
+        try:
+            self.close()
+        except Exception as close_exc:
+            log.error("while handling %r, persisting the last snapshot failed: %s", exc, close_exc)
 
     # ------------------------------------------------------------------ restoring
 
@@ -163,15 +290,75 @@ class Checkpointer:
         """Steps of committed checkpoints, ascending (validity not checked)."""
         return list_committed(self.storage)
 
-    def restore(self, step: int | None = None, *, map_location: Any = None) -> int:
-        """Load the newest valid checkpoint (or ``step``) into ``state``.
+    def restore(
+        self, step: int | None = None, *, map_location: Any = None, tier: str = "auto"
+    ) -> int:
+        """Load the newest valid state (or ``step``) into ``state``; returns its step.
 
-        Returns the restored step, or 0 when there is no checkpoint at all. Corrupt
-        checkpoints are skipped with a WARNING; if checkpoints exist and none is valid,
-        raises `CorruptCheckpointError` rather than starting over.
+        ``tier`` is ``"auto"`` (newest across shared memory and storage), ``"memory"``
+        or ``"storage"``. Returns 0 when there is nothing to restore. A memory snapshot
+        newer than every committed checkpoint is persisted right after it is restored.
+        Corrupt checkpoints are skipped with a WARNING; if checkpoints exist and none is
+        valid, raises `CorruptCheckpointError` rather than starting over.
         """
         self._check_open()
-        steps = self.steps()
+        if tier not in ("auto", "memory", "storage"):
+            raise ValueError(f"tier must be 'auto', 'memory' or 'storage', got {tier!r}")
+        self._collect()
+        loc = map_location or self.map_location
+        steps = self.steps() if tier != "memory" else []
+        self._committed = steps[-1] if steps else None
+        if tier != "storage" and self._shm is not None:
+            self._adopt()
+            newest = self._shm.newest
+            if (
+                newest is not None
+                and (step is None or step == newest.step)
+                and (tier == "memory" or not steps or newest.step >= steps[-1] or step is not None)
+            ):
+                if self._restore_memory(newest, loc):
+                    if self._committed is None or newest.step > self._committed:
+                        log.info("persisting step %d recovered from shared memory", newest.step)
+                        self._persist_snapshot(newest)
+                    return newest.step
+            if tier == "memory":
+                if step is not None:
+                    raise NoCheckpointError(f"no memory snapshot of step {step} for {self.url}")
+                return 0
+        return self._restore_storage(steps, step, loc)
+
+    def _restore_memory(self, snap: MemorySnapshot, loc: Any) -> bool:
+        assert self._shm is not None
+        t0 = time.perf_counter()
+        content = self._shm.content(snap.index)
+        try:
+            if content is None or content.seq != snap.seq:
+                raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
+            views = self._shm.tensors(snap.index, content)
+            if content.checksums is not None:
+                data = Snapshot(content.slots, views_base(self._shm, snap.index)).memory()
+                for s, want in zip(content.slots, content.checksums):
+                    if checksum(data[s.begin : s.end]) != want:
+                        raise CorruptCheckpointError(f"checksum mismatch in tensor {s.name!r}")
+            # Clone out of shared memory: the slot is rewritten by later snapshots.
+            tensors = {k: v.clone() for k, v in views.items()}
+            values = capture_mod.decode(content.meta["tree"], tensors, loc)
+            capture_mod.restore(self.state, values)
+        except CorruptCheckpointError as exc:
+            log.warning("skipping the shared-memory snapshot of step %d: %s", snap.step, exc)
+            self.audit.record("skip", step=snap.step, tier="memory", reason=str(exc)[:500])
+            return False
+        self.audit.record(
+            "restore",
+            step=snap.step,
+            tier="memory",
+            bytes=snap.nbytes,
+            duration_s=round(time.perf_counter() - t0, 6),
+        )
+        self._mark_restored(snap.step)
+        return True
+
+    def _restore_storage(self, steps: list[int], step: int | None, loc: Any) -> int:
         if step is not None:
             if step not in steps:
                 raise NoCheckpointError(
@@ -191,7 +378,9 @@ class Checkpointer:
                 reader = CheckpointReader(self.storage, s)
                 reader.check_files()
                 tensors = reader.tensors(verify=True)
-                values = capture_mod.decode(reader.tree, tensors, map_location or self.map_location)
+                values = capture_mod.decode(reader.tree, tensors, loc)
+                # Raises CorruptCheckpointError only before touching a live object.
+                capture_mod.restore(self.state, values)
             except CorruptCheckpointError as exc:
                 log.warning("skipping corrupt checkpoint %s: %s", step_dir(s), exc)
                 self.audit.record("skip", step=s, reason=str(exc)[:500])
@@ -199,19 +388,25 @@ class Checkpointer:
                 if step is not None:
                     raise
                 continue
-            capture_mod.restore(self.state, values)
             nbytes = sum(f["size"] for f in reader.manifest["files"].values())
             self.audit.record(
-                "restore", step=s, bytes=nbytes, duration_s=round(time.perf_counter() - t0, 6)
+                "restore",
+                step=s,
+                tier="storage",
+                bytes=nbytes,
+                duration_s=round(time.perf_counter() - t0, 6),
             )
-            self._last_step = s
-            self._last_time = time.monotonic()
+            self._mark_restored(s)
             return s
         raise CorruptCheckpointError(
             f"{len(candidates)} checkpoint(s) in {self.url} and none is valid; refusing to "
             "start over silently. Inspect them with `resumable verify`, or move the "
             "directory away to start fresh. Problems: " + "; ".join(problems)
         )
+
+    def _mark_restored(self, step: int) -> None:
+        self._last_persist = self._last_memory = step
+        self._persist_clock = self._memory_clock = time.monotonic()
 
     # ------------------------------------------------------------------ pinning
 
@@ -232,6 +427,134 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError(f"this Checkpointer for {self.url} is closed")
 
+    def _adopt(self) -> None:
+        """Once per Checkpointer: take over the memory tier left by a dead launch."""
+        if self._adopted or self._shm is None:
+            return
+        self._adopted = True
+        found = self._shm.adopt()
+        if found:
+            log.info(
+                "found a shared-memory snapshot of step %d from an earlier launch", found[0][1].step
+            )
+
+    def _save_sync_arena(self, step: int, metrics: Mapping[str, Any] | None) -> bool:
+        assert self._arena is not None
+        t0 = time.perf_counter()
+        captured = capture_mod.capture(self.state, include_rng=self.capture_rng)
+        snap = self._arena.snapshot(captured.tensors)
+        self.last_snapshot_s = time.perf_counter() - t0
+        self._persist_now(snap, step, captured.tree, _json_metrics(metrics or {}))
+        return True
+
+    def _persist_now(self, snap: Snapshot, step: int, tree: Any, metrics: Any) -> None:
+        """Persist on the training thread (sync mode)."""
+        self.audit.record(
+            "save_start", step=step, bytes=snap.nbytes, snapshot_s=self.last_snapshot_s
+        )
+        try:
+            self._runner.persist_snapshot(snap, step=step, tree=tree, metrics=metrics)
+        except BaseException as exc:
+            self.audit.record("failure", step=step, error=repr(exc)[:500])
+            log.error("saving step %d to %s failed: %s", step, self.url, exc)
+            raise
+        self._committed = max(step, self._committed or step)
+        self._last_persist = step
+        self._persist_clock = time.monotonic()
+
+    def _persist_snapshot(self, snap: MemorySnapshot) -> None:
+        """Persist a published memory snapshot: in the background, or now in sync mode."""
+        assert self._shm is not None
+        self._owed = False
+        if self.persist_mode == "sync":
+            content = self._shm.content(snap.index)
+            if content is None or content.seq != snap.seq:
+                raise CheckpointError(f"memory snapshot of step {snap.step} is gone")
+            slot = self._shm.slots[snap.index]
+            assert slot is not None
+            self._persist_now(
+                Snapshot(content.slots, slot.data_tensor()),
+                snap.step,
+                content.meta["tree"],
+                content.meta.get("metrics", {}),
+            )
+            return
+        worker = self._ensure_worker()
+        self.audit.record(
+            "save_start", step=snap.step, bytes=snap.nbytes, snapshot_s=self.last_snapshot_s
+        )
+        self._shm.locked.add(snap.index)
+        job = worker.submit(
+            {
+                "kind": "persist",
+                "slot": str(self._shm.paths[snap.index]),
+                "seq": snap.seq,
+                "step": snap.step,
+            }
+        )
+        self._jobs[job["id"]] = (snap.index, snap.step)
+        self._last_persist = snap.step
+        self._persist_clock = time.monotonic()
+
+    def _ensure_worker(self) -> PersistWorker:
+        if self._worker is None or not self._worker.alive:
+            self._worker = PersistWorker(
+                url=self.url,
+                mode=self.persist_mode,
+                keep=self.keep,
+                storage=self.storage if self.persist_mode == "thread" else None,
+            )
+        return self._worker
+
+    def _collect(self, replies: list[dict[str, Any]] | None = None) -> None:
+        """Take in finished jobs; raise the first background failure."""
+        if self._worker is not None and replies is None:
+            try:
+                replies = self._worker.poll()
+            except PersistError as exc:
+                self._fail_all_jobs()
+                self._worker = None
+                raise exc
+        for r in replies or []:
+            index, step = self._jobs.pop(r.get("id", -1), (None, r.get("step")))
+            if index is not None and self._shm is not None:
+                self._shm.locked.discard(index)
+            if r.get("kind") == "committed":
+                self._committed = max(int(r["step"]), self._committed or 0)
+            elif r.get("kind") == "failed":
+                self._errors.append(
+                    f"persisting step {step} to {self.url} failed: {r.get('error')}"
+                )
+        if self._errors:
+            msg = self._errors.pop(0)
+            self._errors.clear()
+            raise PersistError(msg)
+
+    def _fail_all_jobs(self) -> None:
+        if self._shm is not None:
+            self._shm.locked.clear()
+        self._jobs.clear()
+
+    def _wait_worker(self, timeout: float | None = None) -> None:
+        if self._worker is None:
+            self._collect([])
+            return
+        try:
+            replies = self._worker.wait_all(timeout)
+        except PersistError:
+            self._fail_all_jobs()
+            self._worker = None
+            raise
+        self._collect(replies)
+
+    def _flush(self) -> None:
+        """Make the newest memory snapshot durable if it is newer than the last commit."""
+        self._wait_worker()
+        newest = self._shm.newest if self._shm is not None else None
+        if newest is not None and (self._committed is None or newest.step > self._committed):
+            self._persist_snapshot(newest)
+            self._wait_worker()
+
     def _remove_stale(self) -> None:
         for name in self._committer.stale():
             try:
@@ -242,16 +565,45 @@ class Checkpointer:
             log.info("removed stale staging directory %s", name)
             self.audit.record("stale_removed", name=name)
 
-    def _apply_retention(self, *, just_written: int) -> None:
-        if self.keep is None or self.keep.keeps_all:
-            return
-        apply_retention(
-            self.storage,
-            self.keep,
-            self.audit,
-            just_written=just_written,
-            cache=self._metrics_cache,
-        )
+
+def views_base(arena: ShmArena, index: int) -> Any:
+    slot = arena.slots[index]
+    assert slot is not None
+    return slot.data_tensor()
+
+
+def _check_step(step: Any) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
+def _keep_json(keep: Keep | None) -> Any:
+    from resumable.worker import keep_to_json
+
+    return keep_to_json(keep)
+
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _register_atexit(ckpt: Checkpointer) -> Checkpointer:
+    _live.add(ckpt)
+    return ckpt
+
+
+def _unregister_atexit(ckpt: Checkpointer) -> None:
+    _live.discard(ckpt)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """At interpreter exit (normal, or after an uncaught exception), make every open
+    Checkpointer's newest snapshot durable and release its resources."""
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except Exception as exc:
+            log.error("closing the checkpointer of %s at exit failed: %s", ckpt.url, exc)
 
 
 def pinned_steps(storage: Storage) -> set[int]:
@@ -271,8 +623,9 @@ def apply_retention(
 
     Only ``step-N`` directories whose manifest parses as a resumable manifest are
     candidates (anything else was not written by resumable, or is damaged and left for
-    an operator). The checkpoint just written and pinned ones are never deleted, so at
-    least one committed checkpoint always remains.
+    an operator). The checkpoint just written and pinned ones are never deleted, and
+    nothing is deleted unless one of the retained checkpoints passes a full
+    verification (checksums included), so retention never leaves zero valid ones.
     """
     cache = cache if cache is not None else {}
     entries = []
@@ -288,8 +641,17 @@ def apply_retention(
     if just_written is not None:
         pinned.add(just_written)
     doomed = keep.to_delete(entries, pinned)
-    if dry_run:
+    if dry_run or not doomed:
         return doomed
+    survivors = sorted({e.step for e in entries} - set(doomed))
+    if not any(_fully_valid(storage, s) for s in reversed(survivors)):
+        log.warning(
+            "retention deletes nothing in %s: none of the checkpoints it would keep %s verifies",
+            storage.url,
+            survivors,
+        )
+        audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
+        return []
     committer = RenameCommit(storage)
     for s in doomed:
         committer.delete(s)
@@ -297,3 +659,12 @@ def apply_retention(
         audit.record("delete", step=s, reason="retention")
         log.info("retention deleted %s", step_dir(s))
     return doomed
+
+
+def _fully_valid(storage: Storage, step: int) -> bool:
+    try:
+        CheckpointReader(storage, step).verify()
+    except CheckpointError as exc:
+        log.warning("checkpoint %s does not verify: %s", step_dir(step), exc)
+        return False
+    return True

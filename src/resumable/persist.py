@@ -13,14 +13,13 @@ write their shards into one checkpoint directory side by side.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from resumable.commit import RenameCommit
 from resumable.format import (
     CHECKSUM,
-    MANIFEST,
     build_manifest,
     checksum,
     dtype_name,
@@ -52,6 +51,7 @@ def write_checkpoint(
     snapshot: Snapshot,
     tree: Any,
     metrics: Mapping[str, Any] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> PersistResult:
     """Write ``snapshot`` and ``tree`` as the checkpoint of ``step`` and commit it.
 
@@ -86,6 +86,8 @@ def write_checkpoint(
             tensors=tensors,
         )
         blob = encode_manifest(manifest)
+        if before_commit is not None:
+            before_commit()
         replaced = committer.commit(attempt, blob)
     except BaseException:
         try:
@@ -94,6 +96,3 @@ def write_checkpoint(
             pass  # the original error is the one that matters; stale() cleans up later
         raise
     return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
-
-
-__all__ = ["MANIFEST", "PersistResult", "rank_file", "write_checkpoint"]

@@ -21,6 +21,8 @@ from resumable.errors import CorruptCheckpointError
 from resumable.format import (
     CHECKSUM,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_SAFETENSORS_HEADER,
     byte_view,
     checksum,
     decode_manifest,
@@ -43,8 +45,14 @@ class CheckpointReader:
     @property
     def manifest(self) -> dict[str, Any]:
         if self._manifest is None:
+            path = f"{self.dir}/{MANIFEST}"
             try:
-                raw = self.storage.read(f"{self.dir}/{MANIFEST}")
+                size = self.storage.size(path)
+                if size > MAX_MANIFEST_BYTES:  # refuse before allocating for it
+                    raise CorruptCheckpointError(
+                        f"{self.where}: manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}"
+                    )
+                raw = self.storage.read(path)
             except FileNotFoundError as exc:
                 raise CorruptCheckpointError(f"{self.where}: manifest is missing") from exc
             m = decode_manifest(raw, where=self.where)
@@ -80,7 +88,7 @@ class CheckpointReader:
                 )
             head = self.storage.read_range(path, 0, min(actual, 8))
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or 8 + n > actual:
+            if n < 0 or 8 + n > actual or n > MAX_SAFETENSORS_HEADER:
                 raise CorruptCheckpointError(f"{self.where}: {fname} is not a safetensors file")
             start, header = parse_safetensors_header(
                 head + self.storage.read_range(path, 8, n), actual
@@ -92,7 +100,8 @@ class CheckpointReader:
                     not isinstance(h, dict)
                     or h.get("dtype") != info["dtype"]
                     or h.get("shape") != info["shape"]
-                    or [start + o for o in h.get("data_offsets", [-1, -1])] != info["offsets"]
+                    or not _int_pair(h.get("data_offsets"))
+                    or [start + o for o in h["data_offsets"]] != info["offsets"]
                 ):
                     raise CorruptCheckpointError(
                         f"{self.where}: {fname}'s safetensors header disagrees with the "
@@ -168,6 +177,14 @@ class CheckpointReader:
         tensors = self.tensors()
         decode(self.tree, tensors)
         return sum(f["size"] for f in self.manifest["files"].values())
+
+
+def _int_pair(x: Any) -> bool:
+    return (
+        isinstance(x, list)
+        and len(x) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in x)
+    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -9,16 +9,29 @@ the first ``optimizer.step()``). Pinned when any source tensor lives on CUDA.
 
 This is the only part of a save that blocks training: once `Arena.snapshot` returns,
 the trainer may mutate every tensor and the snapshot stays as it was.
+
+`ShmArena` is the memory tier: the same layout in two shared-memory slots
+(`resumable.shm`), so a persist worker process can write one slot out while the
+trainer snapshots into the other, and the newest complete snapshot outlives a crash
+of the training process. Large copies are split across a small thread pool.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from resumable.errors import CheckpointError
 from resumable.format import TensorSlot, byte_view, plan_layout
+from resumable.shm import SHM_DIR, ShmSlot, SlotContent, _pid_alive, layout_meta, slot_paths
 
 
 @dataclass
@@ -74,3 +87,205 @@ class Arena:
         if on_cuda:
             torch.cuda.synchronize()
         return Snapshot(self._slots, buf)
+
+
+# --------------------------------------------------------------------------- memory tier
+
+_PARALLEL_MIN_BYTES = 32 << 20
+_CHUNK_BYTES = 16 << 20
+
+
+def copy_into(
+    buf: torch.Tensor,
+    slots: list[TensorSlot],
+    tensors: Mapping[str, torch.Tensor],
+    pool: ThreadPoolExecutor | None,
+) -> None:
+    """Copy every tensor into its slot of ``buf``. Large states are split into chunks of
+    about 16 MiB copied by ``pool``'s threads (``copy_`` releases the GIL); CUDA sources
+    are copied with ``non_blocking`` and synchronised once at the end."""
+    on_cuda = any(t.is_cuda for t in tensors.values())
+    total = slots[-1].end if slots else 0
+    if pool is None or on_cuda or total < _PARALLEL_MIN_BYTES:
+        with torch.no_grad():
+            for slot in slots:
+                _view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
+        if on_cuda:
+            torch.cuda.synchronize()
+        return
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for slot in slots:
+        dst, src = _view(buf, slot), tensors[slot.name]
+        if src.is_contiguous() and slot.nbytes > _CHUNK_BYTES and src.dim() > 0:
+            flat_d, flat_s = dst.view(-1), src.view(-1)
+            step = max(1, _CHUNK_BYTES // max(1, src.element_size()))
+            jobs.extend(
+                (flat_d[i : i + step], flat_s[i : i + step]) for i in range(0, flat_s.numel(), step)
+            )
+        else:
+            jobs.append((dst, src))
+
+    def run(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for d, s in pairs:
+                d.copy_(s)
+
+    n = pool._max_workers
+    buckets: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for d, s in sorted(jobs, key=lambda ds: -ds[1].numel() * ds[1].element_size()):
+        i = loads.index(min(loads))
+        buckets[i].append((d, s))
+        loads[i] += s.numel() * s.element_size()
+    for f in [pool.submit(run, b) for b in buckets if b]:
+        f.result()
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """A published snapshot in slot ``index`` of a `ShmArena`."""
+
+    index: int
+    seq: int
+    step: int
+    nbytes: int
+
+
+class ShmArena:
+    """Two shared-memory slots (double buffer) for one run and rank.
+
+    The trainer writes snapshots; the persist worker reads the slots it was handed
+    (``locked``). A snapshot goes to a slot that is neither locked nor the newest
+    complete one when possible, so a complete snapshot always survives a kill during
+    the next copy. Used from the training thread only.
+    """
+
+    def __init__(self, key: str, *, rank: int = 0, directory: Path | None = None) -> None:
+        self.directory = directory or SHM_DIR
+        self.paths = slot_paths(key, rank, self.directory)
+        self.slots: list[ShmSlot | None] = [None, None]
+        self.locked: set[int] = set()
+        self.newest: MemorySnapshot | None = None
+        threads = min(4, os.cpu_count() or 1)
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="resumable-copy")
+            if threads > 1
+            else None
+        )
+        self.allocations = 0
+
+    # ---------------------------------------------------------------- adoption
+
+    def adopt(self) -> list[tuple[int, SlotContent]]:
+        """Attach slot files left by an earlier launch of this run; returns the complete
+        snapshots found (index, content), newest first. Raises `CheckpointError` if a
+        live process other than this one owns them."""
+        found = []
+        for i, path in enumerate(self.paths):
+            if self.slots[i] is not None or not path.exists():
+                continue
+            try:
+                slot = ShmSlot.attach(path)
+            except (OSError, CheckpointError, ValueError):
+                path.unlink(missing_ok=True)
+                continue
+            c = slot.control()
+            if c.owner_pid != os.getpid() and _pid_alive(c.owner_pid):
+                slot.close()
+                raise CheckpointError(
+                    f"the shared-memory snapshots of this run ({path}) belong to the running "
+                    f"process {c.owner_pid}; two trainers cannot share one checkpoint "
+                    "directory. Stop the other one or use another directory"
+                )
+            _wait_for_exit(c.worker_pid, timeout=60.0)
+            slot._update(owner_pid=os.getpid(), worker_pid=0)
+            self.slots[i] = slot
+            content = slot.read()
+            if content is not None:
+                found.append((i, content))
+        found.sort(key=lambda ic: -ic[1].step)
+        if found and self.newest is None:
+            i, content = found[0]
+            self.newest = MemorySnapshot(i, content.seq, content.step, _nbytes(content.slots))
+        return found
+
+    # ---------------------------------------------------------------- snapshots
+
+    def snapshot(
+        self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]
+    ) -> MemorySnapshot:
+        """Copy ``tensors`` into a free slot and publish it with ``meta`` (which gets the
+        layout added). Returns after the copy is complete. Raises `CheckpointError` if
+        both slots are locked by the persist worker."""
+        layout = plan_layout(tensors)
+        meta = {**meta, "layout": layout_meta(layout)}
+        blob_len = len(json.dumps(meta, separators=(",", ":")))
+        nbytes = layout[-1].end if layout else 0
+        index = self._choose()
+        slot = self.slots[index]
+        if slot is None or not slot.fits(blob_len, len(layout), nbytes):
+            slot = self._allocate(index, blob_len, len(layout), nbytes)
+        slot.begin_write()
+        copy_into(slot.data_tensor(), layout, tensors, self._pool)
+        seq = slot.finish_write(step=step, meta=meta, data_len=nbytes)
+        self.newest = MemorySnapshot(index, seq, step, nbytes)
+        return self.newest
+
+    def _choose(self) -> int:
+        free = [i for i in (0, 1) if i not in self.locked]
+        if not free:
+            raise CheckpointError("both snapshot slots are being persisted")
+        if self.newest is not None and len(free) == 2:
+            return 1 - self.newest.index
+        return free[0]
+
+    def _allocate(self, index: int, meta_len: int, n_tensors: int, nbytes: int) -> ShmSlot:
+        old = self.slots[index]
+        if old is not None:
+            old.close()
+        slot = ShmSlot.create(
+            self.paths[index],
+            meta_cap=meta_len + meta_len // 4 + 65536,
+            sums_cap=16 * n_tensors + 4096,
+            data_cap=nbytes,
+        )
+        self.slots[index] = slot
+        if self.newest is not None and self.newest.index == index:
+            self.newest = None
+        self.allocations += 1
+        return slot
+
+    def content(self, index: int) -> SlotContent | None:
+        slot = self.slots[index]
+        return slot.read() if slot is not None else None
+
+    def tensors(self, index: int, content: SlotContent) -> dict[str, torch.Tensor]:
+        """Views of a slot's tensors (valid until the slot is rewritten: clone them)."""
+        slot = self.slots[index]
+        assert slot is not None
+        data = slot.data_tensor()
+        return {s.name: _view(data, s) for s in content.slots}
+
+    def close(self, *, unlink: bool) -> None:
+        for i, slot in enumerate(self.slots):
+            if slot is not None:
+                if unlink:
+                    slot.unlink()
+                else:
+                    slot.close()
+                self.slots[i] = None
+        self.newest = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _nbytes(slots: list[TensorSlot]) -> int:
+    return slots[-1].end if slots else 0
+
+
+def _wait_for_exit(pid: int, *, timeout: float) -> None:
+    """Wait (bounded) for a persist worker of a dead trainer to finish its last commit."""
+    deadline = time.monotonic() + timeout
+    while pid > 0 and _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -52,7 +52,7 @@ class LocalStorage(Storage):
         return full
 
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
-        full = self._path(path)
+        full = self._path(check_relpath(path))
         written = 0
         try:
             full.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ class LocalStorage(Storage):
         return written
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        full = self._path(path, must_exist=True)
+        full = self._path(check_relpath(path), must_exist=True)
         try:
             fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
@@ -97,7 +97,7 @@ class LocalStorage(Storage):
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Read ``len(out)`` bytes at ``offset`` straight into ``out`` (no extra copy)."""
-        full = self._path(path, must_exist=True)
+        full = self._path(check_relpath(path), must_exist=True)
         try:
             fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
@@ -115,7 +115,7 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def size(self, path: str) -> int:
-        full = self._path(path, must_exist=True)
+        full = self._path(check_relpath(path), must_exist=True)
         try:
             return full.stat().st_size
         except OSError as exc:
@@ -148,7 +148,7 @@ class LocalStorage(Storage):
             raise _storage_error("delete", full, exc) from exc
 
     def append(self, path: str, data: bytes) -> None:
-        full = self._path(path)
+        full = self._path(check_relpath(path))
         try:
             full.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)

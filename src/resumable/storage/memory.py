@@ -75,5 +75,7 @@ class MemoryStorage(Storage):
         with self._lock:
             if any(p.startswith(dp) for p in self.files):
                 raise StorageError(errno.EEXIST, f"cannot rename onto {dst}: it exists")
+            if not any(p.startswith(sp) for p in self.files):
+                raise StorageError(errno.ENOENT, f"cannot rename {src}: it does not exist")
             for p in [p for p in self.files if p.startswith(sp)]:
                 self.files[dp + p[len(sp) :]] = self.files.pop(p)

@@ -1,0 +1,674 @@
+"""The ``resumable`` command: list, inspect, verify, export and prune checkpoints.
+
+Every subcommand goes through the same library calls a training job uses (storage by
+URL, `CheckpointReader`, retention), so what the command says about a checkpoint is
+what ``Checkpointer.restore`` would find. Output is a `rich` table or tree for people
+and ``--json`` for programs; rich drops colour and box styling when stdout is not a
+terminal.
+
+Errors the operator can act on (a `CheckpointError`, a bad path, a bad value) end as
+one line ``resumable: error: <message>`` on stderr and exit status 2; ``verify`` exits
+1 when it found a corrupt checkpoint. ``RESUMABLE_DEBUG=1`` re-raises with the
+traceback instead.
+
+Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` and add a
+`Command` to `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from resumable import __version__
+from resumable.audit import AuditLog
+from resumable.capture import decode, iter_tensor_refs, subtree
+from resumable.commit import (
+    RenameCommit,
+    list_committed,
+    list_uncommitted,
+    parse_step_dir,
+    step_dir,
+)
+from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from resumable.manager import apply_retention, pinned_steps
+from resumable.policy import Keep
+from resumable.reader import CheckpointReader
+from resumable.storage import LocalStorage, Storage, open_storage
+
+PROG = "resumable"
+DEBUG_ENV = "RESUMABLE_DEBUG"
+_STAGING_PREFIX = ".tmp-"
+_INLINE_LIMIT = 120
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``add_arguments`` fills its parser, ``run`` returns the exit status."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _console() -> Console:
+    out = sys.stdout
+    tty = bool(getattr(out, "isatty", lambda: False)())
+    return Console(file=out, highlight=False, soft_wrap=True, width=None if tty else 1000)
+
+
+def _open(url: str) -> Storage:
+    """The storage of ``url``; a local directory must already exist."""
+    storage = open_storage(url)
+    if isinstance(storage, LocalStorage):
+        if not storage.root.exists():
+            raise NoCheckpointError(f"no checkpoint directory at {storage.root}")
+        if not storage.root.is_dir():
+            raise NoCheckpointError(f"{storage.root} is not a directory")
+    return storage
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _iso_time(created: Any) -> str | None:
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        return None
+    try:
+        return datetime.fromtimestamp(created).astimezone().isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _metrics_text(metrics: Any) -> str:
+    if not isinstance(metrics, dict):
+        return ""
+    return " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+    )
+
+
+def _stored_bytes(storage: Storage, path: str) -> int | None:
+    """Bytes stored under directory ``path`` (files only, recursively); None if unreadable."""
+    total = 0
+    try:
+        for name in storage.list_dir(path):
+            child = f"{path}/{name}"
+            if storage.list_dir(child):
+                sub = _stored_bytes(storage, child)
+                if sub is None:
+                    return None
+                total += sub
+            else:
+                total += storage.size(child)
+    except (CheckpointError, OSError):
+        return None
+    return total
+
+
+def _newest(storage: Storage) -> int:
+    steps = list_committed(storage)
+    if not steps:
+        raise NoCheckpointError(f"no committed checkpoint in {storage.url}")
+    return steps[-1]
+
+
+def _require_step(storage: Storage, step: int) -> int:
+    steps = list_committed(storage)
+    if step not in steps:
+        listed = ", ".join(str(s) for s in steps[-10:]) or "none"
+        raise NoCheckpointError(
+            f"no committed checkpoint for step {step} in {storage.url}; committed steps: {listed}"
+        )
+    return step
+
+
+def _step_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"step must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="checkpoint root: a local path or URL")
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def _ls_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument("--verify", action="store_true", help="check every checksum (reads all data)")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -> dict[str, Any]:
+    name = step_dir(step)
+    row: dict[str, Any] = {
+        "step": step,
+        "name": name,
+        "created": None,
+        "created_unix": None,
+        "bytes": _stored_bytes(storage, name),
+        "status": "committed",
+        "error": None,
+        "pinned": step in pinned,
+        "metrics": {},
+    }
+    reader = CheckpointReader(storage, step)
+    try:
+        manifest = reader.manifest
+        row["created_unix"] = manifest.get("created")
+        row["created"] = _iso_time(manifest.get("created"))
+        row["metrics"] = manifest["metrics"]
+        if full:
+            reader.verify()
+        else:
+            reader.check_files()
+    except CorruptCheckpointError as exc:
+        row["status"] = "corrupt"
+        row["error"] = str(exc)
+    return row
+
+
+def _incomplete_rows(storage: Storage, pinned: set[int]) -> list[dict[str, Any]]:
+    """Step directories without a manifest, and staging directories of dead writers."""
+    staging = []
+    if storage.supports_rename:
+        staging = [n for n in RenameCommit(storage).stale() if n.startswith(_STAGING_PREFIX)]
+    rows: list[dict[str, Any]] = []
+    for name in [*list_uncommitted(storage), *staging]:
+        if name in staging:
+            step = parse_step_dir(name[len(_STAGING_PREFIX) :].split(".")[0])
+            why = "staging directory of a commit that never finished"
+        else:
+            step = parse_step_dir(name)
+            why = "step directory without a manifest (not committed)"
+        rows.append(
+            {
+                "step": step,
+                "name": name,
+                "created": None,
+                "created_unix": None,
+                "bytes": _stored_bytes(storage, name),
+                "status": "incomplete",
+                "error": why,
+                "pinned": step in pinned,
+                "metrics": {},
+            }
+        )
+    return rows
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    storage = _open(args.dir)
+    pinned = pinned_steps(storage)
+    rows = [_checkpoint_row(storage, s, pinned, args.verify) for s in list_committed(storage)]
+    rows += _incomplete_rows(storage, pinned)
+    rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
+    if args.json:
+        _print_json(rows)
+        return 0
+    console = _console()
+    if not rows:
+        console.print(Text(f"no checkpoints in {storage.url}"))
+        return 0
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for col, justify in (
+        ("step", "right"),
+        ("time", "left"),
+        ("size", "right"),
+        ("status", "left"),
+        ("pinned", "left"),
+        ("metrics", "left"),
+    ):
+        wraps = col == "metrics"
+        table.add_column(
+            col,
+            justify=justify,  # type: ignore[arg-type]
+            no_wrap=not wraps,
+            overflow="fold" if wraps else "ellipsis",
+        )
+    styles = {"committed": "green", "corrupt": "bold red", "incomplete": "yellow"}
+    for r in rows:
+        table.add_row(
+            Text("-" if r["step"] is None else str(r["step"])),
+            Text(r["created"] or "-"),
+            Text(_human_bytes(r["bytes"])),
+            Text(r["status"], style=styles.get(r["status"], "")),
+            Text("yes" if r["pinned"] else "no"),
+            Text(_metrics_text(r["metrics"])),
+        )
+    console.print(table)
+    for r in rows:
+        if r["error"]:
+            console.print(Text(f"{r['name']}: {r['status']}: {r['error']}"))
+    return 0
+
+
+# --------------------------------------------------------------------------- show
+
+
+def _show_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument("--step", type=_step_arg, help="checkpoint to show (default: newest)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+
+
+def _has_tensors(node: Any) -> bool:
+    return next(iter_tensor_refs(node), None) is not None
+
+
+def _inline(node: Any) -> str:
+    """A one-line rendering of a subtree without tensors, shortened if long."""
+    try:
+        value = decode(node, {})
+        text = json.dumps(value, default=repr, allow_nan=True)
+    except (CheckpointError, TypeError, ValueError, RecursionError):
+        text = "<malformed>"
+    if len(text) > _INLINE_LIMIT:
+        text = text[: _INLINE_LIMIT - 1] + "…"
+    return text
+
+
+def _tensor_line(label: str, kind: str, name: str, index: dict[str, Any]) -> str:
+    info = index.get(name)
+    if not isinstance(info, dict):
+        return f"{label}: {kind} {name} (not in the tensor index)"
+    begin, end = info["offsets"]
+    return f"{label}: {kind} {name} {info['dtype']} {info['shape']} {_human_bytes(end - begin)}"
+
+
+def _tree_lines(node: Any, label: str, depth: int, index: dict[str, Any], out: list[str]) -> None:
+    pad = "  " * depth
+    if isinstance(node, dict):
+        for kind in ("tensor", "ndarray", "torch_generator"):
+            if isinstance(node.get(kind), str):
+                out.append(pad + _tensor_line(label, kind, node[kind], index))
+                return
+    if not _has_tensors(node):
+        out.append(f"{pad}{label}: {_inline(node)}")
+        return
+    if "stateful" in node:
+        out.append(f"{pad}{label}: (state_dict)")
+        _children(node["stateful"], depth + 1, index, out)
+    elif "np_generator" in node:
+        out.append(f"{pad}{label}: (numpy generator)")
+        _children(node["np_generator"], depth + 1, index, out)
+    else:
+        out.append(f"{pad}{label}:")
+        _children(node, depth + 1, index, out)
+
+
+def _children(node: Any, depth: int, index: dict[str, Any], out: list[str]) -> None:
+    if not isinstance(node, dict):
+        out.append("  " * depth + _inline(node))
+        return
+    if isinstance(node.get("dict"), list):
+        for pair in node["dict"]:
+            if isinstance(pair, list) and len(pair) == 2:
+                _tree_lines(pair[1], str(pair[0]), depth, index, out)
+        return
+    for tag in ("list", "tuple"):
+        if isinstance(node.get(tag), list):
+            for i, item in enumerate(node[tag]):
+                _tree_lines(item, f"[{i}]", depth, index, out)
+            return
+    _tree_lines(node, "(value)", depth, index, out)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    storage = _open(args.dir)
+    step = _newest(storage) if args.step is None else _require_step(storage, args.step)
+    m = CheckpointReader(storage, step).manifest
+    if args.json:
+        _print_json(m)
+        return 0
+    files = m["files"]
+    index = m["tensors"]
+    versions: dict[str, Any] = m["versions"] if isinstance(m.get("versions"), dict) else {}
+    summary = [
+        ("checkpoint", f"{step_dir(step)} in {storage.url}"),
+        ("step", str(m["step"])),
+        ("created", _iso_time(m.get("created")) or "?"),
+        ("format", f"{m['format']} v{m['format_version']}"),
+        ("versions", " ".join(f"{k}={v}" for k, v in versions.items())),
+        ("host", str(m.get("hostname", "?"))),
+        ("world size", str(m.get("world_size", "?"))),
+        ("metrics", _metrics_text(m["metrics"]) or "-"),
+        ("files", f"{len(files)} ({_human_bytes(sum(f['size'] for f in files.values()))})"),
+        ("tensors", str(len(index))),
+    ]
+    width = max(len(k) for k, _ in summary)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in summary]
+    ranks = m["ranks"]
+    for r in ranks:
+        lines.append("")
+        lines.append("state" if len(ranks) == 1 else f"state (rank {r.get('rank', '?')})")
+        _children(r["tree"], 1, index, lines)
+    console = _console()
+    for line in lines:
+        console.print(Text(line))
+    return 0
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_step_arg, help="checkpoint to verify (default: newest)")
+    which.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+    p.add_argument("--json", action="store_true", help="print a JSON list of results")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    storage = _open(args.dir)
+    if args.all:
+        steps = list_committed(storage)
+        if not steps:
+            raise NoCheckpointError(f"nothing to verify: no committed checkpoint in {storage.url}")
+    elif args.step is not None:
+        steps = [_require_step(storage, args.step)]
+    else:
+        steps = [_newest(storage)]
+    results: list[dict[str, Any]] = []
+    for step in steps:
+        try:
+            nbytes = CheckpointReader(storage, step).verify()
+        except CorruptCheckpointError as exc:
+            results.append({"step": step, "ok": False, "bytes": None, "error": str(exc)})
+        else:
+            results.append({"step": step, "ok": True, "bytes": nbytes, "error": None})
+    if args.json:
+        _print_json(results)
+    else:
+        console = _console()
+        for r in results:
+            if r["ok"]:
+                line = Text(f"OK       {step_dir(r['step'])}  {_human_bytes(r['bytes'])} verified")
+                line.stylize("green", 0, 2)
+            else:
+                line = Text(f"CORRUPT  {step_dir(r['step'])}  {r['error']}")
+                line.stylize("bold red", 0, 7)
+            console.print(line)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--step", type=_step_arg, help="checkpoint to export (default: newest valid one)"
+    )
+    p.add_argument("--key", required=True, help="top-level state key to export, e.g. model")
+    p.add_argument("--out", required=True, type=Path, help="output .safetensors file")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+
+def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, str]:
+    """Map the original state-dict keys under top-level ``key`` to tensor names."""
+    try:
+        node = subtree(tree, key)
+    except (KeyError, AttributeError, TypeError, ValueError):
+        keys = _top_keys(tree)
+        raise CheckpointError(
+            f"{where} has no state key {key!r}; available keys: {', '.join(keys) or 'none'}"
+        ) from None
+    names: dict[str, str] = {}
+    for path, name in iter_tensor_refs(node):
+        sd_key = ".".join(str(p) for p in path) or key
+        if sd_key in names:
+            raise CheckpointError(
+                f"{where}: two tensors under {key!r} map to the state-dict key {sd_key!r}; "
+                "cannot export them to one flat file"
+            )
+        names[sd_key] = name
+    if not names:
+        with_tensors = [k for k in _top_keys(tree) if _has_tensors(subtree(tree, k))]
+        raise CheckpointError(
+            f"{where}: state key {key!r} holds no tensors; keys with tensors: "
+            f"{', '.join(with_tensors) or 'none'}"
+        )
+    return names
+
+
+def _top_keys(tree: Any) -> list[str]:
+    pairs = tree.get("dict", []) if isinstance(tree, dict) else []
+    return [str(p[0]) for p in pairs if isinstance(p, list) and len(p) == 2]
+
+
+def _read_export(storage: Storage, step: int, key: str) -> dict[str, Any]:
+    reader = CheckpointReader(storage, step)
+    names = _state_dict_names(reader.tree, key, f"checkpoint {step_dir(step)}")
+    reader.check_files()
+    tensors = reader.tensors(list(names.values()), verify=True)
+    return {sd_key: tensors[name].clone() for sd_key, name in names.items()}
+
+
+def _write_atomic(tensors: dict[str, Any], out: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    if out.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"--out {out} is a directory; name a file")
+    if out.exists() and not args.force:
+        raise FileExistsError(errno.EEXIST, f"{out} exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"directory {out.parent} of --out does not exist")
+    storage = _open(args.dir)
+    if args.step is not None:
+        step = _require_step(storage, args.step)
+        tensors = _read_export(storage, step, args.key)
+    else:
+        candidates = list(reversed(list_committed(storage)))
+        if not candidates:
+            raise NoCheckpointError(f"no committed checkpoint in {storage.url}")
+        problems = []
+        for step in candidates:
+            try:
+                tensors = _read_export(storage, step, args.key)
+                break
+            except CorruptCheckpointError as exc:
+                print(f"{PROG}: skipping corrupt {step_dir(step)}: {exc}", file=sys.stderr)
+                problems.append(step_dir(step))
+        else:
+            raise CorruptCheckpointError(
+                f"none of the {len(candidates)} checkpoint(s) in {storage.url} is valid "
+                f"({', '.join(problems)}); run `resumable verify --all {args.dir}`"
+            )
+    metadata = {"format": "pt", "producer": "resumable", "step": str(step), "key": args.key}
+    _write_atomic(tensors, out, metadata)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    _console().print(
+        Text(
+            f"exported {len(tensors)} tensors ({_human_bytes(nbytes)}) of {args.key!r} "
+            f"from {step_dir(step)} to {out}"
+        )
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- prune
+
+
+def _prune_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--keep-last",
+        type=_positive_int,
+        required=True,
+        metavar="K",
+        help="keep the K newest checkpoints (pinned ones are always kept)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    storage = _open(args.dir)
+    before = list_committed(storage)
+    doomed = apply_retention(
+        storage, Keep(last=args.keep_last), AuditLog(storage), dry_run=args.dry_run
+    )
+    console = _console()
+    verb = "would delete" if args.dry_run else "deleted"
+    for s in doomed:
+        console.print(Text(f"{verb} {step_dir(s)}"))
+    kept = [s for s in before if s not in doomed]
+    console.print(
+        Text(
+            f"{verb} {len(doomed)} checkpoint(s), "
+            f"{'would keep' if args.dry_run else 'kept'} {len(kept)}: "
+            + (", ".join(str(s) for s in kept) or "none")
+        )
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+COMMANDS: dict[str, Command] = {
+    "ls": Command("list checkpoints with their status", _ls_arguments, run_ls),
+    "show": Command("show one checkpoint's manifest and state tree", _show_arguments, run_show),
+    "verify": Command("verify every checksum of checkpoints", _verify_arguments, run_verify),
+    "export": Command(
+        "export one state key as a plain safetensors state dict", _export_arguments, run_export
+    ),
+    "prune": Command("delete old checkpoints by retention", _prune_arguments, run_prune),
+    "demo": Command(
+        "train a small digits classifier that resumes by itself (the main job)",
+        lambda p: _demo().add_arguments(p),
+        lambda args: _demo().run(args),
+    ),
+}
+
+
+def _demo() -> Any:
+    from resumable import demo  # imports scikit-learn lazily: only the demo needs it
+
+    return demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and operate resumable checkpoints.",
+        epilog=f"Set {DEBUG_ENV}=1 to see tracebacks.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror
+        if exc.filename and str(exc.filename) not in text:
+            text = f"{text}: {exc.filename}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse usage errors: 2)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return int(args._run(args))
+    except BrokenPipeError:
+        try:  # the reader went away (`resumable ls | head`): stay quiet at exit too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except KeyboardInterrupt:
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except (CheckpointError, OSError, ValueError) as exc:
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""The persist worker: format, write, commit and retention, off the training thread.
+
+The trainer (`PersistWorker`, owned by the `Checkpointer`) hands the worker *jobs* that
+name a shared-memory slot and the snapshot ``seq`` it must find there; the worker
+writes that snapshot to storage, commits it, applies retention, records the audit
+events and replies. One job runs at a time; the trainer keeps the slot of every
+outstanding job locked, so the worker never reads a slot being rewritten.
+
+Two ways to run it, same job code (`JobRunner`):
+
+- ``process`` (default): ``python -m resumable.worker``, a separate interpreter, so
+  serialisation and checksums never hold the trainer's GIL. It is launched with
+  ``subprocess`` rather than ``multiprocessing`` so a user script without a
+  ``__main__`` guard is never re-imported. Messages are length-prefixed JSON over a
+  socketpair (no pickle). If the trainer dies, the worker notices (EOF, or its parent
+  changed) and abandons an uncommitted job: the next launch adopts the shared-memory
+  snapshot and persists it itself, so there is never a second writer.
+- ``thread``: a thread in the trainer, for backends that only live in this process
+  (``memory://``).
+
+Error propagation: a failed job comes back as a ``failed`` reply; the `Checkpointer`
+raises it as `PersistError` at the next ``save``/``maybe_save``/``wait``/``close``. A
+worker process that dies is detected the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import queue
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from resumable.audit import AuditLog
+from resumable.commit import RenameCommit
+from resumable.errors import CheckpointError, PersistError, StorageError
+from resumable.policy import Keep
+from resumable.shm import ShmSlot
+from resumable.snapshot import Snapshot
+from resumable.storage import Storage, open_storage
+
+log = logging.getLogger("resumable")
+
+_LEN = struct.Struct(">I")
+_WORKER_BOOT = "import sys; from resumable.worker import worker_main; sys.exit(worker_main())"
+_NOT_TRANSIENT = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT}
+
+
+def keep_to_json(keep: Keep | None) -> dict[str, Any] | None:
+    if keep is None:
+        return None
+    return {
+        "last": keep.last,
+        "best": list(keep.best) if keep.best else None,
+        "every_steps": keep.every_steps,
+    }
+
+
+def keep_from_json(d: dict[str, Any] | None) -> Keep | None:
+    if d is None:
+        return None
+    best = tuple(d["best"]) if d.get("best") else None
+    return Keep(last=d.get("last"), best=best, every_steps=d.get("every_steps"))
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class TrainerGone(CheckpointError):
+    """The trainer died while a job ran: the job is abandoned, not committed."""
+
+
+class JobRunner:
+    """Executes jobs against one storage; lives in the worker (process or thread)."""
+
+    def __init__(self, storage: Storage, config: dict[str, Any]) -> None:
+        self.storage = storage
+        self.committer = RenameCommit(storage)
+        self.keep = keep_from_json(config.get("keep"))
+        self.audit = AuditLog(storage, rank=int(config.get("rank", 0)))
+        self.retries = int(config.get("retries", 2))
+        self.parent_pid = int(config.get("parent_pid", 0))
+        self.slots: dict[str, ShmSlot] = {}
+        self.metrics_cache: dict[int, Any] = {}
+
+    def _slot(self, path: str) -> ShmSlot:
+        slot = self.slots.get(path)
+        if slot is None:
+            slot = ShmSlot.attach(Path(path))
+            slot.set_worker(os.getpid())
+            self.slots[path] = slot
+        return slot
+
+    def _check_parent(self) -> None:
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            raise TrainerGone("the training process died; leaving this snapshot to its next launch")
+
+    def handle(self, job: dict[str, Any]) -> dict[str, Any]:
+        kind = job.get("kind")
+        try:
+            if kind == "persist":
+                return self._persist(job)
+            raise CheckpointError(f"unknown job kind {kind!r}")
+        except Exception as exc:
+            step = job.get("step")
+            self.audit.record("failure", step=step, error=repr(exc)[:500])
+            return {
+                "kind": "failed",
+                "id": job.get("id"),
+                "step": step,
+                "error": f"{type(exc).__name__}: {exc}",
+                "errno": getattr(exc, "errno", None),
+                "traceback": traceback.format_exc()[-4000:],
+            }
+
+    def _persist(self, job: dict[str, Any]) -> dict[str, Any]:
+        slot = self._slot(job["slot"])
+        content = slot.read()
+        if content is None or content.seq != job["seq"]:
+            raise CheckpointError(
+                f"snapshot of step {job['step']} was overwritten before it was persisted"
+            )
+        reply, sums = self.persist_snapshot(
+            Snapshot(content.slots, slot.data_tensor()),
+            step=content.step,
+            tree=content.meta["tree"],
+            metrics=content.meta.get("metrics"),
+        )
+        if not slot.still(content.seq):
+            raise CheckpointError("snapshot slot was rewritten while being persisted")
+        slot.write_checksums(content.seq, sums)
+        return {**reply, "id": job.get("id")}
+
+    def persist_snapshot(
+        self, snap: Snapshot, *, step: int, tree: Any, metrics: Any
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Write, commit (retrying transient storage errors), audit and apply retention.
+        Returns the reply and the per-tensor checksums in layout order."""
+        from resumable.manager import apply_retention
+        from resumable.persist import write_checkpoint
+
+        t0 = time.perf_counter()
+        attempt = 0
+        while True:
+            try:
+                result = write_checkpoint(
+                    self.storage,
+                    self.committer,
+                    step=step,
+                    snapshot=snap,
+                    tree=tree,
+                    metrics=metrics,
+                    before_commit=self._check_parent,
+                )
+                break
+            except StorageError as exc:
+                attempt += 1
+                if exc.errno in _NOT_TRANSIENT or attempt > self.retries:
+                    raise
+                log.warning("persist of step %d failed (%s), retry %d", step, exc, attempt)
+                self.audit.record("retry", step=step, error=repr(exc)[:300])
+                time.sleep(0.2 * 2**attempt)
+        seconds = time.perf_counter() - t0
+        self.audit.record(
+            "commit",
+            step=step,
+            bytes=result.nbytes,
+            duration_s=round(seconds, 6),
+            replaced=result.replaced,
+            metrics=result.manifest["metrics"],
+        )
+        self.metrics_cache[step] = result.manifest["metrics"]
+        deleted: list[int] = []
+        if self.keep is not None and not self.keep.keeps_all:
+            deleted = apply_retention(
+                self.storage, self.keep, self.audit, just_written=step, cache=self.metrics_cache
+            )
+        sums = [result.manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
+        reply = {
+            "kind": "committed",
+            "step": step,
+            "bytes": result.nbytes,
+            "seconds": seconds,
+            "replaced": result.replaced,
+            "deleted": deleted,
+        }
+        return reply, sums
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.close()
+        self.slots.clear()
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> dict[str, Any] | None:
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    body = _recv_exact(sock, _LEN.unpack(head)[0])
+    if body is None:
+        return None
+    msg = json.loads(body)
+    if not isinstance(msg, dict):
+        raise ValueError("malformed worker message")
+    return msg
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """Entry point of the worker process (``--fd N``: its end of the socketpair)."""
+    p = argparse.ArgumentParser(prog="resumable-worker")
+    p.add_argument("--fd", type=int, required=True)
+    args = p.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        config = _recv(sock)
+        if config is None:
+            return 0
+        runner = JobRunner(open_storage(config["url"]), config)
+        _send(sock, {"kind": "ready", "pid": os.getpid()})
+    except OSError:
+        return 0  # the trainer is already gone
+    try:
+        while True:
+            job = _recv(sock)
+            if job is None or job.get("kind") == "stop":
+                break
+            reply = runner.handle(job)
+            try:
+                _send(sock, reply)
+            except OSError:
+                break
+    finally:
+        runner.close()
+    return 0
+
+
+# --------------------------------------------------------------------------- trainer side
+
+
+class PersistWorker:
+    """The trainer's handle on its worker. Called from the training thread only.
+
+    ``submit`` never blocks on the job; ``poll`` collects replies without blocking;
+    ``wait_all`` blocks until nothing is outstanding. Dead workers raise `PersistError`.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        mode: str,
+        keep: Keep | None,
+        rank: int = 0,
+        storage: Storage | None = None,
+    ) -> None:
+        if mode not in ("process", "thread"):
+            raise ValueError(f"persist mode must be 'process' or 'thread', got {mode!r}")
+        self.mode = mode
+        self.outstanding: deque[dict[str, Any]] = deque()
+        self._next_id = 0
+        self._stopped = False
+        config = {"url": url, "keep": keep_to_json(keep), "rank": rank, "parent_pid": os.getpid()}
+        self.pid = os.getpid()
+        if mode == "process":
+            parent, child = socket.socketpair()
+            env = dict(os.environ)
+            src = str(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_BOOT, "--fd", str(child.fileno())],
+                pass_fds=[child.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+            child.close()
+            self._sock: socket.socket | None = parent
+            _send(parent, config)
+            self._ready = False
+            self.pid = self._proc.pid
+        else:
+            self._proc = None
+            self._sock = None
+            self._jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+            self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+            runner = JobRunner(storage or open_storage(url), {**config, "parent_pid": 0})
+            self._thread = threading.Thread(
+                target=self._thread_main, args=(runner,), name="resumable-persist", daemon=True
+            )
+            self._thread.start()
+            self._ready = True
+
+    def _thread_main(self, runner: JobRunner) -> None:
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    break
+                self._replies.put(runner.handle(job))
+        finally:
+            runner.close()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.outstanding)
+
+    def submit(self, job: dict[str, Any]) -> dict[str, Any]:
+        self._check_alive()
+        self._next_id += 1
+        job = {**job, "id": self._next_id}
+        self.outstanding.append(job)
+        if self._sock is not None:
+            try:
+                _send(self._sock, job)
+            except OSError as exc:
+                raise PersistError(f"the persist process is gone ({exc})") from exc
+        else:
+            self._jobs.put(job)
+        return job
+
+    def poll(self, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """Replies that arrived (waiting up to ``timeout`` seconds for the first one)."""
+        replies: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._receive(max(0.0, deadline - time.monotonic()) if not replies else 0.0)
+            if msg is None:
+                break
+            if msg.get("kind") == "ready":
+                self._ready = True
+                continue
+            if self.outstanding and self.outstanding[0].get("id") == msg.get("id"):
+                self.outstanding.popleft()
+            replies.append(msg)
+        if not replies:
+            self._check_alive()
+        return replies
+
+    def _receive(self, timeout: float) -> dict[str, Any] | None:
+        if self._sock is None:
+            try:
+                return (
+                    self._replies.get(timeout=timeout)
+                    if timeout > 0
+                    else self._replies.get_nowait()
+                )
+            except queue.Empty:
+                return None
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            return _recv(self._sock)
+        except (OSError, ValueError):
+            return None
+
+    def wait_all(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Block until every outstanding job replied; returns the replies."""
+        replies: list[dict[str, Any]] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.outstanding:
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                raise PersistError(f"persist did not finish within {timeout} s")
+            replies.extend(self.poll(timeout=left))
+        return replies
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None and not self._stopped:
+            code = self._proc.returncode
+            lost = [j.get("step") for j in self.outstanding]
+            self.outstanding.clear()
+            self._stopped = True
+            raise PersistError(
+                f"the persist process (pid {self._proc.pid}) exited with code {code}"
+                + (f"; step(s) {lost} were not committed" if lost else "")
+                + ". Committed checkpoints are intact; the next save starts a new worker"
+            )
+        if self._proc is None and not self._stopped and not self._thread.is_alive():
+            self._stopped = True
+            raise PersistError("the persist thread died")
+
+    @property
+    def alive(self) -> bool:
+        if self._stopped:
+            return False
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the worker to finish and exit; kills a process that does not."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._sock is not None and self._proc is not None:
+            try:
+                _send(self._sock, {"kind": "stop"})
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._sock.close()
+        else:
+            self._jobs.put(None)
+            self._thread.join(timeout)
