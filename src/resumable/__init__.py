@@ -16,6 +16,7 @@ from resumable.capture import Stateful
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    NewerFormatError,
     NoCheckpointError,
     PersistError,
     StateMismatchError,
@@ -31,6 +32,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Every",
     "Keep",
+    "NewerFormatError",
     "NoCheckpointError",
     "PersistError",
     "StateMismatchError",

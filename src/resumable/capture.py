@@ -317,11 +317,32 @@ def _as_list(x: Any) -> list[Any]:
 
 def decode(tree: Tree, tensors: Mapping[str, torch.Tensor], map_location: Any = None) -> Any:
     """Turn a tree back into plain values; tensors go to their recorded device or
-    ``map_location``. Raises `CorruptCheckpointError` for any malformed node."""
+    ``map_location`` (never the RNG states: generators take CPU tensors). Raises
+    `CorruptCheckpointError` for any malformed node."""
     try:
-        return _Decoder(tensors, map_location).value(tree)
+        values = _Decoder(tensors, map_location).value(_without_rng(tree))
+        rng = _rng_node(tree)
+        if rng is not None and isinstance(values, dict):
+            values[RNG_KEY] = _Decoder(tensors, None).value(rng)
+        return values
     except RecursionError as exc:
         raise CorruptCheckpointError("manifest tree is nested too deeply") from exc
+
+
+def _rng_node(tree: Tree) -> Any:
+    if isinstance(tree, dict) and isinstance(tree.get("dict"), list):
+        for pair in tree["dict"]:
+            if isinstance(pair, list) and len(pair) == 2 and pair[0] == RNG_KEY:
+                return pair[1]
+    return None
+
+
+def _without_rng(tree: Tree) -> Tree:
+    if isinstance(tree, dict) and isinstance(tree.get("dict"), list) and len(tree) == 1:
+        return {
+            "dict": [p for p in tree["dict"] if not (isinstance(p, list) and p[:1] == [RNG_KEY])]
+        }
+    return tree
 
 
 def iter_tensor_refs(

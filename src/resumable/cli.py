@@ -183,6 +183,13 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
     _add_dir(p)
     p.add_argument("--verify", action="store_true", help="check every checksum (reads all data)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    _add_shm_dir(p)
+
+
+def _add_shm_dir(p: argparse.ArgumentParser) -> None:
+    from resumable.shm import SHM_DIR
+
+    p.add_argument("--shm-dir", default=str(SHM_DIR), help="where shared-memory snapshots live")
 
 
 def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -> dict[str, Any]:
@@ -243,11 +250,48 @@ def _incomplete_rows(storage: Storage, pinned: set[int]) -> list[dict[str, Any]]
     return rows
 
 
+def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
+    """The memory tier: this run's complete shared-memory snapshots on this host."""
+    from resumable.shm import ShmSlot, run_key_for, slot_paths
+
+    rows: list[dict[str, Any]] = []
+    for path in slot_paths(run_key_for(storage.url), 0, shm_dir):
+        if not path.exists():
+            continue
+        try:
+            slot = ShmSlot.attach(path)
+        except (OSError, CheckpointError):
+            continue
+        try:
+            content = slot.read()
+            owner = slot.control().owner_pid
+        finally:
+            slot.close()
+        if content is None:
+            continue
+        rows.append(
+            {
+                "step": content.step,
+                "name": str(path),
+                "created": _iso_time(content.meta.get("created")),
+                "created_unix": content.meta.get("created"),
+                "bytes": content.slots[-1].end if content.slots else 0,
+                "status": "memory",
+                "error": None,
+                "pinned": False,
+                "metrics": content.meta.get("metrics", {}),
+                "owner_pid": owner,
+            }
+        )
+    return rows
+
+
 def run_ls(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     pinned = pinned_steps(storage)
     rows = [_checkpoint_row(storage, s, pinned, args.verify) for s in list_committed(storage)]
     rows += _incomplete_rows(storage, pinned)
+    rows += _memory_rows(storage, Path(args.shm_dir))
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
     if args.json:
         _print_json(rows)
@@ -272,7 +316,7 @@ def run_ls(args: argparse.Namespace) -> int:
             no_wrap=not wraps,
             overflow="fold" if wraps else "ellipsis",
         )
-    styles = {"committed": "green", "corrupt": "bold red", "incomplete": "yellow"}
+    styles = {"committed": "green", "corrupt": "bold red", "incomplete": "yellow", "memory": "cyan"}
     for r in rows:
         table.add_row(
             Text("-" if r["step"] is None else str(r["step"])),
@@ -596,6 +640,57 @@ def run_prune(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- main
 
+# --------------------------------------------------------------------------- shm
+
+
+def _shm_arguments(p: argparse.ArgumentParser) -> None:
+    _add_shm_dir(p)
+    p.add_argument(
+        "--clean", action="store_true", help="remove segments whose owner process is gone"
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+def run_shm(args: argparse.Namespace) -> int:
+    from resumable.shm import list_segments, remove_dead_segments
+
+    directory = Path(args.shm_dir)
+    segments = list(list_segments(directory))
+    removed = {str(p) for p in remove_dead_segments(directory)} if args.clean else set()
+    rows: list[dict[str, Any]] = [
+        {
+            "path": str(seg.path),
+            "bytes": seg.size,
+            "owner_pid": seg.owner_pid,
+            "owner_alive": seg.owner_alive,
+            "step": seg.step,
+            "removed": str(seg.path) in removed,
+        }
+        for seg in segments
+    ]
+    if args.json:
+        _print_json(rows)
+        return 0
+    console = _console()
+    if not rows:
+        console.print(Text(f"no resumable shared-memory segments in {directory}"))
+        return 0
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("segment", "size", "owner", "step", "state"):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        state = "removed" if r["removed"] else ("live" if r["owner_alive"] else "orphaned")
+        table.add_row(
+            Text(r["path"]),
+            Text(_human_bytes(r["bytes"])),
+            Text(str(r["owner_pid"])),
+            Text("-" if r["step"] is None else str(r["step"])),
+            Text(state),
+        )
+    console.print(table)
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "ls": Command("list checkpoints with their status", _ls_arguments, run_ls),
     "show": Command("show one checkpoint's manifest and state tree", _show_arguments, run_show),
@@ -604,6 +699,7 @@ COMMANDS: dict[str, Command] = {
         "export one state key as a plain safetensors state dict", _export_arguments, run_export
     ),
     "prune": Command("delete old checkpoints by retention", _prune_arguments, run_prune),
+    "shm": Command("list (or --clean) shared-memory snapshot segments", _shm_arguments, run_shm),
     "demo": Command(
         "train a small digits classifier that resumes by itself (the main job)",
         lambda p: _demo().add_arguments(p),

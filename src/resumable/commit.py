@@ -86,7 +86,7 @@ def _pid_alive(pid: int) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; or a pid no process has
         return False
     except PermissionError:
         return True

@@ -30,6 +30,7 @@ class DemoConfig:
     steps: int = 600
     seed: int = 0
     every: int = 50
+    memory_every: int = 1
     workers: int = 2
     batch_size: int = 32
     keep_last: int = 3
@@ -108,6 +109,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
             "data": loader,
             "extra": extra,
         },
+        memory_every=resumable.Every(steps=cfg.memory_every) if cfg.memory_every else None,
         persist_every=resumable.Every(steps=cfg.every),
         keep=resumable.Keep(last=cfg.keep_last),
     )
@@ -131,8 +133,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
                     echo(f"step {step} loss={extra['loss']:.4f} epoch={loader.epoch}")
                 if step >= cfg.steps:
                     break
-        if ckpt.steps()[-1:] != [step]:
-            ckpt.save(step, metrics={"loss": extra["loss"]})
+            if step == cfg.steps and step % cfg.every:
+                ckpt.save(step, metrics={"loss": extra["loss"]})
         model.eval()
         with torch.no_grad():
             acc = (model(xte).argmax(1) == yte).float().mean().item()
@@ -149,6 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps")
     p.add_argument("--seed", type=int, default=DemoConfig.seed, help="seed of model and data")
     p.add_argument("--every", type=int, default=DemoConfig.every, help="persist every K steps")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=DemoConfig.memory_every,
+        help="shared-memory snapshot every K steps (0: none)",
+    )
     p.add_argument("--workers", type=int, default=DemoConfig.workers, help="DataLoader workers")
     p.add_argument("--log-every", type=int, default=DemoConfig.log_every, help="progress lines")
 
@@ -163,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         every=args.every,
+        memory_every=args.memory_every,
         workers=args.workers,
         log_every=args.log_every,
     )

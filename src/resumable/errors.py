@@ -19,6 +19,12 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     only when checkpoints exist and none of them is valid."""
 
 
+class NewerFormatError(CheckpointError, ValueError):
+    """A checkpoint was written in a newer format version than this `resumable` reads.
+    Restore raises it instead of skipping the checkpoint: falling back to an older one
+    would silently lose progress."""
+
+
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """A specific checkpoint was asked for (``restore(step=N)``, ``show --step N``) and
     is not there."""

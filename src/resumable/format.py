@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
-from resumable.errors import CorruptCheckpointError, UnsupportedStateError
+from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
 
 FORMAT_NAME = "resumable-checkpoint"
 FORMAT_VERSION = 1
@@ -258,11 +258,14 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a resumable manifest")
     version = m.get("format_version")
-    if type(version) is not int or version > FORMAT_VERSION or version < 1:
-        raise CorruptCheckpointError(
-            f"{where}: format version {version!r} is not supported by this resumable "
-            f"(reads 1..{FORMAT_VERSION}); upgrade resumable to read it"
+    if type(version) is int and version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"{where}: format version {version} is newer than this resumable reads "
+            f"(1..{FORMAT_VERSION}); upgrade resumable to read it (restoring an older "
+            "checkpoint instead would silently lose progress)"
         )
+    if type(version) is not int or version < 1:
+        raise CorruptCheckpointError(f"{where}: format version {version!r} is not valid")
     if m.get("digest") != manifest_digest(m):
         raise CorruptCheckpointError(f"{where}: manifest digest mismatch (edited or corrupt)")
     _check_type(m, "step", int, where)

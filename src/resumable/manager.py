@@ -26,6 +26,7 @@ that owns ``state``). A background failure is raised by the next ``save``,
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import time
@@ -42,11 +43,12 @@ from resumable.errors import (
     CorruptCheckpointError,
     NoCheckpointError,
     PersistError,
+    StorageError,
 )
 from resumable.format import _json_metrics, checksum
 from resumable.policy import Entry, Every, Keep
 from resumable.reader import CheckpointReader
-from resumable.shm import run_key
+from resumable.shm import remove_dead_segments, run_key_for, shm_free_bytes
 from resumable.snapshot import Arena, MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import LocalStorage, Storage, open_storage
 from resumable.worker import JobRunner, PersistWorker
@@ -57,6 +59,7 @@ PINS_DIR = "pins"
 DEFAULT_KEEP = Keep(last=3)
 PERSIST_MODES = ("auto", "process", "thread", "sync")
 _DEFAULT_MODE = "sync"
+STALE_SHM_S = 24 * 3600.0
 
 
 class Checkpointer:
@@ -128,9 +131,11 @@ class Checkpointer:
             from pathlib import Path
 
             self._shm = ShmArena(
-                run_key(f"{os.uname().nodename}:{self.url}"),
-                directory=Path(shm_dir) if shm_dir is not None else None,
+                run_key_for(self.url), directory=Path(shm_dir) if shm_dir is not None else None
             )
+            for path in remove_dead_segments(self._shm.directory, older_than_s=STALE_SHM_S):
+                log.info("removed shared-memory snapshot %s left by a dead run", path)
+                self.audit.record("stale_removed", name=str(path))
         else:
             self._arena = Arena()
         self._worker: PersistWorker | None = None
@@ -305,6 +310,9 @@ class Checkpointer:
         if tier not in ("auto", "memory", "storage"):
             raise ValueError(f"tier must be 'auto', 'memory' or 'storage', got {tier!r}")
         self._collect()
+        self._preflight()
+        if self.persist_mode == "process":
+            self._ensure_worker()  # start it now: its interpreter warms up while we load
         loc = map_location or self.map_location
         steps = self.steps() if tier != "memory" else []
         self._committed = steps[-1] if steps else None
@@ -426,6 +434,23 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this Checkpointer for {self.url} is closed")
+
+    def _preflight(self) -> None:
+        """Fail before training starts if shared memory cannot hold two snapshots."""
+        if self._shm is None:
+            return
+        captured = capture_mod.capture(self.state, include_rng=self.capture_rng)
+        need = 2 * sum(t.numel() * t.element_size() for t in captured.tensors.values())
+        have = shm_free_bytes(self._shm.directory) + sum(
+            p.stat().st_size for p in self._shm.paths if p.exists()
+        )
+        if need > have:
+            raise StorageError(
+                errno.ENOSPC,
+                f"shared memory {self._shm.directory} has {have / 2**20:.0f} MiB available, "
+                f"two snapshots of this state need {need / 2**20:.0f} MiB; enlarge /dev/shm "
+                "(e.g. docker --shm-size) or use persist='sync' without memory_every",
+            )
 
     def _adopt(self) -> None:
         """Once per Checkpointer: take over the memory tier left by a dead launch."""

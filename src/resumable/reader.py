@@ -175,7 +175,8 @@ class CheckpointReader:
 
         self.check_files()
         tensors = self.tensors()
-        decode(self.tree, tensors)
+        if not isinstance(decode(self.tree, tensors), dict):
+            raise CorruptCheckpointError(f"{self.where}: the state tree is not a dict of entries")
         return sum(f["size"] for f in self.manifest["files"].values())
 
 

@@ -66,6 +66,11 @@ def run_key(url: str) -> str:
     return xxhash.xxh3_64_hexdigest(url.encode())[:12]
 
 
+def run_key_for(url: str) -> str:
+    """The key of a checkpoint URL's segments on this host."""
+    return run_key(f"{os.uname().nodename}:{url}")
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -408,3 +413,17 @@ def list_segments(directory: Path = SHM_DIR) -> Iterator[SegmentInfo]:
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def remove_dead_segments(directory: Path = SHM_DIR, *, older_than_s: float = 0.0) -> list[Path]:
+    """Unlink slot files whose owner process is gone and that were last written more
+    than ``older_than_s`` ago. A run's own segments are adopted by its next launch, so
+    the default age used at start-up is long (a day); ``resumable shm --clean`` uses 0."""
+    removed = []
+    now = time.time()
+    for seg in list_segments(directory):
+        if not seg.owner_alive and now - seg.updated >= older_than_s:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(seg.path)
+            removed.append(seg.path)
+    return removed

@@ -101,12 +101,17 @@ def copy_into(
     tensors: Mapping[str, torch.Tensor],
     pool: ThreadPoolExecutor | None,
 ) -> None:
-    """Copy every tensor into its slot of ``buf``. Large states are split into chunks of
-    about 16 MiB copied by ``pool``'s threads (``copy_`` releases the GIL); CUDA sources
-    are copied with ``non_blocking`` and synchronised once at the end."""
+    """Copy every tensor into its slot of ``buf``; CUDA sources are copied with
+    ``non_blocking`` and synchronised once at the end.
+
+    torch already splits a large CPU copy across its intra-op threads. Only when it runs
+    with one intra-op thread (as many data-loader-heavy or multi-process jobs do) is a
+    large state split into ~16 MiB chunks copied by ``pool``'s threads (``copy_``
+    releases the GIL); two thread pools at once would oversubscribe the cores."""
     on_cuda = any(t.is_cuda for t in tensors.values())
     total = slots[-1].end if slots else 0
-    if pool is None or on_cuda or total < _PARALLEL_MIN_BYTES:
+    serial = pool is None or on_cuda or total < _PARALLEL_MIN_BYTES
+    if serial or torch.get_num_threads() > 1:
         with torch.no_grad():
             for slot in slots:
                 _view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)

@@ -1,0 +1,445 @@
+"""The memory tier and the background persist pipeline: shared-memory snapshots that
+survive the trainer, a persist worker whose failures always reach the trainer, and
+bounded memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import resumable
+from resumable import shm
+from resumable.errors import PersistError, StorageError
+from resumable.snapshot import ShmArena
+from resumable.storage.memory import MemoryStorage
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    """A private directory standing in for /dev/shm (tmp_path is on a real filesystem;
+    the slot code only needs mmap-able files)."""
+    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d  # type: ignore[misc]
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": opt, "extra": {"note": "x"}}
+
+
+def train_step(state: dict[str, Any]) -> None:
+    model, opt = state["model"], state["optim"]
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def params(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {f"m.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    for i, st in state["optim"].state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"o.{i}.{k}"] = v.clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def audit(root: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (root / "audit.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process", "sync"])
+def test_save_wait_restore_in_every_mode(tmp_path: Path, shm_dir: Path, mode: str) -> None:
+    state = make_state()
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        state,
+        memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=3),
+        persist=mode,
+        on_busy="wait",
+        shm_dir=shm_dir,
+    )
+    assert ck.restore() == 0
+    for step in range(1, 8):
+        train_step(state)
+        ck.maybe_save(step)
+        if step == 6:
+            expected = params(state)
+    ck.wait()
+    ck.close()  # flushes step 7, the newest snapshot, since it is newer than step 6
+    assert ck.steps() == [3, 6, 7]
+    assert list(shm_dir.iterdir()) == [], "close() must remove the run's shared memory"
+
+    fresh = make_state(seed=1)
+    with resumable.Checkpointer(tmp_path / "ck", fresh, persist=mode, shm_dir=shm_dir) as ck2:
+        assert ck2.restore(step=6) == 6
+        assert_same(params(fresh), expected)
+
+
+def test_mutate_after_snapshot_does_not_change_it(tmp_path: Path, shm_dir: Path) -> None:
+    state = make_state()
+    train_step(state)
+    ck = resumable.Checkpointer(tmp_path / "ck", state, persist="thread", shm_dir=shm_dir)
+    ck.snapshot(1)
+    expected = params(state)
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+        for st in state["optim"].state.values():
+            st["exp_avg"].mul_(0)
+    assert ck.restore(tier="memory") == 1
+    assert_same(params(state), expected)
+    # The restored tensors are not views of shared memory: a new snapshot must not leak in.
+    train_step(state)
+    after = params(state)
+    ck.snapshot(2)
+    assert_same(params(state), after)
+    ck.close()
+
+
+def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
+    arena = ShmArena("k1", directory=shm_dir)
+    t = {"w": torch.arange(1000, dtype=torch.float32)}
+    arena.snapshot(5, t, {"step": 5, "tree": {}, "metrics": {}})
+    # A kill in the middle of the next copy: the other slot is left WRITING.
+    t2 = {"w": torch.zeros(1000)}
+    second = arena.snapshot(6, t2, {"step": 6, "tree": {}, "metrics": {}})
+    slot = arena.slots[second.index]
+    assert slot is not None
+    slot.begin_write()
+    arena.close(unlink=False)
+
+    again = ShmArena("k1", directory=shm_dir)
+    found = again.adopt()
+    assert [c.step for _, c in found] == [5], "the half-written slot must be ignored"
+    assert again.newest is not None and again.newest.step == 5
+    assert torch.equal(again.tensors(found[0][0], found[0][1])["w"], t["w"])
+    # Damage the metadata of the complete one: it is refused too.
+    s5 = again.slots[found[0][0]]
+    assert s5 is not None
+    s5.mm[shm.CONTROL + 2] ^= 0xFF
+    assert s5.read() is None
+    again.close(unlink=True)
+
+
+def test_memory_checksum_mismatch_falls_back_to_storage(
+    tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = make_state()
+    train_step(state)
+    ck = resumable.Checkpointer(tmp_path / "ck", state, persist="thread", shm_dir=shm_dir)
+    ck.save(1)
+    ck.wait()  # the worker stores per-tensor checksums into the slot it persisted
+    at1 = params(state)
+    train_step(state)
+    ck.snapshot(2)
+    ck.snapshot(3)  # overwrites the slot of step 1; slot of step 2 kept... then newest=3
+    newest = ck._shm.newest  # type: ignore[union-attr]
+    assert newest is not None and newest.step == 3
+    # Give the step-3 slot checksums of other data, then corrupt a byte: must be refused.
+    slot = ck._shm.slots[newest.index]  # type: ignore[union-attr]
+    assert slot is not None
+    content = slot.read()
+    assert content is not None
+    slot.write_checksums(content.seq, ["00" * 8] * len(content.slots))
+    caplog.set_level(logging.WARNING, logger="resumable")
+    fresh = make_state(seed=3)
+    ck2 = resumable.Checkpointer(tmp_path / "ck", fresh, persist="thread", shm_dir=shm_dir)
+    ck2._shm = ck._shm  # same process: hand over the arena as a relaunch would adopt it
+    ck2._adopted = True
+    assert ck2.restore() == 1
+    assert_same(params(fresh), at1)
+    assert "skipping the shared-memory snapshot of step 3" in caplog.text
+    ck2._shm = None
+    ck2.close()
+    ck.close()
+
+
+TRAINER = textwrap.dedent(
+    """
+    import os, sys, torch, resumable
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    root, shm_dir, stop_at, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    ck = resumable.Checkpointer(root, {"model": model, "optim": opt},
+        memory_every=resumable.Every(steps=1), persist_every=resumable.Every(steps=10),
+        persist=mode, shm_dir=shm_dir)
+    start = ck.restore()
+    for step in range(start, 40):
+        torch.manual_seed(step)
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step(); opt.zero_grad()
+        ck.maybe_save(step + 1)
+        if step + 1 == stop_at:
+            if mode != "sync":
+                ck.wait()
+            print("stopping", flush=True)
+            if os.environ.get("HOW") == "raise":
+                raise RuntimeError("training blew up")
+            os.kill(os.getpid(), 9)
+    ck.close()
+    h = sum(float(p.double().sum()) for p in model.parameters())
+    print("final", start, repr(h), flush=True)
+    """
+)
+
+
+def run_trainer(root: Path, shm_dir: Path, stop_at: int, mode: str, how: str = "kill") -> Any:
+    env = {**os.environ, "HOW": how}
+    return subprocess.run(
+        [sys.executable, "-c", TRAINER, str(root), str(shm_dir), str(stop_at), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("mode", ["process", "sync"])
+def test_kill9_resumes_from_shared_memory_and_persists_it(
+    tmp_path: Path, shm_dir: Path, mode: str
+) -> None:
+    ref = run_trainer(tmp_path / "ref", shm_dir, stop_at=0, mode=mode)
+    assert ref.returncode == 0, ref.stderr
+    root = tmp_path / "ck"
+    killed = run_trainer(root, shm_dir, stop_at=17, mode=mode)
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))[-1].endswith("10")
+    resumed = run_trainer(root, shm_dir, stop_at=0, mode=mode)
+    assert resumed.returncode == 0, resumed.stderr
+    final = resumed.stdout.strip().splitlines()[-1].split()
+    assert final[1] == "17", "must resume from the shared-memory snapshot of step 17"
+    assert final[2] == ref.stdout.strip().splitlines()[-1].split()[2], "not bit-identical"
+    events = audit(root)
+    assert any(e["event"] == "restore" and e.get("tier") == "memory" and e["step"] == 17 for e in events)
+    assert any(e["event"] == "commit" and e["step"] == 17 for e in events), "recovered step persisted"
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_exception_in_training_persists_the_latest_snapshot(tmp_path: Path, shm_dir: Path) -> None:
+    root = tmp_path / "ck"
+    out = run_trainer(root, shm_dir, stop_at=13, mode="process", how="raise")
+    assert out.returncode == 1 and "training blew up" in out.stderr
+    steps = sorted(int(p.name.split("-")[1]) for p in root.iterdir() if p.name.startswith("step-"))
+    assert steps[-1] == 13, f"the snapshot of step 13 must be persisted at exit, got {steps}"
+
+
+class FailingStorage(MemoryStorage):
+    """Memory storage whose data-file writes fail, or are slow, on demand."""
+
+    def __init__(self) -> None:
+        super().__init__("memory://failing")
+        self.fail = False
+        self.delay = 0.0
+
+    def write(self, path: str, chunks: Any) -> int:
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail and path.endswith(".safetensors"):
+            raise StorageError(28, "No space left on device (injected)")
+        return super().write(path, chunks)
+
+
+def test_background_failure_surfaces_at_next_call(tmp_path: Path) -> None:
+    storage = FailingStorage()
+    state = make_state()
+    ck = resumable.Checkpointer(storage, state, persist="thread", shm_dir=None)
+    ck.save(1)
+    ck.wait()
+    storage.fail = True
+    ck.save(2)  # returns after the snapshot; the failure happens in the background
+    with pytest.raises(PersistError, match="step 2.*No space left"):
+        ck.wait()
+    storage.fail = False
+    assert ck.steps() == [1], "the failed step is not visible; step 1 is intact"
+    ck.save(3)
+    ck.close()
+    assert ck.steps() == [1, 3]
+    events = [json.loads(x) for x in storage.files["audit.jsonl"].decode().splitlines()]
+    assert any(e["event"] == "failure" and e["step"] == 2 for e in events)
+
+
+def test_close_raises_a_pending_failure(tmp_path: Path) -> None:
+    storage = FailingStorage()
+    storage.fail = True
+    ck = resumable.Checkpointer(storage, make_state(), persist="thread")
+    ck.save(1)
+    with pytest.raises(PersistError):
+        ck.close()
+
+
+def test_killed_persist_process_surfaces_and_loses_nothing(tmp_path: Path, shm_dir: Path) -> None:
+    state = make_state()
+    root = tmp_path / "ck"
+    ck = resumable.Checkpointer(root, state, persist="process", shm_dir=shm_dir)
+    ck.save(1)
+    ck.wait()
+    worker = ck._worker
+    assert worker is not None
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while worker.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(PersistError, match="persist process"):
+        ck.save(2)
+        ck.wait()
+    assert ck.steps() == [1]
+    ck.save(3)  # a new worker is started
+    ck.close()
+    assert ck.steps() == [1, 3]
+    fresh = make_state(seed=9)
+    with resumable.Checkpointer(root, fresh, persist="sync") as ck2:
+        assert ck2.restore() == 3
+
+
+def test_busy_worker_skips_then_catches_up(tmp_path: Path) -> None:
+    storage = FailingStorage()
+    storage.delay = 0.3
+    state = make_state()
+    ck = resumable.Checkpointer(
+        storage, state, persist="thread", persist_every=resumable.Every(steps=1)
+    )
+    started = [ck.maybe_save(step) for step in range(1, 6)]
+    assert started[0] is True and not all(started), "saves while busy must be deferred"
+    ck.wait()
+    time.sleep(0.4)
+    ck.maybe_save(6)
+    ck.close()
+    events = [json.loads(x) for x in storage.files["audit.jsonl"].decode().splitlines()]
+    skips = [e for e in events if e["event"] == "skip"]
+    assert skips and all("still running" in e["reason"] for e in skips)
+    assert ck.steps()[-1] == 6
+
+
+def test_on_busy_wait_persists_every_step(tmp_path: Path) -> None:
+    storage = FailingStorage()
+    storage.delay = 0.05
+    ck = resumable.Checkpointer(
+        storage,
+        make_state(),
+        persist="thread",
+        persist_every=resumable.Every(steps=1),
+        on_busy="wait",
+        keep=None,
+    )
+    for step in range(1, 6):
+        assert ck.maybe_save(step)
+    ck.close()
+    assert ck.steps() == [1, 2, 3, 4, 5]
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_memory_and_descriptors_flat_over_1000_saves(tmp_path: Path, shm_dir: Path) -> None:
+    torch.manual_seed(0)
+    state = {"w": {f"t{i}": torch.randn(256, 256) for i in range(16)}}  # 4 MiB
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        state,
+        memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=50),
+        keep=resumable.Keep(last=2),
+        persist="thread",
+        shm_dir=shm_dir,
+    )
+    for step in range(1, 101):
+        ck.maybe_save(step)
+    ck.wait()
+    rss0, fds0 = _rss_kib(), _fds()
+    for step in range(101, 1101):
+        state["w"]["t0"].add_(1)
+        ck.maybe_save(step)
+    ck.wait()
+    rss1, fds1 = _rss_kib(), _fds()
+    ck.close()
+    assert fds1 <= fds0 + 2, f"descriptors grew {fds0} -> {fds1}"
+    # Two arenas are 8 MiB; allow noise but not a per-save leak (1000 x 4 MiB).
+    assert rss1 - rss0 < 24 * 1024, f"RSS grew {rss0} -> {rss1} KiB"
+
+
+def test_too_small_shared_memory_fails_before_training(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("resumable.manager.shm_free_bytes", lambda d: 1024)
+    ck = resumable.Checkpointer(tmp_path / "ck", make_state(), persist="process", shm_dir=shm_dir)
+    with pytest.raises(StorageError, match=r"need .* MiB"):
+        ck.restore()
+    ck.close()
+
+
+def test_stale_segments_of_dead_runs_are_removed(tmp_path: Path, shm_dir: Path) -> None:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    slot = shm.ShmSlot.create(shm_dir / "resumable-deadbeef0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10)
+    control = slot.control()
+    control.owner_pid, control.updated = proc.pid, time.time() - 3 * 86400
+    slot._write_control(control)
+    slot.close()
+    slot = shm.ShmSlot.create(shm_dir / "resumable-feedface0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10)
+    slot._update(owner_pid=proc.pid)  # dead but recent: its run may still relaunch
+    slot.close()
+    ck = resumable.Checkpointer(tmp_path / "ck", make_state(), persist="thread", shm_dir=shm_dir)
+    names = sorted(p.name for p in shm_dir.iterdir())
+    assert names == ["resumable-feedface0000-r0-s0"]
+    ck.close()
+    assert shm.remove_dead_segments(shm_dir) == [shm_dir / "resumable-feedface0000-r0-s0"]
+
+
+def test_cli_ls_shows_the_memory_tier(tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from resumable.cli import main
+
+    state = make_state()
+    ck = resumable.Checkpointer(tmp_path / "ck", state, persist="thread", shm_dir=shm_dir)
+    ck.save(1)
+    ck.wait()
+    ck.snapshot(2)
+    assert main(["ls", str(tmp_path / "ck"), "--json", "--shm-dir", str(shm_dir)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["step"], r["status"]) for r in rows} >= {(1, "committed"), (2, "memory")}
+    ck.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_workers() -> Iterator[None]:
+    yield
+    import gc
+
+    gc.collect()
