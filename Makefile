@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck campaign bench clean
+.PHONY: install demo test lint typecheck campaign bench bench-peers-env clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,15 @@ campaign: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
-	$(PY) benchmarks/run.py
+	-$(MAKE) bench-peers-env
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
+# DLRover Flash Checkpoint, a peer measured by `make bench`, in its own environment
+# (its torchrun runs there); pinned to the same torch so pip does not fetch another one.
+bench-peers-env:
+	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/python -c "import torch, dlrover, grpc" 2>/dev/null || \
+		.venv-peers/bin/pip install -q "$(TORCH_PIN)" dlrover grpcio
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

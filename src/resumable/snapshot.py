@@ -110,8 +110,7 @@ def copy_into(
     releases the GIL); two thread pools at once would oversubscribe the cores."""
     on_cuda = any(t.is_cuda for t in tensors.values())
     total = slots[-1].end if slots else 0
-    serial = pool is None or on_cuda or total < _PARALLEL_MIN_BYTES
-    if serial or torch.get_num_threads() > 1:
+    if pool is None or on_cuda or total < _PARALLEL_MIN_BYTES or torch.get_num_threads() > 1:
         with torch.no_grad():
             for slot in slots:
                 _view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
