@@ -39,6 +39,33 @@ def shm_dir(tmp_path: Path) -> Path:
     d.rmdir()
 
 
+def test_foreign_step_directory_is_never_overwritten(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    (root / "step-000000000002").mkdir(parents=True)
+    (root / "step-000000000002" / "notes.txt").write_text("mine")
+    ck = resumable.Checkpointer(root, make_state(), persist="sync")
+    ck.save(1)
+    with pytest.raises(StorageError, match="not a committed checkpoint"):
+        ck.save(2)
+    assert (root / "step-000000000002" / "notes.txt").read_text() == "mine"
+    assert ck.steps() == [1]
+    ck.close()
+
+
+def test_torn_audit_line_does_not_swallow_the_next(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "audit.jsonl").write_text('{"event": "commit", "step": 1}\n{"event": "comm')
+    ck = resumable.Checkpointer(root, make_state(), persist="sync")
+    ck.save(5)
+    ck.close()
+    from resumable.audit import read_audit
+    from resumable.storage import LocalStorage
+
+    events = read_audit(LocalStorage(root))
+    assert any(e["event"] == "commit" and e["step"] == 5 for e in events)
+
+
 def make_state(seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
@@ -240,8 +267,12 @@ def test_kill9_resumes_from_shared_memory_and_persists_it(
     assert final[1] == "17", "must resume from the shared-memory snapshot of step 17"
     assert final[2] == ref.stdout.strip().splitlines()[-1].split()[2], "not bit-identical"
     events = audit(root)
-    assert any(e["event"] == "restore" and e.get("tier") == "memory" and e["step"] == 17 for e in events)
-    assert any(e["event"] == "commit" and e["step"] == 17 for e in events), "recovered step persisted"
+    assert any(
+        e["event"] == "restore" and e.get("tier") == "memory" and e["step"] == 17 for e in events
+    )
+    assert any(e["event"] == "commit" and e["step"] == 17 for e in events), (
+        "recovered step persisted"
+    )
     assert list(shm_dir.iterdir()) == []
 
 
@@ -269,15 +300,15 @@ class FailingStorage(MemoryStorage):
         return super().write(path, chunks)
 
 
-def test_background_failure_surfaces_at_next_call(tmp_path: Path) -> None:
+def test_background_failure_surfaces_at_next_call(shm_dir: Path) -> None:
     storage = FailingStorage()
     state = make_state()
-    ck = resumable.Checkpointer(storage, state, persist="thread", shm_dir=None)
+    ck = resumable.Checkpointer(storage, state, persist="thread", shm_dir=shm_dir)
     ck.save(1)
     ck.wait()
     storage.fail = True
     ck.save(2)  # returns after the snapshot; the failure happens in the background
-    with pytest.raises(PersistError, match="step 2.*No space left"):
+    with pytest.raises(PersistError, match=r"step 2.*No space left"):
         ck.wait()
     storage.fail = False
     assert ck.steps() == [1], "the failed step is not visible; step 1 is intact"
@@ -288,13 +319,14 @@ def test_background_failure_surfaces_at_next_call(tmp_path: Path) -> None:
     assert any(e["event"] == "failure" and e["step"] == 2 for e in events)
 
 
-def test_close_raises_a_pending_failure(tmp_path: Path) -> None:
+def test_close_raises_a_pending_failure_and_keeps_the_snapshot(shm_dir: Path) -> None:
     storage = FailingStorage()
     storage.fail = True
-    ck = resumable.Checkpointer(storage, make_state(), persist="thread")
+    ck = resumable.Checkpointer(storage, make_state(), persist="thread", shm_dir=shm_dir)
     ck.save(1)
     with pytest.raises(PersistError):
         ck.close()
+    assert len(list(shm_dir.iterdir())) == 1, "the unpersisted snapshot stays for the next launch"
 
 
 def test_killed_persist_process_surfaces_and_loses_nothing(tmp_path: Path, shm_dir: Path) -> None:
@@ -321,12 +353,12 @@ def test_killed_persist_process_surfaces_and_loses_nothing(tmp_path: Path, shm_d
         assert ck2.restore() == 3
 
 
-def test_busy_worker_skips_then_catches_up(tmp_path: Path) -> None:
+def test_busy_worker_skips_then_catches_up(shm_dir: Path) -> None:
     storage = FailingStorage()
     storage.delay = 0.3
     state = make_state()
     ck = resumable.Checkpointer(
-        storage, state, persist="thread", persist_every=resumable.Every(steps=1)
+        storage, state, persist="thread", persist_every=resumable.Every(steps=1), shm_dir=shm_dir
     )
     started = [ck.maybe_save(step) for step in range(1, 6)]
     assert started[0] is True and not all(started), "saves while busy must be deferred"
@@ -340,13 +372,14 @@ def test_busy_worker_skips_then_catches_up(tmp_path: Path) -> None:
     assert ck.steps()[-1] == 6
 
 
-def test_on_busy_wait_persists_every_step(tmp_path: Path) -> None:
+def test_on_busy_wait_persists_every_step(shm_dir: Path) -> None:
     storage = FailingStorage()
     storage.delay = 0.05
     ck = resumable.Checkpointer(
         storage,
         make_state(),
         persist="thread",
+        shm_dir=shm_dir,
         persist_every=resumable.Every(steps=1),
         on_busy="wait",
         keep=None,
@@ -408,12 +441,16 @@ def test_too_small_shared_memory_fails_before_training(
 def test_stale_segments_of_dead_runs_are_removed(tmp_path: Path, shm_dir: Path) -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
-    slot = shm.ShmSlot.create(shm_dir / "resumable-deadbeef0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10)
+    slot = shm.ShmSlot.create(
+        shm_dir / "resumable-deadbeef0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10
+    )
     control = slot.control()
     control.owner_pid, control.updated = proc.pid, time.time() - 3 * 86400
     slot._write_control(control)
     slot.close()
-    slot = shm.ShmSlot.create(shm_dir / "resumable-feedface0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10)
+    slot = shm.ShmSlot.create(
+        shm_dir / "resumable-feedface0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10
+    )
     slot._update(owner_pid=proc.pid)  # dead but recent: its run may still relaunch
     slot.close()
     ck = resumable.Checkpointer(tmp_path / "ck", make_state(), persist="thread", shm_dir=shm_dir)
@@ -423,7 +460,9 @@ def test_stale_segments_of_dead_runs_are_removed(tmp_path: Path, shm_dir: Path) 
     assert shm.remove_dead_segments(shm_dir) == [shm_dir / "resumable-feedface0000-r0-s0"]
 
 
-def test_cli_ls_shows_the_memory_tier(tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_ls_shows_the_memory_tier(
+    tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from resumable.cli import main
 
     state = make_state()

@@ -26,6 +26,7 @@ class AuditLog:
         self.storage = storage
         self.rank = rank
         self._warned = False
+        self._checked_tail = False
 
     def record(self, event: str, **fields: Any) -> None:
         entry = {
@@ -38,11 +39,25 @@ class AuditLog:
         }
         line = json.dumps(entry, default=str, allow_nan=False) + "\n"
         try:
+            if not self._checked_tail:
+                line = self._repair_prefix() + line
             self.storage.append(AUDIT_LOG, line.encode())
         except Exception as exc:  # the log must never break training
             if not self._warned:
                 log.warning("could not append to the audit log of %s: %s", self.storage.url, exc)
                 self._warned = True
+
+    def _repair_prefix(self) -> str:
+        """A newline if a crash left the log's last line torn, so the next entry is not
+        glued to it (checked once per writer)."""
+        self._checked_tail = True
+        try:
+            size = self.storage.size(AUDIT_LOG)
+            if size and self.storage.read_range(AUDIT_LOG, size - 1, 1) != b"\n":
+                return "\n"
+        except (FileNotFoundError, OSError, ValueError):
+            pass
+        return ""
 
 
 def read_audit(storage: Storage) -> list[dict[str, Any]]:

@@ -20,12 +20,13 @@ checkpoint is committed iff ``step-N/manifest.json`` exists.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
 from dataclasses import dataclass
 
-from resumable.errors import CorruptCheckpointError
+from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import MANIFEST
 from resumable.storage.base import Storage
 
@@ -103,6 +104,7 @@ class RenameCommit:
 
     def begin(self, step: int) -> Attempt:
         final = step_dir(step)
+        self._refuse_foreign(final)
         staging = f".tmp-{final}.{os.getpid()}.{secrets.token_hex(4)}"
         return Attempt(step, staging, final)
 
@@ -115,6 +117,7 @@ class RenameCommit:
         replaced = False
         trash = None
         if s.exists(attempt.final):
+            self._refuse_foreign(attempt.final)
             trash = f".trash-{attempt.final}.{os.getpid()}.{secrets.token_hex(4)}"
             s.rename_dir(attempt.final, trash)
             replaced = True
@@ -123,6 +126,17 @@ class RenameCommit:
         if trash is not None:
             s.delete(trash)
         return replaced
+
+    def _refuse_foreign(self, final: str) -> None:
+        """A ``step-N`` directory without a manifest was not made by a commit (ours never
+        leave one): it is someone else's data, and is never replaced or deleted."""
+        if self.storage.exists(final) and not self.storage.exists(f"{final}/{MANIFEST}"):
+            raise StorageError(
+                errno.EEXIST,
+                f"{self.storage.url}/{final} exists but is not a committed checkpoint "
+                "(no manifest); resumable will not overwrite it. Move it away to save "
+                "this step",
+            )
 
     def delete(self, step: int) -> None:
         """Remove a committed checkpoint: first renamed aside (atomically un-committed),

@@ -184,9 +184,13 @@ class JobRunner:
         self.metrics_cache[step] = result.manifest["metrics"]
         deleted: list[int] = []
         if self.keep is not None and not self.keep.keeps_all:
-            deleted = apply_retention(
-                self.storage, self.keep, self.audit, just_written=step, cache=self.metrics_cache
-            )
+            try:
+                deleted = apply_retention(
+                    self.storage, self.keep, self.audit, just_written=step, cache=self.metrics_cache
+                )
+            except Exception as exc:  # the step is committed; retention retries next time
+                log.warning("retention after step %d failed: %s", step, exc)
+                self.audit.record("failure", step=step, stage="retention", error=repr(exc)[:500])
         sums = [result.manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
         reply = {
             "kind": "committed",
