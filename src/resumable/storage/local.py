@@ -72,28 +72,9 @@ class LocalStorage(Storage):
         return written
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        full = self._path(check_relpath(path), must_exist=True)
-        try:
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise _storage_error("open", full, exc) from exc
-        try:
-            buf = bytearray(length)
-            view = memoryview(buf)
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"{full} is truncated: wanted bytes [{offset}, {offset + length}), "
-                        f"file ends at {offset + got}"
-                    )
-                got += n
-            return bytes(buf) if length < (1 << 20) else buf  # type: ignore[return-value]
-        except OSError as exc:
-            raise _storage_error("read", full, exc) from exc
-        finally:
-            os.close(fd)
+        buf = bytearray(length)
+        self.read_into(path, offset, memoryview(buf))
+        return bytes(buf) if length < (1 << 20) else buf  # type: ignore[return-value]
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Read ``len(out)`` bytes at ``offset`` straight into ``out`` (no extra copy)."""
@@ -107,7 +88,10 @@ class LocalStorage(Storage):
             while got < length:
                 n = os.preadv(fd, [out[got:]], offset + got)
                 if n == 0:
-                    raise CorruptCheckpointError(f"{full} is truncated at byte {offset + got}")
+                    raise CorruptCheckpointError(
+                        f"{full} is truncated: wanted bytes [{offset}, {offset + length}), "
+                        f"file ends at {offset + got}"
+                    )
                 got += n
         except OSError as exc:
             raise _storage_error("read", full, exc) from exc
