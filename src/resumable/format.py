@@ -258,16 +258,17 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a resumable manifest")
     version = m.get("format_version")
-    if type(version) is int and version > FORMAT_VERSION:
+    digest_ok = m.get("digest") == manifest_digest(m)
+    if type(version) is int and version > FORMAT_VERSION and digest_ok:
         raise NewerFormatError(
             f"{where}: format version {version} is newer than this resumable reads "
             f"(1..{FORMAT_VERSION}); upgrade resumable to read it (restoring an older "
             "checkpoint instead would silently lose progress)"
         )
-    if type(version) is not int or version < 1:
-        raise CorruptCheckpointError(f"{where}: format version {version!r} is not valid")
-    if m.get("digest") != manifest_digest(m):
+    if not digest_ok:
         raise CorruptCheckpointError(f"{where}: manifest digest mismatch (edited or corrupt)")
+    if type(version) is not int or version < 1 or version > FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where}: format version {version!r} is not valid")
     _check_type(m, "step", int, where)
     _check_type(m, "ranks", list, where)
     _check_type(m, "files", dict, where)

@@ -82,6 +82,8 @@ class LocalStorage(Storage):
         try:
             fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"refusing {full}: it is a symbolic link") from exc
             raise _storage_error("open", full, exc) from exc
         try:
             got, length = 0, len(out)

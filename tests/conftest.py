@@ -1,0 +1,217 @@
+"""Fixtures shared by the whole test suite.
+
+- `small_training_state`: a factory for a tiny model + AdamW + StepLR trained a few
+  deterministic steps (`TrainingState`), to save from and restore into.
+- `make_saved_root` / `saved_root`: a checkpoint root with committed checkpoints at steps
+  1, 2, 3 and the exact tensors each one holds (`SavedRoot`).
+- `audit_events`: a recorder on a process-wide ``sys.addaudithook`` hook, installed once
+  per session (audit hooks cannot be removed); it records only inside ``recording()``.
+
+Add new fixtures below the existing ones, each with a docstring saying what it builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import resumable
+
+DATA_FILE = "rank-00000.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+# --------------------------------------------------------------------------- training state
+
+
+def tensor_bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (bit for bit: -0.0 != 0.0, NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(ab, bb)
+
+
+@dataclass
+class TrainingState:
+    """A tiny training job: ``state`` is what a script hands to `resumable.Checkpointer`."""
+
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    batches: torch.Generator
+    state: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = {"model": self.model, "optim": self.optim, "sched": self.sched}
+
+    def train(self, steps: int = 1) -> None:
+        """Deterministic optimizer steps (batches come from this state's own generator)."""
+        for _ in range(steps):
+            x = torch.randn(5, 4, generator=self.batches)
+            loss = self.model(x).square().mean()
+            self.optim.zero_grad()
+            loss.backward()
+            self.optim.step()
+            self.sched.step()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Clones of every tensor that a restore must reproduce: parameters, buffers,
+        optimizer moments and step counts, and the learning rate / scheduler position."""
+        out = {f"model/{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+        for i, st in self.optim.state_dict()["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim/{i}/{k}"] = v.detach().clone()
+        out["optim/lr"] = torch.tensor(
+            [g["lr"] for g in self.optim.param_groups], dtype=torch.float64
+        )
+        out["sched/last_epoch"] = torch.tensor(self.sched.last_epoch)
+        return out
+
+    def mismatches(self, expected: dict[str, torch.Tensor]) -> list[str]:
+        """Names whose live value differs (bit for bit) from ``expected``; ``[]`` if equal."""
+        actual = self.tensors()
+        names = sorted(set(actual) | set(expected))
+        return [
+            n
+            for n in names
+            if n not in actual
+            or n not in expected
+            or not tensor_bytes_equal(actual[n], expected[n])
+        ]
+
+
+def build_training_state(seed: int = 0, steps: int = 2) -> TrainingState:
+    """Linear(4, 8) -> ReLU -> Linear(8, 2), AdamW, StepLR; ``steps`` optimizer steps.
+    Different seeds give different weights; the global RNG streams are left untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    batches = torch.Generator().manual_seed(1000 + seed)
+    ts = TrainingState(model, optim, sched, batches)
+    ts.train(steps)
+    return ts
+
+
+@pytest.fixture(scope="session")
+def small_training_state() -> Callable[..., TrainingState]:
+    """Factory ``small_training_state(seed=0, steps=2) -> TrainingState``."""
+    return build_training_state
+
+
+# --------------------------------------------------------------------------- saved checkpoints
+
+
+@dataclass
+class SavedRoot:
+    """A checkpoint root written by `resumable.Checkpointer` (``keep=None``)."""
+
+    path: Path
+    steps: list[int]
+    expected: dict[int, dict[str, torch.Tensor]]  # TrainingState.tensors() at each step
+
+    def step_dir(self, step: int) -> Path:
+        return self.path / f"step-{step:012d}"
+
+    def data_file(self, step: int) -> Path:
+        return self.step_dir(step) / DATA_FILE
+
+    def manifest_file(self, step: int) -> Path:
+        return self.step_dir(step) / MANIFEST_FILE
+
+    def copy_to(self, dst: Path) -> SavedRoot:
+        """An independent copy of the root (same expected tensors)."""
+        shutil.copytree(self.path, dst, symlinks=True)
+        return SavedRoot(dst, list(self.steps), self.expected)
+
+
+def build_saved_root(path: Path, steps: Iterable[int] = (1, 2, 3), seed: int = 0) -> SavedRoot:
+    """Train one step before each save, so every checkpoint holds different values.
+    Saves synchronously (no worker process, no shared memory): fast and deterministic."""
+    ts = build_training_state(seed=seed, steps=1)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    steps = list(steps)
+    with resumable.Checkpointer(path, ts.state, keep=None, persist="sync") as ckpt:
+        for step in steps:
+            ts.train(1)
+            ckpt.save(step, metrics={"loss": 1.0 / (step + 1)})
+            ckpt.wait()
+            expected[step] = ts.tensors()
+    return SavedRoot(Path(path), steps, expected)
+
+
+@pytest.fixture(scope="session")
+def make_saved_root() -> Callable[..., SavedRoot]:
+    """Factory ``make_saved_root(path, steps=(1, 2, 3), seed=0) -> SavedRoot``."""
+    return build_saved_root
+
+
+@pytest.fixture
+def saved_root(tmp_path: Path) -> SavedRoot:
+    """``tmp_path / "ckpt"`` with committed checkpoints at steps 1, 2 and 3."""
+    return build_saved_root(tmp_path / "ckpt")
+
+
+# --------------------------------------------------------------------------- audit hooks
+
+
+class AuditRecorder:
+    """Records `sys.audit` events, but only inside ``with recorder.recording():``."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple[Any, ...]]] = []
+        self._active = False
+
+    def hook(self, event: str, args: tuple[Any, ...]) -> None:
+        if self._active:
+            self.events.append((event, args))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[tuple[str, tuple[Any, ...]]]]:
+        self.events = []
+        self._active = True
+        try:
+            yield self.events
+        finally:
+            self._active = False
+
+    def named(self, *names: str) -> list[tuple[str, tuple[Any, ...]]]:
+        """Recorded events whose name is one of ``names`` or starts with ``name + "."``."""
+        return [
+            (e, a) for e, a in self.events if any(e == n or e.startswith(n + ".") for n in names)
+        ]
+
+    def opened_paths(self) -> list[str]:
+        """Absolute paths of every ``open`` event recorded (file descriptors skipped)."""
+        out = []
+        for event, args in self.events:
+            if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+                out.append(os.path.abspath(os.fsdecode(args[0])))
+        return out
+
+
+_RECORDER: AuditRecorder | None = None
+
+
+@pytest.fixture(scope="session")
+def audit_events() -> AuditRecorder:
+    """The session's `AuditRecorder` (its hook is installed on first use)."""
+    global _RECORDER
+    if _RECORDER is None:
+        _RECORDER = AuditRecorder()
+        sys.addaudithook(_RECORDER.hook)
+    return _RECORDER

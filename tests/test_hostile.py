@@ -1,0 +1,832 @@
+"""Hostile checkpoints are refused: nothing executed, nothing outside the root touched.
+
+Each test plants a hand-crafted checkpoint at step 9, newer than the valid steps 1-3 of
+a `saved_root`. Manifests are re-signed with `manifest_digest`, as an attacker would, so
+that the digest check passes and the *other* defences are exercised. Restore must skip
+the planted checkpoint (WARNING + ``skip`` audit event) and load step 3, or raise a
+project error; an audit hook (`sys.addaudithook`) watches for code execution and for
+files opened outside the root while it runs, and the files outside the root are
+compared before and after.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resumable import (
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpointError,
+    Keep,
+    StateMismatchError,
+)
+from resumable.audit import read_audit
+from resumable.format import manifest_digest
+from resumable.reader import CheckpointReader
+from resumable.storage import LocalStorage, open_storage
+
+HOSTILE, VALID = 9, 3
+DATA = "rank-00000.safetensors"
+LOGGER = "resumable"
+# Audit events that mean code from the checkpoint could run (or a module got loaded).
+FORBIDDEN_EVENTS = (
+    "pickle.find_class",
+    "exec",
+    "compile",
+    "code.__new__",
+    "function.__new__",
+    "marshal.loads",
+    "import",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "subprocess.Popen",
+    "ctypes.dlopen",
+)
+
+
+def dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+class _SystemPayload:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _ExecPayload:
+    """Unpickling this executes Python source that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def safetensors_blob(tensors: dict[str, tuple[str, list[int], bytes]]) -> bytes:
+    """A valid safetensors file: ``{name: (dtype, shape, raw bytes)}``."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    data, offset = b"", 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        data += raw
+        offset += len(raw)
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body + data
+
+
+def files_outside(tmp_path: Path, root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under ``tmp_path`` but outside ``root``: size and sha256 (symlinks
+    are recorded by target, not followed)."""
+    out: dict[str, tuple[int, str]] = {}
+    for dirpath, dirnames, filenames in os.walk(tmp_path):
+        here = Path(dirpath)
+        if here == root or root in here.parents:
+            dirnames[:] = []
+            continue
+        for name in filenames + [d for d in dirnames if (here / d).is_symlink()]:
+            p = here / name
+            if p.is_symlink():
+                out[str(p)] = (-1, os.readlink(p))
+            else:
+                out[str(p)] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+# --------------------------------------------------------------------------- the planter
+
+
+class Planter:
+    """Plants hostile checkpoints into a saved root and restores with guards."""
+
+    def __init__(
+        self,
+        saved: Any,
+        tmp_path: Path,
+        make_state: Callable[..., Any],
+        recorder: Any,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        self.saved = saved
+        self.root: Path = saved.path
+        self.tmp_path = tmp_path
+        self.make_state = make_state
+        self.recorder = recorder
+        self.caplog = caplog
+        self.outside = tmp_path / "outside"
+        self.outside.mkdir()
+        self.marker = tmp_path / "pwned-marker"
+        self.valid_data = saved.data_file(VALID).read_bytes()
+        # Decoys: a perfectly valid data file and manifest outside the root, so that a
+        # loader following a hostile path would "succeed" and the test would see it.
+        shutil.copy(saved.data_file(VALID), tmp_path / "outside.safetensors")
+        shutil.copy(saved.data_file(VALID), self.outside / DATA)
+
+    @property
+    def dir(self) -> Path:
+        return self.root / dir_name(HOSTILE)
+
+    def manifest(self) -> dict[str, Any]:
+        """The valid manifest of step 3, renumbered to the hostile step and re-signed."""
+        m = json.loads(self.saved.manifest_file(VALID).read_bytes())
+        m["step"] = HOSTILE
+        return self.sign(m)
+
+    @staticmethod
+    def sign(m: dict[str, Any]) -> dict[str, Any]:
+        m["digest"] = manifest_digest(m)
+        return m
+
+    def plant(
+        self,
+        manifest: dict[str, Any] | bytes,
+        files: dict[str, bytes] | None = None,
+        *,
+        resign: bool = True,
+    ) -> None:
+        """Write ``files`` (default: a valid data file) and the manifest into step 9."""
+        self.dir.mkdir(exist_ok=True)
+        for name, content in (files if files is not None else {DATA: self.valid_data}).items():
+            (self.dir / name).write_bytes(content)
+        if isinstance(manifest, dict):
+            if resign:
+                self.sign(manifest)
+            manifest = json.dumps(manifest).encode()
+        (self.dir / "manifest.json").write_bytes(manifest)
+
+    def set_tree_entry(self, m: dict[str, Any], key: str, node: Any) -> dict[str, Any]:
+        for pair in m["ranks"][0]["tree"]["dict"]:
+            if pair[0] == key:
+                pair[1] = node
+        return self.sign(m)
+
+    def verify_refuses(self) -> None:
+        with pytest.raises(CorruptCheckpointError):
+            CheckpointReader(open_storage(self.root), HOSTILE).verify()
+
+    def restore(self, storage: Any = None) -> tuple[int | BaseException, Any]:
+        """Restore into a fresh state while recording audit events; returns the restored
+        step (or the project error raised) and the state. Asserts the guards."""
+        ts = self.make_state(seed=7, steps=0)
+        before = files_outside(self.tmp_path, self.root)
+        outcome: int | BaseException
+        with (
+            self.caplog.at_level(logging.WARNING, logger=LOGGER),
+            Checkpointer(storage or self.root, ts.state, keep=None, persist="sync") as ckpt,
+            self.recorder.recording(),
+        ):
+            try:
+                outcome = ckpt.restore()
+            except CheckpointError as exc:
+                outcome = exc
+        assert self.recorder.named(*FORBIDDEN_EVENTS) == []
+        real_root = os.path.realpath(self.root)
+        outside_opens = [
+            p for p in self.recorder.opened_paths() if not p.startswith(real_root + os.sep)
+        ]
+        assert outside_opens == []
+        assert not self.marker.exists()
+        assert files_outside(self.tmp_path, self.root) == before
+        return outcome, ts
+
+    def restore_falls_back(self, storage: Any = None) -> None:
+        """The planted checkpoint is skipped, loudly, and step 3 is loaded."""
+        logged = len(read_audit(open_storage(self.root)))
+        outcome, ts = self.restore(storage)
+        assert outcome == VALID, outcome
+        assert ts.mismatches(self.saved.expected[VALID]) == []
+        assert any(
+            dir_name(HOSTILE) in r.getMessage()
+            for r in self.caplog.records
+            if r.name == LOGGER and r.levelno == logging.WARNING
+        ), self.caplog.text
+        new = read_audit(open_storage(self.root))[logged:]
+        skips = [e["step"] for e in new if e["event"] == "skip"]
+        assert skips == [HOSTILE]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_up(
+    tmp_path_factory: pytest.TempPathFactory,
+    make_saved_root: Callable[..., Any],
+    small_training_state: Callable[..., Any],
+) -> None:
+    """One ordinary restore and verify first, so lazy imports of torch and the library
+    happen before any test records audit events."""
+    saved = make_saved_root(tmp_path_factory.mktemp("warm") / "ckpt", steps=(1,))
+    ts = small_training_state(seed=7, steps=0)
+    with Checkpointer(saved.path, ts.state, keep=None, persist="sync") as ckpt:
+        assert ckpt.restore() == 1
+    CheckpointReader(open_storage(saved.path), 1).verify()
+
+
+@pytest.fixture
+def planter(
+    saved_root: Any,
+    tmp_path: Path,
+    small_training_state: Callable[..., Any],
+    audit_events: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> Iterator[Planter]:
+    yield Planter(saved_root, tmp_path, small_training_state, audit_events, caplog)
+
+
+# --------------------------------------------------------------------------- (a) pickle
+
+
+def _pickle_blob(marker: Path) -> bytes:
+    return pickle.dumps({"weight": _SystemPayload(marker), "bias": _ExecPayload(marker)})
+
+
+def _torch_save_blob(marker: Path) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"weight": _SystemPayload(marker)}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fname", [DATA, "model.pt", "data.pkl"])
+@pytest.mark.parametrize("make_blob", [_pickle_blob, _torch_save_blob], ids=["pickle", "torch"])
+def test_pickle_data_file_is_refused_unread(
+    planter: Planter, fname: str, make_blob: Callable[[Path], bytes]
+) -> None:
+    """A data file holding a pickle (with a matching size and checksum in the manifest)
+    is not a safetensors file: refused before any byte is interpreted."""
+    from resumable.format import checksum
+
+    blob = make_blob(planter.marker)
+    m = planter.manifest()
+    m["files"] = {fname: {"size": len(blob), "rank": 0}}
+    m["tensors"] = {
+        "model/0.weight": {
+            "file": fname,
+            "dtype": "U8",
+            "shape": [len(blob)],
+            "offsets": [0, len(blob)],
+            "xxh3_64": checksum(blob),
+        }
+    }
+    m["ranks"][0]["tree"] = {"dict": [["model", {"stateful": {"tensor": "model/0.weight"}}]]}
+    planter.plant(m, {fname: blob})
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+HOSTILE_NODES: dict[str, Any] = {
+    "class-in-stateful": {"stateful": {"__class__": "os.system", "args": ["touch x"]}},
+    "pickle-node": {"pickle": "gASVIAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOUjAV0b3VjaJSFlFKULg=="},
+    "reduce-node": {"reduce": ["os", "system", ["touch x"]]},
+    "class-node": {"class": "subprocess.Popen", "args": [["touch", "x"]]},
+    "object-npscalar": {"npscalar": "O", "v": "os.system"},
+    "void-npscalar": {"npscalar": "V", "v": 10**11},
+    "bytes-npscalar-from-int": {"npscalar": "S", "v": 10**11},
+    "overflowing-npscalar": {"npscalar": "<i4", "v": 10**30},
+    "lazy-module-as-dtype": {"dtype": "_inductor"},
+    "function-as-dtype": {"dtype": "load"},
+    "deprecated-attr-as-dtype": {"dtype": "has_cuda"},
+    "dunder-as-dtype": {"dtype": "__builtins__"},
+    "garbage-size": {"size": ["__import__('os').system('x')"]},
+    "bool-size": {"size": [True]},
+    "unknown-tag": {"callable": "builtins.eval"},
+    "too-many-keys": {"dict": [], "list": [], "tuple": [], "x": 1},
+    "dangling-tensor": {"tensor": "not/in/the/index"},
+}
+_deep: Any = {"callable": "builtins.eval"}
+for _ in range(300):
+    _deep = {"list": [{"stateful": _deep}]}
+HOSTILE_NODES["deep-nesting"] = _deep
+
+
+@pytest.mark.parametrize("node", list(HOSTILE_NODES))
+def test_hostile_tree_node_is_refused(planter: Planter, node: str) -> None:
+    m = planter.set_tree_entry(planter.manifest(), "model", HOSTILE_NODES[node])
+    planter.plant(m)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"stateful": {"dict": [["__reduce__", "os.system"], ["__class__", "subprocess.Popen"]]}},
+        {"stateful": {"bytes": base64.b64encode(b"\x80\x04cos\nsystem\n.").decode()}},
+        {"stateful": {"dict": [["0.weight", {"bytes": "Y29zCnN5c3RlbQou"}]]}},
+    ],
+    ids=["class-names-as-keys", "pickle-as-bytes", "pickle-bytes-as-weight"],
+)
+def test_well_formed_but_unfitting_tree_is_a_state_mismatch(
+    planter: Planter, node: dict[str, Any]
+) -> None:
+    """Names of classes or pickle bytes are only data: they reach ``load_state_dict`` as
+    strings and bytes, which refuses them; nothing is executed."""
+    planter.plant(planter.set_tree_entry(planter.manifest(), "model", node))
+    outcome, _ = planter.restore()
+    assert isinstance(outcome, StateMismatchError), outcome
+
+
+def test_pickle_bytes_in_a_tensor_stay_inert_data(
+    tmp_path: Path, audit_events: Any, small_training_state: Callable[..., Any]
+) -> None:
+    """A valid checkpoint whose tensor holds pickle bytes loads those bytes, as bytes."""
+    marker = tmp_path / "pwned-marker"
+    blob = _pickle_blob(marker) + _torch_save_blob(marker)
+    root = tmp_path / "ckpt"
+    with Checkpointer(
+        root, {"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}, persist="sync"
+    ) as ckpt:
+        ckpt.save(1)
+    live = {"blob": torch.zeros(len(blob), dtype=torch.uint8)}
+    with Checkpointer(root, live, persist="sync") as ckpt, audit_events.recording():
+        assert ckpt.restore() == 1
+    assert bytes(live["blob"].numpy()) == blob
+    assert audit_events.named(*FORBIDDEN_EVENTS) == []
+    assert not marker.exists()
+
+
+def test_tree_names_never_reach_torch_attributes(
+    planter: Planter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.has_cuda`` (a deprecated attribute) calls a function when looked up: a
+    ``dtype`` node naming it must be refused without the lookup."""
+    deprecated = getattr(torch, "_deprecated_attrs", None)
+    if not isinstance(deprecated, dict) or "has_cuda" not in deprecated:
+        pytest.skip("this torch has no deprecated attribute that runs code on lookup")
+    called: list[str] = []
+    monkeypatch.setitem(deprecated, "has_cuda", lambda: called.append("has_cuda"))
+    planter.plant(planter.set_tree_entry(planter.manifest(), "model", {"dtype": "has_cuda"}))
+    planter.verify_refuses()
+    planter.restore_falls_back()
+    assert called == []
+
+
+# --------------------------------------------------------------------------- (b) paths
+
+BAD_NAMES = [
+    "../../outside.safetensors",
+    "../step-000000000003/rank-00000.safetensors",
+    "/etc/passwd",
+    "<ABSOLUTE-DECOY>",
+    "a\\b",
+    "..\\..\\outside.safetensors",
+    "step/../../x",
+    "./rank-00000.safetensors",
+    "rank-00000.safetensors/",
+    "rank-00000.safetensors\n",
+    "",
+    ".",
+    "..",
+    "~/outside.safetensors",
+    "file:///etc/passwd",
+    "C:\\Windows\\win.ini",
+    "rank-00000.safetensors\x00.txt",
+    "\u2024\u2024/outside.safetensors",  # one-dot leaders that look like ".."
+    "x" * 5000,
+    "a/" * 600 + "b",
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=[repr(n)[:40] for n in BAD_NAMES])
+def test_file_names_escaping_the_root_are_refused(planter: Planter, name: str) -> None:
+    if name == "<ABSOLUTE-DECOY>":
+        name = str(planter.tmp_path / "outside.safetensors")
+    m = planter.manifest()
+    (entry,) = m["files"].values()
+    m["files"] = {name: entry}
+    for info in m["tensors"].values():
+        info["file"] = name
+    planter.plant(m)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_tensor_naming_an_unlisted_file_is_refused(planter: Planter) -> None:
+    m = planter.manifest()
+    next(iter(m["tensors"].values()))["file"] = "../../outside.safetensors"
+    planter.plant(m)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+# --------------------------------------------------------------------------- (c) symlinks
+
+
+def test_symlinked_data_file_pointing_outside_is_refused(planter: Planter) -> None:
+    planter.plant(planter.manifest(), {})
+    (planter.dir / DATA).symlink_to(planter.outside / DATA)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_symlinked_manifest_pointing_outside_is_refused(planter: Planter) -> None:
+    (planter.outside / "manifest.json").write_text(json.dumps(planter.manifest()))
+    planter.plant(planter.manifest())
+    (planter.dir / "manifest.json").unlink()
+    (planter.dir / "manifest.json").symlink_to(planter.outside / "manifest.json")
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_symlinked_step_directory_pointing_outside_is_refused(planter: Planter) -> None:
+    """A complete, valid checkpoint outside the root, linked in as the newest step."""
+    (planter.outside / "manifest.json").write_text(json.dumps(planter.manifest()))
+    planter.dir.symlink_to(planter.outside, target_is_directory=True)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_symlinked_audit_log_is_not_written_through(
+    planter: Planter, small_training_state: Callable[..., Any]
+) -> None:
+    outside_log = planter.outside / "victim.txt"
+    outside_log.write_text("keep me\n")
+    (planter.root / "audit.jsonl").unlink()
+    (planter.root / "audit.jsonl").symlink_to(outside_log)
+    outcome, ts = planter.restore()  # files outside the root compared inside
+    assert outcome == VALID
+    assert ts.mismatches(planter.saved.expected[VALID]) == []
+    assert outside_log.read_text() == "keep me\n"
+
+
+# --------------------------------------------------------------------------- (d) sizes
+
+
+class RecordingStorage(LocalStorage):
+    """Local storage that remembers the length of every read it was asked for."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, int]] = []
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        self.reads.append((path, length))
+        return super().read_range(path, offset, length)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self.reads.append((path, len(out)))
+        super().read_into(path, offset, out)
+
+
+def _first(m: dict[str, Any]) -> dict[str, Any]:
+    return m["tensors"]["model/0.weight"]  # F32 [8, 4]
+
+
+def _huge_shape(m: dict[str, Any]) -> None:
+    t = _first(m)
+    t["shape"] = [10**6, 10**6]
+    t["dtype"] = "U8"
+    t["offsets"] = [t["offsets"][0], t["offsets"][0] + 10**12]
+    for f in m["files"].values():
+        f["size"] = 2 * 10**12
+
+
+def _huge_shape_small_file(m: dict[str, Any]) -> None:
+    t = _first(m)
+    t["shape"] = [10**6, 10**6]
+    t["offsets"] = [t["offsets"][0], t["offsets"][0] + 4 * 10**12]
+
+
+def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda m: _first(m).__setitem__(key, value)
+
+
+def _file_size(value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        for f in m["files"].values():
+            f["size"] = value
+
+    return edit
+
+
+ABSURD: dict[str, Callable[[dict[str, Any]], None]] = {
+    "shape-1e12-elements": _huge_shape,
+    "shape-1e12-elements-small-file": _huge_shape_small_file,
+    "shape-googol": _set("shape", [10**100, 0]),
+    "shape-negative": _set("shape", [-8, -4]),
+    "shape-65-dims": _set("shape", [1] * 65),
+    "shape-float": _set("shape", [8.0, 4]),
+    "shape-not-a-list": _set("shape", "8x4"),
+    "offsets-beyond-file": lambda m: _first(m).__setitem__(
+        "offsets", [o + 10**9 for o in _first(m)["offsets"]]
+    ),
+    "offsets-negative": lambda m: _first(m).__setitem__("offsets", [-128, 0]),
+    "offsets-reversed": lambda m: _first(m).__setitem__("offsets", _first(m)["offsets"][::-1]),
+    "offsets-three": lambda m: _first(m).__setitem__("offsets", [*_first(m)["offsets"], 0]),
+    "offsets-huge": _set("offsets", [2**64, 2**64 + 128]),
+    "file-size-2**80": _file_size(2**80),
+    "file-size-negative": _file_size(-1),
+    "file-size-string": _file_size("9704"),
+    "world-of-tensors": lambda m: m["tensors"].update(
+        {f"t{i}": dict(_first(m), offsets=[10**12, 10**12 + 128]) for i in range(1000)}
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(ABSURD))
+def test_absurd_sizes_and_offsets_are_refused(planter: Planter, edit: str) -> None:
+    m = planter.manifest()
+    ABSURD[edit](m)
+    planter.plant(m)
+    planter.verify_refuses()
+    storage = RecordingStorage(planter.root)
+    planter.restore_falls_back(storage)
+    assert max(n for _, n in storage.reads) < 1 << 20
+
+
+@pytest.mark.parametrize("prefix", [2**63, 2**64 - 1, 2**32, 0, 7, 9])
+def test_absurd_safetensors_header_length_is_refused(planter: Planter, prefix: int) -> None:
+    data = prefix.to_bytes(8, "little") + planter.valid_data[8:]
+    planter.plant(planter.manifest(), {DATA: data})
+    planter.verify_refuses()
+    storage = RecordingStorage(planter.root)
+    planter.restore_falls_back(storage)
+    assert max(n for _, n in storage.reads) < 1 << 20
+
+
+def _rewrite_header(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body + data[8 + n :]
+
+
+def _header_entry(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda h: h["model/0.weight"].__setitem__(key, value)
+
+
+HEADER_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "offsets-int": _header_entry("data_offsets", 5),
+    "offsets-string": _header_entry("data_offsets", "ab"),
+    "offsets-nulls": _header_entry("data_offsets", [None, None]),
+    "offsets-floats": _header_entry("data_offsets", [0.0, 128.0]),
+    "offsets-one": _header_entry("data_offsets", [0]),
+    "offsets-missing": lambda h: h["model/0.weight"].pop("data_offsets"),
+    "entry-not-a-dict": lambda h: h.__setitem__("model/0.weight", [1, 2]),
+    "entry-missing": lambda h: h.pop("model/0.weight"),
+}
+
+
+@pytest.mark.parametrize("edit", list(HEADER_EDITS))
+def test_malformed_safetensors_header_is_refused(planter: Planter, edit: str) -> None:
+    data = _rewrite_header(planter.valid_data, HEADER_EDITS[edit])
+    m = planter.manifest()
+    shift = len(data) - len(planter.valid_data)
+    for f in m["files"].values():
+        f["size"] = len(data)
+    for t in m["tensors"].values():
+        t["offsets"] = [o + shift for o in t["offsets"]]
+    planter.plant(m, {DATA: data})
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"x"', b"null", b"1", b"{", b"\xff\xfe"])
+def test_safetensors_header_that_is_not_an_object_is_refused(planter: Planter, body: bytes) -> None:
+    body += b" " * (-len(body) % 8)
+    data = len(body).to_bytes(8, "little") + body + planter.valid_data
+    m = planter.manifest()
+    for f in m["files"].values():
+        f["size"] = len(data)
+    planter.plant(m, {DATA: data})
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_huge_safetensors_header_is_refused_before_reading_it(planter: Planter) -> None:
+    """A 200 MB (sparse) data file claiming a 150 MB header: refused from the length
+    prefix alone, without reading (or allocating) the claimed header."""
+    size = 200 << 20
+    header_len = 150 << 20
+    m = planter.manifest()
+    for f in m["files"].values():
+        f["size"] = size
+    planter.plant(m, {})
+    with open(planter.dir / DATA, "wb") as f:
+        f.write(header_len.to_bytes(8, "little") + b"{")
+        f.truncate(size)
+    planter.verify_refuses()
+    storage = RecordingStorage(planter.root)
+    planter.restore_falls_back(storage)
+    assert max(n for _, n in storage.reads) < 1 << 20
+
+
+def test_huge_manifest_is_refused_before_reading_it(planter: Planter) -> None:
+    """A 300 MB (sparse) manifest: refused from its size, without reading it."""
+    planter.plant(b"{")
+    with open(planter.dir / "manifest.json", "r+b") as f:
+        f.truncate(300 << 20)
+    planter.verify_refuses()
+    storage = RecordingStorage(planter.root)
+    planter.restore_falls_back(storage)
+    assert max(n for _, n in storage.reads) < 1 << 20
+
+
+# --------------------------------------------------------------------------- (e) types
+
+BAD_DTYPES: list[Any] = [
+    "F128",
+    "float32",
+    "f4",
+    "<f4",
+    "O",
+    "f32",
+    "F32 ",
+    "",
+    None,
+    5,
+    True,
+    ["F32"],
+    {"F32": 1},
+    "__class__",
+    "C64",
+]
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES, ids=[repr(d) for d in BAD_DTYPES])
+def test_unknown_tensor_dtype_is_refused(planter: Planter, dtype: Any) -> None:
+    m = planter.manifest()
+    _first(m)["dtype"] = dtype
+    planter.plant(m)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_header_dtype_disagreeing_with_manifest_is_refused(planter: Planter) -> None:
+    """Same byte count, other dtype (F32 -> I32) in both manifest and checksum: only the
+    safetensors header still says F32."""
+    m = planter.manifest()
+    _first(m)["dtype"] = "I32"
+    planter.plant(m)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+BAD_KEYS: list[Any] = [1.5, None, True, False, ["a"], {"a": 1}]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=[repr(k) for k in BAD_KEYS])
+def test_non_string_tree_keys_are_refused(planter: Planter, key: Any) -> None:
+    node = {"stateful": {"dict": [[key, {"tensor": "model/0.weight", "device": "cpu"}]]}}
+    planter.plant(planter.set_tree_entry(planter.manifest(), "model", node))
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+BOOL_CONFUSION: dict[str, Callable[[dict[str, Any]], None]] = {
+    "format_version-true": lambda m: m.__setitem__("format_version", True),
+    "format_version-float": lambda m: m.__setitem__("format_version", 1.0),
+    "step-float": lambda m: m.__setitem__("step", float(HOSTILE)),
+    "file-size-true": _file_size(True),
+    "shape-bools": _set("shape", [True, 32]),
+    "offsets-bools": lambda m: _first(m).__setitem__("offsets", [False, True]),
+    "ranks-not-a-list": lambda m: m.__setitem__("ranks", {"0": m["ranks"][0]}),
+    "ranks-empty": lambda m: m.__setitem__("ranks", []),
+    "files-a-list": lambda m: m.__setitem__("files", [DATA]),
+    "tensors-a-list": lambda m: m.__setitem__("tensors", list(m["tensors"].values())),
+    "metrics-a-list": lambda m: m.__setitem__("metrics", [1, 2]),
+    "tree-an-int": lambda m: m["ranks"][0].__setitem__("tree", 5),
+    "tree-a-list-node": lambda m: m["ranks"][0].__setitem__("tree", {"list": []}),
+}
+
+
+@pytest.mark.parametrize("edit", list(BOOL_CONFUSION))
+def test_wrong_json_types_are_refused(planter: Planter, edit: str) -> None:
+    m = planter.manifest()
+    BOOL_CONFUSION[edit](m)
+    planter.plant(m)
+    planter.verify_refuses()
+    planter.restore_falls_back()
+
+
+def test_step_true_is_not_step_one(saved_root: Any, small_training_state: Callable[..., Any]):
+    """``true == 1`` in Python: a manifest of step-000000000001 saying ``"step": true``
+    must still be refused."""
+    m = json.loads(saved_root.manifest_file(1).read_bytes())
+    m["step"] = True
+    m["digest"] = manifest_digest(m)
+    saved_root.manifest_file(1).write_text(json.dumps(m))
+    ts = small_training_state(seed=7, steps=0)
+    with (
+        Checkpointer(saved_root.path, ts.state, keep=None, persist="sync") as ckpt,
+        pytest.raises(CorruptCheckpointError),
+    ):
+        ckpt.restore(step=1)
+
+
+def test_hostile_rng_entry_is_refused_before_touching_state(planter: Planter) -> None:
+    """A malformed random-generator entry is found before any live object is loaded,
+    and the process's random streams stay as they were."""
+    node = {"dict": [["python", {"tuple": [3, {"tuple": [1, 2]}, None]}]]}
+    planter.plant(planter.set_tree_entry(planter.manifest(), "__rng__", node))
+    ts = planter.make_state(seed=7, steps=1)
+    before = ts.tensors()
+    py_rng, torch_rng = random.getstate(), torch.get_rng_state()
+    with (
+        Checkpointer(planter.root, ts.state, keep=None, persist="sync") as ckpt,
+        pytest.raises(CorruptCheckpointError, match="RNG"),
+    ):
+        ckpt.restore(step=HOSTILE)
+    assert ts.mismatches(before) == []
+    assert random.getstate() == py_rng
+    assert torch.equal(torch.get_rng_state(), torch_rng)
+    planter.restore_falls_back()
+
+
+# --------------------------------------------------------------------------- (f) writes
+
+
+@pytest.fixture(scope="module")
+def exited_pid() -> int:
+    """The pid of a process that has exited: staging directories naming it are stale."""
+    for _ in range(5):
+        proc = subprocess.Popen(["true"])
+        proc.wait()
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            return proc.pid
+    pytest.skip("could not find an exited pid")
+
+
+def _victim_dir(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "precious.txt").write_text("precious")
+    (victim / "sub" / "more.txt").write_text("more")
+    return victim
+
+
+@pytest.mark.parametrize("kind", ["tmp", "trash"])
+def test_stale_symlink_to_outside_is_not_followed_by_cleanup(
+    saved_root: Any,
+    tmp_path: Path,
+    small_training_state: Callable[..., Any],
+    exited_pid: int,
+    kind: str,
+) -> None:
+    victim = _victim_dir(tmp_path)
+    (saved_root.path / f".{kind}-{dir_name(HOSTILE)}.{exited_pid}.0badc0de").symlink_to(victim)
+    before = files_outside(tmp_path, saved_root.path)
+    ts = small_training_state(seed=7, steps=0)
+    with Checkpointer(saved_root.path, ts.state, keep=None, persist="sync") as ckpt:
+        assert ckpt.restore() == VALID
+    assert files_outside(tmp_path, saved_root.path) == before
+
+
+def test_stale_directory_holding_symlinks_out_is_removed_without_following_them(
+    saved_root: Any, tmp_path: Path, small_training_state: Callable[..., Any], exited_pid: int
+) -> None:
+    victim = _victim_dir(tmp_path)
+    stale = saved_root.path / f".tmp-{dir_name(HOSTILE)}.{exited_pid}.0badc0de"
+    stale.mkdir()
+    (stale / DATA).symlink_to(victim / "precious.txt")
+    (stale / "sub").symlink_to(victim / "sub", target_is_directory=True)
+    before = files_outside(tmp_path, saved_root.path)
+    ts = small_training_state(seed=7, steps=0)
+    with Checkpointer(saved_root.path, ts.state, keep=None, persist="sync"):
+        pass
+    assert not os.path.lexists(stale)
+    assert files_outside(tmp_path, saved_root.path) == before
+
+
+def test_retention_never_deletes_through_a_symlinked_step(
+    saved_root: Any, tmp_path: Path, small_training_state: Callable[..., Any]
+) -> None:
+    """Retention keeping only the newest checkpoint must not delete a linked-in step
+    directory's target outside the root."""
+    victim = _victim_dir(tmp_path)
+    shutil.copy(saved_root.manifest_file(1), victim / "manifest.json")
+    shutil.copy(saved_root.data_file(1), victim / DATA)
+    (saved_root.path / dir_name(0)).symlink_to(victim, target_is_directory=True)
+    before = files_outside(tmp_path, saved_root.path)
+    ts = small_training_state(seed=7, steps=1)
+    with Checkpointer(saved_root.path, ts.state, keep=Keep(last=1), persist="sync") as ckpt:
+        ckpt.save(10)
+        ckpt.wait()
+    assert files_outside(tmp_path, saved_root.path) == before
+    assert (saved_root.path / dir_name(10) / "manifest.json").exists()
+    assert not saved_root.step_dir(1).exists()  # retention did run
