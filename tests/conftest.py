@@ -215,3 +215,10 @@ def audit_events() -> AuditRecorder:
         _RECORDER = AuditRecorder()
         sys.addaudithook(_RECORDER.hook)
     return _RECORDER
+
+
+@pytest.fixture
+def sync_persist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persist on the training thread (``RESUMABLE_PERSIST=sync``): for suites about the
+    format and the load path, which need no worker process per Checkpointer."""
+    monkeypatch.setenv("RESUMABLE_PERSIST", "sync")

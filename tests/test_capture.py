@@ -30,6 +30,8 @@ from resumable.capture import (
 )
 from resumable.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
 
 @pytest.fixture(autouse=True)
 def _keep_global_rng() -> Iterator[None]:

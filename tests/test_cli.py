@@ -20,6 +20,8 @@ import resumable
 from resumable.cli import COMMANDS, main
 from resumable.errors import NoCheckpointError
 
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
 STEPS = (1, 2, 3, 4)
 
 
@@ -37,7 +39,10 @@ def _train_and_save(root: Path) -> Run:
     model_sd: dict[int, dict[str, torch.Tensor]] = {}
     optim_sd: dict[int, dict[str, object]] = {}
     ckpt = resumable.Checkpointer(
-        root, state={"model": model, "optim": optim, "extra": {"epoch": 0}}, keep=None
+        root,
+        state={"model": model, "optim": optim, "extra": {"epoch": 0}},
+        keep=None,
+        persist="sync",
     )
     for step in STEPS:
         loss = model(torch.randn(16, 4)).pow(2).mean()

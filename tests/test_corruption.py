@@ -32,6 +32,8 @@ from resumable.format import FORMAT_VERSION, manifest_digest
 from resumable.reader import CheckpointReader
 from resumable.storage import open_storage
 
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
 NEWEST, OLDER = 3, 2
 LOGGER = "resumable"
 

@@ -36,6 +36,8 @@ from resumable.format import (
 from resumable.reader import CheckpointReader
 from resumable.storage import open_storage
 
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
 DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",

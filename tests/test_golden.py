@@ -30,6 +30,8 @@ from resumable.format import MANIFEST, decode_manifest
 from resumable.reader import CheckpointReader
 from resumable.storage import open_storage
 
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 V1 = GOLDEN / "v1"
 EXPECTED = json.loads((V1 / "expected.json").read_text())

@@ -40,6 +40,8 @@ from resumable.format import manifest_digest
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, open_storage
 
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
 HOSTILE, VALID = 9, 3
 DATA = "rank-00000.safetensors"
 LOGGER = "resumable"

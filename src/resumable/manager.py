@@ -58,7 +58,6 @@ log = logging.getLogger("resumable")
 PINS_DIR = "pins"
 DEFAULT_KEEP = Keep(last=3)
 PERSIST_MODES = ("auto", "process", "thread", "sync")
-_DEFAULT_MODE = "sync"
 STALE_SHM_S = 24 * 3600.0
 
 
@@ -118,9 +117,7 @@ class Checkpointer:
                     f"RESUMABLE_PERSIST must be one of {PERSIST_MODES}, got {persist!r}"
                 )
         if persist == "auto":
-            persist = _DEFAULT_MODE or (
-                "process" if isinstance(self.storage, LocalStorage) else "thread"
-            )
+            persist = "process" if isinstance(self.storage, LocalStorage) else "thread"
         self.persist_mode = persist
         self.audit = AuditLog(self.storage)
         self._committer = RenameCommit(self.storage)
