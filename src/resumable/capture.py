@@ -149,9 +149,9 @@ class _Encoder:
         if isinstance(v, torch.Size):
             return {"size": list(v)}
         if isinstance(v, list):
-            return {"list": [self.value(x, (*path, i)) for i, x in enumerate(v)]}
+            return {"list": self._sequence(v, path)}
         if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return {"tuple": [self.value(x, (*path, i)) for i, x in enumerate(v)]}
+            return {"tuple": self._sequence(v, path)}
         if _is_stateful(v):
             try:
                 sd = v.state_dict()
@@ -164,6 +164,14 @@ class _Encoder:
             f"{_path_str(path)}: cannot checkpoint {type(v)!r}; "
             "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
         )
+
+
+    def _sequence(self, v: list[Any] | tuple[Any, ...], path: tuple[Any, ...]) -> list[Any]:
+        # Fast path (same output): long runs of plain ints, such as Python's RNG state,
+        # are their own encoding.
+        if all(type(x) is int or type(x) is str for x in v):
+            return list(v)
+        return [self.value(x, (*path, i)) for i, x in enumerate(v)]
 
 
 def _is_stateful(v: Any) -> bool:

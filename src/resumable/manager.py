@@ -646,8 +646,10 @@ def apply_retention(
     Only ``step-N`` directories whose manifest parses as a resumable manifest are
     candidates (anything else was not written by resumable, or is damaged and left for
     an operator). The checkpoint just written and pinned ones are never deleted, and
-    nothing is deleted unless one of the retained checkpoints passes a full
-    verification (checksums included), so retention never leaves zero valid ones.
+    nothing is deleted unless a retained checkpoint checks out: the one just written
+    (its files and headers; its checksums were computed from the bytes it was written
+    from), or else, as in ``resumable prune``, one that passes a full verification. So
+    retention never leaves zero valid checkpoints.
     """
     cache = cache if cache is not None else {}
     entries = []
@@ -666,7 +668,12 @@ def apply_retention(
     if dry_run or not doomed:
         return doomed
     survivors = sorted({e.step for e in entries} - set(doomed))
-    if not any(_fully_valid(storage, s) for s in reversed(survivors)):
+    if just_written is not None:
+        # Written and checksummed from memory moments ago: its files are enough to check.
+        trusted = _files_valid(storage, just_written)
+    else:
+        trusted = any(_fully_valid(storage, s) for s in reversed(survivors))
+    if not trusted:
         log.warning(
             "retention deletes nothing in %s: none of the checkpoints it would keep %s verifies",
             storage.url,
@@ -681,6 +688,15 @@ def apply_retention(
         audit.record("delete", step=s, reason="retention")
         log.info("retention deleted %s", step_dir(s))
     return doomed
+
+
+def _files_valid(storage: Storage, step: int) -> bool:
+    try:
+        CheckpointReader(storage, step).check_files()
+    except CheckpointError as exc:
+        log.warning("checkpoint %s does not check out: %s", step_dir(step), exc)
+        return False
+    return True
 
 
 def _fully_valid(storage: Storage, step: int) -> bool:

@@ -1,0 +1,142 @@
+"""Physical floors, measured in the same run as everything they are compared with.
+
+- copy: ``dst.copy_(src)`` of every state tensor into preallocated, already touched
+  tensors — the least a consistent in-memory snapshot can block.
+- write: sequential write of the same number of bytes into the bench directory, then
+  ``fsync`` — from Python with random bytes (so no layer can compress it), and with
+  ``dd if=/dev/zero ... conv=fsync`` as PEERS.md prescribes.
+- read: read those bytes back sequentially into one preallocated buffer; "cold" after
+  dropping the page cache when this process may (root on Linux), "warm" otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import state as state_mod
+import torch
+
+CHUNK = 16 * 2**20
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the page cache; False if not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError:
+        return False
+    return True
+
+
+def copy_floor(tree: Any, reps: int) -> list[float]:
+    src = list(state_mod.iter_tensors(tree))
+    dst = [torch.empty_like(t).fill_(0) for _, t in src]
+    samples = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for d, (_, s) in zip(dst, src):
+                d.copy_(s)
+            samples.append(time.perf_counter() - t0)
+    return samples[1:]  # the first pass also faults in the destination pages' TLB entries
+
+
+def _random_block(nbytes: int) -> bytes:
+    return os.urandom(nbytes)
+
+
+def write_file_fsync(path: Path, nbytes: int, block: bytes) -> None:
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, len(block))
+            f.write(block[:n] if n < len(block) else block)
+            left -= n
+        os.fsync(f.fileno())
+
+
+def write_floor_python(directory: Path, nbytes: int, reps: int) -> list[float]:
+    """Sequential 16 MiB writes of random bytes, then fsync, into a fresh file."""
+    block = _random_block(CHUNK)
+    samples = []
+    for i in range(reps):
+        path = directory / f"write-floor-{i}.bin"
+        os.sync()
+        samples.append(timed(lambda p=path: write_file_fsync(p, nbytes, block)))
+        if i < reps - 1:
+            path.unlink()
+    return samples
+
+
+def write_floor_dd(directory: Path, nbytes: int, reps: int) -> dict[str, Any]:
+    """``dd if=/dev/zero of=DIR/x bs=16M count=N conv=fsync``, timed from outside."""
+    dd = shutil.which("dd")
+    if dd is None:
+        return {"error": "dd not found"}
+    count = max(1, round(nbytes / CHUNK))
+    samples, reported = [], []
+    for i in range(reps):
+        path = directory / f"dd-{i}.bin"
+        os.sync()
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [dd, "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        samples.append(time.perf_counter() - t0)
+        path.unlink(missing_ok=True)
+        if proc.returncode != 0:
+            return {"error": proc.stderr.strip()[-300:]}
+        m = re.search(r"copied, ([0-9.]+) s", proc.stderr)
+        if m:
+            reported.append(float(m.group(1)))
+    return {
+        "bytes": count * CHUNK,
+        "samples": samples,
+        "dd_reported_s": reported,
+        "command": f"dd if=/dev/zero of=DIR/x bs=16M count={count} conv=fsync",
+    }
+
+
+def read_file_into(path: Path, buf: bytearray) -> int:
+    view = memoryview(buf)
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(view[got : got + CHUNK])
+            if not n:
+                break
+            got += n
+    return got
+
+
+def read_floor(path: Path, reps: int, *, cold: bool) -> dict[str, Any]:
+    """Read ``path`` back ``reps`` times; ``cold`` drops the page cache before each read."""
+    size = path.stat().st_size
+    buf = bytearray(size)
+    samples = []
+    cache = "warm"
+    if not cold:
+        read_file_into(path, buf)  # make sure it is cached
+    for _ in range(reps):
+        if cold:
+            cache = "cold" if drop_page_cache() else "warm (drop_caches not permitted)"
+        samples.append(timed(lambda: read_file_into(path, buf)))
+    return {"bytes": size, "samples": samples, "page_cache": cache}

@@ -1,0 +1,547 @@
+"""Render ``docs/performance.md`` from one results JSON (the newest by default).
+
+    python benchmarks/report.py                      # newest benchmarks/results/*.json
+    python benchmarks/report.py results/x.json       # a given run
+
+Every figure in the page is a median of one run's samples, or a ratio of two medians of
+the same run; nothing is typed by hand. `targets` evaluates the issue's targets and is
+also stored in the results JSON by `run.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+Result = dict[str, Any]
+
+
+def _median(entry: Any, key: str = "median") -> float | None:
+    """``entry[key]`` ("median" or "min") of a samples dict, computed from its samples
+    when the key is missing."""
+    if not isinstance(entry, dict):
+        return None
+    v = entry.get(key)
+    if isinstance(v, (int, float)):
+        return float(v)
+    samples = entry.get("samples")
+    if key == "min" and isinstance(samples, list) and samples:
+        return float(min(samples))
+    return None
+
+
+def _get(out: Result, *path: str) -> Any:
+    cur: Any = out
+    for p in path:
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(p)
+    return cur
+
+
+def _m(out: Result, *path: str, key: str = "median") -> float | None:
+    return _median(_get(out, *path), key)
+
+
+def _bw(nbytes: float | None, seconds: float | None) -> float | None:
+    if not nbytes or not seconds:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def write_floor(out: Result, key: str = "median") -> tuple[float | None, str]:
+    """The faster (higher GB/s) of the two fsync write floors, and its name."""
+    best: tuple[float | None, str] = (None, "")
+    for name in ("write_python", "write_dd"):
+        entry = _get(out, "floors", name)
+        bw = _bw(_get(entry, "bytes") if isinstance(entry, dict) else None, _median(entry, key))
+        if bw is not None and (best[0] is None or bw > best[0]):
+            best = (bw, name)
+    return best
+
+
+def read_floor(out: Result, cache: str, key: str = "median") -> float | None:
+    """Seconds to read the state's bytes at the read floor (scaled to the state size)."""
+    entry = _get(out, "floors", f"read_{cache}")
+    bw = _bw(_get(out, "floors", f"read_{cache}", "bytes"), _median(entry, key))
+    nbytes = _get(out, "state", "bytes")
+    return nbytes / (bw * 1e9) if bw and nbytes else None
+
+
+def ours_blocking(out: Result, key: str = "median") -> tuple[float | None, str]:
+    """resumable's snapshot blocking time: the memory snapshot where the API has one."""
+    snap = _m(out, "methods", "resumable", "snapshot", key=key)
+    if snap is not None:
+        return snap, "memory snapshot"
+    return _m(out, "methods", "resumable", "save_blocking", key=key), "save() (synchronous API)"
+
+
+def targets(out: Result) -> list[dict[str, Any]]:
+    """The issue's targets: name, measured value (ratio of medians), threshold, met (None:
+    not measurable), and ``measured_min``, the same ratio of minimums: a cross-check on a
+    noisy machine, where interference only ever adds time."""
+    rows = _targets(out, "median")
+    for row, alt in zip(rows, _targets(out, "min")):
+        row["measured_min"] = alt["measured"]
+    return rows
+
+
+def _targets(out: Result, key: str) -> list[dict[str, Any]]:
+    def m(*path: str) -> float | None:
+        return _m(out, *path, key=key)
+
+    copy = m("floors", "copy")
+    copy_adj = m("floors", "copy_memory_phase") or copy
+    blocking, what = ours_blocking(out, key)
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, value: float | None, op: str, limit: float, how: str) -> None:
+        met = None
+        if value is not None:
+            met = value <= limit if op == "<=" else value >= limit
+        rows.append(
+            {"target": name, "measured": value, "op": op, "limit": limit, "met": met, "how": how}
+        )
+
+    row(
+        "snapshot blocking ≤ 1.5x copy floor",
+        _ratio(blocking, copy_adj),
+        "<=",
+        1.5,
+        f"resumable {what} / copy floor of the memory phase (samples interleaved 1:1)",
+    )
+    row(
+        "snapshot blocking ≥ 5x below dcp.async_save's",
+        _ratio(m("methods", "dcp_async_default", "save_blocking"), blocking),
+        ">=",
+        5.0,
+        f"dcp.async_save (defaults) blocking / resumable {what}",
+    )
+    row(
+        "snapshot blocking ≥ 8x below torch.save's",
+        _ratio(m("methods", "torch_save", "save_blocking"), blocking),
+        ">=",
+        8.0,
+        f"torch.save + fsync / resumable {what}",
+    )
+    wbw, wname = write_floor(out, key)
+    nbytes = _get(out, "state", "bytes")
+    persist = m("methods", "resumable", "save_persist")
+    row(
+        "persist throughput ≥ 80% of the fsync write floor",
+        _ratio(_bw(nbytes, persist), wbw),
+        ">=",
+        0.8,
+        f"state bytes / resumable persist time, over the {wname} floor's GB/s",
+    )
+    row(
+        "restore from shared memory ≤ 1.5x copy floor",
+        _ratio(m("methods", "resumable", "restore_memory"), copy),
+        "<=",
+        1.5,
+        "resumable restore(tier='memory') / copy floor",
+    )
+    caches = [c for c in ("cold", "warm") if _get(out, "floors", f"read_{c}")]
+    for i, cache in enumerate(caches):
+        rf = read_floor(out, cache, key)
+        floor = rf + copy if rf is not None and copy is not None else None
+        row(
+            f"restore from local disk ≤ 1.3x (read floor + one copy), {cache} page cache"
+            + ("" if i == 0 else " (informational)"),
+            _ratio(m("methods", "resumable", f"restore_{cache}"), floor),
+            "<=",
+            1.3,
+            f"resumable restore from storage / ({cache} read floor + copy floor)",
+        )
+    row(
+        "training throughput with a snapshot every step ≥ 95% of no checkpoints",
+        _ratio(m("e2e", "baseline_segment_s"), m("e2e", "checkpointed_segment_s")),
+        ">=",
+        0.95,
+        "median baseline segment time / median checkpointed segment time"
+        + (
+            " (sync fallback: no memory tier)"
+            if "sync fallback" in str(_get(out, "e2e", "mode"))
+            else ""
+        ),
+    )
+    return rows
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.4f}" if x < 1 else f"{x:.2f}"
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+METHOD_ORDER = [
+    "resumable",
+    "torch_save",
+    "dcp_save",
+    "dcp_async_default",
+    "dcp_async_shm",
+    "dcp_async_process",
+    "dlrover",
+]
+
+
+def render(out: Result) -> str:
+    mach = out.get("machine", {})
+    st = out.get("state", {})
+    nbytes = st.get("bytes")
+    copy = _m(out, "floors", "copy")
+    blocking, what = ours_blocking(out)
+    api = out.get("resumable_api", {})
+    lines = [
+        "# Performance",
+        "",
+        "<!-- GENERATED by benchmarks/report.py from benchmarks/results/"
+        f"{out.get('file', '?')}; do not edit by hand: run `make bench`. -->",
+        "",
+        f"Generated by `benchmarks/report.py` from `benchmarks/results/{out.get('file', '?')}`"
+        f" — run of {out.get('date', '?')} on host `{mach.get('host', '?')}`"
+        + (f", commit `{out['git_commit']}`" if out.get("git_commit") else "")
+        + ". Every figure is the median of that run's samples (rep 0 of each save is "
+        "reported apart as *first*), and every ratio compares two medians of the same run. "
+        "How to run and read it: `benchmarks/README.md`.",
+        "",
+        "## Machine and state",
+        "",
+    ]
+    fs = mach.get("bench_fs", {})
+    lines += _table(
+        ["", ""],
+        [
+            ["CPU", f"{mach.get('cpu_model', '?')} ({mach.get('cpu_count')} cores)"],
+            ["memory", _f((mach.get("memory_total_bytes") or 0) / 2**30, "{:.1f} GiB")],
+            ["torch", str(mach.get("torch_version"))],
+            ["bench dir filesystem", f"{fs.get('fstype', '?')} on {fs.get('device', '?')}"],
+            ["/dev/shm is tmpfs", str(mach.get("dev_shm_is_tmpfs"))],
+            [
+                "load average (start → end)",
+                f"{mach.get('loadavg_start', '?')} → {mach.get('loadavg_end', '?')}",
+            ],
+            [
+                "state",
+                f"{_f((nbytes or 0) / 2**20, '{:.1f}')} MiB fp32 in {st.get('tensors')} tensors "
+                f"(GPT-like parameters + Adam exp_avg/exp_avg_sq; largest "
+                f"{_f(st.get('largest_tensor_bytes', 0) / 2**20, '{:.1f}')} MiB, median "
+                f"{_f(st.get('median_tensor_bytes', 0) / 2**10, '{:.1f}')} KiB)",
+            ],
+            ["repetitions", str(_get(out, "config", "reps"))],
+            [
+                "resumable API",
+                (
+                    "two-tier (memory snapshots + background persist)"
+                    if api.get("tiers")
+                    else "synchronous (no memory tier yet)"
+                )
+                + f", persist mode `{_get(out, 'methods', 'resumable', 'persist_mode')}`",
+            ],
+            ["run time", f"{out.get('wall_s', '?')} s"],
+        ],
+    )
+
+    lines += ["", "## Floors", ""]
+    frows = []
+    for key, name in [
+        ("copy", "copy: `dst.copy_(src)` of every tensor into preallocated tensors"),
+        ("copy_memory_phase", "copy, memory-phase samples only (interleaved with snapshots)"),
+        ("write_python", "write + fsync from Python (random bytes)"),
+        ("write_dd", "write + fsync: `dd if=/dev/zero bs=16M conv=fsync`"),
+        ("read_cold", "read back, cold page cache"),
+        ("read_warm", "read back, warm page cache"),
+    ]:
+        entry = _get(out, "floors", key)
+        if not isinstance(entry, dict):
+            continue
+        if "error" in entry:
+            frows.append([name, "—", "—", "—", "error: " + str(entry["error"])[:80]])
+            continue
+        b = entry.get("bytes", nbytes)
+        frows.append(
+            [
+                name,
+                _s(_median(entry)),
+                _s(entry.get("min")),
+                _f(_bw(b, _median(entry)), "{:.2f}"),
+                str(len(entry.get("samples", []))),
+            ]
+        )
+    lines += _table(["floor", "median s", "min s", "GB/s (median)", "samples"], frows)
+
+    lines += [
+        "",
+        "## Saving: peers vs. resumable",
+        "",
+        "*Blocking*: how long the caller cannot touch its tensors. *Total*: until the "
+        "checkpoint is complete (durable for all but DLRover, which does not fsync its data "
+        "file). Ratios: blocking ÷ copy floor; total ÷ write floor (faster of the two "
+        "write floors, scaled to the state's bytes); and each method's blocking ÷ "
+        f"resumable's ({what}, {_s(blocking)} s).",
+        "",
+    ]
+    wbw, _ = write_floor(out)
+    wsec = nbytes / (wbw * 1e9) if wbw and nbytes else None
+    srows = []
+    for name in METHOD_ORDER:
+        e = _get(out, "methods", name)
+        if not isinstance(e, dict):
+            continue
+        label = e.get("label", name)
+        if "error" in e and _median(e.get("save_blocking")) is None:
+            srows.append([label] + ["—"] * 7 + ["not measured: " + str(e["error"])[:120]])
+            continue
+        b, t = _median(e.get("save_blocking")), _median(e.get("save_total"))
+        first = _get(e, "save_blocking", "first")
+        srows.append(
+            [
+                label,
+                _s(b),
+                _f(_bw(nbytes, b), "{:.2f}"),
+                _x(_ratio(b, copy)),
+                _s(t),
+                _x(_ratio(t, wsec)),
+                _x(_ratio(b, blocking)),
+                _s(first),
+                str(e.get("notes", ""))[:160],
+            ]
+        )
+    lines += _table(
+        [
+            "method",
+            "blocking s",
+            "blocking GB/s",
+            "÷ copy floor",
+            "total s",
+            "total ÷ write floor",
+            "blocking ÷ resumable",
+            "first blocking s",
+            "how",
+        ],
+        srows,
+    )
+
+    lines += [
+        "",
+        "## Memory snapshots",
+        "",
+        "Each is compared with the copy floor measured alongside it: resumable's with the "
+        "memory-phase copies (interleaved 1:1), DLRover's with the copies measured in its "
+        "own process (it runs under torchrun, at another time of the run).",
+        "",
+    ]
+    mrows = []
+    dl_copy = _m(out, "methods", "dlrover", "copy_floor_in_process")
+    copy_adj = _m(out, "floors", "copy_memory_phase") or copy
+    for name, label, floor in (
+        ("resumable", "resumable snapshot()", copy_adj),
+        ("dlrover", "DLRover save_checkpoint(StorageType.MEMORY)", dl_copy),
+    ):
+        e = _get(out, "methods", name, "snapshot")
+        if isinstance(e, dict):
+            mrows.append(
+                [
+                    label,
+                    _s(_median(e)),
+                    _s(floor),
+                    _x(_ratio(_median(e), floor)),
+                    _x(_ratio(_median(e), copy)),
+                    _s(e.get("first")),
+                    str(len(e.get("samples", []))),
+                ]
+            )
+    if mrows:
+        lines += _table(
+            [
+                "method",
+                "steady blocking s",
+                "copy floor alongside s",
+                "÷ that floor",
+                "÷ run's copy floor",
+                "first (allocates) s",
+                "samples",
+            ],
+            mrows,
+        )
+    else:
+        lines += [
+            "No memory snapshots measured (the resumable API in this run has no memory tier)."
+        ]
+
+    lines += [
+        "",
+        "## Restoring",
+        "",
+        "A restore ends with the bytes in the live tensors (loaders that return new tensors "
+        "pay the copy into them). Floors: read floor (same page-cache state) + copy floor; "
+        "from shared memory: copy floor.",
+        "",
+    ]
+    rrows = []
+    rf = {c: read_floor(out, c) for c in ("cold", "warm")}
+    for name in METHOD_ORDER:
+        e = _get(out, "methods", name)
+        if not isinstance(e, dict):
+            continue
+        cells = [e.get("label", name)]
+        for cache in ("cold", "warm"):
+            v = _median(e.get(f"restore_{cache}"))
+            fl = rf[cache] + copy if rf[cache] is not None and copy is not None else None
+            cells += [_s(v), _x(_ratio(v, fl))]
+        mem = _median(e.get("restore_memory"))
+        cells += [_s(mem), _x(_ratio(mem, copy))]
+        if any(c != "—" for c in cells[1:]):
+            rrows.append(cells)
+    lines += _table(
+        [
+            "method",
+            "cold s",
+            "÷ (cold read + copy)",
+            "warm s",
+            "÷ (warm read + copy)",
+            "from memory s",
+            "÷ copy floor",
+        ],
+        rrows,
+    )
+    if out.get("restore_page_cache") == ["warm"]:
+        lines += ["", "The page cache could not be dropped: only warm restores were measured."]
+
+    lines += ["", "## Targets (issue 3)", ""]
+    trows = []
+    for t in targets(out):
+        met = {True: "**met**", False: "not met", None: "not measured"}[t["met"]]
+        trows.append(
+            [
+                t["target"],
+                _f(t["measured"], "{:.3f}"),
+                f"{t['op']} {t['limit']}",
+                met,
+                _f(t.get("measured_min"), "{:.3f}"),
+                t["how"],
+            ]
+        )
+    lines += [
+        "*measured*: the ratio of medians, which decides *result*. *ratio of minimums*: "
+        "the same ratio from each side's fastest sample, a cross-check on this shared "
+        "machine, where interference from other jobs only ever adds time.",
+        "",
+    ]
+    lines += _table(
+        ["target", "measured", "threshold", "result", "ratio of minimums", "measured as"], trows
+    )
+
+    e2e = out.get("e2e")
+    lines += ["", "## End to end: training loop", ""]
+    if isinstance(e2e, dict) and "throughput_ratio" in e2e:
+        model = e2e.get("model", {})
+        snap = _median(e2e.get("snapshot_blocking_s"))
+        lines += _table(
+            ["", ""],
+            [
+                [
+                    "model",
+                    f"MLP width {model.get('width')}, depth {model.get('depth')}, batch "
+                    f"{model.get('batch')}, {model.get('params')} parameters, "
+                    f"{_f(e2e.get('state_bytes', 0) / 2**20, '{:.1f}')} MiB state with AdamW, "
+                    f"{e2e.get('torch_threads', '?')} torch thread(s)",
+                ],
+                ["checkpointing", str(e2e.get("mode"))],
+                [
+                    "segments",
+                    f"{e2e.get('rounds')} x {e2e.get('steps_per_segment')} steps each "
+                    f"way, {e2e.get('persists')} persists",
+                ],
+                ["step time without checkpoints", _f(e2e.get("step_ms_baseline"), "{:.2f} ms")],
+                ["step time with checkpoints", _f(e2e.get("step_ms_checkpointed"), "{:.2f} ms")],
+                [
+                    "snapshot blocking in the loop",
+                    _f(None if snap is None else snap * 1000, "{:.2f} ms"),
+                ],
+                [
+                    "throughput ratio (median baseline ÷ median checkpointed segment)",
+                    _f(e2e.get("throughput_ratio"), "{:.3f}"),
+                ],
+                ["median of per-pair ratios", _f(e2e.get("median_pair_ratio"), "{:.3f}")],
+            ],
+        )
+    else:
+        err = _get(out, "e2e_error", "error")
+        lines += [f"Not measured{': ' + err if err else ''}."]
+
+    problems = []
+    for name in METHOD_ORDER:
+        e = _get(out, "methods", name)
+        if isinstance(e, dict):
+            for k in ("error", "restore_error"):
+                if k in e:
+                    problems.append(f"- {e.get('label', name)}: {k}: {str(e[k])[:300]}")
+            if e.get("restored_equal") is False:
+                problems.append(f"- {e.get('label', name)}: restored tensors differ from saved!")
+    if problems:
+        lines += ["", "## What could not run", "", *problems]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(results: Path, docs: Path) -> None:
+    out = json.loads(results.read_text())
+    out.setdefault("file", results.name)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(render(out))
+
+
+def newest(results_dir: Path) -> Path:
+    files = sorted(results_dir.glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no results JSON in {results_dir}: run `make bench` first")
+
+    def key(p: Path) -> tuple[str, float]:
+        try:
+            date = str(json.loads(p.read_text()).get("date", ""))
+        except (OSError, ValueError):
+            date = ""
+        return date, p.stat().st_mtime
+
+    return max(files, key=key)
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0]) if argv else newest(HERE / "results")
+    docs = REPO / "docs" / "performance.md"
+    write_report(path, docs)
+    print(f"regenerated {docs} from {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,487 @@
+"""One benchmark run: floors, peers and `resumable` on the same state, side by side.
+
+    python benchmarks/run.py                 # ~1 GiB of state, 3 reps (make bench)
+    python benchmarks/run.py --quick         # 64 MiB smoke run
+    python benchmarks/run.py --size-mb 256 --reps 5
+
+Writes ``benchmarks/results/<host>-<date>.json`` (machine info, every raw sample and
+its median) and regenerates ``docs/performance.md`` from it (`report.py`).
+
+Order of a run: build the state; memory phase (copy floor interleaved with resumable
+memory snapshots); write floors; saves of every method interleaved round-robin (rep 0
+of each, then rep 1, ...; rep 0 is reported apart as "first" since it allocates, spawns
+or warms up); read floors and restores (cold page cache first when this process may
+drop it, then warm), again interleaved; DLRover in its own environment; end to end.
+A method that fails is recorded with its error and left out; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import floors  # noqa: E402
+import peers  # noqa: E402
+import report  # noqa: E402
+import state as state_mod  # noqa: E402
+import torch  # noqa: E402
+import training  # noqa: E402
+from resumable_bench import ResumableMethod, api_info  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stat(samples: list[float], **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"samples": [round(s, 6) for s in samples]}
+    out["median"] = round(statistics.median(samples), 6) if samples else None
+    out["min"] = round(min(samples), 6) if samples else None
+    out.update(extra)
+    return out
+
+
+# ---------------------------------------------------------------------------- machine
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _mount_of(path: Path) -> dict[str, str]:
+    """The /proc/mounts entry with the longest mount point that contains ``path``."""
+    best: dict[str, str] = {}
+    p = str(path.resolve())
+    for line in _read("/proc/mounts").splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        dev, mnt, fs, opts = parts[:4]
+        if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+            best.get("mount", "")
+        ):
+            best = {"device": dev, "mount": mnt, "fstype": fs, "options": opts}
+    return best
+
+
+def machine_info(bench_dir: Path) -> dict[str, Any]:
+    mem = {}
+    for line in _read("/proc/meminfo").splitlines():
+        k, _, v = line.partition(":")
+        if k in ("MemTotal", "MemAvailable"):
+            mem[k] = int(v.split()[0]) * 1024
+    cpu_model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    shm = _mount_of(Path("/dev/shm")) if Path("/dev/shm").exists() else {}
+    usage = shutil.disk_usage(bench_dir)
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_total_bytes": mem.get("MemTotal"),
+        "memory_available_bytes": mem.get("MemAvailable"),
+        "torch_version": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "bench_dir": str(bench_dir),
+        "bench_fs": _mount_of(bench_dir),
+        "bench_disk_free_bytes": usage.free,
+        "dev_shm": shm,
+        "dev_shm_is_tmpfs": shm.get("fstype") == "tmpfs",
+        "loadavg_start": _read("/proc/loadavg").strip(),
+    }
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def guarded(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; on failure record the error under ``results[key]`` and return None."""
+    try:
+        return fn()
+    except Exception as exc:
+        log(f"{key} failed: {exc!r}")
+        results.setdefault(key, {})["error"] = f"{type(exc).__name__}: {exc}"
+        results[key]["traceback"] = traceback.format_exc()[-2000:]
+        return None
+
+
+class CopyProbe:
+    """The copy floor, sampled in every phase of the run (the memory phase interleaves it
+    1:1 with resumable's snapshots; the save and restore phases take one sample per
+    round), so that it reflects the machine's conditions over the whole run."""
+
+    def __init__(self, tree: Any) -> None:
+        self.src = [t for _, t in state_mod.iter_tensors(tree)]
+        self.dst = [t for _, t in state_mod.iter_tensors(state_mod.empty_like_tree(tree))]
+        self.samples: dict[str, list[float]] = {}
+
+    def once(self, phase: str) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for d, s in zip(self.dst, self.src):
+                d.copy_(s)
+        dt_ = time.perf_counter() - t0
+        self.samples.setdefault(phase, []).append(dt_)
+        return dt_
+
+    def record(self, out: dict[str, Any]) -> None:
+        every = [x for v in self.samples.values() for x in v]
+        out["floors"]["copy"] = stat(
+            every, per_phase={k: [round(x, 6) for x in v] for k, v in self.samples.items()}
+        )
+        if "memory" in self.samples:
+            out["floors"]["copy_memory_phase"] = stat(self.samples["memory"])
+
+
+def memory_phase(
+    probe: CopyProbe, ours: ResumableMethod | None, reps: int, out: dict[str, Any]
+) -> None:
+    """Copy floor interleaved with resumable memory snapshots (two-tier API only)."""
+    n = max(9, 3 * reps)
+    warm = probe.once("warm-up")
+    probe.samples.pop("warm-up")
+    out["floors"]["copy_first"] = round(warm, 6)
+    snaps: list[float] = []
+    first: float | None = None
+    if ours is not None and ours.tiers:
+        first = ours.snapshot()
+    for _ in range(n):
+        probe.once("memory")
+        if ours is not None and ours.tiers:
+            snaps.append(ours.snapshot())
+    if ours is not None and ours.tiers:
+        out["methods"]["resumable"]["snapshot"] = stat(snaps, first=round(first or 0.0, 6))
+
+
+def write_floors(work: Path, nbytes: int, reps: int, out: dict[str, Any]) -> Path:
+    d = work / "floors"
+    d.mkdir(parents=True, exist_ok=True)
+    py = floors.write_floor_python(d, nbytes, reps)
+    out["floors"]["write_python"] = stat(
+        py, bytes=nbytes, how="16 MiB os.urandom blocks, write + fsync, from Python"
+    )
+    dd = floors.write_floor_dd(d, nbytes, reps)
+    if "error" in dd:
+        out["floors"]["write_dd"] = dd
+    else:
+        out["floors"]["write_dd"] = stat(
+            dd["samples"],
+            bytes=dd["bytes"],
+            dd_reported_s=dd["dd_reported_s"],
+            how=dd["command"],
+        )
+    return d / f"write-floor-{reps - 1}.bin"
+
+
+def save_phase(
+    methods: list[peers.SaveMethod], probe: CopyProbe, reps: int, out: dict[str, Any]
+) -> None:
+    samples: dict[str, dict[str, list[float]]] = {m.name: {} for m in methods}
+    alive = list(methods)
+    for i in range(reps + 1):
+        if i > 0:
+            probe.once("save")
+        for m in list(alive):
+            log(f"save {m.name} rep {i}")
+            try:
+                rec = m.save(i)
+                if i > 0:
+                    m.cleanup(i - 1)
+            except Exception as exc:
+                log(f"{m.name} save failed: {exc!r}")
+                out["methods"][m.name]["error"] = f"save: {type(exc).__name__}: {exc}"
+                out["methods"][m.name]["traceback"] = traceback.format_exc()[-2000:]
+                alive.remove(m)
+                continue
+            for k, v in rec.items():
+                samples[m.name].setdefault(k, []).append(v)
+    for m in alive:
+        entry = out["methods"][m.name]
+        for k, vals in samples[m.name].items():
+            entry[f"save_{k}"] = stat(vals[1:], first=round(vals[0], 6))
+    methods[:] = alive
+
+
+def restore_phase(
+    methods: list[peers.SaveMethod],
+    probe: CopyProbe,
+    tree: Any,
+    ref: Any,
+    read_file: Path | None,
+    reps: int,
+    drop: bool,
+    out: dict[str, Any],
+) -> None:
+    refs = state_mod.flat(ref)
+
+    def check() -> bool:
+        return all(torch.equal(t, refs[n]) for n, t in state_mod.iter_tensors(tree))
+
+    def zero() -> None:
+        with torch.no_grad():
+            for _, t in state_mod.iter_tensors(tree):
+                t.zero_()
+
+    caches = ["cold", "warm"] if drop and floors.drop_page_cache() else ["warm"]
+    out["restore_page_cache"] = caches
+    for cache in caches:
+        cold = cache == "cold"
+        if read_file is not None:
+            out["floors"][f"read_{cache}"] = {
+                **stat(floors.read_floor(read_file, reps, cold=cold)["samples"]),
+                "bytes": read_file.stat().st_size,
+                "page_cache": cache,
+            }
+        got: dict[str, list[float]] = {}
+        for _ in range(reps):
+            probe.once("restore")
+            for m in list(methods):
+                zero()
+                if cold:
+                    floors.drop_page_cache()
+                try:
+                    dt_ = m.restore()["total"]
+                except Exception as exc:
+                    log(f"{m.name} restore failed: {exc!r}")
+                    out["methods"][m.name]["restore_error"] = f"{type(exc).__name__}: {exc}"
+                    methods.remove(m)
+                    continue
+                ok = check()
+                out["methods"][m.name]["restored_equal"] = ok and out["methods"][m.name].get(
+                    "restored_equal", True
+                )
+                got.setdefault(m.name, []).append(dt_)
+        for name, vals in got.items():
+            out["methods"][name][f"restore_{cache}"] = stat(vals, page_cache=cache)
+    ours = next((m for m in methods if isinstance(m, ResumableMethod)), None)
+    if ours is not None and ours.tiers:
+        vals = []
+        ok = True
+        for _ in range(reps):
+            zero()
+            vals.append(ours.restore_memory()["total"])
+            ok = ok and check()
+        out["methods"]["resumable"]["restore_memory"] = stat(vals)
+        out["methods"]["resumable"]["restored_memory_equal"] = ok
+    # leave the live state as built, whatever happened above
+    state_mod.copy_into(tree, ref)
+
+
+def dlrover_entry(raw: dict[str, Any]) -> dict[str, Any]:
+    """DLRover's raw samples in the same shape as the other methods."""
+    entry: dict[str, Any] = {
+        "label": "DLRover Flash Checkpoint",
+        "notes": "DdpCheckpointer under torchrun (gloo, 1 process), own venv .venv-peers; "
+        "persist = save_checkpoint(StorageType.DISK) until the step is in the tracker file "
+        "(the data file is not fsynced)",
+        "async": True,
+    }
+    if "error" in raw:
+        entry["error"] = raw["error"]
+        return entry
+    entry["snapshot"] = stat(raw["memory"], first=round(raw["memory_first"], 6))
+    entry["save_blocking"] = stat(
+        raw["persist_blocking"], first=round(raw["persist_first"]["blocking"], 6)
+    )
+    entry["save_total"] = stat(raw["persist_total"], first=round(raw["persist_first"]["total"], 6))
+    entry["save_persist"] = stat(
+        [t - b for t, b in zip(raw["persist_total"], raw["persist_blocking"])]
+    )
+    entry["restore_memory"] = stat(raw["restore_memory"])
+    entry["restore_cold"] = stat(raw["restore_storage_cold"], page_cache=raw["page_cache_cold"])
+    entry["restore_warm"] = stat(raw["restore_storage_warm"], page_cache=raw["page_cache_warm"])
+    entry["copy_floor_in_process"] = stat(raw["copy_floor"])
+    entry["restored_equal"] = raw.get("restored_equal")
+    entry["version"] = raw.get("dlrover_version")
+    return entry
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (1024)")
+    ap.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions per measure (3; --quick: 5)"
+    )
+    ap.add_argument("--quick", action="store_true", help="64 MiB smoke run, short end to end")
+    ap.add_argument("--bench-dir", type=Path, default=REPO / "runs" / "bench-tmp")
+    ap.add_argument("--results-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "performance.md")
+    ap.add_argument("--peers-venv", type=Path, default=REPO / ".venv-peers")
+    ap.add_argument("--no-dlrover", action="store_true")
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--no-drop-caches", action="store_true", help="measure warm restores only")
+    ap.add_argument("--no-dcp-process", action="store_true", help="skip the PROCESS executor")
+    ap.add_argument("--persist", default=None, help="resumable persist mode (library default)")
+    ap.add_argument("--e2e-steps", type=int, default=50, help="steps per segment (50)")
+    ap.add_argument("--e2e-rounds", type=int, default=8, help="segment pairs (8)")
+    ap.add_argument("--e2e-width", type=int, default=512)
+    ap.add_argument("--e2e-depth", type=int, default=4)
+    ap.add_argument("--e2e-batch", type=int, default=512)
+    ap.add_argument("--e2e-threads", type=int, default=1, help="torch threads in the loop (1)")
+    ap.add_argument("--keep-bench-dir", action="store_true")
+    args = ap.parse_args(argv)
+    if args.reps is None:
+        args.reps = 5 if args.quick else 3
+    if args.quick:
+        args.size_mb = 64 if args.size_mb == 1024 else args.size_mb
+        args.e2e_rounds = min(args.e2e_rounds, 4)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    peers.quiet_warnings()
+    started = time.perf_counter()
+    now = dt.datetime.now(dt.timezone.utc)
+    work = args.bench_dir
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    out: dict[str, Any] = {
+        "schema": 1,
+        "date": now.isoformat(timespec="seconds"),
+        "machine": machine_info(work),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "resumable_api": api_info(),
+        "floors": {},
+        "methods": {},
+    }
+    try:
+        out["git_commit"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        pass
+    log(f"building {args.size_mb:g} MiB of state")
+    tree = state_mod.build_state(args.size_mb)
+    ref = state_mod.empty_like_tree(tree)  # what every restore must give back
+    state_mod.copy_into(ref, tree)
+    nbytes = state_mod.nbytes(tree)
+    out["state"] = state_mod.describe(tree)
+    log(f"state: {nbytes / 1e6:.1f} MB in {out['state']['tensors']} tensors")
+
+    classes: list[type[peers.SaveMethod]] = [
+        peers.TorchSave,
+        peers.DcpSave,
+        peers.DcpAsyncSave,
+        peers.DcpAsyncSharedStager,
+    ]
+    if not args.no_dcp_process:
+        why = peers.init_world_one_group(work)
+        if why is None:
+            classes.append(peers.DcpAsyncProcess)
+        else:
+            out["methods"]["dcp_async_process"] = {"error": why}
+    methods: list[peers.SaveMethod] = []
+    for cls in classes:
+        m = guarded(out["methods"], cls.name, lambda c=cls: c(work, tree))
+        if m is not None:
+            methods.append(m)
+    ours = guarded(
+        out["methods"], "resumable", lambda: ResumableMethod(work, tree, persist=args.persist)
+    )
+    if ours is not None:
+        methods.append(ours)
+    for m in methods:
+        out["methods"].setdefault(m.name, {}).update(m.info())
+
+    probe: CopyProbe | None = None
+    try:
+        log("memory phase: copy floor and memory snapshots")
+        probe = CopyProbe(tree)
+        memory_phase(probe, ours, args.reps, out)
+        log("write floors")
+        read_file = guarded(
+            out["floors"], "write", lambda: write_floors(work, nbytes, args.reps, out)
+        )
+        log("saves, round-robin")
+        save_phase(methods, probe, args.reps, out)
+        log("restores and read floors")
+        restore_phase(methods, probe, tree, ref, read_file, args.reps, not args.no_drop_caches, out)
+    finally:
+        if probe is not None:
+            probe.record(out)
+        for m in methods:
+            guarded(out["methods"], m.name, m.close)
+        peers.destroy_group()
+
+    if args.no_dlrover:
+        out["methods"]["dlrover"] = {"label": "DLRover Flash Checkpoint", "error": "skipped"}
+    else:
+        log("DLRover (subprocess under torchrun)")
+        raw = peers.run_dlrover(args.peers_venv, args.size_mb, args.reps, work, timeout_s=600)
+        out["dlrover_raw"] = raw
+        out["methods"]["dlrover"] = dlrover_entry(raw)
+
+    if not args.no_e2e:
+        log("end to end training loop")
+        out["e2e"] = guarded(
+            out,
+            "e2e_error",
+            lambda: training.run_e2e(
+                work,
+                steps=args.e2e_steps,
+                rounds=args.e2e_rounds,
+                width=args.e2e_width,
+                depth=args.e2e_depth,
+                batch=args.e2e_batch,
+                persist=args.persist,
+                threads=args.e2e_threads,
+            ),
+        )
+
+    out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
+    out["wall_s"] = round(time.perf_counter() - started, 1)
+    out["targets"] = report.targets(out)
+    host = socket.gethostname().split(".")[0]
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"{host}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out["file"] = path.name
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    log(f"wrote {path}")
+    report.write_report(path, args.docs)
+    log(f"regenerated {args.docs} ({out['wall_s']} s)")
+    if not args.keep_bench_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

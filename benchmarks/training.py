@@ -1,0 +1,174 @@
+"""End to end: what checkpointing costs a training loop.
+
+A deterministic MLP (fixed seed, synthetic data) trains in alternating segments of
+``steps`` steps, in ABBA order: one without checkpoints, one with ``maybe_save(step)``
+after every step under ``memory_every=Every(steps=1)`` and
+``persist_every=Every(steps=50)`` (with the synchronous API, which has no memory tier,
+only the persist every 50 steps happens). Step numbers are offset so that persists
+start mid-segment (25 steps into a 50-step segment); each checkpointed segment ends
+with ``wait()`` inside its timing, so no background persist leaks into the next
+baseline segment. The worker start and the first allocation of the snapshot memory
+happen in a warm-up save before any timing.
+
+Throughput ratio = median baseline segment time / median checkpointed segment time;
+the median of the per-pair ratios is recorded too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from resumable_bench import api_info
+from torch import nn
+
+import resumable
+
+
+def build_mlp(width: int, depth: int, d_in: int = 256, d_out: int = 10) -> nn.Module:
+    layers: list[nn.Module] = []
+    d = d_in
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.GELU()]
+        d = width
+    layers.append(nn.Linear(d, d_out))
+    return nn.Sequential(*layers)
+
+
+def run_e2e(
+    root: Path,
+    *,
+    steps: int,
+    rounds: int,
+    width: int,
+    depth: int,
+    batch: int,
+    persist_every: int = 50,
+    persist: str | None = None,
+    threads: int | None = 1,
+) -> dict[str, Any]:
+    """Run the comparison; ``threads`` sets torch's intra-op threads for the loop (and
+    is restored after): one thread keeps step times stable on a small shared machine
+    and leaves a core to the background persist, as a GPU trainer would."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        result = _run(root, steps, rounds, width, depth, batch, persist_every, persist)
+    finally:
+        torch.set_num_threads(before)
+    result["torch_threads"] = threads or before
+    return result
+
+
+def _run(
+    root: Path,
+    steps: int,
+    rounds: int,
+    width: int,
+    depth: int,
+    batch: int,
+    persist_every: int,
+    persist: str | None,
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = build_mlp(width, depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    pool = [
+        (torch.randn(batch, 256, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+        for _ in range(8)
+    ]
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step_once(k: int) -> None:
+        x, y = pool[k % len(pool)]
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for k in range(20):  # warm-up; also creates the Adam moments
+        step_once(k)
+
+    api = api_info()
+    kwargs: dict[str, Any] = {
+        "persist_every": resumable.Every(steps=persist_every),
+        "keep": resumable.Keep(last=2),
+    }
+    if api["tiers"]:
+        kwargs["memory_every"] = resumable.Every(steps=1)
+    if persist is not None and "persist" in api["init_params"]:
+        kwargs["persist"] = persist
+    ck = resumable.Checkpointer(str(root / "e2e"), state={"model": model, "optim": opt}, **kwargs)
+    offset = persist_every // 2
+    ck.save(offset)  # warm-up: starts the worker, allocates the snapshot memory
+    ck.wait()
+    gid = offset
+
+    base_s: list[float] = []
+    ckpt_s: list[float] = []
+    snapshot_s: list[float] = []
+    persists = 0
+
+    def baseline() -> None:
+        t0 = time.perf_counter()
+        for k in range(steps):
+            step_once(k)
+        base_s.append(time.perf_counter() - t0)
+
+    def checkpointed() -> None:
+        nonlocal gid, persists
+        t0 = time.perf_counter()
+        for k in range(steps):
+            step_once(k)
+            gid += 1
+            if ck.maybe_save(gid):
+                persists += 1
+            snap = getattr(ck, "last_snapshot_s", None)
+            if api["tiers"] and isinstance(snap, (int, float)):
+                snapshot_s.append(snap)
+        ck.wait()
+        ckpt_s.append(time.perf_counter() - t0)
+
+    try:
+        for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
+            order = (baseline, checkpointed) if r % 2 == 0 else (checkpointed, baseline)
+            for segment in order:
+                segment()
+    finally:
+        ck.close()
+    state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
+    b, c = statistics.median(base_s), statistics.median(ckpt_s)
+    return {
+        "mode": (
+            f"two-tier: maybe_save every step, memory_every=1, persist_every={persist_every}, "
+            f"persist mode {getattr(ck, 'persist_mode', '?')}"
+            if api["tiers"]
+            else f"sync fallback: maybe_save every step, persist_every={persist_every} "
+            "(no memory tier in this API)"
+        ),
+        "model": {
+            "width": width,
+            "depth": depth,
+            "batch": batch,
+            "params": sum(p.numel() for p in model.parameters()),
+        },
+        "state_bytes": state_bytes,
+        "steps_per_segment": steps,
+        "rounds": rounds,
+        "persists": persists,
+        "baseline_segment_s": {"samples": base_s, "median": b},
+        "checkpointed_segment_s": {"samples": ckpt_s, "median": c},
+        "step_ms_baseline": 1000 * b / steps,
+        "step_ms_checkpointed": 1000 * c / steps,
+        "snapshot_blocking_s": (
+            {"samples": snapshot_s, "median": statistics.median(snapshot_s)} if snapshot_s else None
+        ),
+        "throughput_ratio": b / c,
+        "pair_ratios": [x / y for x, y in zip(base_s, ckpt_s)],
+        "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
+    }
