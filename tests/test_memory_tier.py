@@ -156,7 +156,7 @@ def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     arena.snapshot(5, t, {"step": 5, "tree": {}, "metrics": {}})
     # A kill in the middle of the next copy: the other slot is left WRITING.
     t2 = {"w": torch.zeros(1000)}
-    second = arena.snapshot(6, t2, {"step": 6, "tree": {}, "metrics": {}})
+    second = arena.snapshot(6, t2, {"step": 6, "tree": {}, "metrics": {}}).result()
     slot = arena.slots[second.index]
     assert slot is not None
     slot.begin_write()
@@ -482,3 +482,42 @@ def _no_leftover_workers() -> Iterator[None]:
     import gc
 
     gc.collect()
+
+
+def test_overlap_mode_snapshot_equals_state_at_snapshot_time(tmp_path: Path, shm_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt}
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        state,
+        memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=4),
+        persist="thread",
+        overlap=True,
+        shm_dir=shm_dir,
+    )
+
+    def step() -> None:
+        loss = model(torch.randn(64, 256)).pow(2).mean()  # BatchNorm buffers change here
+        opt.zero_grad()
+        loss.backward()
+        opt.step()  # the pre-hook waits for the overlapped copy before changing params
+
+    expected = {}
+    for i in range(1, 7):
+        step()
+        expected[i] = params(state)
+        ck.maybe_save(i)
+        assert ck._pending is not None or i % 4 == 0  # parameters still being copied
+    step()  # forward/backward/step right after the snapshot of step 6
+    assert ck.restore(tier="memory") == 6
+    assert_same(params(state), expected[6])
+    ck.close()
+    fresh = make_state()
+    fresh_model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Linear(512, 256))
+    fresh = {"model": fresh_model, "optim": torch.optim.AdamW(fresh_model.parameters())}
+    with resumable.Checkpointer(tmp_path / "ck", fresh, persist="sync") as ck2:
+        assert ck2.restore(step=4) == 4
+        assert_same(params(fresh), expected[4])

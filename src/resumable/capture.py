@@ -165,7 +165,6 @@ class _Encoder:
             "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
         )
 
-
     def _sequence(self, v: list[Any] | tuple[Any, ...], path: tuple[Any, ...]) -> list[Any]:
         # Fast path (same output): long runs of plain ints, such as Python's RNG state,
         # are their own encoding.

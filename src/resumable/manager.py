@@ -32,8 +32,11 @@ import os
 import time
 import weakref
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
+
+import torch
 
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
@@ -79,6 +82,10 @@ class Checkpointer:
             (default; logged, and the persist is taken as soon as the worker is free)
             or ``"wait"``.
         shm_dir: where the shared-memory slots live (default ``/dev/shm``).
+        overlap: copy parameters and optimizer state in the background during the next
+            forward/backward; an optimizer step pre-hook waits for the copy before the
+            optimizer changes them. Until ``optimizer.step()`` runs, nothing else may
+            change parameters or optimizer state in place.
     """
 
     def __init__(
@@ -94,6 +101,7 @@ class Checkpointer:
         persist: str = "auto",
         on_busy: str = "skip",
         shm_dir: str | os.PathLike[str] | None = None,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
@@ -135,6 +143,14 @@ class Checkpointer:
                 self.audit.record("stale_removed", name=str(path))
         else:
             self._arena = Arena()
+        self.overlap = overlap
+        if overlap and self._shm is None:
+            raise ValueError("overlap=True needs the memory tier (not persist='sync' alone)")
+        self._overlap_exec = (
+            ThreadPoolExecutor(1, thread_name_prefix="resumable-overlap") if overlap else None
+        )
+        self._pending: Future[MemorySnapshot] | None = None
+        self._hooks: list[Any] = []
         self._worker: PersistWorker | None = None
         self._jobs: dict[int, tuple[int, int]] = {}  # job id -> (slot index, step)
         self._errors: list[str] = []
@@ -152,12 +168,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def snapshot(self, step: int, metrics: Mapping[str, Any] | None = None) -> MemorySnapshot:
+    def snapshot(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Take a memory snapshot of the state as of ``step`` (no persist).
 
         Returns once the copy is complete: afterwards the trainer may change every
-        tensor. Needs the memory tier (any persist mode but ``"sync"``, or
-        ``memory_every`` given).
+        tensor. In overlap mode, parameters and optimizer state are still being copied
+        when it returns; the next ``optimizer.step()`` waits for that copy. Needs the
+        memory tier (any persist mode but ``"sync"``, or ``memory_every`` given).
         """
         self._check_open()
         _check_step(step)
@@ -176,11 +193,48 @@ class Checkpointer:
             "metrics": _json_metrics(metrics or {}),
             "created": time.time(),
         }
-        snap = self._shm.snapshot(step, captured.tensors, meta)
+        deferred: set[str] = set()
+        if self.overlap:
+            owned = self._optimizer_owned()
+            deferred = {n for n, t in captured.tensors.items() if t.data_ptr() in owned}
+        future = self._shm.snapshot(
+            step, captured.tensors, meta, deferred=deferred, executor=self._overlap_exec
+        )
+        if deferred:
+            self._pending = future  # resolved by the next optimizer.step() or call here
+        else:
+            future.result()
         self.last_snapshot_s = time.perf_counter() - t0
         self._last_memory = step
         self._memory_clock = time.monotonic()
-        return snap
+
+    def _optimizer_owned(self) -> set[int]:
+        """Data pointers of tensors only ``optimizer.step()`` changes (parameters and
+        optimizer state); installs the pre-hooks that wait for an overlapped copy."""
+        ptrs: set[int] = set()
+        for obj in self.state.values():
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            if not any(h[0] is obj for h in self._hooks):
+                ref = weakref.ref(self)
+
+                def wait_for_copy(*_: Any, ref: Any = ref) -> None:
+                    ckpt = ref()
+                    if ckpt is not None:
+                        ckpt._settle()
+
+                self._hooks.append((obj, obj.register_step_pre_hook(wait_for_copy)))
+            for group in obj.param_groups:
+                ptrs.update(p.data_ptr() for p in group["params"])
+            for st in obj.state.values():
+                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _settle(self) -> None:
+        """Wait for an overlapped snapshot copy; raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
         """Checkpoint the state as of ``step`` now: snapshot it (or reuse the memory
@@ -207,7 +261,10 @@ class Checkpointer:
             or newest.step != step
             or (self._shm and newest.index in self._shm.locked)
         ):
-            newest = self.snapshot(step, metrics)
+            self.snapshot(step, metrics)
+            self._settle()  # a persist needs the whole copy
+            newest = self._shm.newest if self._shm is not None else None
+        assert newest is not None
         if busy:
             running = sorted(s for _, s in self._jobs.values())
             self.audit.record(
@@ -260,6 +317,11 @@ class Checkpointer:
         finally:
             self._closed = True
             _unregister_atexit(self._atexit)
+            for _, handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+            if self._overlap_exec is not None:
+                self._overlap_exec.shutdown(wait=True)
             if self._worker is not None:
                 self._worker.stop()
                 self._worker = None
@@ -529,7 +591,8 @@ class Checkpointer:
         return self._worker
 
     def _collect(self, replies: list[dict[str, Any]] | None = None) -> None:
-        """Take in finished jobs; raise the first background failure."""
+        """Finish an overlapped copy, take in finished jobs; raise the first failure."""
+        self._settle()
         if self._worker is not None and replies is None:
             try:
                 replies = self._worker.poll()

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,13 +80,8 @@ class Arena:
             self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
             self._key, self._slots = key, slots
             self.allocations += 1
-        buf = self._buffer
-        with torch.no_grad():
-            for slot in self._slots:
-                _view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
-        if on_cuda:
-            torch.cuda.synchronize()
-        return Snapshot(self._slots, buf)
+        copy_into(self._buffer, self._slots, tensors, None)
+        return Snapshot(self._slots, self._buffer)
 
 
 # --------------------------------------------------------------------------- memory tier
@@ -216,11 +211,23 @@ class ShmArena:
     # ---------------------------------------------------------------- snapshots
 
     def snapshot(
-        self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]
-    ) -> MemorySnapshot:
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: dict[str, Any],
+        *,
+        deferred: Collection[str] = (),
+        executor: ThreadPoolExecutor | None = None,
+    ) -> Future[MemorySnapshot]:
         """Copy ``tensors`` into a free slot and publish it with ``meta`` (which gets the
-        layout added). Returns after the copy is complete. Raises `CheckpointError` if
-        both slots are locked by the persist worker."""
+        layout added); returns a future of the published snapshot.
+
+        Without ``deferred`` the copy is done when this returns (the future is already
+        resolved). With ``deferred`` names and an ``executor`` (overlap mode), the other
+        tensors are copied now and the deferred ones by the executor, which then
+        publishes the slot: the caller must not change those tensors until the future
+        is resolved, and must resolve it before the next call. Raises `CheckpointError`
+        if both slots are locked by the persist worker."""
         layout = plan_layout(tensors)
         meta = {**meta, "layout": layout_meta(layout)}
         blob_len = len(json.dumps(meta, separators=(",", ":")))
@@ -230,10 +237,23 @@ class ShmArena:
         if slot is None or not slot.fits(blob_len, len(layout), nbytes):
             slot = self._allocate(index, blob_len, len(layout), nbytes)
         slot.begin_write()
-        copy_into(slot.data_tensor(), layout, tensors, self._pool)
-        seq = slot.finish_write(step=step, meta=meta, data_len=nbytes)
-        self.newest = MemorySnapshot(index, seq, step, nbytes)
-        return self.newest
+        data = slot.data_tensor()
+        later = [s for s in layout if s.name in deferred] if executor is not None else []
+        now = [s for s in layout if s.name not in deferred] if later else layout
+        copy_into(data, now, tensors, self._pool)
+
+        def publish() -> MemorySnapshot:
+            if later:
+                copy_into(data, later, tensors, None)
+            seq = slot.finish_write(step=step, meta=meta, data_len=nbytes)
+            self.newest = MemorySnapshot(index, seq, step, nbytes)
+            return self.newest
+
+        if later and executor is not None:
+            return executor.submit(publish)
+        done: Future[MemorySnapshot] = Future()
+        done.set_result(publish())
+        return done
 
     def _choose(self) -> int:
         free = [i for i in (0, 1) if i not in self.locked]
