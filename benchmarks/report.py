@@ -176,6 +176,16 @@ def _targets(out: Result, key: str) -> list[dict[str, Any]]:
             else ""
         ),
     )
+    if _get(out, "e2e_overlap", "baseline_segment_s"):
+        row(
+            "same, overlap mode (copy during the next forward/backward) ≥ 95%",
+            _ratio(
+                m("e2e_overlap", "baseline_segment_s"), m("e2e_overlap", "checkpointed_segment_s")
+            ),
+            ">=",
+            0.95,
+            "median baseline segment time / median checkpointed segment time, overlap=True",
+        )
     return rows
 
 

@@ -466,6 +466,22 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.e2e_threads,
             ),
         )
+        log("end to end training loop, overlap mode")
+        out["e2e_overlap"] = guarded(
+            out,
+            "e2e_overlap_error",
+            lambda: training.run_e2e(
+                work,
+                steps=args.e2e_steps,
+                rounds=args.e2e_rounds,
+                width=args.e2e_width,
+                depth=args.e2e_depth,
+                batch=args.e2e_batch,
+                persist=args.persist,
+                threads=args.e2e_threads,
+                overlap=True,
+            ),
+        )
 
     out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
     out["wall_s"] = round(time.perf_counter() - started, 1)

@@ -49,6 +49,7 @@ def run_e2e(
     persist_every: int = 50,
     persist: str | None = None,
     threads: int | None = 1,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     """Run the comparison; ``threads`` sets torch's intra-op threads for the loop (and
     is restored after): one thread keeps step times stable on a small shared machine
@@ -57,7 +58,7 @@ def run_e2e(
     if threads:
         torch.set_num_threads(threads)
     try:
-        result = _run(root, steps, rounds, width, depth, batch, persist_every, persist)
+        result = _run(root, steps, rounds, width, depth, batch, persist_every, persist, overlap)
     finally:
         torch.set_num_threads(before)
     result["torch_threads"] = threads or before
@@ -73,6 +74,7 @@ def _run(
     batch: int,
     persist_every: int,
     persist: str | None,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_mlp(width, depth)
@@ -103,7 +105,13 @@ def _run(
         kwargs["memory_every"] = resumable.Every(steps=1)
     if persist is not None and "persist" in api["init_params"]:
         kwargs["persist"] = persist
-    ck = resumable.Checkpointer(str(root / "e2e"), state={"model": model, "optim": opt}, **kwargs)
+    if overlap:
+        kwargs["overlap"] = True
+    ck = resumable.Checkpointer(
+        str(root / ("e2e-overlap" if overlap else "e2e")),
+        state={"model": model, "optim": opt},
+        **kwargs,
+    )
     offset = persist_every // 2
     ck.save(offset)  # warm-up: starts the worker, allocates the snapshot memory
     ck.wait()
@@ -147,6 +155,7 @@ def _run(
         "mode": (
             f"two-tier: maybe_save every step, memory_every=1, persist_every={persist_every}, "
             f"persist mode {getattr(ck, 'persist_mode', '?')}"
+            + (", overlap=True" if overlap else "")
             if api["tiers"]
             else f"sync fallback: maybe_save every step, persist_every={persist_every} "
             "(no memory tier in this API)"

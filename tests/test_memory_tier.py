@@ -521,3 +521,29 @@ def test_overlap_mode_snapshot_equals_state_at_snapshot_time(tmp_path: Path, shm
     with resumable.Checkpointer(tmp_path / "ck", fresh, persist="sync") as ck2:
         assert ck2.restore(step=4) == 4
         assert_same(params(fresh), expected[4])
+
+
+def test_restore_from_mapped_files_shares_nothing_with_them(tmp_path: Path) -> None:
+    from resumable.reader import CheckpointReader
+    from resumable.storage import LocalStorage
+
+    state = make_state()
+    train_step(state)
+    expected = params(state)
+    with resumable.Checkpointer(tmp_path / "ck", state, persist="sync") as ck:
+        ck.save(1)
+    fresh = make_state(seed=5)
+    with resumable.Checkpointer(tmp_path / "ck", fresh, persist="sync") as ck:
+        assert ck.restore() == 1
+    assert_same(params(fresh), expected)
+    with torch.no_grad():  # writes into whatever the live tensors are backed by
+        for st in fresh["optim"].state.values():
+            for v in st.values():
+                v.add_(7)
+        for p in fresh["model"].parameters():
+            p.mul_(0)
+    CheckpointReader(LocalStorage(tmp_path / "ck"), 1).verify()  # files untouched
+    again = make_state(seed=6)
+    with resumable.Checkpointer(tmp_path / "ck", again, persist="sync") as ck:
+        ck.restore()
+    assert_same(params(again), expected)

@@ -385,13 +385,19 @@ def subtree(tree: Tree, key: str) -> Tree:
 # --------------------------------------------------------------------------- restoring
 
 
-def restore(state: Mapping[str, Any], values: Mapping[Any, Any]) -> None:
+def restore(state: Mapping[str, Any], values: Mapping[Any, Any], *, borrowed: bool = False) -> None:
     """Load decoded ``values`` into the live objects of ``state``, and the RNG streams.
 
     Called on the training thread after every tensor was verified. Stateful objects get
     ``load_state_dict``; dicts and lists are updated in place; tensors are copied in
     place when shape and dtype agree. Raises `StateMismatchError` when the checkpoint
     does not fit ``state`` (missing key, different structure or shapes).
+
+    ``borrowed``: the tensors in ``values`` are views of memory that will be reused (a
+    shared-memory slot, a mapped file). They are then copied wherever the live state
+    would keep a reference (optimizers and other non-module state dicts, new container
+    entries), and handed as they are where the live object copies them anyway
+    (``nn.Module.load_state_dict``, in-place tensor copies): one copy either way.
     """
     if not isinstance(values, Mapping):
         raise CorruptCheckpointError(
@@ -407,14 +413,29 @@ def restore(state: Mapping[str, Any], values: Mapping[Any, Any]) -> None:
             "state keys it was saved with, or start a new checkpoint directory"
         )
     for key, obj in state.items():
-        new = _restore_into(obj, values[key], (key,))
+        new = _restore_into(obj, values[key], (key,), borrowed)
         if new is not obj and isinstance(state, dict):
             state[key] = new
     if RNG_KEY in values:
         set_rng_state(values[RNG_KEY])
 
 
-def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
+def _own(value: Any) -> Any:
+    """A copy of ``value`` that shares no tensor or array memory with it."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _own(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_own(v) for v in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        return tuple(_own(v) for v in value)
+    return value
+
+
+def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -> Any:
     """Restore ``value`` into ``obj`` in place where possible; returns the object to keep."""
     try:
         if isinstance(obj, torch.Generator):
@@ -432,7 +453,8 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
                 with torch.no_grad():
                     obj.copy_(value)
                 return obj
-            return value.to(obj.device)
+            moved = value.to(obj.device)
+            return moved.clone() if borrowed and moved is value else moved
         if isinstance(obj, Mapping) and not _is_stateful(obj):
             if not isinstance(value, dict):
                 raise StateMismatchError(
@@ -443,9 +465,12 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
                     if k not in value:
                         del obj[k]
                 for k, v in value.items():
-                    obj[k] = _restore_into(obj[k], v, (*path, k)) if k in obj else v
+                    if k in obj:
+                        obj[k] = _restore_into(obj[k], v, (*path, k), borrowed)
+                    else:
+                        obj[k] = _own(v) if borrowed else v
                 return obj
-            return value
+            return _own(value) if borrowed else value
         if isinstance(obj, list):
             if not isinstance(value, list):
                 raise StateMismatchError(
@@ -453,10 +478,11 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
                 )
             if len(obj) == len(value):
                 obj[:] = [
-                    _restore_into(o, v, (*path, i)) for i, (o, v) in enumerate(zip(obj, value))
+                    _restore_into(o, v, (*path, i), borrowed)
+                    for i, (o, v) in enumerate(zip(obj, value))
                 ]
             else:
-                obj[:] = value
+                obj[:] = _own(value) if borrowed else value
             return obj
         if _is_stateful(obj):
             if not isinstance(value, dict):
@@ -464,7 +490,8 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
                     f"{_path_str(path)}: expected a state dict, checkpoint has "
                     f"{type(value).__name__}"
                 )
-            obj.load_state_dict(value)
+            copies = isinstance(obj, torch.nn.Module)  # it copies into its parameters
+            obj.load_state_dict(_own(value) if borrowed and not copies else value)
             return obj
     except StateMismatchError:
         raise
@@ -473,7 +500,7 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...]) -> Any:
             f"{_path_str(path)}: the checkpoint does not fit this object ({exc}). "
             "Restore into the same kind of model/optimizer it was saved from"
         ) from exc
-    return value
+    return _own(value) if borrowed else value
 
 
 def _generator_payload(value: Any, tag: str, path: tuple[Any, ...]) -> Any:

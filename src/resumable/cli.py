@@ -45,9 +45,9 @@ from resumable.commit import (
     step_dir,
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from resumable.manager import apply_retention, pinned_steps
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
+from resumable.retention import apply_retention, pinned_steps
 from resumable.storage import LocalStorage, Storage, open_storage
 
 PROG = "resumable"

@@ -40,7 +40,7 @@ import torch
 
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
-from resumable.commit import RenameCommit, list_committed, parse_step_dir, step_dir
+from resumable.commit import RenameCommit, list_committed, step_dir
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -49,8 +49,9 @@ from resumable.errors import (
     StorageError,
 )
 from resumable.format import _json_metrics, checksum
-from resumable.policy import Entry, Every, Keep
+from resumable.policy import Every, Keep
 from resumable.reader import CheckpointReader
+from resumable.retention import PINS_DIR
 from resumable.shm import remove_dead_segments, run_key_for, shm_free_bytes
 from resumable.snapshot import Arena, MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import LocalStorage, Storage, open_storage
@@ -58,7 +59,6 @@ from resumable.worker import JobRunner, PersistWorker
 
 log = logging.getLogger("resumable")
 
-PINS_DIR = "pins"
 DEFAULT_KEEP = Keep(last=3)
 PERSIST_MODES = ("auto", "process", "thread", "sync")
 STALE_SHM_S = 24 * 3600.0
@@ -407,10 +407,10 @@ class Checkpointer:
                 for s, want in zip(content.slots, content.checksums):
                     if checksum(data[s.begin : s.end]) != want:
                         raise CorruptCheckpointError(f"checksum mismatch in tensor {s.name!r}")
-            # Clone out of shared memory: the slot is rewritten by later snapshots.
-            tensors = {k: v.clone() for k, v in views.items()}
-            values = capture_mod.decode(content.meta["tree"], tensors, loc)
-            capture_mod.restore(self.state, values)
+            values = capture_mod.decode(content.meta["tree"], views, loc)
+            # Borrowed: the slot is rewritten by later snapshots, so whatever the live
+            # state would keep a reference to is copied out.
+            capture_mod.restore(self.state, values, borrowed=True)
         except CorruptCheckpointError as exc:
             log.warning("skipping the shared-memory snapshot of step %d: %s", snap.step, exc)
             self.audit.record("skip", step=snap.step, tier="memory", reason=str(exc)[:500])
@@ -447,7 +447,7 @@ class Checkpointer:
                 tensors = reader.tensors(verify=True)
                 values = capture_mod.decode(reader.tree, tensors, loc)
                 # Raises CorruptCheckpointError only before touching a live object.
-                capture_mod.restore(self.state, values)
+                capture_mod.restore(self.state, values, borrowed=reader.mapped)
             except CorruptCheckpointError as exc:
                 log.warning("skipping corrupt checkpoint %s: %s", step_dir(s), exc)
                 self.audit.record("skip", step=s, reason=str(exc)[:500])
@@ -689,83 +689,3 @@ def _close_all_at_exit() -> None:
             ckpt.close()
         except Exception as exc:
             log.error("closing the checkpointer of %s at exit failed: %s", ckpt.url, exc)
-
-
-def pinned_steps(storage: Storage) -> set[int]:
-    return {s for s in (parse_step_dir(n) for n in storage.list_dir(PINS_DIR)) if s is not None}
-
-
-def apply_retention(
-    storage: Storage,
-    keep: Keep,
-    audit: AuditLog,
-    *,
-    just_written: int | None = None,
-    cache: dict[int, Mapping[str, Any]] | None = None,
-    dry_run: bool = False,
-) -> list[int]:
-    """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
-
-    Only ``step-N`` directories whose manifest parses as a resumable manifest are
-    candidates (anything else was not written by resumable, or is damaged and left for
-    an operator). The checkpoint just written and pinned ones are never deleted, and
-    nothing is deleted unless a retained checkpoint checks out: the one just written
-    (its files and headers; its checksums were computed from the bytes it was written
-    from), or else, as in ``resumable prune``, one that passes a full verification. So
-    retention never leaves zero valid checkpoints.
-    """
-    cache = cache if cache is not None else {}
-    entries = []
-    for s in list_committed(storage):
-        if s not in cache:
-            try:
-                cache[s] = CheckpointReader(storage, s).manifest["metrics"]
-            except CheckpointError as exc:
-                log.warning("retention ignores %s: %s", step_dir(s), exc)
-                continue
-        entries.append(Entry(s, cache[s]))
-    pinned = pinned_steps(storage)
-    if just_written is not None:
-        pinned.add(just_written)
-    doomed = keep.to_delete(entries, pinned)
-    if dry_run or not doomed:
-        return doomed
-    survivors = sorted({e.step for e in entries} - set(doomed))
-    if just_written is not None:
-        # Written and checksummed from memory moments ago: its files are enough to check.
-        trusted = _files_valid(storage, just_written)
-    else:
-        trusted = any(_fully_valid(storage, s) for s in reversed(survivors))
-    if not trusted:
-        log.warning(
-            "retention deletes nothing in %s: none of the checkpoints it would keep %s verifies",
-            storage.url,
-            survivors,
-        )
-        audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
-        return []
-    committer = RenameCommit(storage)
-    for s in doomed:
-        committer.delete(s)
-        cache.pop(s, None)
-        audit.record("delete", step=s, reason="retention")
-        log.info("retention deleted %s", step_dir(s))
-    return doomed
-
-
-def _files_valid(storage: Storage, step: int) -> bool:
-    try:
-        CheckpointReader(storage, step).check_files()
-    except CheckpointError as exc:
-        log.warning("checkpoint %s does not check out: %s", step_dir(step), exc)
-        return False
-    return True
-
-
-def _fully_valid(storage: Storage, step: int) -> bool:
-    try:
-        CheckpointReader(storage, step).verify()
-    except CheckpointError as exc:
-        log.warning("checkpoint %s does not verify: %s", step_dir(step), exc)
-        return False
-    return True

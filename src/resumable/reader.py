@@ -41,6 +41,7 @@ class CheckpointReader:
         self.dir = step_dir(step)
         self.where = f"checkpoint {self.dir} in {storage.url}"
         self._manifest: dict[str, Any] | None = None
+        self.mapped = False  # whether tensors() returned views of mapped files
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -141,6 +142,16 @@ class CheckpointReader:
         return out
 
     def _read(self, path: str, offset: int, length: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + length)`` of a data file: a view of the file mapped
+        copy-on-write where the backend can map (no allocation, no copy), else a read
+        into a new buffer. Sizes were checked against the manifest before."""
+        map_file = getattr(self.storage, "map_file", None)
+        if map_file is not None and length > 0:
+            mm = map_file(path)
+            if offset + length <= len(mm):
+                self.mapped = True
+                return torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=length)
+            mm.close()
         buf = torch.empty(length, dtype=torch.uint8)
         if length == 0:
             return buf

@@ -47,6 +47,7 @@ from resumable.audit import AuditLog
 from resumable.commit import RenameCommit
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
+from resumable.retention import apply_retention
 from resumable.shm import ShmSlot
 from resumable.snapshot import Snapshot
 from resumable.storage import Storage, open_storage
@@ -148,7 +149,6 @@ class JobRunner:
     ) -> tuple[dict[str, Any], list[str]]:
         """Write, commit (retrying transient storage errors), audit and apply retention.
         Returns the reply and the per-tensor checksums in layout order."""
-        from resumable.manager import apply_retention
         from resumable.persist import write_checkpoint
 
         t0 = time.perf_counter()

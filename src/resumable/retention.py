@@ -1,0 +1,104 @@
+"""Retention: apply a `Keep` policy to the committed checkpoints of a storage.
+
+`policy.Keep` decides (pure); this module acts: it lists committed checkpoints, reads
+their metrics, protects pinned ones and the one just written, checks that what it keeps
+is valid, then un-commits and deletes the rest, recording each delete in the audit log.
+It is called by the persist worker after every commit and by ``resumable prune``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from resumable.audit import AuditLog
+from resumable.commit import RenameCommit, list_committed, parse_step_dir, step_dir
+from resumable.errors import CheckpointError
+from resumable.policy import Entry, Keep
+from resumable.reader import CheckpointReader
+from resumable.storage import Storage
+
+log = logging.getLogger("resumable")
+
+PINS_DIR = "pins"
+
+
+def pinned_steps(storage: Storage) -> set[int]:
+    return {s for s in (parse_step_dir(n) for n in storage.list_dir(PINS_DIR)) if s is not None}
+
+
+def apply_retention(
+    storage: Storage,
+    keep: Keep,
+    audit: AuditLog,
+    *,
+    just_written: int | None = None,
+    cache: dict[int, Mapping[str, Any]] | None = None,
+    dry_run: bool = False,
+) -> list[int]:
+    """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
+
+    Only ``step-N`` directories whose manifest parses as a resumable manifest are
+    candidates (anything else was not written by resumable, or is damaged and left for
+    an operator). The checkpoint just written and pinned ones are never deleted, and
+    nothing is deleted unless a retained checkpoint checks out: the one just written
+    (its files and headers; its checksums were computed from the bytes it was written
+    from), or else, as in ``resumable prune``, one that passes a full verification. So
+    retention never leaves zero valid checkpoints.
+    """
+    cache = cache if cache is not None else {}
+    entries = []
+    for s in list_committed(storage):
+        if s not in cache:
+            try:
+                cache[s] = CheckpointReader(storage, s).manifest["metrics"]
+            except CheckpointError as exc:
+                log.warning("retention ignores %s: %s", step_dir(s), exc)
+                continue
+        entries.append(Entry(s, cache[s]))
+    pinned = pinned_steps(storage)
+    if just_written is not None:
+        pinned.add(just_written)
+    doomed = keep.to_delete(entries, pinned)
+    if dry_run or not doomed:
+        return doomed
+    survivors = sorted({e.step for e in entries} - set(doomed))
+    if just_written is not None:
+        # Written and checksummed from memory moments ago: its files are enough to check.
+        trusted = _files_valid(storage, just_written)
+    else:
+        trusted = any(_fully_valid(storage, s) for s in reversed(survivors))
+    if not trusted:
+        log.warning(
+            "retention deletes nothing in %s: none of the checkpoints it would keep %s verifies",
+            storage.url,
+            survivors,
+        )
+        audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
+        return []
+    committer = RenameCommit(storage)
+    for s in doomed:
+        committer.delete(s)
+        cache.pop(s, None)
+        audit.record("delete", step=s, reason="retention")
+        log.info("retention deleted %s", step_dir(s))
+    return doomed
+
+
+def _files_valid(storage: Storage, step: int) -> bool:
+    try:
+        CheckpointReader(storage, step).check_files()
+    except CheckpointError as exc:
+        log.warning("checkpoint %s does not check out: %s", step_dir(step), exc)
+        return False
+    return True
+
+
+def _fully_valid(storage: Storage, step: int) -> bool:
+    try:
+        CheckpointReader(storage, step).verify()
+    except CheckpointError as exc:
+        log.warning("checkpoint %s does not verify: %s", step_dir(step), exc)
+        return False
+    return True
