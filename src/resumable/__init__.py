@@ -25,8 +25,10 @@ from resumable.errors import (
 )
 from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
+from resumable.preemption import REQUEUE_EXIT_CODE, Preemption
 
 __all__ = [
+    "REQUEUE_EXIT_CODE",
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
@@ -35,6 +37,7 @@ __all__ = [
     "NewerFormatError",
     "NoCheckpointError",
     "PersistError",
+    "Preemption",
     "StateMismatchError",
     "Stateful",
     "StorageError",

@@ -35,6 +35,7 @@ class DemoConfig:
     batch_size: int = 32
     keep_last: int = 3
     log_every: int = 100
+    grace_seconds: float = 30.0
 
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,6 +113,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
         memory_every=resumable.Every(steps=cfg.memory_every) if cfg.memory_every else None,
         persist_every=resumable.Every(steps=cfg.every),
         keep=resumable.Keep(last=cfg.keep_last),
+        preemption=resumable.Preemption(grace_seconds=cfg.grace_seconds),
     )
     with ckpt:
         step = ckpt.restore()

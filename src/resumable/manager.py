@@ -49,7 +49,9 @@ from resumable.errors import (
     StorageError,
 )
 from resumable.format import _json_metrics, checksum
+from resumable.monitor import AlertCallback, Monitor
 from resumable.policy import Every, Keep
+from resumable.preemption import GraceBudget, Preemption, PreemptionMonitor
 from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR
 from resumable.shm import remove_dead_segments, run_key_for, shm_free_bytes
@@ -86,6 +88,13 @@ class Checkpointer:
             forward/backward; an optimizer step pre-hook waits for the copy before the
             optimizer changes them. Until ``optimizer.step()`` runs, nothing else may
             change parameters or optimizer state in place.
+        preemption: signals and cloud notices that trigger an emergency checkpoint at
+            the next `maybe_save`, then `should_stop` (and by default an exit with
+            `REQUEUE_EXIT_CODE`); see `resumable.preemption`.
+        alert: ``callback(kind, message, details)`` called (besides a WARNING log) when
+            a save fails, when nothing committed for ``max_commit_age_s``, and when
+            persists are deferred repeatedly.
+        prometheus_registry: a ``prometheus_client`` registry to export counters to.
     """
 
     def __init__(
@@ -102,6 +111,10 @@ class Checkpointer:
         on_busy: str = "skip",
         shm_dir: str | os.PathLike[str] | None = None,
         overlap: bool = False,
+        preemption: Preemption | None = None,
+        alert: AlertCallback | None = None,
+        max_commit_age_s: float | None = None,
+        prometheus_registry: Any = None,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
@@ -163,8 +176,18 @@ class Checkpointer:
         self._owed = False
         self._closed = False
         self.last_snapshot_s: float | None = None
+        self.monitor = Monitor(
+            alert=alert,
+            max_commit_age_s=max_commit_age_s,
+            prometheus_registry=prometheus_registry,
+            url=self.url,
+        )
+        self.should_stop = False
         self._remove_stale()
         self._atexit = _register_atexit(self)
+        self._preempt = PreemptionMonitor(preemption) if preemption is not None else None
+        if self._preempt is not None:
+            self._preempt.install()
 
     # ------------------------------------------------------------------ saving
 
@@ -205,6 +228,7 @@ class Checkpointer:
         else:
             future.result()
         self.last_snapshot_s = time.perf_counter() - t0
+        self.monitor.snapshot(self.last_snapshot_s)
         self._last_memory = step
         self._memory_clock = time.monotonic()
 
@@ -271,6 +295,7 @@ class Checkpointer:
                 "skip", step=step, reason=f"persist of step(s) {running} still running"
             )
             log.info("persist of step %d deferred: step(s) %s still persisting", step, running)
+            self.monitor.skipped(step, f"step(s) {running} still persisting")
             self._owed = True
             return False
         self._persist_snapshot(newest)
@@ -283,7 +308,11 @@ class Checkpointer:
         taken at the first call that finds the worker free.
         """
         self._check_open()
+        if self._preempt is not None and self._preempt.requested and not self.should_stop:
+            self._emergency(step, metrics)
+            return True
         self._collect()
+        self.monitor.check_age(step)
         now = time.monotonic()
         worker_free = self._worker is None or not self._worker.busy
         if (self._owed and worker_free) or self.persist_every.due(
@@ -317,6 +346,8 @@ class Checkpointer:
         finally:
             self._closed = True
             _unregister_atexit(self._atexit)
+            if self._preempt is not None:
+                self._preempt.uninstall()
             for _, handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
@@ -490,6 +521,66 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters and last durations (snapshots, persists, commits, skips, failures)."""
+        return dict(self.monitor.stats)
+
+    def _emergency(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Persist the state of ``step`` within the grace period, then stop."""
+        pm = self._preempt
+        assert pm is not None
+        t0 = time.monotonic()
+        remaining = pm.remaining_s()
+        log.warning(
+            "preemption (%s): emergency checkpoint of step %d, %.1f s of grace left",
+            pm.reason,
+            step,
+            remaining,
+        )
+        self.audit.record("preempt", step=step, reason=pm.reason, remaining_s=round(remaining, 3))
+        try:
+            self._wait_worker(timeout=max(0.1, remaining))
+        except PersistError as exc:
+            log.error("an earlier persist failed before the emergency checkpoint: %s", exc)
+        budget = GraceBudget(
+            pm.remaining_s(), self.last_snapshot_s, self.monitor.stats["last_persist_s"]
+        )
+        newest = self._shm.newest if self._shm is not None else None
+        if newest is not None and newest.step == step:
+            self._persist_snapshot(newest)
+            how = "persisted the snapshot of this step"
+        elif newest is None or budget.fresh_snapshot_fits:
+            self.save(step, metrics)
+            how = "snapshot and persist"
+        else:
+            log.warning(
+                "a fresh snapshot and persist (about %.1f s) does not fit the %.1f s left: "
+                "persisting the newest snapshot, of step %d",
+                budget.estimate_s,
+                budget.remaining_s,
+                newest.step,
+            )
+            self._persist_snapshot(newest)
+            how = f"persisted the older snapshot of step {newest.step}"
+        self._wait_worker(timeout=max(0.1, pm.remaining_s()))
+        left = pm.remaining_s()
+        self.audit.record(
+            "emergency_commit",
+            step=self._committed,
+            how=how,
+            duration_s=round(time.monotonic() - t0, 6),
+            estimate_s=budget.estimate_s,
+            within_grace=left >= 0,
+        )
+        if left < 0:
+            log.error("the emergency checkpoint took %.1f s longer than the grace period", -left)
+        self.should_stop = True
+        if pm.config.exit:
+            self.close()
+            log.warning("exiting with code %d for requeue", pm.config.exit_code)
+            raise SystemExit(pm.config.exit_code)
+
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this Checkpointer for {self.url} is closed")
@@ -536,12 +627,14 @@ class Checkpointer:
         self.audit.record(
             "save_start", step=step, bytes=snap.nbytes, snapshot_s=self.last_snapshot_s
         )
+        self.monitor.persist_started()
         try:
-            self._runner.persist_snapshot(snap, step=step, tree=tree, metrics=metrics)
+            reply, _ = self._runner.persist_snapshot(snap, step=step, tree=tree, metrics=metrics)
         except BaseException as exc:
             self.audit.record("failure", step=step, error=repr(exc)[:500])
-            log.error("saving step %d to %s failed: %s", step, self.url, exc)
+            self.monitor.failed(step, repr(exc))
             raise
+        self.monitor.committed(step, reply.get("seconds"))
         self._committed = max(step, self._committed or step)
         self._last_persist = step
         self._persist_clock = time.monotonic()
@@ -568,6 +661,7 @@ class Checkpointer:
             "save_start", step=snap.step, bytes=snap.nbytes, snapshot_s=self.last_snapshot_s
         )
         self._shm.locked.add(snap.index)
+        self.monitor.persist_started()
         job = worker.submit(
             {
                 "kind": "persist",
@@ -599,6 +693,7 @@ class Checkpointer:
             except PersistError as exc:
                 self._fail_all_jobs()
                 self._worker = None
+                self.monitor.failed(None, str(exc))
                 raise exc
         for r in replies or []:
             index, step = self._jobs.pop(r.get("id", -1), (None, r.get("step")))
@@ -606,10 +701,12 @@ class Checkpointer:
                 self._shm.locked.discard(index)
             if r.get("kind") == "committed":
                 self._committed = max(int(r["step"]), self._committed or 0)
+                self.monitor.committed(int(r["step"]), r.get("seconds"))
             elif r.get("kind") == "failed":
                 self._errors.append(
                     f"persisting step {step} to {self.url} failed: {r.get('error')}"
                 )
+                self.monitor.failed(step, str(r.get("error")))
         if self._errors:
             msg = self._errors.pop(0)
             self._errors.clear()
@@ -626,9 +723,10 @@ class Checkpointer:
             return
         try:
             replies = self._worker.wait_all(timeout)
-        except PersistError:
+        except PersistError as exc:
             self._fail_all_jobs()
             self._worker = None
+            self.monitor.failed(None, str(exc))
             raise
         self._collect(replies)
 
