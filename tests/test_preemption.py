@@ -256,3 +256,21 @@ def test_bad_preemption_config() -> None:
         resumable.Preemption(signals=("SIGNOPE",))
     with pytest.raises(ValueError, match="grace_seconds"):
         resumable.Preemption(grace_seconds=0)
+
+
+def test_auto_interval_plans_with_the_measured_cost(tmp_path: Path) -> None:
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        small_state(),
+        persist="sync",
+        persist_every=resumable.Every(auto=True, mtbf=3600.0, min_seconds=0.001),
+        keep=None,
+    )
+    time.sleep(0.01)
+    assert ck.maybe_save(1)  # no cost measured yet: due after min_seconds
+    cost = ck._persist_cost.value
+    assert cost is not None and cost > 0
+    planned = ck.persist_every.interval_seconds_for(cost)
+    assert planned is not None and planned > 1.0  # Daly with a ms-scale cost and 1 h MTBF
+    assert not ck.maybe_save(2), "not due again until the planned interval has passed"
+    ck.close()

@@ -50,7 +50,7 @@ from resumable.errors import (
 )
 from resumable.format import _json_metrics, checksum
 from resumable.monitor import AlertCallback, Monitor
-from resumable.policy import Every, Keep
+from resumable.policy import CostEstimate, Every, Keep
 from resumable.preemption import GraceBudget, Preemption, PreemptionMonitor
 from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR
@@ -183,6 +183,7 @@ class Checkpointer:
             url=self.url,
         )
         self.should_stop = False
+        self._persist_cost = CostEstimate()
         self._remove_stale()
         self._atexit = _register_atexit(self)
         self._preempt = PreemptionMonitor(preemption) if preemption is not None else None
@@ -316,9 +317,16 @@ class Checkpointer:
         now = time.monotonic()
         worker_free = self._worker is None or not self._worker.busy
         if (self._owed and worker_free) or self.persist_every.due(
-            step, last_step=self._last_persist, since_last_s=now - self._persist_clock
+            step,
+            last_step=self._last_persist,
+            since_last_s=now - self._persist_clock,
+            cost_s=self._persist_cost.value,
         ):
-            return self.save(step, metrics)
+            t0 = time.perf_counter()
+            started = self.save(step, metrics)
+            if started:  # the measured cost Every(auto=True) plans with (docs/interval.md)
+                self._persist_cost.observe(time.perf_counter() - t0)
+            return started
         if self.memory_every is not None and self.memory_every.due(
             step, last_step=self._last_memory, since_last_s=now - self._memory_clock
         ):

@@ -4,29 +4,143 @@ Both are small frozen value objects with pure decision methods, so they are test
 with plain inputs and the manager only wires them. Step cadences are multiples of the
 step (``step % steps == 0``), which keeps the save schedule of a resumed run identical
 to an uninterrupted one; time cadences count from the last save.
+
+``Every(auto=True, mtbf=...)`` derives its time cadence from the checkpoint cost and the
+mean time between failures (Young 1974, Daly 2006; see ``docs/interval.md``). The cost
+changes while a run warms up and the storage gets busier, so it is an argument of
+`Every.due` rather than a field: the manager keeps a mutable `CostEstimate` of measured
+costs and passes its current value at each call, and the policy stays a frozen value.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+DEFAULT_MIN_SECONDS = 1.0
+"""Shortest interval `Every(auto=True)` picks, and its interval before any cost is known."""
+DEFAULT_MAX_SECONDS = 24 * 3600.0
+"""Longest interval `Every(auto=True)` picks."""
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum compute time between checkpoints, ``sqrt(2 C M)``.
+
+    ``cost_s`` (C) is what one checkpoint costs the job in seconds, ``mtbf_s`` (M) the
+    mean time between failures in seconds. Accurate when C is much smaller than M.
+    """
+    _check_cost_mtbf(cost_s, mtbf_s)
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum compute time between checkpoints (Daly 2006):
+
+        sqrt(2 C M) * (1 + sqrt(C / (2 M)) / 3 + C / (18 M)) - C    for C < 2 M
+        M                                                           for C >= 2 M
+
+    Same arguments as `young_interval`; shorter than Young's estimate for every C > 0.
+    """
+    _check_cost_mtbf(cost_s, mtbf_s)
+    if cost_s >= 2.0 * mtbf_s:
+        return float(mtbf_s)
+    ratio = cost_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost_s
+
+
+def _check_cost_mtbf(cost_s: float, mtbf_s: float) -> None:
+    if not (_finite(cost_s) and cost_s >= 0):
+        raise ValueError(f"checkpoint cost must be a finite number of seconds >= 0, got {cost_s!r}")
+    if not (_finite(mtbf_s) and mtbf_s > 0):
+        raise ValueError(f"mtbf must be a finite number of seconds > 0, got {mtbf_s!r}")
+
+
+class CostEstimate:
+    """The current checkpoint cost: the median of the last ``window`` observations.
+
+    A median rather than a mean, because the first checkpoint of a run is an outlier
+    (worker start-up, first touch of the shared-memory slots, cold page cache) and so is
+    a save that met a storage hiccup; a median of five ignores up to two of them, and
+    still follows a lasting change of the cost within three saves.
+
+    Not thread-safe: owned by the manager and used from the training thread only.
+    """
+
+    def __init__(self, window: int = 5) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"CostEstimate(window=...) must be a positive integer, got {window!r}")
+        self._recent: deque[float] = deque(maxlen=window)
+        self._count = 0
+
+    @property
+    def window(self) -> int:
+        maxlen = self._recent.maxlen
+        assert maxlen is not None
+        return maxlen
+
+    def observe(self, seconds: float) -> None:
+        """Record the measured cost of one checkpoint, in seconds (finite, >= 0)."""
+        if not (_finite(seconds) and seconds >= 0):
+            raise ValueError(
+                f"a checkpoint cost must be a finite number of seconds >= 0, got {seconds!r}"
+            )
+        self._recent.append(float(seconds))
+        self._count += 1
+
+    @property
+    def count(self) -> int:
+        """Observations made so far, including those that have left the window."""
+        return self._count
+
+    @property
+    def value(self) -> float | None:
+        """Median of the last ``window`` observations; None before the first."""
+        return statistics.median(self._recent) if self._recent else None
+
+    def __repr__(self) -> str:
+        return f"CostEstimate(window={self.window}, recent={list(self._recent)!r})"
 
 
 @dataclass(frozen=True)
 class Every:
     """Due when any given condition holds: ``step`` is a multiple of ``steps``, or at
     least ``seconds``/``minutes`` passed since the last save. ``Every(steps=100,
-    minutes=30)`` saves on whichever comes first."""
+    minutes=30)`` saves on whichever comes first.
+
+    ``Every(auto=True, mtbf=...)`` is due once the optimum interval for the current
+    checkpoint cost has passed: `daly_interval` of the cost and ``mtbf`` (seconds),
+    clamped to ``[min_seconds, max_seconds]`` (default 1 s and 24 h). Before a cost is
+    known the interval is ``min_seconds``, so the first checkpoint, and with it the first
+    measurement, comes early. ``auto`` is the only condition of its policy: combining it
+    with ``steps``/``seconds``/``minutes`` is rejected, as are ``mtbf``/``min_seconds``/
+    ``max_seconds`` without ``auto``.
+    """
 
     steps: int | None = None
     seconds: float | None = None
     minutes: float | None = None
+    auto: bool = False
+    mtbf: float | None = None
+    min_seconds: float | None = None
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if self.steps is None and self.seconds is None and self.minutes is None:
-            raise ValueError("Every() needs steps=, seconds= or minutes=")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"Every(auto=...) must be True or False, got {self.auto!r}")
+        if self.auto:
+            self._check_auto()
+        else:
+            given = [
+                n for n in ("mtbf", "min_seconds", "max_seconds") if getattr(self, n) is not None
+            ]
+            if given:
+                raise ValueError(f"Every({given[0]}=...) is only read with auto=True")
+            if self.steps is None and self.seconds is None and self.minutes is None:
+                raise ValueError("Every() needs steps=, seconds=, minutes= or auto=True, mtbf=")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise ValueError(f"Every(steps=...) must be a positive integer, got {self.steps!r}")
         for name in ("seconds", "minutes"):
@@ -34,18 +148,76 @@ class Every:
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"Every({name}=...) must be a positive number, got {v!r}")
 
+    def _check_auto(self) -> None:
+        fixed = [n for n in ("steps", "seconds", "minutes") if getattr(self, n) is not None]
+        if fixed:
+            raise ValueError(
+                f"Every(auto=True) picks the interval itself and takes no {fixed[0]}=...; "
+                "bound it with min_seconds=/max_seconds= instead"
+            )
+        if self.mtbf is None:
+            raise ValueError(
+                "Every(auto=True) needs mtbf=..., the mean time between failures in seconds "
+                "(e.g. mtbf=24 * 3600 for one failure a day)"
+            )
+        for name in ("mtbf", "min_seconds", "max_seconds"):
+            v = getattr(self, name)
+            if v is not None and not (_finite(v) and v > 0):
+                raise ValueError(
+                    f"Every({name}=...) must be a finite positive number of seconds, got {v!r}"
+                )
+        if self.bounds[0] > self.bounds[1]:
+            raise ValueError(
+                f"Every(min_seconds=...) must not exceed max_seconds, got {self.bounds[0]!r} "
+                f"> {self.bounds[1]!r}"
+            )
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """``(min_seconds, max_seconds)`` with their defaults filled in."""
+        lo = DEFAULT_MIN_SECONDS if self.min_seconds is None else float(self.min_seconds)
+        hi = DEFAULT_MAX_SECONDS if self.max_seconds is None else float(self.max_seconds)
+        return lo, hi
+
     @property
     def interval_seconds(self) -> float | None:
+        """The fixed time interval; None without one (step cadence only, or ``auto``,
+        whose interval depends on the cost: see `interval_seconds_for`)."""
         spans = [x for x in (self.seconds, self.minutes and self.minutes * 60) if x]
         return min(spans) if spans else None
 
-    def due(self, step: int, *, last_step: int | None, since_last_s: float) -> bool:
+    def interval_seconds_for(self, cost_s: float | None) -> float | None:
+        """The time interval in force when one checkpoint costs ``cost_s`` seconds.
+
+        Fixed policies ignore the cost. ``auto``: `daly_interval(cost_s, mtbf)` clamped
+        to `bounds`, or the lower bound while ``cost_s`` is None (nothing measured yet).
+        """
+        if not self.auto:
+            return self.interval_seconds
+        lo, hi = self.bounds
+        if cost_s is None:
+            return lo
+        assert self.mtbf is not None
+        return min(hi, max(lo, daly_interval(cost_s, self.mtbf)))
+
+    def due(
+        self,
+        step: int,
+        *,
+        last_step: int | None,
+        since_last_s: float,
+        cost_s: float | None = None,
+    ) -> bool:
+        """Whether to save at ``step``, ``since_last_s`` seconds after the last save ended
+        (its blocking part), when one checkpoint costs ``cost_s`` seconds (read only by
+        ``auto``; None before the first measurement). Never due at or before
+        ``last_step``."""
         if last_step is not None and step <= last_step:
             return False
         if self.steps is not None:
             if step % self.steps == 0 or (last_step is not None and step - last_step >= self.steps):
                 return True
-        span = self.interval_seconds
+        span = self.interval_seconds_for(cost_s)
         return span is not None and since_last_s >= span
 
 
