@@ -184,6 +184,8 @@ class Checkpointer:
         )
         self.should_stop = False
         self._persist_cost = CostEstimate()
+        self._last_absorbed = -1
+        self._absorbed_clock = float("-inf")
         self._remove_stale()
         self._atexit = _register_atexit(self)
         self._preempt = PreemptionMonitor(preemption) if preemption is not None else None
@@ -316,12 +318,26 @@ class Checkpointer:
         self.monitor.check_age(step)
         now = time.monotonic()
         worker_free = self._worker is None or not self._worker.busy
-        if (self._owed and worker_free) or self.persist_every.due(
+        policy_due = self.persist_every.due(
             step,
-            last_step=self._last_persist,
-            since_last_s=now - self._persist_clock,
+            last_step=(
+                self._last_persist
+                if self._last_absorbed < 0
+                else max(self._last_persist or 0, self._last_absorbed)
+            ),
+            since_last_s=now - max(self._persist_clock, self._absorbed_clock),
             cost_s=self._persist_cost.value,
-        ):
+        )
+        if self._owed:
+            # A deferred persist is owed once and taken when the worker is free; a
+            # persist falling due meanwhile is absorbed into it, and counted as skipped.
+            due = worker_free
+            if not worker_free and policy_due:
+                self._last_absorbed, self._absorbed_clock = step, now
+                self.monitor.skipped(step, "the previous persist is still running")
+        else:
+            due = policy_due
+        if due:
             t0 = time.perf_counter()
             started = self.save(step, metrics)
             if started:  # the measured cost Every(auto=True) plans with (docs/interval.md)

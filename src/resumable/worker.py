@@ -55,7 +55,15 @@ from resumable.storage import Storage, open_storage
 log = logging.getLogger("resumable")
 
 _LEN = struct.Struct(">I")
-_WORKER_BOOT = "import sys; from resumable.worker import worker_main; sys.exit(worker_main())"
+# Signals sent to every process of a group or Slurm job step (Ctrl-C, --signal=USR1@90,
+# torchrun stopping its workers) are the trainer's: ignored here, before the slow imports, so
+# an in-flight persist survives them. The trainer ends the worker (stop, socket EOF, SIGKILL).
+_WORKER_BOOT = (
+    "import signal, sys\n"
+    "for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n"
+    "    signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
+    "from resumable.worker import worker_main; sys.exit(worker_main())"
+)
 _NOT_TRANSIENT = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT}
 
 
