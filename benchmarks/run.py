@@ -451,37 +451,23 @@ def main(argv: list[str] | None = None) -> int:
         out["methods"]["dlrover"] = dlrover_entry(raw)
 
     if not args.no_e2e:
-        log("end to end training loop")
-        out["e2e"] = guarded(
-            out,
-            "e2e_error",
-            lambda: training.run_e2e(
-                work,
-                steps=args.e2e_steps,
-                rounds=args.e2e_rounds,
-                width=args.e2e_width,
-                depth=args.e2e_depth,
-                batch=args.e2e_batch,
-                persist=args.persist,
-                threads=args.e2e_threads,
-            ),
-        )
-        log("end to end training loop, overlap mode")
-        out["e2e_overlap"] = guarded(
-            out,
-            "e2e_overlap_error",
-            lambda: training.run_e2e(
-                work,
-                steps=args.e2e_steps,
-                rounds=args.e2e_rounds,
-                width=args.e2e_width,
-                depth=args.e2e_depth,
-                batch=args.e2e_batch,
-                persist=args.persist,
-                threads=args.e2e_threads,
-                overlap=True,
-            ),
-        )
+        for key, overlap in (("e2e", False), ("e2e_overlap", True)):
+            log("end to end training loop" + (", overlap mode" if overlap else ""))
+            out[key] = guarded(
+                out,
+                f"{key}_error",
+                lambda overlap=overlap: training.run_e2e(
+                    work,
+                    steps=args.e2e_steps,
+                    rounds=args.e2e_rounds,
+                    width=args.e2e_width,
+                    depth=args.e2e_depth,
+                    batch=args.e2e_batch,
+                    persist=args.persist,
+                    threads=args.e2e_threads,
+                    overlap=overlap,
+                ),
+            )
 
     out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
     out["wall_s"] = round(time.perf_counter() - started, 1)

@@ -33,18 +33,16 @@ from resumable.commit import RenameCommit, list_committed, step_dir
 from resumable.format import MANIFEST
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, Storage
-from resumable.storage.base import Buffer
+from resumable.storage.base import Buffer, ForwardingStorage
 
 
-class FaultyStorage(Storage):
+class FaultyStorage(ForwardingStorage):
     """A real backend whose ``fail_at``-th mutating call (write, append, delete,
     rename_dir, sync_dir; counted from 0) raises `StorageError`, and with ``sticky``
     every later one too, like a disk that died. The error's errno is ``code``: ENOSPC
     is final, EIO is retried by the persist pipeline. A failing write leaves a torn file and a
     failing delete removes part of a tree, as real failures do. ``calls`` logs every
     mutating call as ``(verb, path, second_path)``."""
-
-    supports_rename = True
 
     def __init__(
         self,
@@ -54,8 +52,7 @@ class FaultyStorage(Storage):
         sticky: bool = False,
         code: int = errno.ENOSPC,
     ) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.fail_at = fail_at
         self.sticky = sticky
         self.code = code
@@ -101,18 +98,6 @@ class FaultyStorage(Storage):
         if self._fails("sync_dir", path):
             raise self._fault("sync_dir", path)
         self.inner.sync_dir(path)
-
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        return self.inner.read_range(path, offset, length)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        return self.inner.list_dir(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
 
 
 def make_state() -> dict[str, Any]:

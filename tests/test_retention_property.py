@@ -40,19 +40,16 @@ from resumable.commit import list_uncommitted, step_dir
 from resumable.policy import Entry
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, Storage
-from resumable.storage.base import Buffer
+from resumable.storage.base import Buffer, ForwardingStorage
 
 
-class CrashingStorage(Storage):
+class CrashingStorage(ForwardingStorage):
     """A local root whose ``crash_in``-th next write/delete/rename_dir/sync_dir (counted
     from 0; audit appends do not count) fails once with a full-disk `StorageError` (not
     retried), leaving a torn file if it was a write."""
 
-    supports_rename = True
-
     def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.crash_in: int | None = None
 
     def _crashes(self) -> bool:
@@ -85,21 +82,6 @@ class CrashingStorage(Storage):
         if self._crashes():
             raise StorageError(errno.ENOSPC, f"injected crash syncing {path}")
         self.inner.sync_dir(path)
-
-    def append(self, path: str, data: bytes) -> None:
-        self.inner.append(path, data)
-
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        return self.inner.read_range(path, offset, length)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        return self.inner.list_dir(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
 
 
 def make_state() -> dict[str, Any]:

@@ -77,3 +77,43 @@ class Storage(ABC):
     def join(*parts: str) -> str:
         path = "/".join(p for p in parts if p)
         return check_relpath(path) if path else path
+
+
+class ForwardingStorage(Storage):
+    """A storage that forwards every call to ``inner``: the base for wrappers that add
+    behaviour to some verbs only (fault injection in tests, accounting, caching)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.supports_rename = inner.supports_rename
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        return self.inner.write(path, chunks)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        return self.inner.read_range(path, offset, length)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def append(self, path: str, data: bytes) -> None:
+        self.inner.append(path, data)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.inner.rename_dir(src, dst)
+
+    def sync_dir(self, path: str = "") -> None:
+        self.inner.sync_dir(path)
+
+    def close(self) -> None:
+        self.inner.close()

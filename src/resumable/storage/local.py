@@ -79,13 +79,7 @@ class LocalStorage(Storage):
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Read ``len(out)`` bytes at ``offset`` straight into ``out`` (no extra copy)."""
-        full = self._path(check_relpath(path), must_exist=True)
-        try:
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptCheckpointError(f"refusing {full}: it is a symbolic link") from exc
-            raise _storage_error("open", full, exc) from exc
+        full, fd = self._open_ro(path)
         try:
             got, length = 0, len(out)
             while got < length:
@@ -101,17 +95,21 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def map_file(self, path: str) -> mmap.mmap:
-        """The whole file mapped copy-on-write (``MAP_PRIVATE``): reads come straight
-        from the page cache, and writes through the mapping never reach the file.
-        Committed files are never modified, so the mapping stays valid."""
+    def _open_ro(self, path: str) -> tuple[Path, int]:
+        """Open a file inside the root for reading, never through a symlink."""
         full = self._path(check_relpath(path), must_exist=True)
         try:
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
+            return full, os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptCheckpointError(f"refusing {full}: it is a symbolic link") from exc
             raise _storage_error("open", full, exc) from exc
+
+    def map_file(self, path: str) -> mmap.mmap:
+        """The whole file mapped copy-on-write (``MAP_PRIVATE``): reads come straight
+        from the page cache, and writes through the mapping never reach the file.
+        Committed files are never modified, so the mapping stays valid."""
+        full, fd = self._open_ro(path)
         try:
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             for advice in ("MADV_SEQUENTIAL", "MADV_WILLNEED"):
