@@ -222,3 +222,18 @@ def sync_persist(monkeypatch: pytest.MonkeyPatch) -> None:
     """Persist on the training thread (``RESUMABLE_PERSIST=sync``): for suites about the
     format and the load path, which need no worker process per Checkpointer."""
     monkeypatch.setenv("RESUMABLE_PERSIST", "sync")
+
+
+@pytest.fixture(scope="session")
+def dead_pid() -> int:
+    """The pid of a process that has exited: staging directories naming it are stale."""
+    import subprocess
+
+    for _ in range(5):
+        proc = subprocess.Popen(["true"])
+        proc.wait()
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            return proc.pid
+    pytest.skip("could not find a dead pid")

@@ -126,19 +126,6 @@ def staging_leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".trash-")))
 
 
-@pytest.fixture(scope="module")
-def dead_pid() -> int:
-    """The pid of a process that has exited (its staging directories are stale)."""
-    for _ in range(5):
-        proc = subprocess.Popen(["true"])
-        proc.wait()
-        try:
-            os.kill(proc.pid, 0)
-        except ProcessLookupError:
-            return proc.pid
-    pytest.skip("could not find a dead pid")
-
-
 def plant_stale(root: Path, dead_pid: int, step: int) -> str:
     """A staging directory a killed writer would leave: data file, no manifest."""
     name = f".tmp-{step_dir(step)}.{dead_pid}.0badc0de"

@@ -20,7 +20,6 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -761,19 +760,6 @@ def test_hostile_rng_entry_is_refused_before_touching_state(planter: Planter) ->
 # --------------------------------------------------------------------------- (f) writes
 
 
-@pytest.fixture(scope="module")
-def exited_pid() -> int:
-    """The pid of a process that has exited: staging directories naming it are stale."""
-    for _ in range(5):
-        proc = subprocess.Popen(["true"])
-        proc.wait()
-        try:
-            os.kill(proc.pid, 0)
-        except ProcessLookupError:
-            return proc.pid
-    pytest.skip("could not find an exited pid")
-
-
 def _victim_dir(tmp_path: Path) -> Path:
     victim = tmp_path / "victim"
     (victim / "sub").mkdir(parents=True)
@@ -787,11 +773,11 @@ def test_stale_symlink_to_outside_is_not_followed_by_cleanup(
     saved_root: Any,
     tmp_path: Path,
     small_training_state: Callable[..., Any],
-    exited_pid: int,
+    dead_pid: int,
     kind: str,
 ) -> None:
     victim = _victim_dir(tmp_path)
-    (saved_root.path / f".{kind}-{dir_name(HOSTILE)}.{exited_pid}.0badc0de").symlink_to(victim)
+    (saved_root.path / f".{kind}-{dir_name(HOSTILE)}.{dead_pid}.0badc0de").symlink_to(victim)
     before = files_outside(tmp_path, saved_root.path)
     ts = small_training_state(seed=7, steps=0)
     with Checkpointer(saved_root.path, ts.state, keep=None, persist="sync") as ckpt:
@@ -800,10 +786,10 @@ def test_stale_symlink_to_outside_is_not_followed_by_cleanup(
 
 
 def test_stale_directory_holding_symlinks_out_is_removed_without_following_them(
-    saved_root: Any, tmp_path: Path, small_training_state: Callable[..., Any], exited_pid: int
+    saved_root: Any, tmp_path: Path, small_training_state: Callable[..., Any], dead_pid: int
 ) -> None:
     victim = _victim_dir(tmp_path)
-    stale = saved_root.path / f".tmp-{dir_name(HOSTILE)}.{exited_pid}.0badc0de"
+    stale = saved_root.path / f".tmp-{dir_name(HOSTILE)}.{dead_pid}.0badc0de"
     stale.mkdir()
     (stale / DATA).symlink_to(victim / "precious.txt")
     (stale / "sub").symlink_to(victim / "sub", target_is_directory=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import math
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -323,13 +322,6 @@ class RetentionMachine(RuleBasedStateMachine):
     def no_staging_leftovers_of_this_process(self) -> None:
         ours = [p.name for p in self.root.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
         assert set(ours) == self.stale
-
-
-@pytest.fixture
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 def test_retention_state_machine(tmp_path: Path, dead_pid: int) -> None:
