@@ -27,6 +27,8 @@ from torch import nn
 
 import resumable
 
+pytest_plugins = ("s3server",)  # the SeaweedFS fixtures: seaweedfs, s3_bucket, s3_env
+
 DATA_FILE = "rank-00000.safetensors"
 MANIFEST_FILE = "manifest.json"
 

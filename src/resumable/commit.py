@@ -13,25 +13,33 @@ committed checkpoint of the same step (possible only after resuming from an olde
 because the newer one was corrupt) is first moved aside to ``.trash-...``, so at every
 instant the newest earlier checkpoint stays loadable.
 
-Object stores have no rename; their strategy (unique data keys per attempt, manifest
-put last with a conditional write) lives beside this one and lists the same way: a
-checkpoint is committed iff ``step-N/manifest.json`` exists.
+Object stores have no rename: `MarkerCommit` writes data under keys unique to the
+attempt (``step-000000001200/att-<ms>-<pid>-<nonce>/rank-00000.safetensors``) and then
+the manifest with a conditional put (``If-None-Match: *``), so of two writers of one
+step exactly one commits. Both strategies list the same way: a checkpoint is committed
+iff ``step-N/manifest.json`` exists. `committer_for` picks the one a storage supports.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass
 
-from resumable.errors import CorruptCheckpointError, StorageError
+from resumable.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from resumable.format import MANIFEST
 from resumable.storage.base import Storage
 
 _STEP_DIR = re.compile(r"^step-([0-9]{12,20})\Z")
 _STAGING = re.compile(r"^\.(tmp|trash)-step-([0-9]{12,20})\.([0-9]+)\.([0-9a-f]+)\Z")
+_ATTEMPT = re.compile(r"^att-([0-9]{13})-([0-9]+)-([0-9a-f]{8})\Z")
+
+log = logging.getLogger("resumable.commit")
 
 
 def step_dir(step: int) -> str:
@@ -75,11 +83,21 @@ def list_uncommitted(storage: Storage) -> list[str]:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One try at committing a step: data files go under ``staging``."""
+    """One try at committing a step: data files go under ``staging``; the manifest names
+    them relative to the step directory, under ``subdir`` (empty for a rename commit)."""
 
     step: int
     staging: str
     final: str
+    subdir: str = ""
+
+    def path(self, fname: str) -> str:
+        """Where to write data file ``fname`` in storage."""
+        return f"{self.staging}/{fname}"
+
+    def key(self, fname: str) -> str:
+        """The name of data file ``fname`` in the manifest."""
+        return f"{self.subdir}/{fname}" if self.subdir else fname
 
 
 def _pid_alive(pid: int) -> bool:
@@ -156,3 +174,95 @@ class RenameCommit:
             if m and not _pid_alive(int(m.group(3))):
                 out.append(name)
         return out
+
+
+class MarkerCommit:
+    """Commit without rename, for object stores: data under attempt-unique keys, then
+    the manifest (the commit marker) with a conditional put, last.
+
+    - Two writers of one step: both write their own data; exactly one manifest put
+      succeeds. The other gets `StorageError` (``EEXIST``) and its data is removed.
+    - A put whose response was lost and was retried finds its own manifest there: the
+      bytes are compared, so it still counts as committed.
+    - Re-saving a committed step (after resuming from an older one) first deletes the
+      old marker, which un-commits it, then puts the new one and removes the old data.
+    - Objects of abandoned attempts (a killed writer, a lost race) are not referenced by
+      any manifest; `stale` lists those older than ``gc_grace_s`` (default one hour, so
+      that an attempt still being written on another node is never taken) for deletion.
+
+    The server must honour ``If-None-Match: *``: the first `begin` probes it
+    (`Storage.conditional_put_enforced`) and raises if it does not.
+    """
+
+    def __init__(self, storage: Storage, *, gc_grace_s: float = 3600.0) -> None:
+        self.storage = storage
+        self.gc_grace_s = gc_grace_s
+
+    def begin(self, step: int) -> Attempt:
+        self.storage.conditional_put_enforced()
+        final = step_dir(step)
+        sub = f"att-{int(time.time() * 1000):013d}-{os.getpid()}-{secrets.token_hex(4)}"
+        return Attempt(step, f"{final}/{sub}", final, sub)
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> bool:
+        s = self.storage
+        marker = f"{attempt.final}/{MANIFEST}"
+        replaced = False
+        if s.exists(marker):
+            s.delete(marker)  # un-commit the older checkpoint of this step
+            replaced = True
+        if not s.put_if_absent(marker, manifest):
+            try:
+                existing: bytes | None = bytes(s.read(marker))
+            except NoCheckpointError:
+                existing = None
+            if existing != manifest:
+                raise StorageError(
+                    errno.EEXIST,
+                    f"step {attempt.step} in {s.url} was committed by another writer while "
+                    "this one was writing it; this attempt is discarded. Two jobs may be "
+                    "writing to one checkpoint root",
+                )
+        if replaced:
+            for name in s.list_dir(attempt.final):
+                if _ATTEMPT.match(name) and name != attempt.subdir:
+                    s.delete(f"{attempt.final}/{name}")
+        return replaced
+
+    def delete(self, step: int) -> None:
+        """Un-commit (delete the marker) first, then delete the data."""
+        final = step_dir(step)
+        self.storage.delete(f"{final}/{MANIFEST}")
+        self.storage.delete(final)
+
+    def abort(self, attempt: Attempt) -> None:
+        self.storage.delete(attempt.staging)
+
+    def stale(self) -> list[str]:
+        """Attempt prefixes no manifest references, older than ``gc_grace_s``."""
+        out = []
+        now = time.time()
+        for name in self.storage.list_dir(""):
+            if parse_step_dir(name) is None:
+                continue
+            entries = self.storage.list_dir(name)
+            referenced: set[str] = set()
+            if MANIFEST in entries:
+                try:
+                    files = json.loads(self.storage.read(f"{name}/{MANIFEST}"))["files"]
+                    referenced = {str(f).split("/", 1)[0] for f in files}
+                except (ValueError, KeyError, TypeError, OSError):
+                    continue  # a damaged manifest: verify reports it; keep its data
+            for entry in entries:
+                m = _ATTEMPT.match(entry)
+                if m and entry not in referenced and now - int(m.group(1)) / 1000 > self.gc_grace_s:
+                    out.append(f"{name}/{entry}")
+        return out
+
+
+Committer = RenameCommit | MarkerCommit
+
+
+def committer_for(storage: Storage) -> Committer:
+    """The commit strategy ``storage`` supports: rename where it can, else the marker."""
+    return RenameCommit(storage) if storage.supports_rename else MarkerCommit(storage)

@@ -40,7 +40,7 @@ import torch
 
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
-from resumable.commit import RenameCommit, list_committed, step_dir
+from resumable.commit import committer_for, list_committed, step_dir
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -56,7 +56,7 @@ from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR
 from resumable.shm import remove_dead_segments, run_key_for, shm_free_bytes
 from resumable.snapshot import Arena, MemorySnapshot, ShmArena, Snapshot
-from resumable.storage import LocalStorage, Storage, open_storage
+from resumable.storage import MemoryStorage, Storage, open_storage
 from resumable.worker import JobRunner, PersistWorker
 
 log = logging.getLogger("resumable")
@@ -70,7 +70,8 @@ class Checkpointer:
     """Checkpoints ``state`` into ``url`` and puts it back on the next launch.
 
     Args:
-        url: a local directory, ``file://`` URL or ``memory://name`` (tests).
+        url: a local directory, ``file://`` URL, ``s3://bucket/prefix`` or
+            ``memory://name`` (tests).
         state: named objects with ``state_dict()``/``load_state_dict()``, plain
             containers of tensors and JSON values, or generators.
         memory_every: cadence of memory snapshots taken by `maybe_save` (default none).
@@ -95,6 +96,15 @@ class Checkpointer:
             a save fails, when nothing committed for ``max_commit_age_s``, and when
             persists are deferred repeatedly.
         prometheus_registry: a ``prometheus_client`` registry to export counters to.
+        storage_options: options for the ``s3://`` root(s): ``endpoint_url``,
+            credentials, ``part_size``, ``max_concurrency``, timeouts, ``max_attempts``
+            (see `resumable.storage.s3.S3Storage`); unset ones come from the standard
+            AWS configuration.
+        mirror: a second, usually remote, root (``s3://...``): every checkpoint
+            committed in ``url`` is uploaded there in the background, local retention
+            keeps what is not mirrored yet, and restore takes the newest valid
+            checkpoint of either root (see `resumable.tiering`).
+        mirror_keep: retention in ``mirror`` (default: keep all).
     """
 
     def __init__(
@@ -115,6 +125,9 @@ class Checkpointer:
         alert: AlertCallback | None = None,
         max_commit_age_s: float | None = None,
         prometheus_registry: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        mirror: str | os.PathLike[str] | Storage | None = None,
+        mirror_keep: Keep | None = None,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
@@ -122,8 +135,17 @@ class Checkpointer:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
-        self.storage = open_storage(url)
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.storage = open_storage(url, _options_for(url, self.storage_options))
         self.url = self.storage.url
+        self.mirror: Storage | None = (
+            open_storage(mirror, _options_for(mirror, self.storage_options))
+            if mirror is not None
+            else None
+        )
+        self.mirror_keep = mirror_keep
+        if self.mirror is not None and self.mirror.url == self.url:
+            raise ValueError(f"mirror must be another root than {self.url}")
         self.state = state
         self.memory_every = memory_every
         self.persist_every = persist_every if persist_every is not None else Every(steps=100)
@@ -138,11 +160,29 @@ class Checkpointer:
                     f"RESUMABLE_PERSIST must be one of {PERSIST_MODES}, got {persist!r}"
                 )
         if persist == "auto":
-            persist = "process" if isinstance(self.storage, LocalStorage) else "thread"
+            # A separate process keeps the persist (hashing, syscalls, HTTP) off the
+            # trainer's GIL; in-process stores (memory://) can only be reached by a thread.
+            shareable = not isinstance(self.storage, MemoryStorage) and not isinstance(
+                self.mirror, MemoryStorage
+            )
+            persist = "process" if shareable else "thread"
         self.persist_mode = persist
         self.audit = AuditLog(self.storage)
-        self._committer = RenameCommit(self.storage)
-        self._runner = JobRunner(self.storage, {"keep": _keep_json(keep), "rank": 0})
+        self._committer = committer_for(self.storage)
+        self._notes: list[dict[str, Any]] = []  # reports of a sync-mode mirror thread
+        self._runner = JobRunner(
+            self.storage,
+            {
+                "keep": _keep_json(keep),
+                "rank": 0,
+                "mirror": (
+                    self.mirror.url if self.mirror is not None and persist == "sync" else None
+                ),
+                "mirror_keep": _keep_json(mirror_keep),
+            },
+            notify=self._notes.append,
+            mirror_storage=self.mirror,
+        )
         self._shm: ShmArena | None = None
         self._arena: Arena | None = None
         if persist != "sync" or memory_every is not None:
@@ -185,6 +225,8 @@ class Checkpointer:
         self.should_stop = False
         self._persist_cost = CostEstimate()
         self._last_absorbed = -1
+        self._mirror_flushed: dict[str, Any] | None = None
+        self._emergency_deadline: float | None = None
         self._absorbed_clock = float("-inf")
         self._remove_stale()
         self._atexit = _register_atexit(self)
@@ -350,9 +392,11 @@ class Checkpointer:
         return False
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending persist committed; raise `PersistError` if one failed."""
+        """Block until every pending persist committed (and, with a mirror, was
+        uploaded); raise `PersistError` if one failed."""
         self._check_open()
         self._wait_worker(timeout)
+        self._wait_mirror(timeout)
 
     def close(self) -> None:
         """Persist the newest memory snapshot if it is newer than the last commit, wait
@@ -384,6 +428,8 @@ class Checkpointer:
                 self._shm.close(unlink=ok)
             self._runner.close()
             self.storage.close()
+            if self.mirror is not None:
+                self.mirror.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -406,8 +452,18 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def steps(self) -> list[int]:
-        """Steps of committed checkpoints, ascending (validity not checked)."""
-        return list_committed(self.storage)
+        """Steps of committed checkpoints (in ``url`` or the mirror), ascending;
+        validity not checked."""
+        return sorted(self._roots_by_step())
+
+    def _roots_by_step(self) -> dict[int, list[Storage]]:
+        """For each committed step, the roots holding it (``url`` first)."""
+        out: dict[int, list[Storage]] = {}
+        for root in (self.storage, self.mirror):
+            if root is not None:
+                for s in list_committed(root):
+                    out.setdefault(s, []).append(root)
+        return out
 
     def restore(
         self, step: int | None = None, *, map_location: Any = None, tier: str = "auto"
@@ -428,7 +484,8 @@ class Checkpointer:
         if self.persist_mode == "process":
             self._ensure_worker()  # start it now: its interpreter warms up while we load
         loc = map_location or self.map_location
-        steps = self.steps() if tier != "memory" else []
+        roots = self._roots_by_step() if tier != "memory" else {}
+        steps = sorted(roots)
         self._committed = steps[-1] if steps else None
         if tier != "storage" and self._shm is not None:
             self._adopt()
@@ -447,7 +504,7 @@ class Checkpointer:
                 if step is not None:
                     raise NoCheckpointError(f"no memory snapshot of step {step} for {self.url}")
                 return 0
-        return self._restore_storage(steps, step, loc)
+        return self._restore_storage(roots, step, loc)
 
     def _restore_memory(self, snap: MemorySnapshot, loc: Any) -> bool:
         assert self._shm is not None
@@ -480,7 +537,8 @@ class Checkpointer:
         self._mark_restored(snap.step)
         return True
 
-    def _restore_storage(self, steps: list[int], step: int | None, loc: Any) -> int:
+    def _restore_storage(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
+        steps = sorted(roots)
         if step is not None:
             if step not in steps:
                 raise NoCheckpointError(
@@ -494,37 +552,43 @@ class Checkpointer:
             self.audit.record("restore", step=0, fresh=True)
             return 0
         problems = []
-        for s in candidates:
+        tries = [(s, root) for s in candidates for root in roots[s]]
+        for i, (s, root) in enumerate(tries):
             t0 = time.perf_counter()
             try:
-                reader = CheckpointReader(self.storage, s)
+                reader = CheckpointReader(root, s)
                 reader.check_files()
                 tensors = reader.tensors(verify=True)
                 values = capture_mod.decode(reader.tree, tensors, loc)
                 # Raises CorruptCheckpointError only before touching a live object.
                 capture_mod.restore(self.state, values, borrowed=reader.mapped)
             except CorruptCheckpointError as exc:
-                log.warning("skipping corrupt checkpoint %s: %s", step_dir(s), exc)
-                self.audit.record("skip", step=s, reason=str(exc)[:500])
-                problems.append(f"{step_dir(s)}: {exc}")
-                if step is not None:
+                log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(s), root.url, exc)
+                self.audit.record("skip", step=s, url=root.url, reason=str(exc)[:500])
+                problems.append(f"{root.url}/{step_dir(s)}: {exc}")
+                if step is not None and i == len(tries) - 1:
                     raise
                 continue
             nbytes = sum(f["size"] for f in reader.manifest["files"].values())
             self.audit.record(
                 "restore",
                 step=s,
-                tier="storage",
+                tier="storage" if root is self.storage else "mirror",
+                url=root.url,
                 bytes=nbytes,
                 duration_s=round(time.perf_counter() - t0, 6),
             )
             self._mark_restored(s)
             return s
         raise CorruptCheckpointError(
-            f"{len(candidates)} checkpoint(s) in {self.url} and none is valid; refusing to "
+            f"{len(candidates)} checkpoint(s) in {' and '.join(r.url for r in self._roots())} "
+            "and none is valid; refusing to "
             "start over silently. Inspect them with `resumable verify`, or move the "
             "directory away to start fresh. Problems: " + "; ".join(problems)
         )
+
+    def _roots(self) -> list[Storage]:
+        return [r for r in (self.storage, self.mirror) if r is not None]
 
     def _mark_restored(self, step: int) -> None:
         self._last_persist = self._last_memory = step
@@ -563,6 +627,7 @@ class Checkpointer:
             remaining,
         )
         self.audit.record("preempt", step=step, reason=pm.reason, remaining_s=round(remaining, 3))
+        self._emergency_deadline = time.monotonic() + remaining
         try:
             self._wait_worker(timeout=max(0.1, remaining))
         except PersistError as exc:
@@ -700,11 +765,21 @@ class Checkpointer:
 
     def _ensure_worker(self) -> PersistWorker:
         if self._worker is None or not self._worker.alive:
+            thread = self.persist_mode == "thread"
             self._worker = PersistWorker(
                 url=self.url,
                 mode=self.persist_mode,
                 keep=self.keep,
-                storage=self.storage if self.persist_mode == "thread" else None,
+                storage=self.storage if thread else None,
+                storage_options=_options_for(self.url, self.storage_options),
+                mirror=self.mirror.url if self.mirror is not None else None,
+                mirror_keep=self.mirror_keep,
+                mirror_options=(
+                    _options_for(self.mirror.url, self.storage_options)
+                    if self.mirror is not None
+                    else None
+                ),
+                mirror_storage=self.mirror if thread else None,
             )
         return self._worker
 
@@ -719,7 +794,12 @@ class Checkpointer:
                 self._worker = None
                 self.monitor.failed(None, str(exc))
                 raise exc
+        if self._notes:
+            replies = [*(replies or []), *self._notes]
+            self._notes.clear()
         for r in replies or []:
+            if self._mirror_report(r):
+                continue
             index, step = self._jobs.pop(r.get("id", -1), (None, r.get("step")))
             if index is not None and self._shm is not None:
                 self._shm.locked.discard(index)
@@ -735,6 +815,43 @@ class Checkpointer:
             msg = self._errors.pop(0)
             self._errors.clear()
             raise PersistError(msg)
+
+    def _mirror_report(self, r: dict[str, Any]) -> bool:
+        """Take in a report of the mirror thread; False if ``r`` is not one."""
+        kind = r.get("kind")
+        if kind == "mirrored":
+            self.monitor.mirrored(int(r["step"]), r.get("seconds"))
+        elif kind == "mirror_failed":
+            self.monitor.mirror_failed(r.get("step"), str(r.get("error")))
+        elif kind == "mirror_flushed":
+            self._mirror_flushed = r
+        else:
+            return False
+        return True
+
+    def _wait_mirror(self, timeout: float | None = None, *, strict: bool = True) -> None:
+        """Wait until the newest local checkpoint is mirrored; raise `PersistError` if
+        it could not be (``strict``) or log it."""
+        if self.mirror is None:
+            return
+        self._mirror_flushed = None
+        if self.persist_mode == "sync":
+            assert self._runner.mirror is not None
+            self._collect([self._runner.mirror.flush(timeout)])
+        elif self._worker is not None:
+            self._worker.submit({"kind": "mirror_flush", "timeout": timeout})
+            self._wait_worker()
+        else:
+            return  # nothing was persisted by this Checkpointer
+        flushed: dict[str, Any] = self._mirror_flushed or {}
+        error = flushed.get("error")
+        if error:
+            if strict:
+                raise PersistError(
+                    f"{error}. The checkpoint is committed in {self.url}; it is not in "
+                    f"{self.mirror.url}"
+                )
+            log.warning("not mirrored: %s", error)
 
     def _fail_all_jobs(self) -> None:
         if self._shm is not None:
@@ -761,6 +878,12 @@ class Checkpointer:
         if newest is not None and (self._committed is None or newest.step > self._committed):
             self._persist_snapshot(newest)
             self._wait_worker()
+        if self._emergency_deadline is not None:  # within the grace period, best effort
+            left = self._emergency_deadline - time.monotonic()
+            if left > 0:
+                self._wait_mirror(left, strict=False)
+        else:
+            self._wait_mirror()
 
     def _remove_stale(self) -> None:
         for name in self._committer.stale():
@@ -769,7 +892,7 @@ class Checkpointer:
             except CheckpointError as exc:
                 log.warning("could not remove stale %s: %s", name, exc)
                 continue
-            log.info("removed stale staging directory %s", name)
+            log.info("removed stale %s (data of a commit that never finished)", name)
             self.audit.record("stale_removed", name=name)
 
 
@@ -811,3 +934,12 @@ def _close_all_at_exit() -> None:
             ckpt.close()
         except Exception as exc:
             log.error("closing the checkpointer of %s at exit failed: %s", ckpt.url, exc)
+
+
+def _options_for(
+    url: str | os.PathLike[str] | Storage, options: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """``storage_options`` apply to the ``s3://`` roots only."""
+    if options and isinstance(url, (str, os.PathLike)) and os.fspath(url).startswith("s3://"):
+        return options
+    return None

@@ -25,6 +25,7 @@ AlertCallback = Callable[[str, str, dict[str, Any]], None]
 ALERT_SAVE_FAILED = "save_failed"
 ALERT_STALE = "no_recent_commit"
 ALERT_SKIPS = "persists_skipped"
+ALERT_MIRROR = "mirror_failed"
 
 
 class Monitor:
@@ -55,6 +56,10 @@ class Monitor:
             "last_persist_s": None,
             "last_commit_step": None,
             "alerts": 0,
+            "mirrored": 0,
+            "mirror_failures": 0,
+            "last_mirror_step": None,
+            "last_mirror_s": None,
         }
         self._prom = _PrometheusExport(prometheus_registry) if prometheus_registry else None
 
@@ -100,6 +105,15 @@ class Monitor:
         if self._prom:
             self._prom.failed()
         self.alert(ALERT_SAVE_FAILED, f"saving step {step} failed: {error}", step=step)
+
+    def mirrored(self, step: int, seconds: float | None) -> None:
+        self.stats["mirrored"] += 1
+        self.stats["last_mirror_step"] = step
+        self.stats["last_mirror_s"] = seconds
+
+    def mirror_failed(self, step: int | None, error: str) -> None:
+        self.stats["mirror_failures"] += 1
+        self.alert(ALERT_MIRROR, error, step=step)
 
     def check_age(self, step: int) -> None:
         """Alert once per stale period if nothing committed for too long."""

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from resumable.commit import RenameCommit
+from resumable.commit import Committer
 from resumable.format import (
     CHECKSUM,
     build_manifest,
@@ -45,7 +45,7 @@ class PersistResult:
 
 def write_checkpoint(
     storage: Storage,
-    committer: RenameCommit,
+    committer: Committer,
     *,
     step: int,
     snapshot: Snapshot,
@@ -59,7 +59,8 @@ def write_checkpoint(
     exception propagates; earlier checkpoints are untouched.
     """
     t0 = time.perf_counter()
-    fname = rank_file(0)
+    attempt = committer.begin(step)
+    fname = attempt.key(rank_file(0))
     header = safetensors_header(
         snapshot.slots, {"format": "pt", "producer": "resumable", "step": str(step)}
     )
@@ -75,9 +76,8 @@ def write_checkpoint(
         }
         for s in snapshot.slots
     }
-    attempt = committer.begin(step)
     try:
-        size = storage.write(f"{attempt.staging}/{fname}", [header, data])
+        size = storage.write(attempt.path(rank_file(0)), [header, data])
         manifest = build_manifest(
             step=step,
             metrics=metrics,

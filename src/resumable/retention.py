@@ -9,11 +9,11 @@ It is called by the persist worker after every commit and by ``resumable prune``
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from resumable.audit import AuditLog
-from resumable.commit import RenameCommit, list_committed, parse_step_dir, step_dir
+from resumable.commit import committer_for, list_committed, parse_step_dir, step_dir
 from resumable.errors import CheckpointError
 from resumable.policy import Entry, Keep
 from resumable.reader import CheckpointReader
@@ -36,6 +36,7 @@ def apply_retention(
     just_written: int | None = None,
     cache: dict[int, Mapping[str, Any]] | None = None,
     dry_run: bool = False,
+    deletable: Callable[[int], bool] | None = None,
 ) -> list[int]:
     """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
 
@@ -45,7 +46,8 @@ def apply_retention(
     nothing is deleted unless a retained checkpoint checks out: the one just written
     (its files and headers; its checksums were computed from the bytes it was written
     from), or else, as in ``resumable prune``, one that passes a full verification. So
-    retention never leaves zero valid checkpoints.
+    retention never leaves zero valid checkpoints. ``deletable`` can hold back more
+    (the tiering keeps local checkpoints that are not mirrored yet).
     """
     cache = cache if cache is not None else {}
     entries = []
@@ -61,6 +63,8 @@ def apply_retention(
     if just_written is not None:
         pinned.add(just_written)
     doomed = keep.to_delete(entries, pinned)
+    if deletable is not None:
+        doomed = [s for s in doomed if deletable(s)]
     if dry_run or not doomed:
         return doomed
     survivors = sorted({e.step for e in entries} - set(doomed))
@@ -77,7 +81,7 @@ def apply_retention(
         )
         audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
         return []
-    committer = RenameCommit(storage)
+    committer = committer_for(storage)
     for s in doomed:
         committer.delete(s)
         cache.pop(s, None)

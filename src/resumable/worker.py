@@ -40,17 +40,21 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
-from resumable.commit import RenameCommit
+from resumable.commit import committer_for
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
 from resumable.retention import apply_retention
 from resumable.shm import ShmSlot
 from resumable.snapshot import Snapshot
 from resumable.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from resumable.tiering import Mirror
 
 log = logging.getLogger("resumable")
 
@@ -64,7 +68,17 @@ _WORKER_BOOT = (
     "    signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
     "from resumable.worker import worker_main; sys.exit(worker_main())"
 )
-_NOT_TRANSIENT = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT}
+# Retrying cannot help: full disk, no permission, read-only, another writer committed
+# the step, a server that cannot do conditional writes.
+_NOT_TRANSIENT = {
+    errno.ENOSPC,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EDQUOT,
+    errno.EEXIST,
+    errno.ENOTSUP,
+}
 
 
 def keep_to_json(keep: Keep | None) -> dict[str, Any] | None:
@@ -92,17 +106,46 @@ class TrainerGone(CheckpointError):
 
 
 class JobRunner:
-    """Executes jobs against one storage; lives in the worker (process or thread)."""
+    """Executes jobs against one storage; lives in the worker (process or thread).
 
-    def __init__(self, storage: Storage, config: dict[str, Any]) -> None:
+    With ``config["mirror"]`` (a URL) it also runs a `Mirror` thread that uploads each
+    committed checkpoint there; ``notify`` carries that thread's reports to the trainer.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        config: dict[str, Any],
+        *,
+        notify: Callable[[dict[str, Any]], None] | None = None,
+        mirror_storage: Storage | None = None,
+    ) -> None:
         self.storage = storage
-        self.committer = RenameCommit(storage)
+        self.committer = committer_for(storage)
         self.keep = keep_from_json(config.get("keep"))
         self.audit = AuditLog(storage, rank=int(config.get("rank", 0)))
         self.retries = int(config.get("retries", 2))
         self.parent_pid = int(config.get("parent_pid", 0))
         self.slots: dict[str, ShmSlot] = {}
         self.metrics_cache: dict[int, Any] = {}
+        self._retention_lock = threading.Lock()
+        self.mirror: Mirror | None = None
+        if config.get("mirror"):
+            from resumable.tiering import Mirror
+
+            remote = mirror_storage or open_storage(
+                config["mirror"], config.get("mirror_options") or None
+            )
+            self.mirror = Mirror(
+                storage,
+                remote,
+                keep=keep_from_json(config.get("mirror_keep")),
+                audit=self.audit,
+                notify=notify or (lambda msg: None),
+                on_mirrored=lambda step: self._retain(step),
+                retries=int(config.get("mirror_retries", 3)),
+                backoff_s=float(config.get("mirror_backoff_s", 1.0)),
+            )
 
     def _slot(self, path: str) -> ShmSlot:
         slot = self.slots.get(path)
@@ -121,6 +164,10 @@ class JobRunner:
         try:
             if kind == "persist":
                 return self._persist(job)
+            if kind == "mirror_flush":
+                if self.mirror is None:
+                    return {"kind": "mirror_flushed", "id": job.get("id"), "error": None}
+                return {**self.mirror.flush(job.get("timeout")), "id": job.get("id")}
             raise CheckpointError(f"unknown job kind {kind!r}")
         except Exception as exc:
             step = job.get("step")
@@ -190,15 +237,9 @@ class JobRunner:
             metrics=result.manifest["metrics"],
         )
         self.metrics_cache[step] = result.manifest["metrics"]
-        deleted: list[int] = []
-        if self.keep is not None and not self.keep.keeps_all:
-            try:
-                deleted = apply_retention(
-                    self.storage, self.keep, self.audit, just_written=step, cache=self.metrics_cache
-                )
-            except Exception as exc:  # the step is committed; retention retries next time
-                log.warning("retention after step %d failed: %s", step, exc)
-                self.audit.record("failure", step=step, stage="retention", error=repr(exc)[:500])
+        deleted = self._retain(step)
+        if self.mirror is not None:
+            self.mirror.submit(step)
         sums = [result.manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
         reply = {
             "kind": "committed",
@@ -210,7 +251,30 @@ class JobRunner:
         }
         return reply, sums
 
+    def _retain(self, just_written: int) -> list[int]:
+        """Apply ``keep`` locally (never to a checkpoint not mirrored yet)."""
+        if self.keep is None or self.keep.keeps_all:
+            return []
+        with self._retention_lock:
+            try:
+                return apply_retention(
+                    self.storage,
+                    self.keep,
+                    self.audit,
+                    just_written=just_written,
+                    cache=self.metrics_cache,
+                    deletable=self.mirror.may_delete_local if self.mirror is not None else None,
+                )
+            except Exception as exc:  # the step is committed; retention retries next time
+                log.warning("retention after step %d failed: %s", just_written, exc)
+                self.audit.record(
+                    "failure", step=just_written, stage="retention", error=repr(exc)[:500]
+                )
+                return []
+
     def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
         for slot in self.slots.values():
             slot.close()
         self.slots.clear()
@@ -254,8 +318,24 @@ def worker_main(argv: list[str] | None = None) -> int:
         config = _recv(sock)
         if config is None:
             return 0
-        runner = JobRunner(open_storage(config["url"]), config)
-        _send(sock, {"kind": "ready", "pid": os.getpid()})
+        send_lock = threading.Lock()
+
+        def send(msg: dict[str, Any]) -> None:
+            with send_lock:
+                _send(sock, msg)
+
+        def notify(msg: dict[str, Any]) -> None:
+            try:
+                send(msg)
+            except OSError:
+                pass  # the trainer is gone
+
+        runner = JobRunner(
+            open_storage(config["url"], config.get("storage_options") or None),
+            config,
+            notify=notify,
+        )
+        send({"kind": "ready", "pid": os.getpid()})
     except OSError:
         return 0  # the trainer is already gone
     try:
@@ -265,7 +345,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                 break
             reply = runner.handle(job)
             try:
-                _send(sock, reply)
+                send(reply)
             except OSError:
                 break
     finally:
@@ -291,6 +371,11 @@ class PersistWorker:
         keep: Keep | None,
         rank: int = 0,
         storage: Storage | None = None,
+        storage_options: dict[str, Any] | None = None,
+        mirror: str | None = None,
+        mirror_keep: Keep | None = None,
+        mirror_options: dict[str, Any] | None = None,
+        mirror_storage: Storage | None = None,
     ) -> None:
         if mode not in ("process", "thread"):
             raise ValueError(f"persist mode must be 'process' or 'thread', got {mode!r}")
@@ -298,7 +383,16 @@ class PersistWorker:
         self.outstanding: deque[dict[str, Any]] = deque()
         self._next_id = 0
         self._stopped = False
-        config = {"url": url, "keep": keep_to_json(keep), "rank": rank, "parent_pid": os.getpid()}
+        config = {
+            "url": url,
+            "keep": keep_to_json(keep),
+            "rank": rank,
+            "parent_pid": os.getpid(),
+            "storage_options": storage_options,
+            "mirror": mirror,
+            "mirror_keep": keep_to_json(mirror_keep),
+            "mirror_options": mirror_options,
+        }
         self.pid = os.getpid()
         if mode == "process":
             parent, child = socket.socketpair()
@@ -322,7 +416,12 @@ class PersistWorker:
             self._sock = None
             self._jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
             self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
-            runner = JobRunner(storage or open_storage(url), {**config, "parent_pid": 0})
+            runner = JobRunner(
+                storage or open_storage(url, storage_options),
+                {**config, "parent_pid": 0},
+                notify=self._replies.put,
+                mirror_storage=mirror_storage,
+            )
             self._thread = threading.Thread(
                 target=self._thread_main, args=(runner,), name="resumable-persist", daemon=True
             )

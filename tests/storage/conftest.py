@@ -14,12 +14,33 @@ from pathlib import Path
 import pytest
 
 from resumable.storage import LocalStorage, MemoryStorage, Storage
+from resumable.storage.s3 import S3Storage
 
 BackendFactory = Callable[[pytest.FixtureRequest, Path], Storage]
+
+
+def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    """A fresh bucket on the session's SeaweedFS server, under a nested prefix (so keys
+    outside the root exist in the bucket and must stay invisible)."""
+    server = request.getfixturevalue("seaweedfs")
+    bucket = server.new_bucket("suite")
+    return S3Storage(
+        f"s3://{bucket}/runs/root",
+        endpoint_url=server.endpoint,
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        region_name=server.region,
+        part_size=5 << 20,
+        max_attempts=2,
+        connect_timeout=5,
+        read_timeout=20,
+    )
+
 
 BACKENDS: dict[str, BackendFactory] = {
     "local": lambda request, tmp_path: LocalStorage(tmp_path / "root"),
     "memory": lambda request, tmp_path: MemoryStorage(),
+    "s3": _s3,
 }
 
 

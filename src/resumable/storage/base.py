@@ -60,6 +60,17 @@ class Storage(ABC):
     def append(self, path: str, data: bytes) -> None:
         """Append ``data`` to ``path`` (used for the audit log)."""
 
+    @abstractmethod
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data``, durably and all at once, unless it already
+        exists; return whether this call created it. Two concurrent callers never both
+        get ``True``: the commit marker of object stores is built on this."""
+
+    def conditional_put_enforced(self) -> bool:
+        """Whether `put_if_absent` really is exclusive (filesystems and memory: by
+        construction; object stores probe their server and raise if not)."""
+        return True
+
     def read(self, path: str) -> bytes:
         return self.read_range(path, 0, self.size(path))
 
@@ -108,6 +119,12 @@ class ForwardingStorage(Storage):
 
     def append(self, path: str, data: bytes) -> None:
         self.inner.append(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        return self.inner.put_if_absent(path, data)
+
+    def conditional_put_enforced(self) -> bool:
+        return self.inner.conditional_put_enforced()
 
     def rename_dir(self, src: str, dst: str) -> None:
         self.inner.rename_dir(src, dst)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -165,6 +166,23 @@ class LocalStorage(Storage):
                 os.close(fd)
         except OSError as exc:
             raise _storage_error("append to", full, exc) from exc
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Write a hidden sibling, fsync it, then hard-link it to ``path``: ``link``
+        fails if ``path`` exists, atomically, so the file appears whole or not at all."""
+        full = self._path(check_relpath(path))
+        tmp = full.with_name(f".{full.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self.write(str(tmp.relative_to(self.root)), [data])
+        try:
+            os.link(tmp, full, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise _storage_error("create", full, exc) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.sync_dir(str(full.parent.relative_to(self.root)) if full.parent != self.root else "")
+        return True
 
     def rename_dir(self, src: str, dst: str) -> None:
         s, d = self._path(src), self._path(dst)

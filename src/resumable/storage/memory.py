@@ -70,6 +70,13 @@ class MemoryStorage(Storage):
         with self._lock:
             self.files[check_relpath(path)] = self.files.get(path, b"") + data
 
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        with self._lock:
+            if check_relpath(path) in self.files:
+                return False
+            self.files[path] = bytes(data)
+            return True
+
     def rename_dir(self, src: str, dst: str) -> None:
         sp, dp = self._prefix(src), self._prefix(dst)
         with self._lock:

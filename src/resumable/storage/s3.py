@@ -1,0 +1,599 @@
+"""S3-compatible object storage backend (AWS S3, MinIO, Ceph RGW, SeaweedFS, ...).
+
+Built on boto3, the reference S3 client (why boto3 and not s3fs: ``docs/decisions.md``).
+A root is ``s3://bucket/prefix``; every path is a key under that prefix, validated by
+`check_relpath` first, so nothing read from a checkpoint can name a key outside it.
+
+- **Throughput.** Objects above ``part_size`` go up as multipart uploads whose parts
+  are sent ``max_concurrency`` at a time, straight from the caller's buffers (no copy of
+  the snapshot); large reads are split into ranged GETs run in parallel into one
+  buffer.
+- **Bounded, retried requests.** Every request has a connect and a read timeout.
+  Transient failures (5xx, throttling, connection resets, timeouts) are retried by
+  botocore's "standard" retry mode (exponential backoff with full jitter) up to
+  ``max_attempts``; then they surface as `StorageError`.
+- **End-to-end integrity.** Every PUT and part carries a CRC32 of its bytes that the
+  server checks before accepting it (a corrupted upload fails with ``BadDigest``).
+  Reads are checked by the manifest's own per-tensor checksums.
+- **Commit.** There is no rename: `put_if_absent` (``If-None-Match: *``) is the
+  primitive `resumable.commit.MarkerCommit` builds on, and `conditional_put_enforced`
+  probes once that the server really refuses an overwrite.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import re
+import secrets
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+from resumable.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
+from resumable.format import check_relpath
+from resumable.storage.base import Buffer, Storage
+
+log = logging.getLogger("resumable.storage.s3")
+
+MiB = 1 << 20
+# S3's limits: parts of 5 MiB..5 GiB (the last may be smaller), at most 10,000 per upload.
+MIN_PART = 5 * MiB
+MAX_PARTS = 10_000
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
+
+# Options accepted in ``storage_options`` besides the boto3 session/client arguments.
+_OWN_OPTIONS = {
+    "part_size",
+    "max_concurrency",
+    "connect_timeout",
+    "read_timeout",
+    "max_attempts",
+    "allow_unconditional_commit",
+    "addressing_style",
+}
+_CLIENT_OPTIONS = {
+    "endpoint_url",
+    "region_name",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "profile_name",
+    "verify",
+}
+
+
+class _PartReader(io.RawIOBase):
+    """A seekable file object over a list of buffers, read without copying them first:
+    botocore seeks back to re-read a body for its checksum, signature and retries."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        super().__init__()
+        self._views = views
+        self._len = sum(len(v) for v in views)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = min(max(0, base + offset), self._len)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = 0
+        pos = self._pos
+        for v in self._views:
+            if pos >= len(v):
+                pos -= len(v)
+                continue
+            take = min(len(v) - pos, len(out) - n)
+            out[n : n + take] = v[pos : pos + take]
+            n += take
+            pos = 0
+            if n == len(out):
+                break
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._len - self._pos
+        buf = bytearray(min(size, self._len - self._pos))
+        n = self.readinto(buf)
+        return bytes(buf[:n])
+
+
+def _split(views: list[memoryview], part_size: int) -> Iterator[list[memoryview]]:
+    """Consecutive slices of ``views`` (concatenated) of ``part_size`` bytes each."""
+    part: list[memoryview] = []
+    room = part_size
+    for v in views:
+        while len(v):
+            take = min(room, len(v))
+            part.append(v[:take])
+            v = v[take:]
+            room -= take
+            if room == 0:
+                yield part
+                part, room = [], part_size
+    if part:
+        yield part
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (prefix may be "")."""
+    parsed = urlparse(url)
+    bucket = parsed.netloc
+    if parsed.scheme != "s3" or not _BUCKET.match(bucket):
+        raise CheckpointError(
+            f"invalid S3 URL {url!r}: expected s3://BUCKET/PREFIX with a valid bucket name"
+        )
+    prefix = parsed.path.strip("/")
+    if prefix:
+        check_relpath(prefix)
+    return bucket, prefix
+
+
+class S3Storage(Storage):
+    """Objects under ``s3://bucket/prefix``.
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        client: a ready boto3 S3 client (then the client options below are ignored).
+        endpoint_url, region_name, aws_access_key_id, aws_secret_access_key,
+            aws_session_token, profile_name, verify: passed to boto3; unset ones come
+            from the standard AWS configuration (environment, ``~/.aws``,
+            ``AWS_ENDPOINT_URL``).
+        part_size: multipart part size in bytes (default 32 MiB, at least 5 MiB); also
+            the size of each parallel ranged GET.
+        max_concurrency: parts or ranges in flight at once per call (default 8).
+        connect_timeout, read_timeout: seconds, per request (default 10 and 60).
+        max_attempts: tries per request, first included, for transient failures
+            (default 6).
+        allow_unconditional_commit: accept a server that ignores ``If-None-Match: *``
+            (two concurrent writers of one step could then both "commit"); only for a
+            single writer per root.
+    """
+
+    supports_rename = False
+
+    def __init__(self, url: str, *, client: Any = None, **options: Any) -> None:
+        unknown = set(options) - _OWN_OPTIONS - _CLIENT_OPTIONS
+        if unknown:
+            raise CheckpointError(
+                f"unknown S3 storage option(s) {sorted(unknown)}; expected some of "
+                f"{sorted(_OWN_OPTIONS | _CLIENT_OPTIONS)}"
+            )
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.part_size = int(options.get("part_size", 32 * MiB))
+        if self.part_size < MIN_PART:
+            raise CheckpointError(f"part_size must be at least 5 MiB, got {self.part_size}")
+        self.max_concurrency = max(1, int(options.get("max_concurrency", 8)))
+        self.allow_unconditional_commit = bool(options.get("allow_unconditional_commit", False))
+        self.options = {k: v for k, v in options.items() if k in _OWN_OPTIONS | _CLIENT_OPTIONS}
+        self.client = client if client is not None else self._make_client(options)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._conditional_ok: bool | None = None
+
+    def _make_client(self, options: Mapping[str, Any]) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - boto3 is a test dependency
+            raise CheckpointError(
+                "s3:// checkpoints need boto3: pip install 'resumable[s3]'"
+            ) from exc
+        session = boto3.session.Session(profile_name=options.get("profile_name"))
+        config = Config(
+            connect_timeout=float(options.get("connect_timeout", 10)),
+            read_timeout=float(options.get("read_timeout", 60)),
+            retries={"mode": "standard", "total_max_attempts": int(options.get("max_attempts", 6))},
+            max_pool_connections=self.max_concurrency * 2 + 4,
+            s3={"addressing_style": options.get("addressing_style", "path")},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        kwargs = {
+            k: options[k]
+            for k in ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key")
+            if options.get(k) is not None
+        }
+        for k in ("aws_session_token", "verify"):
+            if options.get(k) is not None:
+                kwargs[k] = options[k]
+        return session.client("s3", config=config, **kwargs)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _key(self, path: str) -> str:
+        """The key of ``path`` ("" is the root prefix itself)."""
+        rel = check_relpath(path) if path else ""
+        return "/".join(p for p in (self.prefix, rel) if p)
+
+    def _object_key(self, path: str) -> str:
+        """The key of the object ``path``: never the root (an empty name is not a file)."""
+        return self._key(check_relpath(path))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.max_concurrency, thread_name_prefix="resumable-s3"
+                )
+            return self._pool
+
+    def _error(self, action: str, path: str, exc: BaseException) -> OSError:
+        """The project's error for a failed request (after botocore's retries)."""
+        where = f"{self.url}/{path}" if path else self.url
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            message = response.get("Error", {}).get("Message", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return NoCheckpointError(errno.ENOENT, f"no such object: {where}")
+            if code == "NoSuchBucket":
+                return StorageError(
+                    errno.ENOENT,
+                    f"could not {action} {where}: bucket {self.bucket!r} does not exist; "
+                    "create it first or fix the URL",
+                )
+            if (
+                code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+                or status == 403
+            ):
+                return StorageError(
+                    errno.EACCES,
+                    f"could not {action} {where}: {code or status} ({message}); check the "
+                    "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profile) and the "
+                    "bucket policy",
+                )
+            return StorageError(
+                errno.EIO, f"could not {action} {where}: {code or status} {message}".rstrip()
+            )
+        return StorageError(
+            errno.EIO,
+            f"could not {action} {where}: {type(exc).__name__}: {exc} (after retries; "
+            "check the endpoint and the network)",
+        )
+
+    def _call(self, action: str, path: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(action, path, exc) from exc
+
+    # ----------------------------------------------------------------- writes
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        key = self._object_key(path)
+        views = [memoryview(c).cast("B") for c in chunks]
+        total = sum(len(v) for v in views)
+        if total <= self.part_size:
+            self._call(
+                "write",
+                path,
+                self.client.put_object,
+                Key=key,
+                Body=_PartReader(views),
+                ChecksumAlgorithm="CRC32",
+            )
+            return total
+        part_size = max(self.part_size, -(-total // MAX_PARTS))
+        upload = self._call(
+            "start upload of",
+            path,
+            self.client.create_multipart_upload,
+            Key=key,
+            ChecksumAlgorithm="CRC32",
+        )
+        upload_id = upload["UploadId"]
+        try:
+            parts = self._upload_parts(path, key, upload_id, _split(views, part_size))
+            self._call(
+                "complete upload of",
+                path,
+                self.client.complete_multipart_upload,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            except Exception as exc:  # the lifecycle rule for incomplete uploads cleans up
+                log.warning("could not abort multipart upload of %s/%s: %s", self.url, path, exc)
+            raise
+        return total
+
+    def _upload_parts(
+        self, path: str, key: str, upload_id: str, parts: Iterator[list[memoryview]]
+    ) -> list[dict[str, Any]]:
+        """Upload parts with at most ``max_concurrency`` in flight (so at most that many
+        parts' worth of memory is pinned by requests), in order of part number."""
+        pool = self._executor()
+        pending: list[tuple[int, Future[Any]]] = []
+        done: list[dict[str, Any]] = []
+
+        def send(number: int, views: list[memoryview]) -> dict[str, Any]:
+            r = self._call(
+                f"upload part {number} of",
+                path,
+                self.client.upload_part,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=_PartReader(views),
+                ChecksumAlgorithm="CRC32",
+            )
+            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC32": r["ChecksumCRC32"]}
+
+        try:
+            for number, views in enumerate(parts, start=1):
+                if len(pending) >= self.max_concurrency:
+                    done.append(pending.pop(0)[1].result())
+                pending.append((number, pool.submit(send, number, views)))
+            for _, fut in pending:
+                done.append(fut.result())
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+        return done
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists (``If-None-Match: *``);
+        returns whether this call created it. A retried request whose first try did
+        land reads as "exists": callers compare contents (see `MarkerCommit`)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = self._object_key(path)
+        if not self.conditional_put_enforced():
+            if self.exists(path):
+                return False
+            self.write(path, [data])
+            return True
+        try:
+            self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*", ChecksumAlgorithm="CRC32"
+            )
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise self._error("write", path, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("write", path, exc) from exc
+        return True
+
+    def conditional_put_enforced(self) -> bool:
+        """Whether the server refuses ``If-None-Match: *`` onto an existing key; probed
+        once per storage (two PUTs and a DELETE under ``.resumable-probe/``).
+
+        Raises `StorageError` if it does not, unless ``allow_unconditional_commit``."""
+        if self._conditional_ok is None:
+            key = self._key(f".resumable-probe/{secrets.token_hex(8)}")
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfNoneMatch="*")
+                    ok = False
+                except ClientError as exc:
+                    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                    if status != 412:
+                        raise
+                    ok = True
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+            except (ClientError, BotoCoreError) as exc:
+                raise self._error("probe conditional writes in", "", exc) from exc
+            self._conditional_ok = ok
+            if not ok:
+                if not self.allow_unconditional_commit:
+                    raise StorageError(
+                        errno.ENOTSUP,
+                        f"the server behind {self.url} accepted an overwrite despite "
+                        "'If-None-Match: *', so two writers could both commit one step. Use "
+                        "a server that supports conditional writes (AWS S3, MinIO, "
+                        "SeaweedFS, ...), or, with a single writer per root only, pass "
+                        "storage_options={'allow_unconditional_commit': True}",
+                    )
+                log.warning(
+                    "%s ignores conditional writes; commits rely on a single writer "
+                    "(allow_unconditional_commit=True)",
+                    self.url,
+                )
+        return self._conditional_ok
+
+    def append(self, path: str, data: bytes) -> None:
+        """Read-modify-write: objects cannot grow. Only the audit log appends, from one
+        writer per root."""
+        try:
+            old = self.read(path)
+        except NoCheckpointError:
+            old = b""
+        self.write(path, [old + data])
+
+    # ----------------------------------------------------------------- reads
+
+    def size(self, path: str) -> int:
+        r = self._call("stat", path, self.client.head_object, Key=self._object_key(path))
+        return int(r["ContentLength"])
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(path, offset, memoryview(buf))
+        return bytes(buf)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``path``, with
+        ranged GETs of ``part_size`` run in parallel."""
+        out = out.cast("B") if out.format != "B" else out
+        length = len(out)
+        if length == 0:
+            self.size(path)  # still an error if missing
+            return
+        key = self._object_key(path)
+        spans = [(b, min(b + self.part_size, length)) for b in range(0, length, self.part_size)]
+
+        def fetch(span: tuple[int, int]) -> None:
+            b, e = span
+            r = self._get(path, key, offset + b, offset + e)
+            if len(r) != e - b:
+                raise CorruptCheckpointError(
+                    f"{self.url}/{path} is truncated: wanted bytes [{offset}, "
+                    f"{offset + length}), the object ends before"
+                )
+            out[b:e] = r
+
+        if len(spans) == 1:
+            fetch(spans[0])
+            return
+        futures = [self._executor().submit(fetch, s) for s in spans]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:
+                f.cancel()
+
+    def _get(self, path: str, key: str, begin: int, end: int) -> bytes:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            r = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={begin}-{end - 1}"
+            )
+            return bytes(r["Body"].read())
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                raise CorruptCheckpointError(
+                    f"{self.url}/{path} is truncated: it has no bytes at offset {begin}"
+                ) from exc
+            raise self._error("read", path, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("read", path, exc) from exc
+
+    def _list(self, path: str, delimiter: bool) -> Iterator[tuple[str, bool]]:
+        """(name relative to ``path``, is_prefix) for the keys under ``path``."""
+        base = self._key(path)
+        prefix = base + "/" if base else ""
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if delimiter:
+                kwargs["Delimiter"] = "/"
+            if token:
+                kwargs["ContinuationToken"] = token
+            r = self._call("list", path, self.client.list_objects_v2, **kwargs)
+            for p in r.get("CommonPrefixes", []):
+                yield p["Prefix"][len(prefix) :].rstrip("/"), True
+            for o in r.get("Contents", []):
+                yield o["Key"][len(prefix) :], False
+            if not r.get("IsTruncated"):
+                return
+            token = r.get("NextContinuationToken")
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return sorted({name for name, _ in self._list(path, True) if name})
+
+    def list_files(self, path: str = "") -> list[tuple[str, int, float]]:
+        """Every object under ``path``: (path relative to ``path``, size, mtime)."""
+        base = self._key(path)
+        prefix = base + "/" if base else ""
+        out = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            r = self._call("list", path, self.client.list_objects_v2, **kwargs)
+            for o in r.get("Contents", []):
+                out.append((o["Key"][len(prefix) :], int(o["Size"]), o["LastModified"].timestamp()))
+            if not r.get("IsTruncated"):
+                return out
+            token = r.get("NextContinuationToken")
+
+    def exists(self, path: str) -> bool:
+        """An object at ``path``, or any object under ``path/`` (a "directory")."""
+        if path:
+            try:
+                self.size(path)
+                return True
+            except NoCheckpointError:
+                pass
+        base = self._key(path)
+        r = self._call(
+            "list",
+            path,
+            self.client.list_objects_v2,
+            Prefix=base + "/" if base else "",
+            MaxKeys=50,
+        )
+        return any(not o["Key"].endswith("/") for o in r.get("Contents", []))
+
+    def delete(self, path: str) -> None:
+        """Delete the object ``path`` and every object under ``path/``.
+
+        Then the "directory" keys (``path/``, ``path/sub/``, deepest first): stores built
+        on a filesystem (SeaweedFS, some MinIO modes) keep listing emptied directories
+        otherwise; on AWS S3 there is no such key and deleting it is a no-op."""
+        names = [name for name, _, _ in self.list_files(path)]
+        keys = [self._key(path)] if path else []
+        keys += [self._key(f"{path}/{name}" if path else name) for name in names]
+        self._delete_keys(path, keys)
+        dirs = {path} if path else set()
+        for name in names:
+            parts = name.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                dirs.add("/".join(x for x in (path, *parts[:i]) if x))
+        deepest_first = sorted(dirs, key=lambda d: -d.count("/"))
+        self._delete_keys(path, [self._key(d) + "/" for d in deepest_first])
+
+    def _delete_keys(self, path: str, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            r = self._call(
+                "delete",
+                path,
+                self.client.delete_objects,
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise StorageError(
+                    errno.EIO,
+                    f"could not delete {len(errors)} object(s) under {self.url}/{path}: "
+                    f"{errors[0].get('Code')} {errors[0].get('Message', '')}",
+                )
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None

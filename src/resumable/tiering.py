@@ -1,0 +1,257 @@
+"""Tiering: commit on a fast local root, mirror each committed checkpoint to a remote one.
+
+``Checkpointer("runs/exp1", mirror="s3://bucket/exp1", keep=Keep(last=2),
+mirror_keep=Keep(last=10, every_steps=10_000))``:
+
+- every persist commits locally first (fast); the persist worker then hands the step to
+  a `Mirror` thread, which uploads the committed files (straight from the local files,
+  mapped) under the remote root's own commit protocol, checks the remote copy (sizes
+  and safetensors headers against the manifest; every part's CRC32 was checked by the
+  server on upload), and applies ``mirror_keep`` there;
+- local retention never deletes a checkpoint that is not mirrored yet, unless a newer
+  one is (when uploads fall behind, the queue keeps only the newest step: older ones
+  are superseded, and logged as such);
+- restore takes the newest valid checkpoint across both roots, so a job resumes from the
+  remote alone on a node with an empty disk.
+
+A failed upload is retried; if it still fails it is reported (log WARNING, audit, the
+``mirror_failed`` alert) and the local copy is kept; `Checkpointer.wait` and ``close``
+raise `PersistError` if the newest local checkpoint is not mirrored by then.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from resumable.audit import AuditLog
+from resumable.commit import committer_for, list_committed, step_dir
+from resumable.errors import StorageError
+from resumable.format import encode_manifest, manifest_digest
+from resumable.policy import Keep
+from resumable.reader import CheckpointReader
+from resumable.retention import apply_retention
+from resumable.storage.base import Storage
+
+log = logging.getLogger("resumable")
+
+Notify = Callable[[dict[str, Any]], None]
+
+
+def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
+    """Copy the committed checkpoint ``step`` of ``src`` to ``dst`` and commit it there
+    with ``dst``'s own strategy; returns bytes uploaded. The source is fully verified
+    first, the copy checked after (sizes and headers). An identical checkpoint already
+    committed in ``dst`` counts as done (0 bytes)."""
+    source = CheckpointReader(src, step)
+    source.verify()
+    manifest = source.manifest
+    if step in list_committed(dst):
+        there = CheckpointReader(dst, step).manifest
+        if _same_content(there, manifest):
+            return 0
+    committer = committer_for(dst)
+    attempt = committer.begin(step)
+    renamed = {name: attempt.key(name.rsplit("/", 1)[-1]) for name in manifest["files"]}
+    relocated = copy.deepcopy(manifest)
+    relocated["files"] = {renamed[k]: v for k, v in manifest["files"].items()}
+    for info in relocated["tensors"].values():
+        info["file"] = renamed[info["file"]]
+    relocated.pop("digest", None)
+    relocated["digest"] = manifest_digest(relocated)
+    total = 0
+    try:
+        for name, new in renamed.items():
+            path = f"{step_dir(step)}/{name}"
+            map_file = getattr(src, "map_file", None)
+            if map_file is not None and manifest["files"][name]["size"] > 0:
+                mm = map_file(path)
+                try:
+                    total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [mm])
+                finally:
+                    mm.close()
+            else:
+                total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [src.read(path)])
+        blob = encode_manifest(relocated)
+        committer.commit(attempt, blob)
+    except BaseException:
+        try:
+            committer.abort(attempt)
+        except Exception:
+            pass
+        raise
+    CheckpointReader(dst, step).check_files()
+    return total + len(blob)
+
+
+def _same_content(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same tensors (by checksum) and trees: one checkpoint, wherever its files lie."""
+
+    def sig(m: dict[str, Any]) -> Any:
+        return (
+            m["step"],
+            json.dumps(m["ranks"], sort_keys=True),
+            sorted(
+                (k, v.get("xxh3_64"), v["dtype"], tuple(v["shape"]))
+                for k, v in m["tensors"].items()
+            ),
+        )
+
+    return bool(sig(a) == sig(b))
+
+
+_PERMANENT = (errno.EACCES, errno.ENOTSUP, errno.EEXIST, errno.ENOENT)
+
+
+class Mirror:
+    """The background uploader of one persist worker (see module doc).
+
+    ``on_mirrored(step)`` runs on the mirror thread after each upload (the worker applies
+    local retention there); ``notify(message)`` reports to the trainer.
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        *,
+        keep: Keep | None,
+        audit: AuditLog,
+        notify: Notify,
+        on_mirrored: Callable[[int], object] | None = None,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.keep = keep
+        self.audit = audit
+        self.remote_audit = AuditLog(remote, rank=audit.rank)
+        self.notify = notify
+        self.on_mirrored = on_mirrored
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.mirrored: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self._pending: int | None = None
+        self._busy = False
+        self._stop = False
+        self._cond = threading.Condition()
+        self._known = False
+        self._thread = threading.Thread(target=self._main, name="resumable-mirror", daemon=True)
+        self._thread.start()
+
+    def _load_known(self) -> None:
+        """Steps already committed remotely (by earlier launches) count as mirrored."""
+        if not self._known:
+            self.mirrored.update(list_committed(self.remote))
+            self._known = True
+
+    def may_delete_local(self, step: int) -> bool:
+        """A local checkpoint may go once it, or a newer one, is mirrored."""
+        return any(m >= step for m in self.mirrored)
+
+    def submit(self, step: int) -> None:
+        with self._cond:
+            if self._pending is not None and self._pending < step:
+                log.info("mirror: step %d superseded by step %d before upload", self._pending, step)
+                self.audit.record("mirror_skip", step=self._pending, reason=f"superseded by {step}")
+            if self._pending is None or self._pending < step:
+                self._pending = step
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until nothing is queued or uploading; report the newest local step and
+        why it is not mirrored, if it is not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+        local = list_committed(self.local)
+        newest = local[-1] if local else None
+        error = None
+        if newest is not None and newest not in self.mirrored:
+            error = self.failed.get(newest, f"step {newest} was not uploaded in time")
+        return {"kind": "mirror_flushed", "newest": newest, "error": error}
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def _main(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stop:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                step, self._pending = self._pending, None
+                self._busy = True
+            try:
+                self._mirror(step)
+            except Exception as exc:  # pragma: no cover - _mirror reports its own errors
+                log.exception("mirror thread error: %s", exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _upload(self, step: int) -> int:
+        for attempt in itertools.count():
+            try:
+                self._load_known()
+                return upload_checkpoint(self.local, self.remote, step)
+            except StorageError as exc:
+                if exc.errno in _PERMANENT or attempt >= self.retries:
+                    raise
+                log.warning(
+                    "mirror of step %d to %s failed (%s); retrying", step, self.remote.url, exc
+                )
+                time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _mirror(self, step: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._upload(step)
+        except Exception as exc:  # reported, never lost; the local copy is kept
+            msg = f"mirroring step {step} to {self.remote.url} failed: {type(exc).__name__}: {exc}"
+            self.failed[step] = msg
+            log.warning("%s; the local copy is kept", msg)
+            self.audit.record("failure", step=step, stage="mirror", error=repr(exc)[:500])
+            self.notify({"kind": "mirror_failed", "step": step, "error": msg})
+            return
+        seconds = time.perf_counter() - t0
+        self.mirrored.add(step)
+        self.failed.pop(step, None)
+        self.audit.record(
+            "mirror_commit",
+            step=step,
+            url=self.remote.url,
+            bytes=nbytes,
+            duration_s=round(seconds, 6),
+        )
+        self.remote_audit.record("commit", step=step, bytes=nbytes, source=self.local.url)
+        self.notify({"kind": "mirrored", "step": step, "bytes": nbytes, "seconds": seconds})
+        if self.keep is not None and not self.keep.keeps_all:
+            try:
+                apply_retention(self.remote, self.keep, self.remote_audit, just_written=step)
+            except Exception as exc:  # retried after the next upload
+                log.warning("retention in %s after step %d failed: %s", self.remote.url, step, exc)
+                self.audit.record(
+                    "failure", step=step, stage="mirror retention", error=repr(exc)[:500]
+                )
+        if self.on_mirrored is not None:
+            self.on_mirrored(step)
