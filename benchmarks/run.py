@@ -11,7 +11,9 @@ Order of a run: build the state; memory phase (copy floor interleaved with resum
 memory snapshots); write floors; saves of every method interleaved round-robin (rep 0
 of each, then rep 1, ...; rep 0 is reported apart as "first" since it allocates, spawns
 or warms up); read floors and restores (cold page cache first when this process may
-drop it, then warm), again interleaved; DLRover in its own environment; end to end.
+drop it, then warm), again interleaved; DLRover in its own environment; end to end;
+object storage (`s3_bench.py`: a SeaweedFS server on loopback, resumable on ``s3://``
+beside a plain parallel upload and download of the same bytes by the same client).
 A method that fails is recorded with its error and left out; the run goes on.
 """
 
@@ -40,6 +42,7 @@ sys.path.insert(0, str(HERE))
 import floors  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
+import s3_bench  # noqa: E402
 import state as state_mod  # noqa: E402
 import torch  # noqa: E402
 import training  # noqa: E402
@@ -350,6 +353,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--e2e-depth", type=int, default=4)
     ap.add_argument("--e2e-batch", type=int, default=512)
     ap.add_argument("--e2e-threads", type=int, default=1, help="torch threads in the loop (1)")
+    ap.add_argument("--no-s3", action="store_true", help="skip the object storage phase")
+    ap.add_argument(
+        "--s3-size-mb", type=float, default=None, help="s3 phase state, MiB (256; --quick: 64)"
+    )
+    ap.add_argument("--s3-part-mb", type=int, default=16, help="s3 multipart part size, MiB (16)")
+    ap.add_argument("--s3-concurrency", type=int, default=4, help="s3 parts in flight (4)")
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -357,6 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.size_mb = 64 if args.size_mb == 1024 else args.size_mb
         args.e2e_rounds = min(args.e2e_rounds, 4)
+    if args.s3_size_mb is None:
+        args.s3_size_mb = 64 if args.quick else 256
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     return args
@@ -468,6 +479,19 @@ def main(argv: list[str] | None = None) -> int:
                     overlap=overlap,
                 ),
             )
+
+    if args.no_s3:
+        out["s3"] = {"error": "skipped (--no-s3)"}
+    else:
+        log("object storage (SeaweedFS on loopback)")
+        settings = s3_bench.ClientSettings(args.s3_part_mb * 2**20, args.s3_concurrency)
+        got = guarded(
+            out,
+            "s3",
+            lambda: s3_bench.run_phase(work, args.s3_size_mb, args.reps, settings, log),
+        )
+        if got is not None:
+            out["s3"] = got
 
     out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
     out["wall_s"] = round(time.perf_counter() - started, 1)

@@ -20,6 +20,9 @@ a client that sends one request at a time). The fault kinds:
 - ``lost_response``: forward the request, read the server's whole response (so the request
   took effect), then reset the client connection instead of relaying it.
 - ``delay``: wait ``delay_s`` before forwarding.
+
+`FaultProxy.drop_request_headers` strips headers from every forwarded request, which
+makes the server behave as one that ignores them.
 """
 
 from __future__ import annotations
@@ -295,6 +298,7 @@ class FaultProxy:
         self._faults = Faults()
         self._schedule: dict[int, str] = {}
         self._callback: RequestCallback | None = None
+        self._dropped: tuple[str, ...] = ()
         self._records: list[ProxiedRequest] = []
         self._errors: list[BaseException] = []
         self._stopping = threading.Event()
@@ -389,6 +393,14 @@ class FaultProxy:
             self._faults = Faults()
             self._schedule.clear()
 
+    def drop_request_headers(self, *names: str) -> None:
+        """Remove these headers from every request forwarded upstream (replacing the
+        earlier list; none: forward all). Simulates a server that ignores a header, e.g.
+        ``If-None-Match``; the request's signature then no longer matches, which only a
+        server that checks signatures notices."""
+        with self._lock:
+            self._dropped = tuple(names)
+
     def on_request(self, callback: RequestCallback | None) -> None:
         """Call ``callback(index, method, path)`` before acting on each request (None: off)."""
         with self._lock:
@@ -464,6 +476,10 @@ class FaultProxy:
                 code = self._rng.choice(faults.error_codes)
             self._records.append(ProxiedRequest(index, method, path, action))
             return index, action, code, self._callback
+
+    def _dropped_headers(self) -> tuple[str, ...]:
+        with self._lock:
+            return self._dropped
 
     def _delay_s(self) -> float:
         with self._lock:
@@ -576,7 +592,7 @@ class Connection:
             except OSError as exc:
                 raise UpstreamError(f"request {index}: upstream broke mid-request: {exc}") from exc
 
-        to_upstream(head.encode(drop=("expect",)))
+        to_upstream(head.encode(drop=("expect", *self.proxy._dropped_headers())))
         copy_body(client.reader, framing, length, to_upstream)
 
         try:

@@ -36,6 +36,7 @@ class DemoConfig:
     keep_last: int = 3
     log_every: int = 100
     grace_seconds: float = 30.0
+    mirror: str | None = None
 
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,6 +115,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
         persist_every=resumable.Every(steps=cfg.every),
         keep=resumable.Keep(last=cfg.keep_last),
         preemption=resumable.Preemption(grace_seconds=cfg.grace_seconds),
+        mirror=cfg.mirror,
     )
     with ckpt:
         step = ckpt.restore()
@@ -149,7 +151,10 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``resumable demo`` arguments."""
-    p.add_argument("--dir", required=True, help="checkpoint directory (resumes if it has any)")
+    p.add_argument(
+        "--dir", required=True, help="checkpoint directory or s3:// URL (resumes if it has any)"
+    )
+    p.add_argument("--mirror", default=None, help="also upload every checkpoint there (s3://)")
     p.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps")
     p.add_argument("--seed", type=int, default=DemoConfig.seed, help="seed of model and data")
     p.add_argument("--every", type=int, default=DemoConfig.every, help="persist every K steps")
@@ -176,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         memory_every=args.memory_every,
         workers=args.workers,
         log_every=args.log_every,
+        mirror=args.mirror,
     )
     run_demo(cfg, echo=lambda line: print(line, flush=True))
     return 0

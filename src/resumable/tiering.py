@@ -126,8 +126,8 @@ class Mirror:
         audit: AuditLog,
         notify: Notify,
         on_mirrored: Callable[[int], object] | None = None,
-        retries: int = 3,
-        backoff_s: float = 1.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
     ) -> None:
         self.local = local
         self.remote = remote
@@ -141,6 +141,7 @@ class Mirror:
         self.mirrored: set[int] = set()
         self.failed: dict[int, str] = {}
         self._pending: int | None = None
+        self._submitted: int | None = None  # newest step handed to this mirror
         self._busy = False
         self._stop = False
         self._cond = threading.Condition()
@@ -165,11 +166,12 @@ class Mirror:
                 self.audit.record("mirror_skip", step=self._pending, reason=f"superseded by {step}")
             if self._pending is None or self._pending < step:
                 self._pending = step
+            self._submitted = max(step, self._submitted if self._submitted is not None else step)
             self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> dict[str, Any]:
-        """Wait until nothing is queued or uploading; report the newest local step and
-        why it is not mirrored, if it is not."""
+        """Wait until nothing is queued or uploading; report the newest step submitted
+        and why it is not mirrored, if it is not."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._pending is not None or self._busy:
@@ -177,8 +179,7 @@ class Mirror:
                 if left is not None and left <= 0:
                     break
                 self._cond.wait(left)
-        local = list_committed(self.local)
-        newest = local[-1] if local else None
+        newest = self._submitted
         error = None
         if newest is not None and newest not in self.mirrored:
             error = self.failed.get(newest, f"step {newest} was not uploaded in time")

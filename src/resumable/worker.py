@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
-from resumable.commit import committer_for
+from resumable.commit import committer_for, list_committed
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
 from resumable.retention import apply_retention
@@ -143,9 +143,18 @@ class JobRunner:
                 audit=self.audit,
                 notify=notify or (lambda msg: None),
                 on_mirrored=lambda step: self._retain(step),
-                retries=int(config.get("mirror_retries", 3)),
-                backoff_s=float(config.get("mirror_backoff_s", 1.0)),
+                retries=int(config.get("mirror_retries", 2)),
+                backoff_s=float(config.get("mirror_backoff_s", 0.5)),
             )
+            # Catch up: an earlier launch may have died before its newest commit was
+            # uploaded (an identical remote copy is detected and not sent again).
+            try:
+                local = list_committed(storage)
+            except CheckpointError as exc:
+                log.warning("could not list %s to catch the mirror up: %s", storage.url, exc)
+                local = []
+            if local:
+                self.mirror.submit(local[-1])
 
     def _slot(self, path: str) -> ShmSlot:
         slot = self.slots.get(path)

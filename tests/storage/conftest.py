@@ -8,8 +8,10 @@ new backend joins the suite by adding one factory here: it receives the pytest
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,12 +22,13 @@ BackendFactory = Callable[[pytest.FixtureRequest, Path], Storage]
 
 
 def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
-    """A fresh bucket on the session's SeaweedFS server, under a nested prefix (so keys
-    outside the root exist in the bucket and must stay invisible)."""
+    """A fresh prefix in the suite's bucket on the session's SeaweedFS server (a bucket
+    per test would cost a volume allocation each); other tests' keys live beside it and
+    must stay invisible."""
+    bucket = request.getfixturevalue("s3_suite_bucket")
     server = request.getfixturevalue("seaweedfs")
-    bucket = server.new_bucket("suite")
     return S3Storage(
-        f"s3://{bucket}/runs/root",
+        f"s3://{bucket}/runs/{uuid.uuid4().hex[:12]}",
         endpoint_url=server.endpoint,
         aws_access_key_id=server.access_key,
         aws_secret_access_key=server.secret_key,
@@ -42,6 +45,11 @@ BACKENDS: dict[str, BackendFactory] = {
     "memory": lambda request, tmp_path: MemoryStorage(),
     "s3": _s3,
 }
+
+
+@pytest.fixture(scope="session")
+def s3_suite_bucket(seaweedfs: Any) -> str:
+    return str(seaweedfs.new_bucket("suite"))
 
 
 @pytest.fixture(params=sorted(BACKENDS))

@@ -48,6 +48,8 @@ MiB = 1 << 20
 # S3's limits: parts of 5 MiB..5 GiB (the last may be smaller), at most 10,000 per upload.
 MIN_PART = 5 * MiB
 MAX_PARTS = 10_000
+_SESSIONS: dict[str | None, Any] = {}
+_SESSION_LOCK = threading.Lock()
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
 
 # Options accepted in ``storage_options`` besides the boto3 session/client arguments.
@@ -205,7 +207,11 @@ class S3Storage(Storage):
             raise CheckpointError(
                 "s3:// checkpoints need boto3: pip install 'resumable[s3]'"
             ) from exc
-        session = boto3.session.Session(profile_name=options.get("profile_name"))
+        with _SESSION_LOCK:  # a session loads its data files once (~0.25 s); clients are cheap
+            profile = options.get("profile_name")
+            session = _SESSIONS.get(profile)
+            if session is None:
+                session = _SESSIONS[profile] = boto3.session.Session(profile_name=profile)
         config = Config(
             connect_timeout=float(options.get("connect_timeout", 10)),
             read_timeout=float(options.get("read_timeout", 60)),
@@ -223,7 +229,8 @@ class S3Storage(Storage):
         for k in ("aws_session_token", "verify"):
             if options.get(k) is not None:
                 kwargs[k] = options[k]
-        return session.client("s3", config=config, **kwargs)
+        with _SESSION_LOCK:  # creating clients from one session is not thread-safe
+            return session.client("s3", config=config, **kwargs)
 
     # ----------------------------------------------------------------- helpers
 
