@@ -233,7 +233,11 @@ def _incomplete_rows(storage: Storage, pinned: set[int]) -> list[dict[str, Any]]
             why = "staging directory of a commit that never finished"
         else:
             step = parse_step_dir(name)
-            why = "step directory without a manifest (not committed)"
+            why = (
+                "step directory without a manifest (not committed)"
+                if storage.supports_rename
+                else "data of attempts that never committed (removed after an hour)"
+            )
         rows.append(
             {
                 "step": step,
