@@ -22,13 +22,19 @@ log = logging.getLogger("resumable")
 
 
 class AuditLog:
-    def __init__(self, storage: Storage, *, rank: int = 0) -> None:
+    """Appends to ``audit.jsonl``. With several ranks only rank 0 writes (``enabled``):
+    it records the job's commits; other ranks' failures reach it as reports."""
+
+    def __init__(self, storage: Storage, *, rank: int = 0, enabled: bool = True) -> None:
         self.storage = storage
         self.rank = rank
+        self.enabled = enabled
         self._warned = False
         self._checked_tail = False
 
     def record(self, event: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
         entry = {
             "time": round(time.time(), 6),
             "event": event,

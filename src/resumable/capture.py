@@ -23,13 +23,14 @@ import base64
 import math
 import random
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from resumable.distributed import Piece, dtensor_piece, is_dtensor, piece_name
 from resumable.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 
 RNG_KEY = "__rng__"
@@ -54,10 +55,20 @@ class Stateful(Protocol):
 
 @dataclass
 class Captured:
-    """The result of `capture`: a JSON-able tree and the tensors it references, in order."""
+    """The result of `capture`: a JSON-able tree and the tensors it references, in order.
+
+    With several ranks (or DTensors), the tensors of top-level modules and optimizers
+    are *global*: ``pieces`` says where each captured one lies in its global tensor,
+    ``replicated`` names those every rank holds whole (written by one rank only), and
+    ``live`` maps each global tensor's fqn to the live tensor (a DTensor keeps its mesh
+    and placements there, for restoring).
+    """
 
     tree: Tree
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    pieces: dict[str, Piece] = field(default_factory=dict)
+    replicated: set[str] = field(default_factory=set)
+    live: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
@@ -74,10 +85,47 @@ def _tensor_name(path: tuple[Any, ...], taken: Mapping[str, Any]) -> str:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self.rank = rank
+        self.world_size = world_size
+        self.pieces: dict[str, Piece] = {}
+        self.replicated: set[str] = set()
+        self.live: dict[str, torch.Tensor] = {}
+        self.in_global = False  # encoding a top-level module or optimizer
+
+    def _global(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        """A tensor of a module or optimizer, with several ranks or as a DTensor."""
+        fqn = _tensor_name(path, self.live)
+        if is_dtensor(t):
+            local, piece, whole = dtensor_piece(t.detach(), fqn)
+            self._check(local, path)
+            name = fqn if whole else piece_name(piece)
+            if whole:
+                self.replicated.add(name)
+        else:
+            self._check(t, path)
+            local = t.detach()
+            piece = Piece(fqn, tuple(int(x) for x in t.shape), (0,) * t.dim())
+            name = fqn
+            self.replicated.add(name)
+        self.live[fqn] = t
+        if local.numel():  # an empty shard (uneven sharding) holds no bytes
+            self.tensors[name] = local
+            self.pieces[name] = piece
+        return {"global": fqn, "device": str(local.device)}
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        if is_dtensor(t) or (self.in_global and self.world_size > 1):
+            return self._global(t, path)
+        self._check(t, path)
+        name = _tensor_name(path, self.tensors)
+        if self.world_size > 1:  # per-rank state: every rank saves its own
+            name = _tensor_name((f"rank{self.rank}", *path), self.tensors)
+        self.tensors[name] = t.detach()
+        return {"tensor": name, "device": str(t.device)}
+
+    def _check(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedStateError(
                 f"{_path_str(path)}: cannot checkpoint a {t.layout} tensor; "
@@ -90,12 +138,9 @@ class _Encoder:
             )
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedStateError(
-                f"{_path_str(path)}: cannot checkpoint tensor subclass {type(t).__name__} "
-                "with this version; pass a plain tensor"
+                f"{_path_str(path)}: cannot checkpoint tensor subclass {type(t).__name__}; "
+                "pass a plain tensor (DTensors are supported in modules and optimizers)"
             )
-        name = _tensor_name(path, self.tensors)
-        self.tensors[name] = t.detach()
-        return {"tensor": name, "device": str(t.device)}
 
     def value(self, v: Any, path: tuple[Any, ...]) -> Any:
         # np.generic first: np.float64 is a float subclass. bool before int: bool is an int.
@@ -153,6 +198,7 @@ class _Encoder:
         if isinstance(v, tuple) and not hasattr(v, "_fields"):
             return {"tuple": self._sequence(v, path)}
         if _is_stateful(v):
+            v = _unwrap(v)
             try:
                 sd = v.state_dict()
             except Exception as exc:  # the user's object failed; say where
@@ -173,6 +219,20 @@ class _Encoder:
         return [self.value(x, (*path, i)) for i, x in enumerate(v)]
 
 
+def _unwrap(v: Any) -> Any:
+    """The module inside a DistributedDataParallel wrapper: its state is the module's,
+    so a DDP checkpoint loads into the bare module (and the reverse)."""
+    cls = type(v)
+    if cls.__name__ == "DistributedDataParallel" and cls.__module__.startswith("torch.nn"):
+        return v.module
+    return v
+
+
+def is_global_object(v: Any) -> bool:
+    """Top-level objects whose tensors are global: modules and optimizers."""
+    return isinstance(v, (torch.nn.Module, torch.optim.Optimizer))
+
+
 def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(
         getattr(v, "load_state_dict", None)
@@ -191,7 +251,9 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def capture(state: Mapping[str, Any], *, include_rng: bool = True) -> Captured:
+def capture(
+    state: Mapping[str, Any], *, include_rng: bool = True, rank: int = 0, world_size: int = 1
+) -> Captured:
     """Encode ``state`` (and, by default, the global RNG streams) into a `Captured`.
 
     Called on the training thread at a step boundary. The returned tensors are the live
@@ -203,17 +265,25 @@ def capture(state: Mapping[str, Any], *, include_rng: bool = True) -> Captured:
             f"state must be a dict of named objects, found {type(state).__name__}; "
             'pass state={"model": model, "optim": optimizer, ...}'
         )
-    enc = _Encoder()
+    enc = _Encoder(rank, world_size)
     top: list[list[Any]] = []
     for key, obj in state.items():
         if not isinstance(key, str) or key == RNG_KEY:
             raise UnsupportedStateError(
                 f"state keys must be strings other than {RNG_KEY!r}, found {key!r}"
             )
+        enc.in_global = is_global_object(obj)
         top.append([key, enc.value(obj, (key,))])
+        enc.in_global = False
     if include_rng:
         top.append([RNG_KEY, enc.value(rng_state(), (RNG_KEY,))])
-    return Captured(tree={"dict": top}, tensors=enc.tensors)
+    return Captured(
+        tree={"dict": top},
+        tensors=enc.tensors,
+        pieces=enc.pieces,
+        replicated=enc.replicated,
+        live=enc.live,
+    )
 
 
 # --------------------------------------------------------------------------- decoding
@@ -222,9 +292,15 @@ def capture(state: Mapping[str, Any], *, include_rng: bool = True) -> Captured:
 class _Decoder:
     """Builds plain values from a tree; every malformed node is a `CorruptCheckpointError`."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], map_location: Any) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        map_location: Any,
+        resolve: Callable[[str], torch.Tensor] | None = None,
+    ) -> None:
         self.tensors = tensors
         self.map_location = map_location
+        self.resolve = resolve
 
     def _get_tensor(self, name: Any) -> torch.Tensor:
         if not isinstance(name, str) or name not in self.tensors:
@@ -253,6 +329,12 @@ class _Decoder:
             raise CorruptCheckpointError(f"malformed tree node: {str(node)[:80]}")
         if "tensor" in node:
             t = self._get_tensor(node["tensor"])
+            dev = self._device(node.get("device", "cpu"))
+            return t if dev.type == "cpu" else t.to(dev)
+        if "global" in node:
+            if self.resolve is None or not isinstance(node["global"], str):
+                raise CorruptCheckpointError(f"malformed global tensor node: {str(node)[:80]}")
+            t = self.resolve(node["global"])
             dev = self._device(node.get("device", "cpu"))
             return t if dev.type == "cpu" else t.to(dev)
         if "dict" in node:
@@ -322,12 +404,18 @@ def _as_list(x: Any) -> list[Any]:
     return x
 
 
-def decode(tree: Tree, tensors: Mapping[str, torch.Tensor], map_location: Any = None) -> Any:
+def decode(
+    tree: Tree,
+    tensors: Mapping[str, torch.Tensor],
+    map_location: Any = None,
+    resolve: Callable[[str], torch.Tensor] | None = None,
+) -> Any:
     """Turn a tree back into plain values; tensors go to their recorded device or
-    ``map_location`` (never the RNG states: generators take CPU tensors). Raises
+    ``map_location`` (never the RNG states: generators take CPU tensors). ``resolve``
+    builds global tensors (several ranks) from their fqn. Raises
     `CorruptCheckpointError` for any malformed node."""
     try:
-        values = _Decoder(tensors, map_location).value(_without_rng(tree))
+        values = _Decoder(tensors, map_location, resolve).value(_without_rng(tree))
         rng = _rng_node(tree)
         if rng is not None and isinstance(values, dict):
             values[RNG_KEY] = _Decoder(tensors, None).value(rng)
@@ -485,6 +573,7 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -
                 obj[:] = _own(value) if borrowed else value
             return obj
         if _is_stateful(obj):
+            obj = _unwrap(obj)
             if not isinstance(value, dict):
                 raise StateMismatchError(
                     f"{_path_str(path)}: expected a state dict, checkpoint has "
@@ -545,3 +634,56 @@ def set_rng_state(rng: Any) -> None:
             )
         for i, s in enumerate(states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
+
+
+def global_refs(tree: Tree) -> Iterator[str]:
+    """The fqn of every global tensor node in a tree."""
+    if isinstance(tree, dict):
+        if isinstance(tree.get("global"), str):
+            yield tree["global"]
+            return
+        for tag, child in tree.items():
+            if tag == "dict" and isinstance(child, list):
+                for pair in child:
+                    if isinstance(pair, list) and len(pair) == 2:
+                        yield from global_refs(pair[1])
+            elif tag in ("list", "tuple") and isinstance(child, list):
+                for x in child:
+                    yield from global_refs(x)
+            elif tag in ("stateful", "np_generator"):
+                yield from global_refs(child)
+
+
+def globalize(tree: Tree, keys: set[str]) -> Tree:
+    """``tree`` with the tensor nodes under top-level ``keys`` turned into global nodes
+    (a checkpoint of one process, loaded by several ranks or into DTensors: its tensor
+    names are the fqns)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if isinstance(node.get("tensor"), str):
+                return {"global": node["tensor"], "device": node.get("device", "cpu")}
+            out = {}
+            for tag, child in node.items():
+                if tag == "dict" and isinstance(child, list):
+                    out[tag] = [
+                        [p[0], walk(p[1])] if isinstance(p, list) and len(p) == 2 else p
+                        for p in child
+                    ]
+                elif tag in ("list", "tuple") and isinstance(child, list):
+                    out[tag] = [walk(x) for x in child]
+                elif tag == "stateful":
+                    out[tag] = walk(child)
+                else:
+                    out[tag] = child
+            return out
+        return node
+
+    if not (isinstance(tree, dict) and isinstance(tree.get("dict"), list)):
+        return tree
+    return {
+        "dict": [
+            [p[0], walk(p[1])] if isinstance(p, list) and len(p) == 2 and p[0] in keys else p
+            for p in tree["dict"]
+        ]
+    }

@@ -132,6 +132,8 @@ class ResumableSampler(Sampler[int]):
     consumed position is `ResumableDataLoader`'s job.
     """
 
+    resumable_per_rank = True  # a position in the data: each rank has its own
+
     def __init__(
         self, data_source_or_len: Sized | int, *, shuffle: bool = True, seed: int = 0
     ) -> None:
@@ -317,6 +319,8 @@ class ResumableDataLoader:
     seed of the epoch they were started in), ``in_order=False``, ``batch_size=None`` and
     iterable-style datasets.
     """
+
+    resumable_per_rank = True  # a position in the data: each rank has its own
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import json
 import logging
 import os
 import time
@@ -41,11 +42,13 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
+from resumable.distributed import GlobalLoader, balance, current_group, is_dtensor
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
     NoCheckpointError,
     PersistError,
+    StateMismatchError,
     StorageError,
 )
 from resumable.format import _json_metrics, checksum
@@ -105,6 +108,9 @@ class Checkpointer:
             keeps what is not mirrored yet, and restore takes the newest valid
             checkpoint of either root (see `resumable.tiering`).
         mirror_keep: retention in ``mirror`` (default: keep all).
+        dist_timeout_s: with several ranks (``torch.distributed`` initialised), how long
+            a rank waits for the others during a coordinated save or restore before it
+            gives up with `PersistError` (default 600 s); see `resumable.distributed`.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None,
         mirror: str | os.PathLike[str] | Storage | None = None,
         mirror_keep: Keep | None = None,
+        dist_timeout_s: float | None = None,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
@@ -135,6 +142,18 @@ class Checkpointer:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
+        self._group = current_group(dist_timeout_s)
+        self.rank = self._group.rank if self._group is not None else 0
+        self.world_size = self._group.world_size if self._group is not None else 1
+        if self._group is not None:
+            if persist not in ("auto", "sync") or memory_every is not None or overlap or mirror:
+                raise CheckpointError(
+                    f"with {self.world_size} ranks this version saves synchronously and "
+                    "coordinated (persist='sync'); the per-rank memory tier, overlap and "
+                    "mirror are not available there yet. Leave persist, memory_every, "
+                    "overlap and mirror unset"
+                )
+            persist = "sync"
         self.storage_options = dict(storage_options) if storage_options else None
         self.storage = open_storage(url, _options_for(url, self.storage_options))
         self.url = self.storage.url
@@ -167,14 +186,15 @@ class Checkpointer:
             )
             persist = "process" if shareable else "thread"
         self.persist_mode = persist
-        self.audit = AuditLog(self.storage)
+        self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
         self._committer = committer_for(self.storage)
         self._notes: list[dict[str, Any]] = []  # reports of a sync-mode mirror thread
         self._runner = JobRunner(
             self.storage,
             {
                 "keep": _keep_json(keep),
-                "rank": 0,
+                "rank": self.rank,
+                "audit": self.rank == 0,
                 "mirror": (
                     self.mirror.url if self.mirror is not None and persist == "sync" else None
                 ),
@@ -226,6 +246,7 @@ class Checkpointer:
         self._persist_cost = CostEstimate()
         self._last_absorbed = -1
         self._mirror_flushed: dict[str, Any] | None = None
+        self._reset_per_rank = False
         self._emergency_deadline: float | None = None
         self._absorbed_clock = float("-inf")
         self._remove_stale()
@@ -466,7 +487,12 @@ class Checkpointer:
         return out
 
     def restore(
-        self, step: int | None = None, *, map_location: Any = None, tier: str = "auto"
+        self,
+        step: int | None = None,
+        *,
+        map_location: Any = None,
+        tier: str = "auto",
+        reset_per_rank_state: bool = False,
     ) -> int:
         """Load the newest valid state (or ``step``) into ``state``; returns its step.
 
@@ -475,7 +501,14 @@ class Checkpointer:
         newer than every committed checkpoint is persisted right after it is restored.
         Corrupt checkpoints are skipped with a WARNING; if checkpoints exist and none is
         valid, raises `CorruptCheckpointError` rather than starting over.
+
+        With several ranks every rank calls it: they agree on the newest step all of
+        them can read, and model and optimizer state reshard to this job's world size.
+        Per-rank state (random streams, data position) cannot reshard; after a world-size
+        change that is an error unless ``reset_per_rank_state`` (then it keeps this
+        launch's values, with a WARNING).
         """
+        self._reset_per_rank = reset_per_rank_state
         self._check_open()
         if tier not in ("auto", "memory", "storage"):
             raise ValueError(f"tier must be 'auto', 'memory' or 'storage', got {tier!r}")
@@ -539,6 +572,8 @@ class Checkpointer:
 
     def _restore_storage(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
         steps = sorted(roots)
+        if self._group is not None:
+            return self._restore_group(steps, step, loc)
         if step is not None:
             if step not in steps:
                 raise NoCheckpointError(
@@ -557,11 +592,9 @@ class Checkpointer:
             t0 = time.perf_counter()
             try:
                 reader = CheckpointReader(root, s)
-                reader.check_files()
-                tensors = reader.tensors(verify=True)
-                values = capture_mod.decode(reader.tree, tensors, loc)
+                values, skip = self._decode(reader, loc)
                 # Raises CorruptCheckpointError only before touching a live object.
-                capture_mod.restore(self.state, values, borrowed=reader.mapped)
+                self._apply(values, skip, borrowed=reader.mapped)
             except CorruptCheckpointError as exc:
                 log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(s), root.url, exc)
                 self.audit.record("skip", step=s, url=root.url, reason=str(exc)[:500])
@@ -585,6 +618,162 @@ class Checkpointer:
             "and none is valid; refusing to "
             "start over silently. Inspect them with `resumable verify`, or move the "
             "directory away to start fresh. Problems: " + "; ".join(problems)
+        )
+
+    # ------------------------------------------------------------------ several ranks
+
+    def _decode(self, reader: CheckpointReader, loc: Any) -> tuple[dict[str, Any], set[str]]:
+        """Read, verify and decode this rank's values from ``reader`` without touching a
+        live object; returns them and the state keys to leave as they are."""
+        reader.check_files()
+        m = reader.manifest
+        saved_world = int(m.get("world_size", 1))
+        trees = [r["tree"] for r in m["ranks"]]
+        if len(trees) != saved_world:
+            raise CorruptCheckpointError(
+                f"{reader.where}: manifest has {len(trees)} rank trees for {saved_world} ranks"
+            )
+        live = capture_mod.capture(
+            self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+        )
+        plain = saved_world == 1 and self.world_size == 1 and not live.pieces
+        if plain and not any(True for _ in capture_mod.global_refs(trees[0])):
+            tensors = reader.tensors(verify=True)
+            return capture_mod.decode(trees[0], tensors, loc), set()
+        global_keys = {k for k, v in self.state.items() if capture_mod.is_global_object(v)}
+        skip: set[str] = set()
+        if saved_world == self.world_size:
+            tree = trees[self.rank]
+        else:
+            tree = trees[0]
+            per_rank = self._per_rank_keys(reader, trees, global_keys)
+            if per_rank and not self._reset_per_rank:
+                raise StateMismatchError(
+                    f"{reader.where} was saved by {saved_world} rank(s); this job has "
+                    f"{self.world_size}. Per-rank state {sorted(per_rank)} cannot be "
+                    "resharded (each rank had its own). Model and optimizer state reshard; "
+                    "pass restore(reset_per_rank_state=True) to keep this launch's fresh "
+                    "values for the per-rank state"
+                )
+            skip = per_rank
+            tree = {"dict": [p for p in tree["dict"] if p[0] not in skip]}
+        if any(is_dtensor(t) for t in live.live.values()):
+            self._init_optimizer_state()
+            live = capture_mod.capture(
+                self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+            )
+        tree = capture_mod.globalize(tree, global_keys)
+        loader = GlobalLoader(reader, live.live)
+        loader.prepare(list(dict.fromkeys(capture_mod.global_refs(tree))))
+        names = list(dict.fromkeys(name for _, name in capture_mod.iter_tensor_refs(tree)))
+        tensors = reader.tensors(names, verify=True) if names else {}
+        return capture_mod.decode(tree, tensors, loc, resolve=loader.value), skip
+
+    def _per_rank_keys(
+        self, reader: CheckpointReader, trees: list[Any], global_keys: set[str]
+    ) -> set[str]:
+        """Top-level keys that are each rank's own: the random streams, data loaders,
+        and anything the saved ranks disagree on."""
+        index = reader.manifest["tensors"]
+
+        def norm(node: Any) -> str:
+            text = json.dumps(node, sort_keys=True)
+            for _, name in capture_mod.iter_tensor_refs(node):
+                text = text.replace(
+                    json.dumps(name), json.dumps(index.get(name, {}).get("xxh3_64"))
+                )
+            return text
+
+        keys: set[str] = set()
+        by_key = [dict((p[0], p[1]) for p in t.get("dict", [])) for t in trees]
+        for key in by_key[0]:
+            if key in global_keys:
+                continue
+            obj = self.state.get(key)
+            if (
+                key == capture_mod.RNG_KEY
+                or getattr(obj, "resumable_per_rank", False)
+                or len({norm(t.get(key)) for t in by_key}) > 1
+            ):
+                keys.add(key)
+        return keys
+
+    def _init_optimizer_state(self) -> None:
+        """Give a fresh optimizer its state tensors (DTensors like its parameters), so a
+        restore has targets to shard into."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        for obj in self.state.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                _init_optim_state(obj)
+
+    def _apply(self, values: dict[str, Any], skip: set[str], *, borrowed: bool) -> None:
+        """Restore decoded ``values`` into the live state, leaving the ``skip`` keys."""
+        if not skip:
+            capture_mod.restore(self.state, values, borrowed=borrowed)
+            return
+        log.warning("restore leaves per-rank state %s as this launch made it", sorted(skip))
+        part = {k: v for k, v in self.state.items() if k not in skip}
+        capture_mod.restore(part, values, borrowed=borrowed)
+        if isinstance(self.state, dict):
+            self.state.update(part)
+
+    def _restore_group(self, steps: list[int], step: int | None, loc: Any) -> int:
+        """Restore on every rank from the newest step every rank can read, together."""
+        g = self._group
+        assert g is not None
+        candidates = [step] if step is not None else list(reversed(steps))
+        readable = []
+        for s in candidates:
+            try:
+                CheckpointReader(self.storage, s).check_files()
+                readable.append(s)
+            except CorruptCheckpointError as exc:
+                log.warning("rank %d: checkpoint %s is damaged: %s", self.rank, step_dir(s), exc)
+        common = set.intersection(*(set(x) for x in g.gather(readable)))
+        for s in sorted(common, reverse=True):
+            t0 = time.perf_counter()
+            reader = CheckpointReader(self.storage, s)
+            values: dict[str, Any] = {}
+            skip: set[str] = set()
+            problem: tuple[str, str] | None = None
+            try:
+                values, skip = self._decode(reader, loc)
+            except CorruptCheckpointError as exc:
+                problem = ("corrupt", f"rank {self.rank}: {exc}")
+            except StateMismatchError as exc:
+                problem = ("mismatch", f"rank {self.rank}: {exc}")
+            problems = [p for p in g.gather(problem) if p is not None]
+            if any(kind == "mismatch" for kind, _ in problems):
+                raise StateMismatchError("; ".join(msg for _, msg in problems))
+            if problems:
+                log.warning("skipping %s: %s", step_dir(s), "; ".join(m for _, m in problems))
+                self.audit.record("skip", step=s, reason="; ".join(m for _, m in problems)[:500])
+                continue
+            failed = None
+            try:
+                self._apply(values, skip, borrowed=reader.mapped)
+            except StateMismatchError as exc:
+                failed = f"rank {self.rank}: {exc}"
+            failures = [f for f in g.gather(failed) if f]
+            if failures:
+                raise StateMismatchError("; ".join(failures))
+            self.audit.record(
+                "restore",
+                step=s,
+                tier="storage",
+                ranks=self.world_size,
+                saved_ranks=reader.manifest.get("world_size", 1),
+                duration_s=round(time.perf_counter() - t0, 6),
+            )
+            self._mark_restored(s)
+            return s
+        if not candidates:
+            self.audit.record("restore", step=0, fresh=True)
+            return 0
+        raise CorruptCheckpointError(
+            f"none of the {len(candidates)} checkpoint(s) in {self.url} can be read by every "
+            "rank; inspect them with `resumable verify`, or move the directory away"
         )
 
     def _roots(self) -> list[Storage]:
@@ -705,11 +894,48 @@ class Checkpointer:
     def _save_sync_arena(self, step: int, metrics: Mapping[str, Any] | None) -> bool:
         assert self._arena is not None
         t0 = time.perf_counter()
-        captured = capture_mod.capture(self.state, include_rng=self.capture_rng)
-        snap = self._arena.snapshot(captured.tensors)
+        captured = capture_mod.capture(
+            self.state, include_rng=self.capture_rng, rank=self.rank, world_size=self.world_size
+        )
+        tensors = captured.tensors
+        if self._group is not None:
+            # Replicated tensors are written once in total, spread over the ranks.
+            sizes = {
+                n: tensors[n].numel() * tensors[n].element_size()
+                for n in captured.replicated
+                if n in tensors
+            }
+            owner = balance(sizes, self.world_size)
+            tensors = {n: t for n, t in tensors.items() if owner.get(n, self.rank) == self.rank}
+        snap = self._arena.snapshot(tensors)
         self.last_snapshot_s = time.perf_counter() - t0
-        self._persist_now(snap, step, captured.tree, _json_metrics(metrics or {}))
+        if self._group is not None:
+            self._persist_group(snap, step, captured, _json_metrics(metrics or {}))
+        else:
+            self._persist_now(snap, step, captured.tree, _json_metrics(metrics or {}))
         return True
+
+    def _persist_group(self, snap: Snapshot, step: int, captured: Any, metrics: Any) -> None:
+        """The coordinated save of several ranks (every rank calls it at the same step)."""
+        assert self._group is not None
+        self.monitor.persist_started()
+        try:
+            reply = self._runner.persist_group(
+                self._group,
+                snap,
+                step=step,
+                tree=captured.tree,
+                pieces=captured.pieces,
+                metrics=metrics,
+            )
+        except BaseException as exc:
+            self.audit.record("failure", step=step, error=repr(exc)[:500])
+            self.monitor.failed(step, repr(exc))
+            raise
+        self.monitor.committed(step, reply.get("seconds"))
+        self._committed = max(step, self._committed or step)
+        self._last_persist = step
+        self._persist_clock = time.monotonic()
 
     def _persist_now(self, snap: Snapshot, step: int, tree: Any, metrics: Any) -> None:
         """Persist on the training thread (sync mode)."""
@@ -886,6 +1112,8 @@ class Checkpointer:
             self._wait_mirror()
 
     def _remove_stale(self) -> None:
+        if self.rank != 0:  # rank 0 owns the attempts of a coordinated save
+            return
         for name in self._committer.stale():
             try:
                 self.storage.delete(name)

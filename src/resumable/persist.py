@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from resumable.commit import Committer
+from resumable.distributed import Group, Piece
+from resumable.errors import PersistError
 from resumable.format import (
     CHECKSUM,
     build_manifest,
@@ -61,21 +63,7 @@ def write_checkpoint(
     t0 = time.perf_counter()
     attempt = committer.begin(step)
     fname = attempt.key(rank_file(0))
-    header = safetensors_header(
-        snapshot.slots, {"format": "pt", "producer": "resumable", "step": str(step)}
-    )
-    data = snapshot.memory()
-    start = len(header)
-    tensors = {
-        s.name: {
-            "file": fname,
-            "dtype": dtype_name(s.dtype),
-            "shape": list(s.shape),
-            "offsets": [start + s.begin, start + s.end],
-            CHECKSUM: checksum(data[s.begin : s.end]),
-        }
-        for s in snapshot.slots
-    }
+    header, data, tensors = file_index(snapshot, fname, step)
     try:
         size = storage.write(attempt.path(rank_file(0)), [header, data])
         manifest = build_manifest(
@@ -96,3 +84,101 @@ def write_checkpoint(
             pass  # the original error is the one that matters; stale() cleans up later
         raise
     return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
+
+
+def file_index(
+    snapshot: Snapshot, fname: str, step: int, pieces: Mapping[str, Piece] | None = None
+) -> tuple[bytes, Any, dict[str, dict[str, Any]]]:
+    """The safetensors header, the data and the manifest's tensor entries of one data
+    file (``pieces``: where global tensors lie, for several ranks)."""
+    header = safetensors_header(
+        snapshot.slots, {"format": "pt", "producer": "resumable", "step": str(step)}
+    )
+    data = snapshot.memory()
+    start = len(header)
+    tensors: dict[str, dict[str, Any]] = {}
+    for s in snapshot.slots:
+        entry: dict[str, Any] = {
+            "file": fname,
+            "dtype": dtype_name(s.dtype),
+            "shape": list(s.shape),
+            "offsets": [start + s.begin, start + s.end],
+            CHECKSUM: checksum(data[s.begin : s.end]),
+        }
+        piece = (pieces or {}).get(s.name)
+        if piece is not None:
+            entry["fqn"] = piece.fqn
+            entry["global_shape"] = list(piece.global_shape)
+            entry["global_offset"] = list(piece.global_offset)
+        tensors[s.name] = entry
+    return header, data, tensors
+
+
+def write_distributed(
+    group: Group,
+    storage: Storage,
+    committer: Committer,
+    *,
+    step: int,
+    snapshot: Snapshot,
+    tree: Any,
+    pieces: Mapping[str, Piece],
+    metrics: Mapping[str, Any] | None = None,
+) -> PersistResult:
+    """The coordinated commit of several ranks (called on every rank at the same step).
+
+    Rank 0 opens the attempt and tells every rank where to write; each rank writes its
+    own data file (its shards, its share of the replicated tensors, its per-rank state)
+    and reports it, or its error; rank 0 commits only if every rank succeeded, and
+    tells everyone the outcome. Any failure, on any rank, means nothing is committed, the
+    attempt is removed, and every rank raises `PersistError`: the previous checkpoint
+    stays the newest.
+    """
+    t0 = time.perf_counter()
+    attempt = group.broadcast(committer.begin(step) if group.coordinator else None)
+    report: dict[str, Any]
+    try:
+        fname = attempt.key(rank_file(group.rank))
+        header, data, tensors = file_index(snapshot, fname, step, pieces)
+        size = storage.write(attempt.path(rank_file(group.rank)), [header, data])
+        report = {"file": fname, "size": size, "tensors": tensors, "tree": tree}
+    except Exception as exc:
+        report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}"}
+    reports = group.gather(report)
+    outcome: dict[str, Any] | None = None
+    if group.coordinator:
+        errors = [r["error"] for r in reports if "error" in r]
+        manifest: dict[str, Any] = {}
+        if not errors:
+            try:
+                index: dict[str, Any] = {}
+                for r in reports:
+                    index.update(r["tensors"])
+                manifest = build_manifest(
+                    step=step,
+                    metrics=metrics,
+                    trees=[r["tree"] for r in reports],
+                    files={
+                        r["file"]: {"size": r["size"], "rank": i} for i, r in enumerate(reports)
+                    },
+                    tensors=index,
+                    world_size=group.world_size,
+                )
+                blob = encode_manifest(manifest)
+                replaced = committer.commit(attempt, blob)
+                nbytes = sum(r["size"] for r in reports) + len(blob)
+                outcome = {"nbytes": nbytes, "replaced": replaced, "manifest": manifest}
+            except Exception as exc:
+                errors.append(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
+        if errors:
+            try:
+                committer.abort(attempt)
+            except Exception:
+                pass  # left for stale() to clean up
+            outcome = {"error": "; ".join(errors)}
+    outcome = group.broadcast(outcome)
+    if "error" in outcome:
+        raise PersistError(f"step {step} was not committed on any rank: {outcome['error']}")
+    return PersistResult(
+        step, outcome["nbytes"], time.perf_counter() - t0, outcome["replaced"], outcome["manifest"]
+    )

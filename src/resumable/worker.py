@@ -54,6 +54,7 @@ from resumable.snapshot import Snapshot
 from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
+    from resumable.distributed import Group
     from resumable.tiering import Mirror
 
 log = logging.getLogger("resumable")
@@ -123,7 +124,9 @@ class JobRunner:
         self.storage = storage
         self.committer = committer_for(storage)
         self.keep = keep_from_json(config.get("keep"))
-        self.audit = AuditLog(storage, rank=int(config.get("rank", 0)))
+        self.audit = AuditLog(
+            storage, rank=int(config.get("rank", 0)), enabled=bool(config.get("audit", True))
+        )
         self.retries = int(config.get("retries", 2))
         self.parent_pid = int(config.get("parent_pid", 0))
         self.slots: dict[str, ShmSlot] = {}
@@ -259,6 +262,38 @@ class JobRunner:
             "deleted": deleted,
         }
         return reply, sums
+
+    def persist_group(
+        self, group: Group, snap: Snapshot, *, step: int, tree: Any, pieces: Any, metrics: Any
+    ) -> dict[str, Any]:
+        """The coordinated commit of several ranks (`write_distributed`), then, on rank
+        0, the audit entry and retention. Not retried: a retry would need every rank."""
+        from resumable.persist import write_distributed
+
+        result = write_distributed(
+            group,
+            self.storage,
+            self.committer,
+            step=step,
+            snapshot=snap,
+            tree=tree,
+            pieces=pieces,
+            metrics=metrics,
+        )
+        deleted: list[int] = []
+        if group.coordinator:
+            self.audit.record(
+                "commit",
+                step=step,
+                bytes=result.nbytes,
+                duration_s=round(result.seconds, 6),
+                replaced=result.replaced,
+                ranks=group.world_size,
+                metrics=result.manifest["metrics"],
+            )
+            self.metrics_cache[step] = result.manifest["metrics"]
+            deleted = self._retain(step)
+        return {"kind": "committed", "step": step, "seconds": result.seconds, "deleted": deleted}
 
     def _retain(self, just_written: int) -> list[int]:
         """Apply ``keep`` locally (never to a checkpoint not mirrored yet)."""

@@ -1,0 +1,299 @@
+"""Several processes: rank coordination and global (replicated or sharded) tensors.
+
+Under ``torchrun`` (or any initialised ``torch.distributed`` process group) the same
+`Checkpointer` code runs on every rank. This module holds what is specific to that:
+
+- `Group`: rank, world size and a side gloo group with a bounded timeout, used only by
+  checkpointing (so its collectives never interleave with training's), with the three
+  collectives a coordinated commit and a coordinated restore need.
+- *Global tensors*: the tensors of top-level modules and optimizers. A ``DTensor``
+  (FSDP2, tensor parallel) is written as this rank's local shard; a plain tensor (DDP
+  replicas, optimizer step counts) is written once in total, by the rank `balance`
+  assigns it to. Each piece records its ``fqn`` (its path in the state, the same at any
+  world size), the global shape and its offset in the global tensor.
+- `GlobalLoader`: fills each live target (a DTensor's local shard, or a whole tensor)
+  from whichever pieces overlap it, whatever world size wrote them. Which byte ranges
+  of which pieces to copy is planned by ``torch.distributed.checkpoint``'s own planner
+  helper (``create_read_items_for_chunk_list``), as ``dcp.load`` does; the pieces are
+  checked to tile each tensor exactly (DCP itself does not check).
+
+Everything else in the state (RNG streams, data position, ...) is per-rank: every rank
+saves its own. On a different world size such state cannot be resharded, and restore
+says so by name unless asked to reset it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from resumable.errors import CorruptCheckpointError, PersistError, StateMismatchError
+
+log = logging.getLogger("resumable")
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a captured tensor sits in its global tensor."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def dtensor_piece(t: Any, fqn: str) -> tuple[torch.Tensor, Piece, bool]:
+    """This rank's local shard of DTensor ``t``, where it lies, and whether it is fully
+    replicated (every rank holds all of it)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(int(x) for x in t.shape)
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    replicated = all(isinstance(p, Replicate) for p in t.placements)
+    piece = Piece(fqn, shape, tuple(int(x) for x in offset))
+    return t.to_local(), piece, replicated
+
+
+def piece_name(piece: Piece) -> str:
+    """Index name of a shard: ``fqn@o1,o2`` (a whole tensor keeps its plain name)."""
+    return f"{piece.fqn}@{','.join(str(o) for o in piece.global_offset)}"
+
+
+def balance(sizes: Mapping[str, int], world: int) -> dict[str, int]:
+    """Assign each replicated tensor to one rank: biggest first, to the least loaded
+    rank (ties to the lowest). Deterministic, so every rank computes the same map
+    without communicating."""
+    load = [0] * world
+    owner: dict[str, int] = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        owner[key] = r
+        load[r] += sizes[key]
+    return owner
+
+
+# --------------------------------------------------------------------------- the group
+
+
+class Group:
+    """This process's place in the job, and the collectives checkpointing uses."""
+
+    def __init__(self, rank: int, world_size: int, pg: Any = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.pg = pg
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.pg)
+        except RuntimeError as exc:  # a rank died, hung past the timeout, or the group broke
+            raise PersistError(
+                f"rank {self.rank}: checkpoint coordination with the other ranks failed "
+                f"({str(exc).splitlines()[0][:300]}); nothing was committed by this step"
+            ) from exc
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.pg)
+        except RuntimeError as exc:
+            raise PersistError(
+                f"rank {self.rank}: checkpoint coordination with rank 0 failed "
+                f"({str(exc).splitlines()[0][:300]})"
+            ) from exc
+        return box[0]
+
+
+def current_group(timeout_s: float | None = None) -> Group | None:
+    """The job's `Group` if ``torch.distributed`` is initialised with more than one
+    rank, else None (a single process keeps the single-process path)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    # A side group: checkpoint collectives never interleave with training's. Gloo, so
+    # small host-side messages need no GPU; created collectively, once, at construction.
+    pg = dist.new_group(backend="gloo", timeout=timeout)
+    return Group(dist.get_rank(), dist.get_world_size(), pg)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class _Saved:
+    name: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+class GlobalLoader:
+    """Builds the value of each global tensor for this rank from the pieces of a
+    checkpoint, shaped like the live target (see module doc)."""
+
+    def __init__(self, reader: Any, live: Mapping[str, Any]) -> None:
+        self.reader = reader
+        self.live = live
+        self.where = reader.where
+        index = reader.manifest["tensors"]
+        self.pieces: dict[str, list[_Saved]] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, info in index.items():
+            fqn = info.get("fqn", name)
+            shape = tuple(info["shape"])
+            gshape = tuple(info.get("global_shape", shape))
+            offset = tuple(info.get("global_offset", (0,) * len(shape)))
+            if not isinstance(fqn, str) or len(gshape) != len(shape) or len(offset) != len(shape):
+                raise CorruptCheckpointError(f"{self.where}: malformed piece entry {name!r}")
+            self.pieces.setdefault(fqn, []).append(_Saved(name, shape, offset))
+            prev = self.meta.setdefault(fqn, (gshape, info["dtype"]))
+            if prev != (gshape, info["dtype"]):
+                raise CorruptCheckpointError(
+                    f"{self.where}: pieces of {fqn!r} disagree on its shape or dtype"
+                )
+        self._values: dict[str, torch.Tensor] = {}
+
+    def prepare(self, fqns: list[str]) -> None:
+        """Read (and checksum) every piece this rank needs for ``fqns``, once."""
+        plans = {f: self._plan(f) for f in fqns}
+        names = sorted({item[0] for plan in plans.values() for item in plan[2]})
+        read = self.reader.tensors(names, verify=True) if names else {}
+        for fqn, (local_shape, dtype, items) in plans.items():
+            out = torch.empty(local_shape, dtype=dtype)
+            for name, src_off, dst_off, lengths in items:
+                src = read[name]
+                dst = out
+                for d, (so, do, n) in enumerate(zip(src_off, dst_off, lengths)):
+                    src = src.narrow(d, so, n)
+                    dst = dst.narrow(d, do, n)
+                dst.copy_(src)
+            self._values[fqn] = out
+
+    def _plan(self, fqn: str) -> tuple[tuple[int, ...], torch.dtype, list[Any]]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+        from torch.distributed.checkpoint.planner_helpers import (
+            create_read_items_for_chunk_list,
+        )
+
+        from resumable.format import dtype_from_name
+
+        if fqn not in self.pieces:
+            raise StateMismatchError(f"{self.where}: the checkpoint has no tensor {fqn!r}")
+        gshape, dtype_name = self.meta[fqn]
+        dtype = dtype_from_name(dtype_name)
+        saved = [p for p in self.pieces[fqn] if _numel(p.shape)]
+        _check_tiling(fqn, gshape, saved, self.where)
+        live = self.live.get(fqn)
+        if live is not None and tuple(live.shape) != gshape:
+            raise StateMismatchError(
+                f"{fqn}: the checkpoint holds shape {list(gshape)}, the live tensor is "
+                f"{list(live.shape)}; restore into the same model it was saved from"
+            )
+        if live is not None and is_dtensor(live):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local_shape, offset = compute_local_shape_and_global_offset(
+                live.shape, live.device_mesh, live.placements
+            )
+            local_shape, offset = tuple(local_shape), tuple(offset)
+        else:
+            local_shape, offset = gshape, (0,) * len(gshape)
+        by_offset = {p.offset: p for p in saved}
+        md = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(gshape),
+            chunks=[ChunkStorageMetadata(torch.Size(p.offset), torch.Size(p.shape)) for p in saved],
+        )
+        target = ChunkStorageMetadata(torch.Size(offset), torch.Size(local_shape))
+        items = []
+        if _numel(local_shape):
+            for it in create_read_items_for_chunk_list(fqn, md, [target]):
+                src = by_offset[tuple(it.storage_index.offset or ())]
+                items.append(
+                    (src.name, tuple(it.storage_offsets), tuple(it.dest_offsets), tuple(it.lengths))
+                )
+        return local_shape, dtype, items
+
+    def value(self, fqn: str) -> torch.Tensor:
+        """The restored value of ``fqn``: a DTensor like the live one, or a tensor."""
+        if fqn not in self._values:
+            self.prepare([fqn])
+        local = self._values[fqn]
+        live = self.live.get(fqn)
+        if live is not None and is_dtensor(live):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(
+                local,
+                live.device_mesh,
+                live.placements,
+                run_check=False,
+                shape=live.shape,
+                stride=live.stride(),
+            )
+        return local
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_tiling(fqn: str, gshape: tuple[int, ...], saved: list[_Saved], where: str) -> None:
+    """The pieces lie inside the tensor, do not overlap, and cover all of it."""
+    for p in saved:
+        if any(o < 0 or o + s > g for o, s, g in zip(p.offset, p.shape, gshape)):
+            raise CorruptCheckpointError(f"{where}: a piece of {fqn!r} lies outside the tensor")
+    for i, a in enumerate(saved):
+        for b in saved[i + 1 :]:
+            if all(
+                ao < bo + bs and bo < ao + as_
+                for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)
+            ):
+                raise CorruptCheckpointError(f"{where}: pieces of {fqn!r} overlap")
+    covered = sum(_numel(p.shape) for p in saved)
+    if covered != _numel(gshape):
+        raise CorruptCheckpointError(
+            f"{where}: the pieces of {fqn!r} cover {covered} of its {_numel(gshape)} "
+            "elements (a rank's file is missing from the manifest)"
+        )
