@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
 import resumable
+import resumable.cli
 from resumable.cli import COMMANDS, main
 from resumable.errors import NoCheckpointError
 
@@ -269,13 +269,12 @@ def test_export_refuses_overwrite_and_bad_key(
     assert main([*args, "--force"]) == 0
     assert sorted(load_file(str(out))) == sorted(run.model_sd[4])
 
-    def failing_save(tensors: object, filename: str, metadata: object = None) -> None:
-        Path(filename).write_bytes(b"half a file")
+    def disk_full(tensor: object) -> memoryview:  # after the header went out
         raise OSError(28, "No space left on device")
 
     before = out.read_bytes()
     with monkeypatch.context() as m:
-        m.setattr(safetensors.torch, "save_file", failing_save)
+        m.setattr(resumable.cli, "byte_view", disk_full)
         assert main([*args, "--force"]) == 2
     assert "No space left" in _one_error_line(capsys.readouterr().err)
     assert out.read_bytes() == before  # the old file survives a failed write

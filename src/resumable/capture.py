@@ -443,23 +443,32 @@ def _without_rng(tree: Tree) -> Tree:
 def iter_tensor_refs(
     tree: Tree, path: tuple[Any, ...] = ()
 ) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """Yield ``(path, tensor_name)`` for every tensor reference in a tree, in order."""
+    """Yield ``(path, tensor_name)`` for every tensor reference in a tree, in order
+    (global tensors excluded: they have pieces, see `iter_refs`)."""
+    for p, tag, name in iter_refs(tree, path):
+        if tag != "global":
+            yield p, name
+
+
+def iter_refs(tree: Tree, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], str, str]]:
+    """Yield ``(path, tag, name)`` for every tensor reference in a tree, in order; the
+    name of a ``global`` reference is its fqn."""
     if isinstance(tree, dict):
-        for tag in ("tensor", "ndarray", "torch_generator"):
+        for tag in ("tensor", "ndarray", "torch_generator", "global"):
             if tag in tree and isinstance(tree[tag], str):
-                yield path, tree[tag]
+                yield path, tag, tree[tag]
                 return
         if "dict" in tree and isinstance(tree["dict"], list):
             for pair in tree["dict"]:
                 if isinstance(pair, list) and len(pair) == 2:
-                    yield from iter_tensor_refs(pair[1], (*path, pair[0]))
+                    yield from iter_refs(pair[1], (*path, pair[0]))
         for tag in ("list", "tuple"):
             if tag in tree and isinstance(tree[tag], list):
                 for i, x in enumerate(tree[tag]):
-                    yield from iter_tensor_refs(x, (*path, i))
+                    yield from iter_refs(x, (*path, i))
         for tag in ("stateful", "np_generator"):
             if tag in tree:
-                yield from iter_tensor_refs(tree[tag], path)
+                yield from iter_refs(tree[tag], path)
 
 
 def subtree(tree: Tree, key: str) -> Tree:
@@ -638,20 +647,9 @@ def set_rng_state(rng: Any) -> None:
 
 def global_refs(tree: Tree) -> Iterator[str]:
     """The fqn of every global tensor node in a tree."""
-    if isinstance(tree, dict):
-        if isinstance(tree.get("global"), str):
-            yield tree["global"]
-            return
-        for tag, child in tree.items():
-            if tag == "dict" and isinstance(child, list):
-                for pair in child:
-                    if isinstance(pair, list) and len(pair) == 2:
-                        yield from global_refs(pair[1])
-            elif tag in ("list", "tuple") and isinstance(child, list):
-                for x in child:
-                    yield from global_refs(x)
-            elif tag in ("stateful", "np_generator"):
-                yield from global_refs(child)
+    for _, tag, name in iter_refs(tree):
+        if tag == "global":
+            yield name
 
 
 def globalize(tree: Tree, keys: set[str]) -> Tree:

@@ -20,15 +20,17 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import secrets
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -36,7 +38,7 @@ from rich.text import Text
 
 from resumable import __version__
 from resumable.audit import AuditLog
-from resumable.capture import decode, iter_tensor_refs, subtree
+from resumable.capture import decode, iter_refs, subtree
 from resumable.commit import (
     RenameCommit,
     list_committed,
@@ -44,7 +46,9 @@ from resumable.commit import (
     parse_step_dir,
     step_dir,
 )
+from resumable.distributed import GlobalLoader
 from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from resumable.format import TensorSlot, byte_view, dtype_from_name, safetensors_header
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention, pinned_steps
@@ -347,7 +351,7 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _has_tensors(node: Any) -> bool:
-    return next(iter_tensor_refs(node), None) is not None
+    return next(iter_refs(node), None) is not None
 
 
 def _inline(node: Any) -> str:
@@ -370,6 +374,20 @@ def _tensor_line(label: str, kind: str, name: str, index: dict[str, Any]) -> str
     return f"{label}: {kind} {name} {info['dtype']} {info['shape']} {_human_bytes(end - begin)}"
 
 
+def _global_line(label: str, fqn: str, index: dict[str, Any]) -> str:
+    """A tensor of several ranks: its global shape and how many pieces hold it."""
+    pieces = [i for n, i in index.items() if isinstance(i, dict) and i.get("fqn", n) == fqn]
+    if not pieces:
+        return f"{label}: global {fqn} (no pieces in the tensor index)"
+    info = pieces[0]
+    shape = info.get("global_shape", info["shape"])
+    nbytes = sum(p["offsets"][1] - p["offsets"][0] for p in pieces)
+    return (
+        f"{label}: global {fqn} {info['dtype']} {shape} {_human_bytes(nbytes)} "
+        f"in {len(pieces)} piece(s)"
+    )
+
+
 def _tree_lines(node: Any, label: str, depth: int, index: dict[str, Any], out: list[str]) -> None:
     pad = "  " * depth
     if isinstance(node, dict):
@@ -377,6 +395,9 @@ def _tree_lines(node: Any, label: str, depth: int, index: dict[str, Any], out: l
             if isinstance(node.get(kind), str):
                 out.append(pad + _tensor_line(label, kind, node[kind], index))
                 return
+        if isinstance(node.get("global"), str):
+            out.append(pad + _global_line(label, node["global"], index))
+            return
     if not _has_tensors(node):
         out.append(f"{pad}{label}: {_inline(node)}")
         return
@@ -500,8 +521,9 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
 
 
-def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, str]:
-    """Map the original state-dict keys under top-level ``key`` to tensor names."""
+def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, str]]:
+    """Map the original state-dict keys under top-level ``key`` to ``(tag, name)`` of
+    their tensors (``global`` tensors of several ranks are named by fqn)."""
     try:
         node = subtree(tree, key)
     except (KeyError, AttributeError, TypeError, ValueError):
@@ -509,15 +531,15 @@ def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, str]:
         raise CheckpointError(
             f"{where} has no state key {key!r}; available keys: {', '.join(keys) or 'none'}"
         ) from None
-    names: dict[str, str] = {}
-    for path, name in iter_tensor_refs(node):
+    names: dict[str, tuple[str, str]] = {}
+    for path, tag, name in iter_refs(node):
         sd_key = ".".join(str(p) for p in path) or key
         if sd_key in names:
             raise CheckpointError(
                 f"{where}: two tensors under {key!r} map to the state-dict key {sd_key!r}; "
                 "cannot export them to one flat file"
             )
-        names[sd_key] = name
+        names[sd_key] = (tag, name)
     if not names:
         with_tensors = [k for k in _top_keys(tree) if _has_tensors(subtree(tree, k))]
         raise CheckpointError(
@@ -532,22 +554,58 @@ def _top_keys(tree: Any) -> list[str]:
     return [str(p[0]) for p in pairs if isinstance(p, list) and len(p) == 2]
 
 
-def _read_export(storage: Storage, step: int, key: str) -> dict[str, Any]:
+def _export(storage: Storage, step: int, key: str, out: Path) -> tuple[int, int]:
+    """Write the tensors under ``key`` of checkpoint ``step`` to ``out`` as one safetensors
+    file, one tensor in memory at a time: a tensor sharded over several ranks is
+    assembled from its pieces, written, and dropped before the next. Returns (tensors,
+    bytes)."""
     reader = CheckpointReader(storage, step)
     names = _state_dict_names(reader.tree, key, f"checkpoint {step_dir(step)}")
     reader.check_files()
-    tensors = reader.tensors(list(names.values()), verify=True)
-    return {sd_key: tensors[name].clone() for sd_key, name in names.items()}
+    index = reader.manifest["tensors"]
+    loader = GlobalLoader(reader, {})
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for sd_key, (tag, name) in names.items():
+        if tag == "global":
+            shape, dtype_text = loader.spec(name)
+        else:
+            shape, dtype_text = tuple(index[name]["shape"]), index[name]["dtype"]
+        specs[sd_key] = (dtype_from_name(dtype_text), shape)
+
+    def itemsize(k: str) -> int:
+        return torch.empty(0, dtype=specs[k][0]).element_size()
+
+    slots, offset = [], 0
+    for sd_key in sorted(specs, key=lambda k: -itemsize(k)):  # aligned, as the data files
+        dtype, shape = specs[sd_key]
+        n = math.prod(shape) * itemsize(sd_key)
+        slots.append(TensorSlot(sd_key, dtype, shape, offset, offset + n))
+        offset += n
+    metadata = {"format": "pt", "producer": "resumable", "step": str(step), "key": key}
+
+    def chunks() -> Iterator[Any]:
+        yield safetensors_header(slots, metadata)
+        for slot in slots:
+            tag, name = names[slot.name]
+            if tag == "global":
+                t = loader.assemble(name)
+            else:
+                t = reader.tensors([name], verify=True)[name]
+            yield byte_view(t.contiguous().reshape(-1).view(torch.uint8))
+
+    _write_atomic(chunks(), out)
+    return len(slots), offset
 
 
-def _write_atomic(tensors: dict[str, Any], out: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
+def _write_atomic(chunks: Iterable[Any], out: Path) -> None:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -576,7 +634,7 @@ def run_export(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     if args.step is not None:
         step = _require_step(storage, args.step)
-        tensors = _read_export(storage, step, args.key)
+        count, nbytes = _export(storage, step, args.key, out)
     else:
         candidates = list(reversed(list_committed(storage)))
         if not candidates:
@@ -584,7 +642,7 @@ def run_export(args: argparse.Namespace) -> int:
         problems = []
         for step in candidates:
             try:
-                tensors = _read_export(storage, step, args.key)
+                count, nbytes = _export(storage, step, args.key, out)
                 break
             except CorruptCheckpointError as exc:
                 print(f"{PROG}: skipping corrupt {step_dir(step)}: {exc}", file=sys.stderr)
@@ -594,12 +652,9 @@ def run_export(args: argparse.Namespace) -> int:
                 f"none of the {len(candidates)} checkpoint(s) in {storage.url} is valid "
                 f"({', '.join(problems)}); run `resumable verify --all {args.dir}`"
             )
-    metadata = {"format": "pt", "producer": "resumable", "step": str(step), "key": args.key}
-    _write_atomic(tensors, out, metadata)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     _console().print(
         Text(
-            f"exported {len(tensors)} tensors ({_human_bytes(nbytes)}) of {args.key!r} "
+            f"exported {count} tensors ({_human_bytes(nbytes)}) of {args.key!r} "
             f"from {step_dir(step)} to {out}"
         )
     )

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from resumable.errors import CorruptCheckpointError, NoCheckpointError, StorageError
-from resumable.format import MANIFEST
+from resumable.format import MANIFEST, checksum
 from resumable.storage.base import Storage
 
 _STEP_DIR = re.compile(r"^step-([0-9]{12,20})\Z")
@@ -90,6 +90,7 @@ class Attempt:
     staging: str
     final: str
     subdir: str = ""
+    replaces: str | None = None  # checksum of the committed manifest seen at begin
 
     def path(self, fname: str) -> str:
         """Where to write data file ``fname`` in storage."""
@@ -202,14 +203,23 @@ class MarkerCommit:
         self.storage.conditional_put_enforced()
         final = step_dir(step)
         sub = f"att-{int(time.time() * 1000):013d}-{os.getpid()}-{secrets.token_hex(4)}"
-        return Attempt(step, f"{final}/{sub}", final, sub)
+        return Attempt(step, f"{final}/{sub}", final, sub, self._marker_sum(final))
+
+    def _marker_sum(self, final: str) -> str | None:
+        try:
+            return checksum(self.storage.read(f"{final}/{MANIFEST}"))
+        except NoCheckpointError:
+            return None
 
     def commit(self, attempt: Attempt, manifest: bytes) -> bool:
         s = self.storage
         marker = f"{attempt.final}/{MANIFEST}"
         replaced = False
-        if s.exists(marker):
-            s.delete(marker)  # un-commit the older checkpoint of this step
+        now = self._marker_sum(attempt.final)
+        if now is not None:
+            if now != attempt.replaces:  # committed by another writer since begin()
+                raise self._lost(attempt)
+            s.delete(marker)  # un-commit the older checkpoint of this step, seen at begin()
             replaced = True
         if not s.put_if_absent(marker, manifest):
             try:
@@ -217,17 +227,20 @@ class MarkerCommit:
             except NoCheckpointError:
                 existing = None
             if existing != manifest:
-                raise StorageError(
-                    errno.EEXIST,
-                    f"step {attempt.step} in {s.url} was committed by another writer while "
-                    "this one was writing it; this attempt is discarded. Two jobs may be "
-                    "writing to one checkpoint root",
-                )
+                raise self._lost(attempt)
         if replaced:
             for name in s.list_dir(attempt.final):
                 if _ATTEMPT.match(name) and name != attempt.subdir:
                     s.delete(f"{attempt.final}/{name}")
         return replaced
+
+    def _lost(self, attempt: Attempt) -> StorageError:
+        return StorageError(
+            errno.EEXIST,
+            f"step {attempt.step} in {self.storage.url} was committed by another writer "
+            "while this one was writing it; this attempt is discarded. Two jobs may be "
+            "writing to one checkpoint root",
+        )
 
     def delete(self, step: int) -> None:
         """Un-commit (delete the marker) first, then delete the data."""

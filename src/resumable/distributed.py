@@ -252,6 +252,23 @@ class GlobalLoader:
                 )
         return local_shape, dtype, items
 
+    def assemble(self, fqn: str) -> torch.Tensor:
+        """The whole of ``fqn`` as one tensor, read from its pieces and not kept (export
+        holds one tensor at a time). Needs no live target and no process group."""
+        self.prepare([fqn])
+        return self._values.pop(fqn)
+
+    def check(self, fqn: str) -> None:
+        """Raise `CorruptCheckpointError` unless the pieces of ``fqn`` tile it exactly."""
+        gshape, _ = self.spec(fqn)
+        _check_tiling(fqn, gshape, [p for p in self.pieces[fqn] if _numel(p.shape)], self.where)
+
+    def spec(self, fqn: str) -> tuple[tuple[int, ...], str]:
+        """Global shape and dtype name of ``fqn``."""
+        if fqn not in self.meta:
+            raise CorruptCheckpointError(f"{self.where}: no pieces of {fqn!r}")
+        return self.meta[fqn]
+
     def value(self, fqn: str) -> torch.Tensor:
         """The restored value of ``fqn``: a DTensor like the live one, or a tensor."""
         if fqn not in self._values:

@@ -183,11 +183,21 @@ class CheckpointReader:
         """Full check: manifest, files, every checksum, tree references. Returns bytes
         verified; raises `CorruptCheckpointError` on the first problem."""
         from resumable.capture import decode
+        from resumable.distributed import GlobalLoader
 
         self.check_files()
         tensors = self.tensors()
-        if not isinstance(decode(self.tree, tensors), dict):
-            raise CorruptCheckpointError(f"{self.where}: the state tree is not a dict of entries")
+        loader = GlobalLoader(self, {})
+
+        def tiled(fqn: str) -> torch.Tensor:  # the pieces of a global tensor cover it exactly
+            loader.check(fqn)
+            return torch.empty(0)
+
+        for r in self.manifest["ranks"]:
+            if not isinstance(decode(r["tree"], tensors, resolve=tiled), dict):
+                raise CorruptCheckpointError(
+                    f"{self.where}: the state tree is not a dict of entries"
+                )
         return sum(f["size"] for f in self.manifest["files"].values())
 
 

@@ -401,41 +401,50 @@ class S3Storage(Storage):
         """Whether the server refuses ``If-None-Match: *`` onto an existing key; probed
         once per storage (two PUTs and a DELETE under ``.resumable-probe/``).
 
-        Raises `StorageError` if it does not, unless ``allow_unconditional_commit``."""
+        Raises `StorageError` (every time) if it does not, unless
+        ``allow_unconditional_commit``."""
         if self._conditional_ok is None:
-            key = self._key(f".resumable-probe/{secrets.token_hex(8)}")
-            from botocore.exceptions import BotoCoreError, ClientError
-
-            try:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
-                try:
-                    self.client.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfNoneMatch="*")
-                    ok = False
-                except ClientError as exc:
-                    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                    if status != 412:
-                        raise
-                    ok = True
-                self.client.delete_object(Bucket=self.bucket, Key=key)
-            except (ClientError, BotoCoreError) as exc:
-                raise self._error("probe conditional writes in", "", exc) from exc
-            self._conditional_ok = ok
-            if not ok:
-                if not self.allow_unconditional_commit:
-                    raise StorageError(
-                        errno.ENOTSUP,
-                        f"the server behind {self.url} accepted an overwrite despite "
-                        "'If-None-Match: *', so two writers could both commit one step. Use "
-                        "a server that supports conditional writes (AWS S3, MinIO, "
-                        "SeaweedFS, ...), or, with a single writer per root only, pass "
-                        "storage_options={'allow_unconditional_commit': True}",
-                    )
+            self._conditional_ok = self._probe()
+            if not self._conditional_ok and self.allow_unconditional_commit:
                 log.warning(
                     "%s ignores conditional writes; commits rely on a single writer "
                     "(allow_unconditional_commit=True)",
                     self.url,
                 )
+        if not self._conditional_ok and not self.allow_unconditional_commit:
+            raise StorageError(
+                errno.ENOTSUP,
+                f"the server behind {self.url} accepted an overwrite despite "
+                "'If-None-Match: *', so two writers could both commit one step. Use "
+                "a server that supports conditional writes (AWS S3, MinIO, "
+                "SeaweedFS, ...), or, with a single writer per root only, pass "
+                "storage_options={'allow_unconditional_commit': True}",
+            )
         return self._conditional_ok
+
+    def _probe(self) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = self._key(f".resumable-probe/{secrets.token_hex(8)}")
+
+        def refused(exc: ClientError) -> bool:
+            return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+
+        try:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfNoneMatch="*")
+                ok = False
+            except ClientError as exc:
+                # 412 on the second PUT; or on the first, when its answer was lost and
+                # botocore's retry found the key its first try had created: enforced both.
+                if not refused(exc):
+                    raise
+                ok = True
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error("probe conditional writes in", "", exc) from exc
+        return ok
 
     def append(self, path: str, data: bytes) -> None:
         """Read-modify-write: objects cannot grow. Only the audit log appends, from one
