@@ -391,6 +391,9 @@ class Checkpointer:
             since_last_s=now - max(self._persist_clock, self._absorbed_clock),
             cost_s=self._persist_cost.value,
         )
+        if self._group is not None and _timed(self.persist_every):
+            # Clocks differ between ranks: rank 0 decides, so all save at the same step.
+            policy_due = bool(self._group.broadcast(policy_due))
         if self._owed:
             # A deferred persist is owed once and taken when the worker is free; a
             # persist falling due meanwhile is absorbed into it, and counted as skipped.
@@ -1171,3 +1174,8 @@ def _options_for(
     if options and isinstance(url, (str, os.PathLike)) and os.fspath(url).startswith("s3://"):
         return options
     return None
+
+
+def _timed(policy: Every) -> bool:
+    """Whether ``policy`` depends on the clock (then ranks must agree on each decision)."""
+    return policy.auto or policy.seconds is not None or policy.minutes is not None
