@@ -32,7 +32,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
@@ -921,33 +921,33 @@ class Checkpointer:
     def _persist_group(self, snap: Snapshot, step: int, captured: Any, metrics: Any) -> None:
         """The coordinated save of several ranks (every rank calls it at the same step)."""
         assert self._group is not None
-        self.monitor.persist_started()
-        try:
-            reply = self._runner.persist_group(
-                self._group,
-                snap,
-                step=step,
-                tree=captured.tree,
-                pieces=captured.pieces,
-                metrics=metrics,
-            )
-        except BaseException as exc:
-            self.audit.record("failure", step=step, error=repr(exc)[:500])
-            self.monitor.failed(step, repr(exc))
-            raise
-        self.monitor.committed(step, reply.get("seconds"))
-        self._committed = max(step, self._committed or step)
-        self._last_persist = step
-        self._persist_clock = time.monotonic()
+        group = self._group
+        self._on_training_thread(
+            snap,
+            step,
+            lambda: self._runner.persist_group(
+                group, snap, step=step, tree=captured.tree, pieces=captured.pieces, metrics=metrics
+            ),
+        )
 
     def _persist_now(self, snap: Snapshot, step: int, tree: Any, metrics: Any) -> None:
         """Persist on the training thread (sync mode)."""
+        self._on_training_thread(
+            snap,
+            step,
+            lambda: self._runner.persist_snapshot(snap, step=step, tree=tree, metrics=metrics)[0],
+        )
+
+    def _on_training_thread(
+        self, snap: Snapshot, step: int, persist: Callable[[], dict[str, Any]]
+    ) -> None:
+        """Run ``persist`` here and account for it (audit, monitor, policy clocks)."""
         self.audit.record(
             "save_start", step=step, bytes=snap.nbytes, snapshot_s=self.last_snapshot_s
         )
         self.monitor.persist_started()
         try:
-            reply, _ = self._runner.persist_snapshot(snap, step=step, tree=tree, metrics=metrics)
+            reply = persist()
         except BaseException as exc:
             self.audit.record("failure", step=step, error=repr(exc)[:500])
             self.monitor.failed(step, repr(exc))
