@@ -144,7 +144,15 @@ def write_distributed(
         report = {"file": fname, "size": size, "tensors": tensors, "tree": tree}
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}"}
-    reports = group.gather(report)
+    try:
+        reports = group.gather(report)
+    except PersistError:  # a rank died or hung: the group is gone, nobody will commit
+        if group.coordinator:
+            try:
+                committer.abort(attempt)
+            except Exception:
+                pass  # left for stale() to clean up
+        raise
     outcome: dict[str, Any] | None = None
     if group.coordinator:
         errors = [r["error"] for r in reports if "error" in r]

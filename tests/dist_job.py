@@ -1,0 +1,272 @@
+"""Worker of `test_distributed`: one phase of checks, run on every rank by ``torchrun``.
+
+``python -m torch.distributed.run --standalone --nproc-per-node=N tests/dist_job.py PHASE OUT``
+
+Each rank writes what it saw to ``OUT/PHASE-rank{r}.json`` (outcome of each check: the
+step restored, or the error type and message), and rank 0 writes the full gathered
+model and optimizer state of each case to ``OUT/<case>.safetensors`` (plus the param
+groups to ``OUT/<case>.json``); the pytest side compares those tensor by tensor. The
+phases share the checkpoint roots under ``OUT``:
+
+- ``save2`` (world 2): FSDP2 and DDP checkpoints ``fsdp2``/``ddp2`` with their
+  references ``ref-fsdp2``/``ref-ddp2``; ``fail2``: step 1 commits, then rank 1's
+  storage refuses the data file of step 2.
+- ``world4`` (world 4): FSDP2 checkpoint ``fsdp4`` (``ref-fsdp4``); ``fsdp2`` loaded at
+  4 (``got-fsdp2to4``), first without ``reset_per_rank_state``.
+- ``load2`` (world 2): same-world restores (``got-fsdp2``, ``got-ddp2``), 4->2 and 1->2
+  (``plain1`` is saved by a plain process), and the next start of ``fail2``.
+- ``hang`` (world 2): rank 1's data-file write of step 2 sleeps past ``dist_timeout_s``.
+
+The helpers (`build`, `train`, `full_state`, `dump`) are imported by the pytest side
+for its single-process cases, so the model and data are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resumable import Checkpointer
+from resumable.commit import step_dir
+from resumable.errors import StorageError
+from resumable.storage.base import Buffer, ForwardingStorage, Storage
+
+SEED = 0
+HANG_S = 8.0
+DIST_TIMEOUT_S = 5.0
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The test model (odd sizes: at world 4 some shards are uneven or empty) wrapped by
+    ``kind`` (``fsdp``, ``ddp`` or ``plain``), and its AdamW, with the same initial
+    values on every rank."""
+    torch.manual_seed(SEED)
+    model: nn.Module = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif kind != "plain":
+        raise ValueError(kind)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: Iterable[int]) -> None:
+    """Train on batches derived from (seed, step, rank) only."""
+    for step in steps:
+        g = torch.Generator().manual_seed(SEED * 1_000_003 + step * 1009 + rank())
+        x = torch.randn(8, 6, generator=g)
+        loss = model(x).square().mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+
+
+def full_state(
+    model: nn.Module, optim: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The full (gathered) model and optimizer state under canonical names, the same for
+    FSDP2, DDP and a plain module; collective with several ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(
+        model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
+    out = {f"model/{k}": v.detach().clone().contiguous() for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim/{fqn}/{k}"] = v.detach().clone().contiguous()
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
+        for g in osd["param_groups"]
+    ]
+    return out, groups
+
+
+def dump(out: Path, name: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Write the full state to ``out/name.safetensors`` (+ param groups, ``.json``) on
+    rank 0; every rank must call it."""
+    from safetensors.torch import save_file
+
+    tensors, groups = full_state(model, optim)
+    if rank() == 0:
+        save_file(tensors, str(out / f"{name}.safetensors"))
+        (out / f"{name}.json").write_text(json.dumps(groups, default=str))
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``{"value": ...}`` or ``{"error": type name, "message": ...}``, and the seconds."""
+    t0 = time.monotonic()
+    try:
+        value = fn()
+    except Exception as exc:
+        return {
+            "error": type(exc).__name__,
+            "bases": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "seconds": time.monotonic() - t0,
+        }
+    return {"value": value, "seconds": time.monotonic() - t0}
+
+
+def open_ck(root: Path, model: nn.Module, optim: torch.optim.Optimizer, **kw: Any) -> Checkpointer:
+    return Checkpointer(root, {"model": model, "optim": optim}, persist="sync", keep=None, **kw)
+
+
+def restore_into(
+    out: Path, root: str, kind: str, case: str, report: dict[str, Any], *, reset: bool
+) -> None:
+    """Restore ``out/root`` into a fresh ``kind`` model; on success dump it as ``case``."""
+    model, optim = build(kind)
+    with open_ck(out / root, model, optim) as ck:
+        report[case] = outcome(lambda: ck.restore(reset_per_rank_state=reset))
+    if "value" in report[case]:
+        dump(out, case, model, optim)
+
+
+class RefusingStorage(ForwardingStorage):
+    """Fails (``StorageError``) or stalls the write of any file under ``step-N``'s
+    staging directory; everything else goes through."""
+
+    def __init__(self, inner: Storage, step: int, *, stall_s: float = 0.0) -> None:
+        super().__init__(inner)
+        self.step = step
+        self.stall_s = stall_s
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        if step_dir(self.step) in path:
+            if not self.stall_s:
+                raise StorageError(f"injected: rank {rank()} cannot write {path}")
+            time.sleep(self.stall_s)
+        return self.inner.write(path, chunks)
+
+
+def swap_storage(ck: Checkpointer, wrap: Callable[[Storage], Storage]) -> None:
+    """Make ``ck`` write through ``wrap(storage)`` (both the handle and its writer)."""
+    wrapped = wrap(ck._runner.storage)
+    ck.storage = wrapped
+    ck._runner.storage = wrapped
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(os.listdir(root)) if root.exists() else []
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def phase_save2(out: Path, report: dict[str, Any]) -> None:
+    for kind in ("fsdp", "ddp"):
+        model, optim = build(kind)
+        train(model, optim, range(1, 4))
+        with open_ck(out / f"{kind}2", model, optim) as ck:
+            ck.save(3)
+        dump(out, f"ref-{kind}2", model, optim)
+
+    model, optim = build("fsdp")
+    train(model, optim, [1])
+    ck = open_ck(out / "fail2", model, optim)
+    ck.save(1)
+    train(model, optim, [2])
+    if rank() == 1:
+        swap_storage(ck, lambda s: RefusingStorage(s, 2))
+    report["fail_save2"] = outcome(lambda: ck.save(2))
+    report["fail_listing"] = listing(out / "fail2")
+    report["fail_steps"] = ck.steps()
+    ck.close()
+
+
+def phase_world4(out: Path, report: dict[str, Any]) -> None:
+    model, optim = build("fsdp")
+    train(model, optim, range(1, 4))
+    with open_ck(out / "fsdp4", model, optim) as ck:
+        ck.save(3)
+    dump(out, "ref-fsdp4", model, optim)
+
+    restore_into(out, "fsdp2", "fsdp", "no-reset-fsdp2to4", report, reset=False)
+    restore_into(out, "fsdp2", "fsdp", "got-fsdp2to4", report, reset=True)
+
+
+def phase_load2(out: Path, report: dict[str, Any]) -> None:
+    restore_into(out, "fsdp2", "fsdp", "got-fsdp2", report, reset=False)
+    restore_into(out, "ddp2", "ddp", "got-ddp2", report, reset=False)
+    restore_into(out, "fsdp4", "fsdp", "no-reset-fsdp4to2", report, reset=False)
+    restore_into(out, "fsdp4", "fsdp", "got-fsdp4to2", report, reset=True)
+    restore_into(out, "plain1", "fsdp", "no-reset-plain1to2", report, reset=False)
+    restore_into(out, "plain1", "fsdp", "got-plain1to2", report, reset=True)
+
+    # The restored FSDP2 model trains on at this world size.
+    model, optim = build("fsdp")
+    with open_ck(out / "fsdp2", model, optim) as ck:
+        ck.restore()
+    train(model, optim, [4])
+    dump(out, "trained-fsdp2", model, optim)
+
+    # The next start after the failed save of step 2.
+    model, optim = build("fsdp")
+    with open_ck(out / "fail2", model, optim) as ck:
+        report["fail_listing_at_start"] = listing(out / "fail2")
+        report["fail_restore"] = outcome(ck.restore)
+        train(model, optim, [2, 3])
+        report["fail_save3"] = outcome(lambda: ck.save(3))
+        report["fail_steps_after"] = ck.steps()
+
+
+def phase_hang(out: Path, report: dict[str, Any]) -> None:
+    model, optim = build("fsdp")
+    train(model, optim, [1])
+    ck = open_ck(out / "hang", model, optim, dist_timeout_s=DIST_TIMEOUT_S)
+    ck.save(1)
+    train(model, optim, [2])
+    if rank() == 1:
+        swap_storage(ck, lambda s: RefusingStorage(s, 2, stall_s=HANG_S))
+    report["hang_save2"] = outcome(lambda: ck.save(2))
+    report["hang_listing"] = listing(out / "hang")
+
+
+PHASES = {"save2": phase_save2, "world4": phase_world4, "load2": phase_load2, "hang": phase_hang}
+
+
+def main() -> None:
+    phase, out = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    report: dict[str, Any] = {"rank": rank(), "world": dist.get_world_size()}
+    try:
+        PHASES[phase](out, report)
+    except Exception:
+        report["crash"] = traceback.format_exc()
+    (out / f"{phase}-rank{rank()}.json").write_text(json.dumps(report, indent=1, default=str))
+    if phase == "hang":
+        # The group is broken by the timeout: leave without its teardown collectives.
+        sys.stdout.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

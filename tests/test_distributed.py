@@ -1,0 +1,348 @@
+"""Several ranks on real gloo process groups (world 1, 2 and 4, CPU), launched by torchrun.
+
+The rank-side work is in `dist_job` (one phase per launch; each rank reports what it saw
+as JSON, rank 0 dumps the full gathered model and optimizer state of each case), and the
+assertions are here. A few launches are shared by the module (`runs`):
+
+1. ``save2`` at world 2: FSDP2 and DDP checkpoints, and a save whose rank-1 write fails;
+2. a plain single process (this one) saves ``plain1``;
+3. ``world4`` at world 4: an FSDP2 checkpoint, and the world-2 one resharded to 4;
+4. ``load2`` at world 2: same-world restores, 4->2, 1->2, and the next start after the
+   failed save.
+
+The hung-rank case and the torchrun restart of ``examples/distributed/train_fsdp.py``
+have launches of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_job
+from resumable.commit import step_dir
+from resumable.errors import StateMismatchError
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+JOB = Path(__file__).with_name("dist_job.py")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "train_fsdp.py"
+LAUNCH_TIMEOUT_S = 240.0
+
+
+def torchrun(
+    nproc: int, script: Path, *args: Any, restarts: int = 0, env: dict[str, str] | None = None
+) -> str:
+    """Run ``script`` on ``nproc`` local ranks; returns stdout+stderr, fails on rc != 0."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        str(script),
+        *(str(a) for a in args),
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran over {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    return output
+
+
+@dataclass
+class Runs:
+    """The output folder of a set of launches, and readers for what they left there."""
+
+    out: Path
+
+    def report(self, phase: str, rank: int) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.out / f"{phase}-rank{rank}.json").read_text())
+        assert "crash" not in data, f"{phase} rank {rank} crashed:\n{data['crash']}"
+        return data
+
+    def reports(self, phase: str, world: int) -> list[dict[str, Any]]:
+        return [self.report(phase, r) for r in range(world)]
+
+    def state(self, name: str) -> tuple[dict[str, torch.Tensor], Any]:
+        from safetensors.torch import load_file
+
+        groups = json.loads((self.out / f"{name}.json").read_text())
+        return load_file(str(self.out / f"{name}.safetensors")), groups
+
+    def manifest(self, root: str, step: int) -> dict[str, Any]:
+        text = (self.out / root / step_dir(step) / "manifest.json").read_text()
+        manifest: dict[str, Any] = json.loads(text)
+        return manifest
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    out = tmp_path_factory.mktemp("dist")
+    torchrun(2, JOB, "save2", out)
+    model, optim = dist_job.build("plain")
+    dist_job.train(model, optim, range(1, 4))
+    with dist_job.open_ck(out / "plain1", model, optim) as ck:
+        ck.save(3)
+    dist_job.dump(out, "ref-plain1", model, optim)
+    torchrun(4, JOB, "world4", out)
+    torchrun(2, JOB, "load2", out)
+    yield Runs(out)
+
+
+def assert_same_state(runs: Runs, want: str, got: str) -> None:
+    """Full model and optimizer state ``got`` equals ``want`` bit for bit, tensor by tensor."""
+    want_t, want_groups = runs.state(want)
+    got_t, got_groups = runs.state(got)
+    assert sorted(got_t) == sorted(want_t)
+    assert len(want_t) == 4 + 4 * 3  # 4 parameters, each with step, exp_avg, exp_avg_sq
+    different = [
+        k
+        for k in want_t
+        if got_t[k].dtype != want_t[k].dtype
+        or got_t[k].shape != want_t[k].shape
+        or not torch.equal(
+            got_t[k].reshape(-1).view(torch.uint8), want_t[k].reshape(-1).view(torch.uint8)
+        )
+    ]
+    assert not different, f"{got} differs from {want} in {different}"
+    assert got_groups == want_groups
+
+
+def restored(report: dict[str, Any], case: str) -> int:
+    result = report[case]
+    assert "value" in result, f"rank {report['rank']}: {case} failed: {result}"
+    value: int = result["value"]
+    return value
+
+
+# --------------------------------------------------------------------------- 1. same world
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_restore_at_the_same_world_size_is_bit_identical(runs: Runs, kind: str) -> None:
+    for report in runs.reports("load2", 2):
+        assert restored(report, f"got-{kind}2") == 3
+    assert_same_state(runs, f"ref-{kind}2", f"got-{kind}2")
+
+
+def test_a_restored_fsdp2_model_trains_on(runs: Runs) -> None:
+    ref, _ = runs.state("ref-fsdp2")
+    trained, _ = runs.state("trained-fsdp2")
+    assert all(torch.isfinite(t).all() for t in trained.values())
+    assert not torch.equal(trained["model/0.weight"], ref["model/0.weight"])
+    assert trained["optim/0.weight/step"].item() == ref["optim/0.weight/step"].item() + 1
+
+
+# --------------------------------------------------------------------------- 2. resharding
+
+RESHARDS = [
+    # (saved root, dumped case, phase that loaded it, its world size)
+    ("fsdp4", "got-fsdp4to2", "load2", 2),
+    ("fsdp2", "got-fsdp2to4", "world4", 4),
+    ("plain1", "got-plain1to2", "load2", 2),
+]
+
+
+@pytest.mark.parametrize(("root", "case", "phase", "world"), RESHARDS, ids=lambda v: str(v))
+def test_reshard_matches_the_saved_state(
+    runs: Runs, root: str, case: str, phase: str, world: int
+) -> None:
+    for report in runs.reports(phase, world):
+        assert restored(report, case) == 3
+    assert_same_state(runs, f"ref-{root}", case)
+
+
+def test_reshard_2_to_1_into_a_plain_process(runs: Runs) -> None:
+    model, optim = dist_job.build("plain")
+    with dist_job.open_ck(runs.out / "fsdp2", model, optim) as ck:
+        with pytest.raises(StateMismatchError, match="__rng__"):
+            ck.restore()
+        assert ck.restore(reset_per_rank_state=True) == 3
+    dist_job.dump(runs.out, "got-fsdp2to1", model, optim)
+    assert_same_state(runs, "ref-fsdp2", "got-fsdp2to1")
+
+
+@pytest.mark.parametrize(
+    ("case", "phase", "world"),
+    [
+        ("no-reset-fsdp2to4", "world4", 4),
+        ("no-reset-fsdp4to2", "load2", 2),
+        ("no-reset-plain1to2", "load2", 2),
+    ],
+    ids=lambda v: str(v),
+)
+def test_world_size_change_refuses_per_rank_state_on_every_rank(
+    runs: Runs, case: str, phase: str, world: int
+) -> None:
+    for report in runs.reports(phase, world):
+        result = report[case]
+        assert result.get("error") == "StateMismatchError", f"rank {report['rank']}: {result}"
+        assert "'__rng__'" in result["message"]
+        assert "reset_per_rank_state=True" in result["message"]
+
+
+# --------------------------------------------------------------------------- 3. who writes what
+
+
+def global_pieces(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in manifest["tensors"].values() if "fqn" in e]
+
+
+def bytes_by_file(pieces: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in pieces:
+        out[e["file"]] = out.get(e["file"], 0) + e["offsets"][1] - e["offsets"][0]
+    return out
+
+
+def test_ddp_replicated_state_is_written_once_in_total_and_spread(runs: Runs) -> None:
+    m = runs.manifest("ddp2", 3)
+    pieces = global_pieces(m)
+    fqns = [e["fqn"] for e in pieces]
+    assert len(fqns) == len(set(fqns)) == 16, fqns  # 4 params + 4 x (step, exp_avg, exp_avg_sq)
+    assert sum(f.startswith("model/") for f in fqns) == 4
+    for e in pieces:
+        assert e["shape"] == e["global_shape"] and not any(e["global_offset"]), e
+    per_file = bytes_by_file(pieces)
+    total = sum(per_file.values())
+    assert sorted(per_file) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    for fname, nbytes in per_file.items():
+        assert 0.35 * total <= nbytes <= 0.65 * total, (fname, per_file)
+    # Per-rank state is each rank's own, in its own file.
+    for r in (0, 1):
+        rng = [n for n in m["tensors"] if n.startswith(f"rank{r}/__rng__")]
+        assert rng and all(m["tensors"][n]["file"] == f"rank-{r:05d}.safetensors" for n in rng)
+
+
+@pytest.mark.parametrize(("root", "world"), [("fsdp2", 2), ("fsdp4", 4)])
+def test_fsdp2_rank_files_hold_only_their_shards(runs: Runs, root: str, world: int) -> None:
+    m = runs.manifest(root, 3)
+    pieces = global_pieces(m)
+    sharded = [e for e in pieces if e["global_shape"]]  # all but the 0-dim step counts
+    for e in sharded:
+        rows = e["global_shape"][0]
+        per_rank = -(-rows // world)  # FSDP2 shards dim 0 in chunks of ceil(rows / world)
+        r = int(e["file"][len("rank-") : -len(".safetensors")])
+        assert e["global_offset"][0] == r * per_rank, e
+        assert e["shape"][0] == min(per_rank, rows - r * per_rank), e
+        assert e["shape"] != e["global_shape"], f"{e['fqn']} written whole by rank {r}"
+    steps = [e["fqn"] for e in pieces if not e["global_shape"]]
+    assert len(steps) == len(set(steps)) == 4  # replicated: once in total
+    if world == 2:
+        per_file = bytes_by_file(pieces)
+        total = sum(per_file.values())
+        for fname, nbytes in per_file.items():
+            assert 0.35 * total <= nbytes <= 0.65 * total, (fname, per_file)
+
+
+# --------------------------------------------------------------------------- 4. a failing rank
+
+
+def test_a_rank_whose_write_fails_commits_nothing_anywhere(runs: Runs) -> None:
+    staging2 = f".tmp-{step_dir(2)}."
+    for report in runs.reports("save2", 2):
+        result = report["fail_save2"]
+        assert result.get("error") == "PersistError", f"rank {report['rank']}: {result}"
+        assert "rank 1: StorageError: injected" in result["message"]
+        assert report["fail_steps"] == [1]
+        assert step_dir(2) not in report["fail_listing"]
+        assert not [n for n in report["fail_listing"] if n.startswith(staging2)]
+    for report in runs.reports("load2", 2):
+        at_start = report["fail_listing_at_start"]
+        assert step_dir(2) not in at_start
+        assert not [n for n in at_start if n.startswith(staging2)]
+        assert restored(report, "fail_restore") == 1
+        assert report["fail_save3"].get("value") is True, report["fail_save3"]
+        assert report["fail_steps_after"] == [1, 3]
+    assert runs.manifest("fail2", 3)["world_size"] == 2
+
+
+# --------------------------------------------------------------------------- 5. a hung rank
+
+
+@pytest.fixture(scope="module")
+def hang_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    out = tmp_path_factory.mktemp("hang")
+    torchrun(2, JOB, "hang", out)
+    return Runs(out)
+
+
+def test_a_hung_rank_makes_the_others_fail_in_bounded_time(hang_run: Runs) -> None:
+    r0, r1 = hang_run.reports("hang", 2)
+    result = r0["hang_save2"]
+    assert result.get("error") == "PersistError", result
+    assert "checkpoint coordination with the other ranks failed" in result["message"]
+    assert dist_job.DIST_TIMEOUT_S - 0.5 <= result["seconds"] <= dist_job.DIST_TIMEOUT_S + 10
+    assert r1["hang_save2"].get("error") == "PersistError", r1["hang_save2"]
+    for report in (r0, r1):
+        assert step_dir(2) not in report["hang_listing"]
+    root = hang_run.out / "hang"
+    assert not (root / step_dir(2)).exists()
+    # The next start (rank 0 of the failed save is gone) removes the attempt's leftovers.
+    model, optim = dist_job.build("plain")
+    with dist_job.open_ck(root, model, optim) as ck:
+        assert ck.steps() == [1]
+        assert not [n for n in os.listdir(root) if n.startswith(f".tmp-{step_dir(2)}")]
+        assert ck.restore(reset_per_rank_state=True) == 1
+
+
+def test_the_coordinator_removes_its_attempt_when_a_rank_hangs(hang_run: Runs) -> None:
+    # Rank 0 lists the root right after its PersistError (5 s), before the hung rank
+    # wakes up (8 s) and writes its own late file.
+    r0 = hang_run.report("hang", 0)
+    assert not [n for n in r0["hang_listing"] if n.startswith(f".tmp-{step_dir(2)}")]
+
+
+# --------------------------------------------------------------------------- 6. torchrun restart
+
+
+def test_torchrun_restart_after_a_killed_rank_resumes_everywhere(tmp_path: Path) -> None:
+    args = ["--steps", 12, "--save-every", 4]
+    plain = torchrun(2, EXAMPLE, "--dir", tmp_path / "plain", *args)
+    killed = torchrun(
+        2,
+        EXAMPLE,
+        "--dir",
+        tmp_path / "killed",
+        *args,
+        restarts=3,
+        env={"KILL_AT_STEP": "6", "KILL_RANK": "1"},
+    )
+    final = re.compile(r"final step=12 params_sha256=([0-9a-f]{64})")
+    want = final.findall(plain)
+    got = final.findall(killed)
+    assert len(want) == 1, plain[-3000:]
+    assert got == want, killed[-3000:]
+    assert "rank 1: killing myself after step 6" in killed
+    resumed = re.findall(r"rank (\d) attempt (\d+): resumed from step (\d+)", killed)
+    after = {(int(r), int(s)) for r, a, s in resumed if int(a) > 0}
+    assert after == {(0, 4), (1, 4)}, resumed
+    assert sorted(int(a) for _, a, _ in resumed) == [0, 0, 1, 1], resumed
