@@ -509,8 +509,13 @@ def render(out: Result) -> str:
         lines += [f"Not measured{': ' + err if err else ''}."]
 
     lines += s3_section(out)
+    lines += dist_section(out)
 
     problems = []
+    for w, e in sorted((_get(out, "dist", "worlds") or {}).items()):
+        if isinstance(e, dict) and "error" in e:
+            err = " ".join(str(e["error"]).split())
+            problems.append(f"- several ranks, world size {w}: {err[:300]}")
     for name, ok in (_get(out, "s3", "restored_equal") or {}).items():
         if ok is False:
             problems.append(f"- object storage {name}: restored bytes differ from saved!")
@@ -586,6 +591,88 @@ def s3_section(out: Result) -> list[str]:
         )
     lines += _table(
         ["operation", "median s", "MiB/s", "÷ plain's MiB/s", "min s", "first s", "samples"],
+        rows,
+    )
+    return lines
+
+
+DIST_ORDER = ["resumable", "dcp_save", "dcp_async", "resumable_process"]
+
+
+def _mib_list(values: Any) -> str:
+    if not isinstance(values, list) or not values:
+        return "—"
+    return " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def dist_section(out: Result) -> list[str]:
+    """Several ranks: per world size, each method's blocking and total time (slowest
+    rank), total ÷ dcp.save's, and the bytes each rank wrote."""
+    d = out.get("dist")
+    lines = ["", "## Several ranks (FSDP2 on CPU, gloo)", ""]
+    worlds = _get(out, "dist", "worlds")
+    if not isinstance(d, dict) or not isinstance(worlds, dict) or not worlds:
+        err = " ".join(str(_get(out, "dist", "error") or "").split())
+        return [*lines, f"Not measured{': ' + err[:300] if err else ''}."]
+    model = next((w["model"] for w in worlds.values() if isinstance(w, dict) and "model" in w), {})
+    lines += [
+        f"{model.get('what', 'An MLP')}: {_f(model.get('state_bytes', 0) / 2**20, '{:.1f}')} "
+        "MiB of parameters and optimizer state in total, sharded with FSDP2 `fully_shard` "
+        "(each Linear and the root) over a CPU device mesh of all ranks (a one-rank mesh "
+        "at 1), one training step taken. Each world size is one `torchrun --standalone` "
+        f"launch (gloo) with {d.get('reps')} reps after a first one, the methods "
+        "interleaved and the first of them rotating each rep; all ranks meet at a barrier "
+        "before each save, and each sample is the slowest rank's time. DCP's times "
+        "include `get_state_dict`, as resumable's `save()` includes its own capture. "
+        '*Blocking*: until the call returns; resumable with `persist="sync"` (the only '
+        "mode with several ranks in this version) and `dcp.save` return after the "
+        "durable commit, so blocking = total. *Total*: until the checkpoint is complete "
+        "(`.result()`, `save()` + `wait()`). *MiB per rank*: each rank's data file "
+        "(`rank-RRRRR.safetensors`, `__R_0.distcp`); *other*: the manifest or `.metadata`, "
+        f"written by rank 0. The ranks share the machine's {d.get('cpu_count', '?')} "
+        "cores (`OMP_NUM_THREADS` = cores ÷ ranks).",
+        "",
+    ]
+    rows = []
+    for w, e in sorted(worlds.items(), key=lambda kv: int(kv[0])):
+        if not isinstance(e, dict) or "methods" not in e:
+            err = " ".join(str(_get(e, "error") or "?").split())
+            rows.append([w, f"not measured: {err[:120]}"] + ["—"] * 8)
+            continue
+        base = _median(_get(e, "methods", "dcp_save", "total"))
+        for name in DIST_ORDER:
+            m = _get(e, "methods", name)
+            if not isinstance(m, dict):
+                continue
+            b, t = _median(m.get("blocking")), _median(m.get("total"))
+            other = _get(m, "bytes", "other") or {}
+            rows.append(
+                [
+                    w,
+                    str(m.get("label", name)),
+                    _s(b),
+                    _s(t),
+                    _x(_ratio(t, base)),
+                    _s(_median(m.get("total"), "min")),
+                    _s(_get(m, "total", "first")),
+                    _mib_list(_get(m, "bytes", "per_rank")),
+                    _f(sum(other.values()) / 2**10 if other else None, "{:.0f}"),
+                    str(len(_get(m, "total", "samples") or [])),
+                ]
+            )
+    lines += _table(
+        [
+            "ranks",
+            "method",
+            "blocking s",
+            "total s",
+            "total ÷ dcp.save's",
+            "min total s",
+            "first total s",
+            "MiB per rank",
+            "other KiB",
+            "samples",
+        ],
         rows,
     )
     return lines

@@ -13,7 +13,9 @@ of each, then rep 1, ...; rep 0 is reported apart as "first" since it allocates,
 or warms up); read floors and restores (cold page cache first when this process may
 drop it, then warm), again interleaved; DLRover in its own environment; end to end;
 object storage (`s3_bench.py`: a SeaweedFS server on loopback, resumable on ``s3://``
-beside a plain parallel upload and download of the same bytes by the same client).
+beside a plain parallel upload and download of the same bytes by the same client);
+several ranks (`dist_bench.py`: an FSDP2 model at world sizes 1, 2 and 4 under torchrun,
+resumable beside ``dcp.save`` and ``dcp.async_save``).
 A method that fails is recorded with its error and left out; the run goes on.
 """
 
@@ -39,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import dist_bench  # noqa: E402
 import floors  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
@@ -359,6 +362,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--s3-part-mb", type=int, default=16, help="s3 multipart part size, MiB (16)")
     ap.add_argument("--s3-concurrency", type=int, default=4, help="s3 parts in flight (4)")
+    ap.add_argument("--no-dist", action="store_true", help="skip the several-ranks phase")
+    ap.add_argument(
+        "--dist-size-mb",
+        type=float,
+        default=None,
+        help="FSDP2 model + AdamW, MiB (128; --quick: 32)",
+    )
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -368,6 +378,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.e2e_rounds = min(args.e2e_rounds, 4)
     if args.s3_size_mb is None:
         args.s3_size_mb = 64 if args.quick else 256
+    if args.dist_size_mb is None:
+        args.dist_size_mb = 32 if args.quick else 128
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     return args
@@ -492,6 +504,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         if got is not None:
             out["s3"] = got
+
+    if args.no_dist:
+        out["dist"] = {"error": "skipped (--no-dist)"}
+    else:
+        log("several ranks (FSDP2 under torchrun, gloo)")
+        got = guarded(
+            out,
+            "dist",
+            lambda: dist_bench.run_phase(work / "dist", args.dist_size_mb, args.reps, log),
+        )
+        if got is not None:
+            out["dist"] = got
 
     out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
     out["wall_s"] = round(time.perf_counter() - started, 1)

@@ -21,8 +21,9 @@ Two things this script does that any multi-rank script restarted by torchrun sho
   failed start into a long hang), and a store prefixed by the restart count: after a
   restart, gloo otherwise may find its peers' addresses of the dead attempt in
   torchrun's store (same port, same run id) and fail to connect.
-- the checkpoint cadence is step-based (``Every(steps=...)``): every rank must decide to
-  save at the same step, and a time-based cadence is measured by each rank on its own.
+- the checkpoint cadence is step-based (``Every(steps=...)``): every rank falls due at
+  the same step without talking. A time-based cadence also works (rank 0 decides and
+  broadcasts at each ``maybe_save``), at the price of one small collective per step.
 
 Environment, for the tests: ``KILL_AT_STEP=N`` makes rank ``KILL_RANK`` (default 1)
 SIGKILL itself after step N, on torchrun's first attempt only.
