@@ -1,0 +1,205 @@
+"""Distributed phase: an FSDP2 model saved by `resumable` and by
+``torch.distributed.checkpoint`` at world sizes 1, 2 and 4 on CPU (gloo), in the same run.
+
+    python benchmarks/dist_bench.py                        # this phase alone: 128 MiB, 3 reps
+    python benchmarks/dist_bench.py --size-mb 32 --reps 2 --worlds 1 2
+
+(`run.py` calls `run_phase`; alone, this prints the results JSON and writes nothing else.)
+
+For each world size W, one ``torchrun --standalone --nproc-per-node=W`` launch of
+`dist_worker.py` builds an MLP whose parameters plus AdamW's moments take about
+``size_mb`` MiB in total (sharded over the W ranks by ``fully_shard``, on a one-rank
+mesh at W=1), and interleaves ``reps + 1`` rounds of: resumable ``save()``
+(``persist="sync"``: the save returns after the coordinated, durable commit), ``dcp.save``
+and ``dcp.async_save`` (thread executor, gloo side group), the first method rotating
+each round; at W=1 also resumable with its default background persist. Each sample is the
+slowest rank's time after a barrier; round 0 is reported apart as *first*. Bytes are the
+sizes of each rank's data file (``rank-RRRRR.safetensors``, ``__R_0.distcp``) and of the
+rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
+ranks share the cores as W trainers would. The data directories live under the bench
+directory (on the repository's disk) and are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "dist_worker.py"
+WORLDS = (1, 2, 4)
+LABELS = {
+    "resumable": 'resumable `save()`, `persist="sync"` (coordinated commit at W > 1)',
+    "resumable_process": 'resumable `save()`, `persist="process"` (background), + `wait()`',
+    "dcp_save": "`get_state_dict` + `dcp.save`",
+    "dcp_async": "`get_state_dict` + `dcp.async_save` (thread executor)",
+}
+
+Log = Callable[[str], None]
+
+
+def _print(msg: str) -> None:
+    print(f"[dist {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _stat(samples: list[float]) -> dict[str, Any]:
+    """Rep 0 apart as ``first``, median and min over the rest (as `run.py` does)."""
+    rest = samples[1:] or samples
+    return {
+        "samples": [round(s, 6) for s in rest],
+        "median": round(statistics.median(rest), 6),
+        "min": round(min(rest), 6),
+        "first": round(samples[0], 6),
+    }
+
+
+def launch(
+    world: int, size_mb: float, reps: int, workdir: Path, *, background: bool, timeout_s: float
+) -> dict[str, Any]:
+    """One torchrun launch of `dist_worker.py` with ``world`` ranks; its JSON, raw."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    out = workdir / "result.json"
+    log_path = workdir.parent / f"torchrun-w{world}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(WORKER),
+        f"--size-mb={size_mb:g}",
+        f"--reps={reps}",
+        f"--dir={workdir}",
+        f"--out={out}",
+    ]
+    if background:
+        cmd.append("--background")
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    tail = log_path.read_text(errors="replace")[-1500:]
+    if rc != 0 or not out.exists():
+        why = f"timed out after {timeout_s:g} s" if rc is None else f"exit code {rc}"
+        raise RuntimeError(f"torchrun with {world} rank(s): {why}; log tail:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per method: blocking and total (slowest rank per sample), bytes per rank; and the
+    ratios of resumable's medians to DCP's."""
+    methods: dict[str, Any] = {}
+    for name, m in raw["methods"].items():
+        methods[name] = {
+            "label": LABELS.get(name, name),
+            "blocking": _stat(m["blocking"]),
+            "total": _stat(m["total"]),
+            "per_rank_blocking": m["per_rank_blocking"],
+            "per_rank_total": m["per_rank_total"],
+            "bytes": m["bytes"],
+        }
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        x, y = methods.get(a, {}).get(key, {}), methods.get(b, {}).get(key, {})
+        if not x or not y or not y.get("median"):
+            return None
+        return round(x["median"] / y["median"], 4)
+
+    return {
+        "world_size": raw["world_size"],
+        "torch_threads": raw["torch_threads"],
+        "model": raw["model"],
+        "order": raw["order"],
+        "methods": methods,
+        "ratios": {
+            "resumable_over_dcp_save_total": ratio("resumable", "dcp_save", "total"),
+            "resumable_over_dcp_async_blocking": ratio("resumable", "dcp_async", "blocking"),
+            "resumable_over_dcp_async_total": ratio("resumable", "dcp_async", "total"),
+        },
+    }
+
+
+def run_phase(
+    workdir: Path,
+    size_mb: float,
+    reps: int,
+    log: Log = _print,
+    *,
+    worlds: tuple[int, ...] = WORLDS,
+    background: bool = True,
+    timeout_s: float = 900.0,
+) -> dict[str, Any]:
+    """Every world size in turn; a world size that fails is recorded with its error and
+    the others still run. ``workdir`` is emptied and removed at the end."""
+    out: dict[str, Any] = {
+        "size_mb": size_mb,
+        "reps": reps,
+        "cpu_count": os.cpu_count(),
+        "how": "torchrun --standalone, gloo, FSDP2 fully_shard on a CPU mesh; rank-max times",
+        "worlds": {},
+    }
+    try:
+        for w in worlds:
+            log(f"distributed: {w} rank(s), {size_mb:g} MiB, {reps} reps")
+            try:
+                raw = launch(
+                    w,
+                    size_mb,
+                    reps,
+                    workdir / f"w{w}",
+                    background=background and w == 1,
+                    timeout_s=timeout_s,
+                )
+                out["worlds"][str(w)] = summarise(raw)
+            except Exception as exc:
+                log(f"distributed, {w} rank(s), failed: {exc!r}"[:500])
+                out["worlds"][str(w)] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                shutil.rmtree(workdir / f"w{w}", ignore_errors=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=128, help="model + AdamW state, MiB (128)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions after a first (3)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="(1 2 4)")
+    ap.add_argument("--no-background", action="store_true", help="skip persist='process' at W=1")
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="per launch (900)")
+    ap.add_argument("--bench-dir", type=Path, default=HERE.parent / "runs" / "bench-dist")
+    args = ap.parse_args(argv)
+    out = run_phase(
+        args.bench_dir,
+        args.size_mb,
+        max(1, args.reps),
+        worlds=tuple(args.worlds),
+        background=not args.no_background,
+        timeout_s=args.timeout_s,
+    )
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

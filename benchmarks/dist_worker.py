@@ -1,0 +1,229 @@
+"""One rank of the distributed phase (`dist_bench.py`): an FSDP2 model saved by `resumable`
+and by ``torch.distributed.checkpoint``, interleaved, timed on every rank.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N \\
+        benchmarks/dist_worker.py --size-mb 128 --reps 3 --dir DIR --out OUT.json
+
+Every rank builds the same MLP (``fully_shard`` on each Linear and on the root, on a CPU
+mesh of all ranks, world 1 included), trains one step so that AdamW's state exists, and
+then runs ``reps + 1`` rounds; each round saves once with every method, the first method
+rotating from round to round. Before each save all ranks meet at a barrier; each rank
+times its own call, and the sample kept is the slowest rank's (what a training step
+waits for). Rank 0 writes the samples, the per-rank times and the bytes of each file to
+``OUT``. Methods:
+
+- ``resumable``: ``Checkpointer(DIR/resumable, {"model", "optim"}, persist="sync",
+  keep=Keep(last=1))``, built once; ``save(step)`` returns after the commit is durable
+  (with several ranks: after the coordinated commit), so blocking = total.
+- ``resumable_process`` (``--background``, world 1 only): the same with the default
+  background persist (``persist="process"``): blocking = ``save()``, total = + ``wait()``.
+- ``dcp_save``: ``get_state_dict`` then ``dcp.save(..., FileSystemWriter(dir))``.
+- ``dcp_async``: ``get_state_dict`` then ``dcp.async_save`` (thread executor, default
+  stager) on a gloo side group; blocking = until it returns, total = ``.result()``.
+
+The ``get_state_dict`` call is inside DCP's timings, as resumable's own capture is inside
+``save()``. DCP's directories are removed after each round, outside the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEPTH = 8
+BATCH = 16
+
+
+def build(size_mb: float, world: int) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    """An MLP of ``DEPTH`` square Linear layers whose parameters plus AdamW's two moments
+    take about ``size_mb`` MiB, sharded with FSDP2 over every rank, after one step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    per_layer = size_mb * 2**20 / (3 * 4 * DEPTH)
+    width = max(32, 32 * round(math.sqrt(per_layer) / 32))
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(1))
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    params = sum(p.numel() for p in model.parameters())
+    info = {
+        "layers": DEPTH,
+        "width": width,
+        "params": params,
+        "state_bytes": 3 * 4 * params,
+        "what": f"{DEPTH} x Linear({width}, {width}) with ReLU, fp32, AdamW (2 moments)",
+    }
+    return model, opt, info
+
+
+def _files(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _per_rank(files: dict[str, int], world: int, name: Callable[[int], str]) -> dict[str, Any]:
+    per_rank = [files.get(name(r), 0) for r in range(world)]
+    named = {name(r) for r in range(world)}
+    return {
+        "per_rank": per_rank,
+        "other": {k: v for k, v in files.items() if k not in named},
+        "total": sum(files.values()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=float, required=True)
+    ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--background", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from resumable import Checkpointer, Keep
+    from resumable.commit import step_dir
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, info = build(args.size_mb, world)
+    side = dist.new_group(backend="gloo")
+    state = {"model": model, "optim": opt}
+    ours = Checkpointer(args.dir / "resumable", state, persist="sync", keep=Keep(last=1))
+    bg = None
+    if args.background and world == 1:
+        bg = Checkpointer(
+            args.dir / "resumable-process", state, persist="process", keep=Keep(last=1)
+        )
+
+    def dcp_dir(name: str, i: int) -> Path:
+        return args.dir / f"{name}-{i}"
+
+    def save_ours(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        ours.save(i + 1)
+        t = time.perf_counter() - t0
+        return t, t
+
+    def save_bg(i: int) -> tuple[float, float]:
+        assert bg is not None
+        t0 = time.perf_counter()
+        bg.save(i + 1)
+        blocking = time.perf_counter() - t0
+        bg.wait()
+        return blocking, time.perf_counter() - t0
+
+    def save_dcp(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(dcp_dir("dcp", i)))
+        t = time.perf_counter() - t0
+        return t, t
+
+    def save_dcp_async(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        fut = dcp.async_save(
+            {"model": msd, "optim": osd},
+            storage_writer=FileSystemWriter(dcp_dir("dcp-async", i)),
+            process_group=side,
+        )
+        blocking = time.perf_counter() - t0
+        fut.result()  # type: ignore[union-attr]
+        return blocking, time.perf_counter() - t0
+
+    methods: dict[str, Callable[[int], tuple[float, float]]] = {
+        "resumable": save_ours,
+        "dcp_save": save_dcp,
+        "dcp_async": save_dcp_async,
+    }
+    if bg is not None:
+        methods["resumable_process"] = save_bg
+    names = list(methods)
+    times: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in names}
+    nbytes: dict[str, Any] = {}
+    for i in range(args.reps + 1):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            dist.barrier()
+            mine = torch.tensor(methods[name](i), dtype=torch.float64)
+            every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(every, mine)
+            times[name].append([(float(t[0]), float(t[1])) for t in every])
+        dist.barrier()
+        if rank == 0:
+            if i == 0:
+                nbytes["resumable"] = _per_rank(
+                    _files(args.dir / "resumable" / step_dir(i + 1)),
+                    world,
+                    lambda r: f"rank-{r:05d}.safetensors",
+                )
+                if bg is not None:
+                    nbytes["resumable_process"] = _per_rank(
+                        _files(args.dir / "resumable-process" / step_dir(i + 1)),
+                        1,
+                        lambda r: f"rank-{r:05d}.safetensors",
+                    )
+                for name, sub in (("dcp_save", "dcp"), ("dcp_async", "dcp-async")):
+                    nbytes[name] = _per_rank(
+                        _files(dcp_dir(sub, i)), world, lambda r: f"__{r}_0.distcp"
+                    )
+            for sub in ("dcp", "dcp-async"):
+                shutil.rmtree(dcp_dir(sub, i), ignore_errors=True)
+        dist.barrier()
+
+    ours.close()
+    if bg is not None:
+        bg.close()
+    if rank == 0:
+        out = {
+            "world_size": world,
+            "torch_threads": torch.get_num_threads(),
+            "model": info,
+            "order": names,
+            "methods": {
+                name: {
+                    "blocking": [max(b for b, _ in rep) for rep in reps],
+                    "total": [max(t for _, t in rep) for rep in reps],
+                    "per_rank_blocking": [[round(b, 6) for b, _ in rep] for rep in reps],
+                    "per_rank_total": [[round(t, 6) for _, t in rep] for rep in reps],
+                    "bytes": nbytes.get(name),
+                }
+                for name, reps in times.items()
+            },
+        }
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
