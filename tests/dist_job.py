@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumable import Checkpointer
+from resumable import Checkpointer, Every
 from resumable.commit import step_dir
 from resumable.errors import StorageError
+from resumable.shm import run_key_for
 from resumable.storage.base import Buffer, ForwardingStorage, Storage
 
 SEED = 0
@@ -200,6 +201,42 @@ def phase_save2(out: Path, report: dict[str, Any]) -> None:
     report["fail_steps"] = ck.steps()
     ck.close()
 
+    # The per-rank memory tier: every rank keeps step 3 in shared memory ...
+    report["mem_steps"] = save_in_memory(out, "mem2").steps()
+    # ... and here rank 1 loses its snapshot (its host rebooted, say).
+    save_in_memory(out, "memlost2")
+    if rank() == 1:
+        for path in (out / "shm").iterdir():
+            if f"-r{rank()}-" in path.name and run_key_for(str(out / "memlost2")) in path.name:
+                path.unlink()
+
+
+def memory_ck(out: Path, root: str, model: nn.Module, optim: torch.optim.Optimizer) -> Checkpointer:
+    """A checkpointer with the per-rank memory tier: a snapshot every step, a persist
+    every second step; snapshots under ``out/shm`` rather than /dev/shm."""
+    (out / "shm").mkdir(exist_ok=True)
+    return Checkpointer(
+        out / root,
+        {"model": model, "optim": optim},
+        memory_every=Every(steps=1),
+        persist_every=Every(steps=2),
+        keep=None,
+        shm_dir=out / "shm",
+    )
+
+
+def save_in_memory(out: Path, root: str) -> Checkpointer:
+    """Steps 1-3: step 2 committed, step 3 only in each rank's shared memory. The
+    checkpointer is left open, as by a job killed before it could close."""
+    model, optim = build("fsdp")
+    ck = memory_ck(out, root, model, optim)
+    ck.restore()
+    for step in (1, 2, 3):
+        train(model, optim, [step])
+        ck.maybe_save(step)
+    dump(out, f"ref-{root}", model, optim)
+    return ck
+
 
 def phase_world4(out: Path, report: dict[str, Any]) -> None:
     model, optim = build("fsdp")
@@ -219,6 +256,17 @@ def phase_load2(out: Path, report: dict[str, Any]) -> None:
     restore_into(out, "fsdp4", "fsdp", "got-fsdp4to2", report, reset=True)
     restore_into(out, "plain1", "fsdp", "no-reset-plain1to2", report, reset=False)
     restore_into(out, "plain1", "fsdp", "got-plain1to2", report, reset=True)
+
+    # Every rank has step 3 in shared memory: restored from there, then committed.
+    model, optim = build("fsdp")
+    with memory_ck(out, "mem2", model, optim) as ck:
+        report["mem_restore"] = outcome(ck.restore)
+        report["mem_steps_after"] = ck.steps()
+    dump(out, "got-mem2", model, optim)
+    # One rank lost its snapshot: every rank falls back to the newest checkpoint, step 2.
+    model, optim = build("fsdp")
+    with memory_ck(out, "memlost2", model, optim) as ck:
+        report["memlost_restore"] = outcome(ck.restore)
 
     # The restored FSDP2 model trains on at this world size.
     model, optim = build("fsdp")

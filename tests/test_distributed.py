@@ -285,6 +285,27 @@ def test_a_rank_whose_write_fails_commits_nothing_anywhere(runs: Runs) -> None:
     assert runs.manifest("fail2", 3)["world_size"] == 2
 
 
+# ------------------------------------------------------------------- the memory tier per rank
+
+
+def test_memory_tier_per_rank_restores_when_every_rank_has_the_step(runs: Runs) -> None:
+    """Step 3 lived only in each rank's shared memory (step 2 committed): the next launch
+    restores it from there on every rank, bit-identically, and commits it."""
+    for report in runs.reports("save2", 2):
+        assert report["mem_steps"] == [2]
+    for report in runs.reports("load2", 2):
+        assert restored(report, "mem_restore") == 3
+        assert report["mem_steps_after"] == [2, 3]
+    assert_same_state(runs, "ref-mem2", "got-mem2")
+    assert runs.manifest("mem2", 3)["world_size"] == 2
+
+
+def test_memory_tier_falls_back_together_when_a_rank_lacks_the_step(runs: Runs) -> None:
+    """Rank 1 lost its snapshot of step 3: no rank uses its own; all restore step 2."""
+    for report in runs.reports("load2", 2):
+        assert restored(report, "memlost_restore") == 2
+
+
 # --------------------------------------------------------------------------- 5. a hung rank
 
 

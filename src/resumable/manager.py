@@ -42,7 +42,7 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
-from resumable.distributed import GlobalLoader, balance, current_group, is_dtensor
+from resumable.distributed import GlobalLoader, Piece, balance, current_group, is_dtensor
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -146,12 +146,13 @@ class Checkpointer:
         self.rank = self._group.rank if self._group is not None else 0
         self.world_size = self._group.world_size if self._group is not None else 1
         if self._group is not None:
-            if persist not in ("auto", "sync") or memory_every is not None or overlap or mirror:
+            if persist not in ("auto", "sync") or overlap or mirror:
                 raise CheckpointError(
-                    f"with {self.world_size} ranks this version saves synchronously and "
-                    "coordinated (persist='sync'); the per-rank memory tier, overlap and "
-                    "mirror are not available there yet. Leave persist, memory_every, "
-                    "overlap and mirror unset"
+                    f"with {self.world_size} ranks this version persists synchronously and "
+                    "coordinated (persist='sync'); the background persist, overlap and "
+                    "mirror are not available there yet. Leave persist, overlap and mirror "
+                    "unset (memory_every works: each rank snapshots into its own shared "
+                    "memory)"
                 )
             persist = "sync"
         self.storage_options = dict(storage_options) if storage_options else None
@@ -209,7 +210,9 @@ class Checkpointer:
             from pathlib import Path
 
             self._shm = ShmArena(
-                run_key_for(self.url), directory=Path(shm_dir) if shm_dir is not None else None
+                run_key_for(self.url),
+                rank=self.rank,
+                directory=Path(shm_dir) if shm_dir is not None else None,
             )
             for path in remove_dead_segments(self._shm.directory, older_than_s=STALE_SHM_S):
                 log.info("removed shared-memory snapshot %s left by a dead run", path)
@@ -247,6 +250,7 @@ class Checkpointer:
         self._last_absorbed = -1
         self._mirror_flushed: dict[str, Any] | None = None
         self._reset_per_rank = False
+        self._skip_flush = False
         self._emergency_deadline: float | None = None
         self._absorbed_clock = float("-inf")
         self._remove_stale()
@@ -275,13 +279,22 @@ class Checkpointer:
             )
         self._adopt()
         t0 = time.perf_counter()
-        captured = capture_mod.capture(self.state, include_rng=self.capture_rng)
-        meta = {
+        captured = capture_mod.capture(
+            self.state, include_rng=self.capture_rng, rank=self.rank, world_size=self.world_size
+        )
+        meta: dict[str, Any] = {
             "step": step,
             "tree": captured.tree,
             "metrics": _json_metrics(metrics or {}),
             "created": time.time(),
         }
+        if captured.pieces:  # several ranks: what a coordinated persist needs
+            meta["world_size"] = self.world_size
+            meta["pieces"] = {
+                n: [p.fqn, list(p.global_shape), list(p.global_offset)]
+                for n, p in captured.pieces.items()
+            }
+            meta["replicated"] = sorted(captured.replicated)
         deferred: set[str] = set()
         if self.overlap:
             owned = self._optimizer_owned()
@@ -433,8 +446,9 @@ class Checkpointer:
             return
         ok = False
         try:
-            self._flush()
-            ok = True
+            if not self._skip_flush:
+                self._flush()
+            ok = not self._skip_flush
         finally:
             self._closed = True
             _unregister_atexit(self._atexit)
@@ -468,6 +482,10 @@ class Checkpointer:
             self.close()
             return
         # Training raised: make the newest snapshot durable, but never mask the error.
+        # With several ranks a persist is collective and the others are not closing:
+        # the snapshot stays in shared memory for the next launch instead.
+        if self._group is not None:
+            self._skip_flush = True
         try:
             self.close()
         except Exception as close_exc:
@@ -523,7 +541,15 @@ class Checkpointer:
         roots = self._roots_by_step() if tier != "memory" else {}
         steps = sorted(roots)
         self._committed = steps[-1] if steps else None
-        if tier != "storage" and self._shm is not None:
+        if tier != "storage" and self._shm is not None and self._group is not None:
+            restored = self._restore_memory_group(steps, step, loc, tier)
+            if restored is not None:
+                return restored
+            if tier == "memory":
+                if step is not None:
+                    raise NoCheckpointError(f"no memory snapshot of step {step} on every rank")
+                return 0
+        elif tier != "storage" and self._shm is not None:
             self._adopt()
             newest = self._shm.newest
             if (
@@ -709,6 +735,101 @@ class Checkpointer:
         for obj in self.state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 _init_optim_state(obj)
+
+    def _restore_memory_group(
+        self, steps: list[int], step: int | None, loc: Any, tier: str
+    ) -> int | None:
+        """Restore every rank from its own shared-memory snapshot, if every rank has one
+        of the same step (newer than the newest checkpoint, unless asked for): agreed by
+        a collective; otherwise all fall back to storage together."""
+        g = self._group
+        assert g is not None and self._shm is not None
+        self._adopt()
+        newest = self._shm.newest
+        mine = None
+        if newest is not None:
+            content = self._shm.content(newest.index)
+            if content is not None and content.meta.get("world_size", 1) == self.world_size:
+                mine = newest.step
+        offers = g.gather(mine)
+        s = offers[0]
+        agreed = s is not None and all(o == s for o in offers)
+        wanted = (
+            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
+        )
+        if not (agreed and wanted):
+            return None
+        assert newest is not None
+        t0 = time.perf_counter()
+        problem = None
+        values: dict[str, Any] = {}
+        try:
+            values = self._decode_memory(newest, loc)
+        except CorruptCheckpointError as exc:
+            problem = f"rank {self.rank}: {exc}"
+        problems = [p for p in g.gather(problem) if p]
+        if problems:
+            log.warning("not restoring from shared memory: %s", "; ".join(problems))
+            return None
+        capture_mod.restore(self.state, values, borrowed=True)
+        self.audit.record(
+            "restore",
+            step=s,
+            tier="memory",
+            ranks=self.world_size,
+            duration_s=round(time.perf_counter() - t0, 6),
+        )
+        self._mark_restored(s)
+        self._committed = steps[-1] if steps else None
+        if self._committed is None or s > self._committed:
+            log.info("persisting step %d recovered from shared memory", s)
+            self._persist_snapshot(newest)
+        return int(s)
+
+    def _decode_memory(self, snap: MemorySnapshot, loc: Any) -> dict[str, Any]:
+        """This rank's values from its shared-memory snapshot (same world size)."""
+        assert self._shm is not None
+        content = self._shm.content(snap.index)
+        if content is None or content.seq != snap.seq:
+            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
+        views = self._shm.tensors(snap.index, content)
+        if content.checksums is not None:
+            data = Snapshot(content.slots, views_base(self._shm, snap.index)).memory()
+            for sl, want in zip(content.slots, content.checksums):
+                if checksum(data[sl.begin : sl.end]) != want:
+                    raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
+        live = capture_mod.capture(
+            self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+        )
+        if any(is_dtensor(t) for t in live.live.values()):
+            self._init_optimizer_state()
+            live = capture_mod.capture(
+                self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+            )
+        by_fqn = {str(f): n for n, (f, _, _) in content.meta.get("pieces", {}).items()}
+
+        def resolve(fqn: str) -> torch.Tensor:
+            target: Any = live.live.get(fqn)
+            if fqn in by_fqn:
+                local = views[by_fqn[fqn]]
+            elif target is not None and is_dtensor(target):
+                local = torch.empty_like(target.to_local())  # an empty shard
+            else:
+                raise CorruptCheckpointError(f"the snapshot has no tensor {fqn!r}")
+            if target is not None and is_dtensor(target):
+                from torch.distributed.tensor import DTensor
+
+                return DTensor.from_local(
+                    local.clone(),
+                    target.device_mesh,
+                    target.placements,
+                    run_check=False,
+                    shape=target.shape,
+                    stride=target.stride(),
+                )
+            return local
+
+        return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve)
 
     def _apply(self, values: dict[str, Any], skip: set[str], *, borrowed: bool) -> None:
         """Restore decoded ``values`` into the live state, leaving the ``skip`` keys."""
@@ -900,25 +1021,31 @@ class Checkpointer:
         captured = capture_mod.capture(
             self.state, include_rng=self.capture_rng, rank=self.rank, world_size=self.world_size
         )
-        tensors = captured.tensors
-        if self._group is not None:
-            # Replicated tensors are written once in total, spread over the ranks.
-            sizes = {
-                n: tensors[n].numel() * tensors[n].element_size()
-                for n in captured.replicated
-                if n in tensors
-            }
-            owner = balance(sizes, self.world_size)
-            tensors = {n: t for n, t in tensors.items() if owner.get(n, self.rank) == self.rank}
+        tensors = self._owned(captured.tensors, captured.replicated)
         snap = self._arena.snapshot(tensors)
         self.last_snapshot_s = time.perf_counter() - t0
         if self._group is not None:
-            self._persist_group(snap, step, captured, _json_metrics(metrics or {}))
+            self._persist_group(
+                snap, step, captured.tree, captured.pieces, _json_metrics(metrics or {})
+            )
         else:
             self._persist_now(snap, step, captured.tree, _json_metrics(metrics or {}))
         return True
 
-    def _persist_group(self, snap: Snapshot, step: int, captured: Any, metrics: Any) -> None:
+    def _owned(self, tensors: dict[str, torch.Tensor], replicated: Any) -> dict[str, torch.Tensor]:
+        """The tensors this rank writes: replicated ones are written once in total,
+        spread over the ranks by `balance` (all of them with a single rank)."""
+        if self._group is None:
+            return tensors
+        sizes = {
+            n: tensors[n].numel() * tensors[n].element_size() for n in replicated if n in tensors
+        }
+        owner = balance(sizes, self.world_size)
+        return {n: t for n, t in tensors.items() if owner.get(n, self.rank) == self.rank}
+
+    def _persist_group(
+        self, snap: Snapshot, step: int, tree: Any, pieces: Any, metrics: Any
+    ) -> None:
         """The coordinated save of several ranks (every rank calls it at the same step)."""
         assert self._group is not None
         group = self._group
@@ -926,7 +1053,7 @@ class Checkpointer:
             snap,
             step,
             lambda: self._runner.persist_group(
-                group, snap, step=step, tree=captured.tree, pieces=captured.pieces, metrics=metrics
+                group, snap, step=step, tree=tree, pieces=pieces, metrics=metrics
             ),
         )
 
@@ -967,6 +1094,25 @@ class Checkpointer:
                 raise CheckpointError(f"memory snapshot of step {snap.step} is gone")
             slot = self._shm.slots[snap.index]
             assert slot is not None
+            if self._group is not None:
+                # This rank's share, copied out of its shared-memory snapshot.
+                views = self._shm.tensors(snap.index, content)
+                meta = content.meta
+                own = self._owned(views, meta.get("replicated", []))
+                if self._arena is None:
+                    self._arena = Arena()
+                pieces = {
+                    n: Piece(str(f), tuple(g), tuple(o))
+                    for n, (f, g, o) in meta.get("pieces", {}).items()
+                }
+                self._persist_group(
+                    self._arena.snapshot(own),
+                    snap.step,
+                    meta["tree"],
+                    pieces,
+                    meta.get("metrics", {}),
+                )
+                return
             self._persist_now(
                 Snapshot(content.slots, slot.data_tensor()),
                 snap.step,
@@ -1104,7 +1250,11 @@ class Checkpointer:
         """Make the newest memory snapshot durable if it is newer than the last commit."""
         self._wait_worker()
         newest = self._shm.newest if self._shm is not None else None
-        if newest is not None and (self._committed is None or newest.step > self._committed):
+        due = newest is not None and (self._committed is None or newest.step > self._committed)
+        if self._group is not None:  # a collective persist: only if every rank has that step
+            offers = self._group.gather(newest.step if due and newest is not None else None)
+            due = due and all(o == offers[0] for o in offers)
+        if due and newest is not None:
             self._persist_snapshot(newest)
             self._wait_worker()
         if self._emergency_deadline is not None:  # within the grace period, best effort
@@ -1161,6 +1311,8 @@ def _close_all_at_exit() -> None:
     """At interpreter exit (normal, or after an uncaught exception), make every open
     Checkpointer's newest snapshot durable and release its resources."""
     for ckpt in list(_live):
+        if ckpt._group is not None:
+            ckpt._skip_flush = True  # a collective persist would wait for the other ranks
         try:
             ckpt.close()
         except Exception as exc:
