@@ -367,3 +367,32 @@ def test_torchrun_restart_after_a_killed_rank_resumes_everywhere(tmp_path: Path)
     after = {(int(r), int(s)) for r, a, s in resumed if int(a) > 0}
     assert after == {(0, 4), (1, 4)}, resumed
     assert sorted(int(a) for _, a, _ in resumed) == [0, 0, 1, 1], resumed
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_step(tmp_path: Path) -> None:
+    """Only rank 1 gets SIGTERM (after step 6): at the next maybe_save every rank takes
+    the emergency checkpoint of step 7 together and exits 75; torchrun restarts, every
+    rank resumes from step 7, and the run ends as an uninterrupted one."""
+    args = ["--steps", 12, "--save-every", 4, "--memory-every"]
+    plain = torchrun(2, EXAMPLE, "--dir", tmp_path / "plain", *args)
+    stopped = torchrun(
+        2,
+        EXAMPLE,
+        "--dir",
+        tmp_path / "term",
+        *args,
+        restarts=1,
+        env={"TERM_AT_STEP": "6", "KILL_RANK": "1"},
+    )
+    final = re.compile(r"final step=12 params_sha256=([0-9a-f]{64})")
+    assert final.findall(stopped) == final.findall(plain) != [], stopped[-3000:]
+    assert "rank 1: SIGTERM to myself after step 6" in stopped
+    resumed = re.findall(r"rank (\d) attempt (\d+): resumed from step (\d+)", stopped)
+    after = {(int(r), int(s)) for r, a, s in resumed if int(a) > 0}
+    assert after == {(0, 7), (1, 7)}, resumed
+    audit = [
+        json.loads(line) for line in (tmp_path / "term" / "audit.jsonl").read_text().splitlines()
+    ]
+    emergency = [e for e in audit if e["event"] == "emergency_commit"]
+    assert [e["step"] for e in emergency] == [7], emergency
+    assert emergency[0]["within_grace"] is True

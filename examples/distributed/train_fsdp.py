@@ -25,8 +25,13 @@ Two things this script does that any multi-rank script restarted by torchrun sho
   the same step without talking. A time-based cadence also works (rank 0 decides and
   broadcasts at each ``maybe_save``), at the price of one small collective per step.
 
+Preemption: SIGTERM (or SIGUSR1) to any rank leads every rank to an emergency
+checkpoint of the same step at the next ``maybe_save`` and an exit with code 75, which
+``torchrun --max-restarts`` restarts from.
+
 Environment, for the tests: ``KILL_AT_STEP=N`` makes rank ``KILL_RANK`` (default 1)
-SIGKILL itself after step N, on torchrun's first attempt only.
+SIGKILL itself after step N, on torchrun's first attempt only; ``TERM_AT_STEP=N`` makes
+rank ``KILL_RANK`` send itself SIGTERM instead (only that rank gets the signal).
 """
 
 from __future__ import annotations
@@ -123,12 +128,16 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ddp", action="store_true", help="DDP instead of FSDP2")
+    p.add_argument(
+        "--memory-every", action="store_true", help="snapshot every step into shared memory"
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="process group timeout (s)")
     args = p.parse_args()
 
     rank, world = init_distributed(args.timeout)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
+    term_at = int(os.environ.get("TERM_AT_STEP", "0"))
     kill_rank = int(os.environ.get("KILL_RANK", "1"))
     model, optimizer = build(args.ddp, args.seed, world)
 
@@ -138,6 +147,8 @@ def main() -> None:
         persist_every=resumable.Every(steps=args.save_every),
         keep=resumable.Keep(last=2),
         dist_timeout_s=args.timeout,
+        memory_every=resumable.Every(steps=1) if args.memory_every else None,
+        preemption=resumable.Preemption(grace_seconds=30),
     )
     with ck:
         start = ck.restore()
@@ -154,6 +165,9 @@ def main() -> None:
             if step == kill_at and rank == kill_rank and attempt == 0:
                 print(f"rank {rank}: killing myself after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == term_at and rank == kill_rank and attempt == 0:
+                print(f"rank {rank}: SIGTERM to myself after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
         digest = full_state_sha256(model, optimizer)
     if rank == 0:
         print(f"final step={args.steps} params_sha256={digest}", flush=True)

@@ -132,6 +132,22 @@ class Group:
             ) from exc
         return box[0]
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a one-integer all-reduce)."""
+        if self.world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        except RuntimeError as exc:
+            raise PersistError(
+                f"rank {self.rank}: checkpoint coordination with the other ranks failed "
+                f"({str(exc).splitlines()[0][:300]})"
+            ) from exc
+        return bool(t.item())
+
 
 def current_group(timeout_s: float | None = None) -> Group | None:
     """The job's `Group` if ``torch.distributed`` is initialised with more than one

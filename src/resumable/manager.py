@@ -387,9 +387,15 @@ class Checkpointer:
         taken at the first call that finds the worker free.
         """
         self._check_open()
-        if self._preempt is not None and self._preempt.requested and not self.should_stop:
-            self._emergency(step, metrics)
-            return True
+        if self._preempt is not None and not self.should_stop:
+            requested = self._preempt.requested
+            if self._group is not None:
+                # A signal reaches the ranks at different moments: all stop at the first
+                # step at which any rank has it, together (one small all-reduce a step).
+                requested = self._group.any(requested)
+            if requested:
+                self._emergency(step, metrics)
+                return True
         self._collect()
         self.monitor.check_age(step)
         now = time.monotonic()
@@ -754,10 +760,12 @@ class Checkpointer:
         offers = g.gather(mine)
         s = offers[0]
         agreed = s is not None and all(o == s for o in offers)
+        if not agreed or s is None:
+            return None
         wanted = (
             step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
         )
-        if not (agreed and wanted):
+        if not wanted:
             return None
         assert newest is not None
         t0 = time.perf_counter()
@@ -949,10 +957,13 @@ class Checkpointer:
             pm.remaining_s(), self.last_snapshot_s, self.monitor.stats["last_persist_s"]
         )
         newest = self._shm.newest if self._shm is not None else None
+        fits = budget.fresh_snapshot_fits
+        if self._group is not None:  # timings differ between ranks: rank 0 decides
+            fits = bool(self._group.broadcast(fits))
         if newest is not None and newest.step == step:
             self._persist_snapshot(newest)
             how = "persisted the snapshot of this step"
-        elif newest is None or budget.fresh_snapshot_fits:
+        elif newest is None or fits:
             self.save(step, metrics)
             how = "snapshot and persist"
         else:

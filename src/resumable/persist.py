@@ -141,9 +141,9 @@ def write_distributed(
         fname = attempt.key(rank_file(group.rank))
         header, data, tensors = file_index(snapshot, fname, step, pieces)
         size = storage.write(attempt.path(rank_file(group.rank)), [header, data])
-        report = {"file": fname, "size": size, "tensors": tensors, "tree": tree}
+        report = {"file": fname, "size": size, "tensors": tensors, "tree": tree, "step": step}
     except Exception as exc:
-        report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}"}
+        report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
     try:
         reports = group.gather(report)
     except PersistError:  # a rank died or hung: the group is gone, nobody will commit
@@ -156,6 +156,9 @@ def write_distributed(
     outcome: dict[str, Any] | None = None
     if group.coordinator:
         errors = [r["error"] for r in reports if "error" in r]
+        steps = [r.get("step") for r in reports]
+        if len(set(steps)) != 1:  # never mix the states of different steps in one commit
+            errors.append(f"the ranks saved different steps {steps}")
         manifest: dict[str, Any] = {}
         if not errors:
             try:
