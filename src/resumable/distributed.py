@@ -289,20 +289,24 @@ class GlobalLoader:
         """The restored value of ``fqn``: a DTensor like the live one, or a tensor."""
         if fqn not in self._values:
             self.prepare([fqn])
-        local = self._values[fqn]
-        live = self.live.get(fqn)
-        if live is not None and is_dtensor(live):
-            from torch.distributed.tensor import DTensor
+        return shaped_like(self._values[fqn], self.live.get(fqn))
 
-            return DTensor.from_local(
-                local,
-                live.device_mesh,
-                live.placements,
-                run_check=False,
-                shape=live.shape,
-                stride=live.stride(),
-            )
+
+def shaped_like(local: torch.Tensor, live: Any) -> torch.Tensor:
+    """``local`` as the live target holds it: a DTensor with the live one's mesh and
+    placements when ``live`` is a DTensor, else ``local`` itself."""
+    if live is None or not is_dtensor(live):
         return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        live.device_mesh,
+        live.placements,
+        run_check=False,
+        shape=live.shape,
+        stride=live.stride(),
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

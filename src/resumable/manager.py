@@ -42,7 +42,14 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
-from resumable.distributed import GlobalLoader, Piece, balance, current_group, is_dtensor
+from resumable.distributed import (
+    GlobalLoader,
+    Piece,
+    balance,
+    current_group,
+    is_dtensor,
+    shaped_like,
+)
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -574,19 +581,26 @@ class Checkpointer:
                 return 0
         return self._restore_storage(roots, step, loc)
 
+    def _verified(self, snap: MemorySnapshot) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The content and tensor views of a memory snapshot, checked complete and (where
+        the persist worker recorded them) against its checksums."""
+        assert self._shm is not None
+        content = self._shm.content(snap.index)
+        if content is None or content.seq != snap.seq:
+            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
+        views = self._shm.tensors(snap.index, content)
+        if content.checksums is not None:
+            data = Snapshot(content.slots, views_base(self._shm, snap.index)).memory()
+            for sl, want in zip(content.slots, content.checksums):
+                if checksum(data[sl.begin : sl.end]) != want:
+                    raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
+        return content, views
+
     def _restore_memory(self, snap: MemorySnapshot, loc: Any) -> bool:
         assert self._shm is not None
         t0 = time.perf_counter()
-        content = self._shm.content(snap.index)
         try:
-            if content is None or content.seq != snap.seq:
-                raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
-            views = self._shm.tensors(snap.index, content)
-            if content.checksums is not None:
-                data = Snapshot(content.slots, views_base(self._shm, snap.index)).memory()
-                for s, want in zip(content.slots, content.checksums):
-                    if checksum(data[s.begin : s.end]) != want:
-                        raise CorruptCheckpointError(f"checksum mismatch in tensor {s.name!r}")
+            content, views = self._verified(snap)
             values = capture_mod.decode(content.meta["tree"], views, loc)
             # Borrowed: the slot is rewritten by later snapshots, so whatever the live
             # state would keep a reference to is copied out.
@@ -796,16 +810,7 @@ class Checkpointer:
 
     def _decode_memory(self, snap: MemorySnapshot, loc: Any) -> dict[str, Any]:
         """This rank's values from its shared-memory snapshot (same world size)."""
-        assert self._shm is not None
-        content = self._shm.content(snap.index)
-        if content is None or content.seq != snap.seq:
-            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
-        views = self._shm.tensors(snap.index, content)
-        if content.checksums is not None:
-            data = Snapshot(content.slots, views_base(self._shm, snap.index)).memory()
-            for sl, want in zip(content.slots, content.checksums):
-                if checksum(data[sl.begin : sl.end]) != want:
-                    raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
+        content, views = self._verified(snap)
         live = capture_mod.capture(
             self.state, include_rng=False, rank=self.rank, world_size=self.world_size
         )
@@ -825,16 +830,7 @@ class Checkpointer:
             else:
                 raise CorruptCheckpointError(f"the snapshot has no tensor {fqn!r}")
             if target is not None and is_dtensor(target):
-                from torch.distributed.tensor import DTensor
-
-                return DTensor.from_local(
-                    local.clone(),
-                    target.device_mesh,
-                    target.placements,
-                    run_check=False,
-                    shape=target.shape,
-                    stride=target.stride(),
-                )
+                return shaped_like(local.clone(), target)  # the slot is reused later
             return local
 
         return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve)
