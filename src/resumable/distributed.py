@@ -132,6 +132,21 @@ class Group:
             ) from exc
         return box[0]
 
+    def close(self) -> None:
+        """Destroy the side group while the interpreter is fully alive: gloo's worker
+        threads otherwise outlive it and can abort the process at exit (SIGABRT,
+        "terminate called without an active exception")."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group(pg)
+            except Exception as exc:  # already destroyed with the default group
+                log.debug("destroying the checkpoint process group: %s", exc)
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a one-integer all-reduce)."""
         if self.world_size == 1:

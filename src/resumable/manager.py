@@ -479,6 +479,8 @@ class Checkpointer:
                 self._shm.close(unlink=ok)
             self._runner.close()
             self.storage.close()
+            if self._group is not None:
+                self._group.close()
             if self.mirror is not None:
                 self.mirror.close()
 
