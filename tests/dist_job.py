@@ -297,7 +297,29 @@ def phase_hang(out: Path, report: dict[str, Any]) -> None:
     report["hang_listing"] = listing(out / "hang")
 
 
-PHASES = {"save2": phase_save2, "world4": phase_world4, "load2": phase_load2, "hang": phase_hang}
+def phase_solo(out: Path, report: dict[str, Any]) -> None:
+    """FSDP2 on a one-rank mesh: the single-process path, with DTensors, in the
+    synchronous and the background persist modes."""
+    for persist in ("sync", "process"):
+        model, optim = build("fsdp")
+        train(model, optim, range(1, 4))
+        root = out / f"solo-{persist}"
+        with Checkpointer(root, {"model": model, "optim": optim}, persist=persist) as ck:
+            ck.save(3)
+        dump(out, f"ref-solo-{persist}", model, optim)
+        model, optim = build("fsdp")
+        with Checkpointer(root, {"model": model, "optim": optim}, persist=persist) as ck:
+            report[f"solo_{persist}"] = outcome(ck.restore)
+        dump(out, f"got-solo-{persist}", model, optim)
+
+
+PHASES = {
+    "solo": phase_solo,
+    "save2": phase_save2,
+    "world4": phase_world4,
+    "load2": phase_load2,
+    "hang": phase_hang,
+}
 
 
 def main() -> None:

@@ -396,3 +396,19 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step(tmp_path: Path) -> Non
     emergency = [e for e in audit if e["event"] == "emergency_commit"]
     assert [e["step"] for e in emergency] == [7], emergency
     assert emergency[0]["within_grace"] is True
+
+
+@pytest.fixture(scope="module")
+def solo_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    out = tmp_path_factory.mktemp("solo")
+    torchrun(1, JOB, "solo", out)
+    return Runs(out)
+
+
+@pytest.mark.parametrize("persist", ["sync", "process"])
+def test_fsdp2_on_one_rank_round_trips(solo_run: Runs, persist: str) -> None:
+    """World size 1 keeps the single-process path; DTensors on a one-rank mesh save and
+    restore there too, in either persist mode."""
+    runs = solo_run
+    assert restored(runs.report("solo", 0), f"solo_{persist}") == 3
+    assert_same_state(runs, f"ref-solo-{persist}", f"got-solo-{persist}")

@@ -67,6 +67,14 @@ def dtensor_piece(t: Any, fqn: str) -> tuple[torch.Tensor, Piece, bool]:
     return t.to_local(), piece, replicated
 
 
+def pieces_to_json(pieces: Mapping[str, Piece]) -> dict[str, list[Any]]:
+    return {n: [p.fqn, list(p.global_shape), list(p.global_offset)] for n, p in pieces.items()}
+
+
+def pieces_from_json(data: Any) -> dict[str, Piece]:
+    return {n: Piece(str(f), tuple(g), tuple(o)) for n, (f, g, o) in (data or {}).items()}
+
+
 def piece_name(piece: Piece) -> str:
     """Index name of a shard: ``fqn@o1,o2`` (a whole tensor keeps its plain name)."""
     return f"{piece.fqn}@{','.join(str(o) for o in piece.global_offset)}"

@@ -44,10 +44,11 @@ from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
 from resumable.distributed import (
     GlobalLoader,
-    Piece,
     balance,
     current_group,
     is_dtensor,
+    pieces_from_json,
+    pieces_to_json,
     shaped_like,
 )
 from resumable.errors import (
@@ -297,10 +298,7 @@ class Checkpointer:
         }
         if captured.pieces:  # several ranks: what a coordinated persist needs
             meta["world_size"] = self.world_size
-            meta["pieces"] = {
-                n: [p.fqn, list(p.global_shape), list(p.global_offset)]
-                for n, p in captured.pieces.items()
-            }
+            meta["pieces"] = pieces_to_json(captured.pieces)
             meta["replicated"] = sorted(captured.replicated)
         deferred: set[str] = set()
         if self.overlap:
@@ -1038,7 +1036,9 @@ class Checkpointer:
                 snap, step, captured.tree, captured.pieces, _json_metrics(metrics or {})
             )
         else:
-            self._persist_now(snap, step, captured.tree, _json_metrics(metrics or {}))
+            self._persist_now(
+                snap, step, captured.tree, _json_metrics(metrics or {}), captured.pieces
+            )
         return True
 
     def _owned(self, tensors: dict[str, torch.Tensor], replicated: Any) -> dict[str, torch.Tensor]:
@@ -1066,12 +1066,16 @@ class Checkpointer:
             ),
         )
 
-    def _persist_now(self, snap: Snapshot, step: int, tree: Any, metrics: Any) -> None:
+    def _persist_now(
+        self, snap: Snapshot, step: int, tree: Any, metrics: Any, pieces: Any = None
+    ) -> None:
         """Persist on the training thread (sync mode)."""
         self._on_training_thread(
             snap,
             step,
-            lambda: self._runner.persist_snapshot(snap, step=step, tree=tree, metrics=metrics)[0],
+            lambda: self._runner.persist_snapshot(
+                snap, step=step, tree=tree, metrics=metrics, pieces=pieces
+            )[0],
         )
 
     def _on_training_thread(
@@ -1110,10 +1114,7 @@ class Checkpointer:
                 own = self._owned(views, meta.get("replicated", []))
                 if self._arena is None:
                     self._arena = Arena()
-                pieces = {
-                    n: Piece(str(f), tuple(g), tuple(o))
-                    for n, (f, g, o) in meta.get("pieces", {}).items()
-                }
+                pieces = pieces_from_json(meta.get("pieces"))
                 self._persist_group(
                     self._arena.snapshot(own),
                     snap.step,
@@ -1127,6 +1128,7 @@ class Checkpointer:
                 snap.step,
                 content.meta["tree"],
                 content.meta.get("metrics", {}),
+                pieces_from_json(content.meta.get("pieces")),
             )
             return
         worker = self._ensure_worker()

@@ -54,6 +54,7 @@ def write_checkpoint(
     tree: Any,
     metrics: Mapping[str, Any] | None = None,
     before_commit: Callable[[], None] | None = None,
+    pieces: Mapping[str, Piece] | None = None,
 ) -> PersistResult:
     """Write ``snapshot`` and ``tree`` as the checkpoint of ``step`` and commit it.
 
@@ -63,7 +64,7 @@ def write_checkpoint(
     t0 = time.perf_counter()
     attempt = committer.begin(step)
     fname = attempt.key(rank_file(0))
-    header, data, tensors = file_index(snapshot, fname, step)
+    header, data, tensors = file_index(snapshot, fname, step, pieces)
     try:
         size = storage.write(attempt.path(rank_file(0)), [header, data])
         manifest = build_manifest(

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed
+from resumable.distributed import pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
 from resumable.retention import apply_retention
@@ -205,6 +206,7 @@ class JobRunner:
             step=content.step,
             tree=content.meta["tree"],
             metrics=content.meta.get("metrics"),
+            pieces=pieces_from_json(content.meta.get("pieces")),
         )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
@@ -212,7 +214,7 @@ class JobRunner:
         return {**reply, "id": job.get("id")}
 
     def persist_snapshot(
-        self, snap: Snapshot, *, step: int, tree: Any, metrics: Any
+        self, snap: Snapshot, *, step: int, tree: Any, metrics: Any, pieces: Any = None
     ) -> tuple[dict[str, Any], list[str]]:
         """Write, commit (retrying transient storage errors), audit and apply retention.
         Returns the reply and the per-tensor checksums in layout order."""
@@ -230,6 +232,7 @@ class JobRunner:
                     tree=tree,
                     metrics=metrics,
                     before_commit=self._check_parent,
+                    pieces=pieces,
                 )
                 break
             except StorageError as exc:
