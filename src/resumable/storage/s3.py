@@ -193,7 +193,6 @@ class S3Storage(Storage):
             raise CheckpointError(f"part_size must be at least 5 MiB, got {self.part_size}")
         self.max_concurrency = max(1, int(options.get("max_concurrency", 8)))
         self.allow_unconditional_commit = bool(options.get("allow_unconditional_commit", False))
-        self.options = {k: v for k, v in options.items() if k in _OWN_OPTIONS | _CLIENT_OPTIONS}
         self.client = client if client is not None else self._make_client(options)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -515,8 +514,8 @@ class S3Storage(Storage):
         except BotoCoreError as exc:
             raise self._error("read", path, exc) from exc
 
-    def _list(self, path: str, delimiter: bool) -> Iterator[tuple[str, bool]]:
-        """(name relative to ``path``, is_prefix) for the keys under ``path``."""
+    def _pages(self, path: str, delimiter: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(prefix, response) for each page of the listing under ``path``."""
         base = self._key(path)
         prefix = base + "/" if base else ""
         token: str | None = None
@@ -527,33 +526,32 @@ class S3Storage(Storage):
             if token:
                 kwargs["ContinuationToken"] = token
             r = self._call("list", path, self.client.list_objects_v2, **kwargs)
-            for p in r.get("CommonPrefixes", []):
-                yield p["Prefix"][len(prefix) :].rstrip("/"), True
-            for o in r.get("Contents", []):
-                yield o["Key"][len(prefix) :], False
+            yield prefix, r
             if not r.get("IsTruncated"):
                 return
             token = r.get("NextContinuationToken")
 
     def list_dir(self, path: str = "") -> list[str]:
-        return sorted({name for name, _ in self._list(path, True) if name})
+        names: set[str] = set()
+        for prefix, r in self._pages(path, True):
+            names.update(
+                p["Prefix"][len(prefix) :].rstrip("/") for p in r.get("CommonPrefixes", [])
+            )
+            names.update(
+                o["Key"][len(prefix) :]
+                for o in r.get("Contents", [])
+                if not o["Key"].endswith("/")  # a directory marker, not an object
+            )
+        return sorted(n for n in names if n)
 
     def list_files(self, path: str = "") -> list[tuple[str, int, float]]:
         """Every object under ``path``: (path relative to ``path``, size, mtime)."""
-        base = self._key(path)
-        prefix = base + "/" if base else ""
-        out = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"Prefix": prefix}
-            if token:
-                kwargs["ContinuationToken"] = token
-            r = self._call("list", path, self.client.list_objects_v2, **kwargs)
-            for o in r.get("Contents", []):
-                out.append((o["Key"][len(prefix) :], int(o["Size"]), o["LastModified"].timestamp()))
-            if not r.get("IsTruncated"):
-                return out
-            token = r.get("NextContinuationToken")
+        return [
+            (o["Key"][len(prefix) :], int(o["Size"]), o["LastModified"].timestamp())
+            for prefix, r in self._pages(path, False)
+            for o in r.get("Contents", [])
+            if not o["Key"].endswith("/")
+        ]
 
     def exists(self, path: str) -> bool:
         """An object at ``path``, or any object under ``path/`` (a "directory")."""
