@@ -19,7 +19,11 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +41,7 @@ from resumable import (
 from resumable.audit import read_audit
 from resumable.format import manifest_digest
 from resumable.reader import CheckpointReader
-from resumable.storage import LocalStorage, open_storage
+from resumable.storage import LocalStorage, MemoryStorage, open_storage
 
 pytestmark = pytest.mark.usefixtures("sync_persist")
 
@@ -818,3 +822,450 @@ def test_retention_never_deletes_through_a_symlinked_step(
     assert files_outside(tmp_path, saved_root.path) == before
     assert (saved_root.path / dir_name(10) / "manifest.json").exists()
     assert not saved_root.step_dir(1).exists()  # retention did run
+
+
+# --------------------------------------------------------------------------- (g) malformed
+
+
+def _sched_entry(m: dict[str, Any], key: str, node: Any) -> None:
+    """Add ``key: node`` to the scheduler's state dict: ``StepLR.load_state_dict`` takes
+    any key, so whatever decodes there reaches the live state."""
+    for pair in m["ranks"][0]["tree"]["dict"]:
+        if pair[0] == "sched":
+            pair[1]["stateful"]["dict"].append([key, node])
+
+
+def _rng_entry(m: dict[str, Any], key: str, node: Any) -> None:
+    for pair in m["ranks"][0]["tree"]["dict"]:
+        if pair[0] == "__rng__":
+            pair[1]["dict"] = [p for p in pair[1]["dict"] if p[0] != key] + [[key, node]]
+
+
+def add_tensors(
+    planter: Planter, m: dict[str, Any], entries: dict[str, dict[str, Any]], extra: bytes = b""
+) -> bytes:
+    """The valid data file with ``extra`` appended to its data region and a header entry
+    for each of ``entries`` (``{"dtype", "shape", "at": (begin, end) in extra}``, plus
+    index fields such as ``fqn``). ``m`` gets matching index entries, checksummed, and
+    its other offsets shifted: the file agrees with the manifest in every byte."""
+    from resumable.format import checksum
+
+    data = planter.valid_data
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    region = data[8 + n :]
+    for name, e in entries.items():
+        b, end = e["at"]
+        header[name] = {
+            "dtype": e["dtype"],
+            "shape": e["shape"],
+            "data_offsets": [len(region) + b, len(region) + end],
+        }
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    start = 8 + len(body)
+    for t in m["tensors"].values():
+        t["offsets"] = [o - (8 + n) + start for o in t["offsets"]]
+    for name, e in entries.items():
+        b, end = e["at"]
+        m["tensors"][name] = {
+            "file": DATA,
+            "dtype": e["dtype"],
+            "shape": e["shape"],
+            "offsets": [start + len(region) + b, start + len(region) + end],
+            "xxh3_64": checksum(extra[b:end]),
+            **{k: v for k, v in e.items() if k not in ("dtype", "shape", "at")},
+        }
+    out = len(body).to_bytes(8, "little") + body + region + extra
+    for f in m["files"].values():
+        f["size"] = len(out)
+    return out
+
+
+def _plant_deep(planter: Planter, m: dict[str, Any]) -> None:
+    """Sign and write a manifest too deep for Python's json at the default recursion
+    limit (an attacker need not use Python to write one)."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        planter.sign(m)
+        body = json.dumps(m).encode()
+    finally:
+        sys.setrecursionlimit(old)
+    planter.plant(body)
+
+
+def _rng(key: str, node: Any) -> Callable[[Planter], None]:
+    def build(planter: Planter) -> None:
+        m = planter.manifest()
+        _rng_entry(m, key, node)
+        planter.plant(m)
+
+    return build
+
+
+def _rng_not_a_dict(planter: Planter) -> None:
+    planter.plant(planter.set_tree_entry(planter.manifest(), "__rng__", {"list": [1, 2]}))
+
+
+def _piece_field(key: str, value: Any, *, referenced: bool) -> Callable[[Planter], None]:
+    """A piece field of ``model/0.weight`` set to ``value``; ``referenced``: the model's
+    tensors are ``global`` nodes (as a DTensor model writes them), so restore uses it."""
+
+    def build(planter: Planter) -> None:
+        m = planter.manifest()
+        _first(m)[key] = value
+        if referenced:
+            for pair in m["ranks"][0]["tree"]["dict"]:
+                if pair[0] == "model":
+                    for item in pair[1]["stateful"]["dict"]:
+                        item[1] = {"global": item[1]["tensor"], "device": "cpu"}
+        planter.plant(m)
+
+    return build
+
+
+def _nested(depth: int) -> Callable[[Planter], None]:
+    def build(planter: Planter) -> None:
+        node: Any = 1
+        for _ in range(depth):
+            node = {"stateful": node}
+        m = planter.manifest()
+        _sched_entry(m, "deep", node)
+        _plant_deep(planter, m)
+
+    return build
+
+
+def _empty_with_huge_dim(tag: str) -> Callable[[Planter], None]:
+    def build(planter: Planter) -> None:
+        m = planter.manifest()
+        data = add_tensors(planter, m, {"e": {"dtype": "F32", "shape": [0, 2**62], "at": (0, 0)}})
+        node = {"tensor": "e", "device": "cpu"} if tag == "tensor" else {tag: "e"}
+        _sched_entry(m, "e", node)
+        planter.plant(m, {DATA: data})
+
+    return build
+
+
+BIG = 64 << 10  # bytes of the tensor that the costly cases multiply
+
+
+def _referenced_many_times(planter: Planter) -> None:
+    """One 64 KiB tensor referenced 10,000 times: 640 MB if each reference is a copy."""
+    m = planter.manifest()
+    data = add_tensors(
+        planter, m, {"big": {"dtype": "U8", "shape": [BIG], "at": (0, BIG)}}, bytes(BIG)
+    )
+    _sched_entry(m, "x", {"list": [{"tensor": "big", "device": "cpu"}] * 10_000})
+    planter.plant(m, {DATA: data})
+
+
+def _overlapping_bytes(planter: Planter) -> None:
+    """Two tensors of the index over the same bytes (the file is no valid safetensors)."""
+    m = planter.manifest()
+    entries = {n: {"dtype": "U8", "shape": [BIG], "at": (0, BIG)} for n in ("a", "b")}
+    data = add_tensors(planter, m, entries, bytes(BIG))
+    _sched_entry(m, "a", {"tensor": "a", "device": "cpu"})
+    _sched_entry(m, "b", {"tensor": "b", "device": "cpu"})
+    planter.plant(m, {DATA: data})
+
+
+def _pieces_over_the_same_bytes(planter: Planter) -> None:
+    """A 1 MiB data region read as 256 pieces of a 256 MiB global tensor: each piece
+    lies elsewhere in the tensor (they tile it), but all over the same bytes."""
+    mib, count = 1 << 20, 256
+    m = planter.manifest()
+    entries = {
+        f"w@{i * mib}": {
+            "dtype": "U8",
+            "shape": [mib],
+            "at": (0, mib),
+            "fqn": "w",
+            "global_shape": [count * mib],
+            "global_offset": [i * mib],
+        }
+        for i in range(count)
+    }
+    data = add_tensors(planter, m, entries, bytes(mib))
+    _sched_entry(m, "w", {"global": "w", "device": "cpu"})
+    planter.plant(m, {DATA: data})
+
+
+def _ramp(count: int) -> bytes:
+    return bytes(i % 256 for i in range(count))
+
+
+def _one_byte_pieces(count: int, *, overlap: bool) -> Callable[[Planter], None]:
+    """A global tensor of ``count`` bytes in ``count`` one-byte pieces. With ``overlap``
+    the first byte is left out and the last one covered twice, so the element count
+    still adds up and only the overlap test finds it (last among all pairs)."""
+
+    def build(planter: Planter) -> None:
+        m = planter.manifest()
+        offsets = list(range(count))
+        if overlap:
+            offsets = [*range(1, count), count - 1]  # byte 0 uncovered, byte count-1 twice
+        entries = {
+            f"w@{i}": {
+                "dtype": "U8",
+                "shape": [1],
+                "at": (i, i + 1),
+                "fqn": "w",
+                "global_shape": [count],
+                "global_offset": [o],
+            }
+            for i, o in enumerate(offsets)
+        }
+        data = add_tensors(planter, m, entries, _ramp(count))
+        _sched_entry(m, "w", {"global": "w", "device": "cpu"})
+        planter.plant(m, {DATA: data})
+
+    return build
+
+
+def _trailing_bytes(planter: Planter) -> None:
+    """Bytes after the last tensor, in no header entry: not a valid safetensors file."""
+    m = planter.manifest()
+    planter.plant(m, {DATA: add_tensors(planter, m, {}, bytes(64))})
+
+
+def _manifest_edit(edit: Callable[[dict[str, Any]], None]) -> Callable[[Planter], None]:
+    def build(planter: Planter) -> None:
+        m = planter.manifest()
+        edit(m)
+        planter.plant(m)
+
+    return build
+
+
+# name -> (how to plant it, what `resumable verify` must name)
+MALFORMED: dict[str, tuple[Callable[[Planter], None], str]] = {
+    "rng-torch-cpu-an-int": (_rng("torch_cpu", 5), "RNG"),
+    "rng-numpy-an-int": (_rng("numpy", 5), "RNG"),
+    "rng-numpy-a-list": (_rng("numpy", {"list": [1, 2]}), "RNG"),
+    "rng-python-a-string": (_rng("python", "abc"), "RNG"),
+    "rng-python-short-tuple": (_rng("python", {"tuple": [3, {"tuple": [1, 2]}, None]}), "RNG"),
+    "rng-torch-cuda-an-int": (_rng("torch_cuda", 5), "RNG"),
+    "rng-not-a-dict": (_rng_not_a_dict, "RNG"),
+    "global-offset-float": (_piece_field("global_offset", [0.0, 0], referenced=True), "piece"),
+    "global-offset-float-unused": (
+        _piece_field("global_offset", [0.0, 0], referenced=False),
+        "piece",
+    ),
+    "global-shape-an-int": (_piece_field("global_shape", 5, referenced=True), "piece"),
+    "global-shape-an-int-unused": (_piece_field("global_shape", 5, referenced=False), "piece"),
+    "fqn-a-list": (_piece_field("fqn", ["w"], referenced=False), "piece"),
+    "tree-nested-65": (_nested(65), "deep"),
+    "tree-nested-900": (_nested(900), "deep"),
+    "tree-nested-1000": (_nested(1000), "deep"),
+    "empty-tensor-dim-2**62": (_empty_with_huge_dim("tensor"), "shape"),
+    "empty-ndarray-dim-2**62": (_empty_with_huge_dim("ndarray"), "shape"),
+    "tensor-referenced-10000-times": (_referenced_many_times, "more than once"),
+    "tensors-over-the-same-bytes": (_overlapping_bytes, "overlap"),
+    "pieces-over-the-same-bytes": (_pieces_over_the_same_bytes, "overlap"),
+    "6000-one-byte-pieces-overlapping": (_one_byte_pieces(6000, overlap=True), "overlap"),
+    "world-size-a-string": (_manifest_edit(lambda m: m.__setitem__("world_size", "1")), "world"),
+    "world-size-2-with-1-rank": (_manifest_edit(lambda m: m.__setitem__("world_size", 2)), "rank"),
+    "metric-a-dict": (_manifest_edit(lambda m: m["metrics"].__setitem__("loss", {})), "metric"),
+    "data-file-with-unindexed-bytes": (_trailing_bytes, "safetensors"),
+}
+
+
+def verify_cli(root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``resumable verify --step 9 --json``: exit status and the error it reports."""
+    from resumable.cli import main
+
+    capsys.readouterr()
+    code = main(["verify", str(root), "--step", str(HOSTILE), "--json"])
+    out = capsys.readouterr().out
+    (result,) = json.loads(out)
+    return code, str(result["error"])
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_checkpoint_is_refused_alike_by_verify_and_restore(
+    planter: Planter, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Validation is total: whatever is malformed is `CorruptCheckpointError`, found
+    before anything is allocated for it; ``resumable verify`` names the problem and
+    exits 1, and restore skips the checkpoint with a WARNING for the older valid one."""
+    build, problem = MALFORMED[case]
+    build(planter)
+    t0 = time.monotonic()
+    code, error = verify_cli(planter.root, capsys)
+    assert code == 1, error
+    assert re.search(problem, error, re.IGNORECASE), error
+    planter.verify_refuses()
+    planter.restore_falls_back()
+    assert time.monotonic() - t0 < 10  # generous: 6,000 pieces took 45 s when quadratic
+
+
+RSS_SCRIPT = """
+import os, resource, sys
+sys.path.insert(0, {tests!r})
+from conftest import build_training_state
+from resumable import Checkpointer
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+ts = build_training_state(seed=7, steps=0)
+with Checkpointer({root!r}, ts.state, keep=None, persist="sync") as ckpt:
+    before = rss()
+    step = ckpt.restore()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(step, peak - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="measures memory via /proc")
+@pytest.mark.parametrize("case", ["tensor-referenced-10000-times", "pieces-over-the-same-bytes"])
+def test_small_hostile_checkpoint_costs_no_memory(planter: Planter, case: str) -> None:
+    """A checkpoint of a few hundred KiB to 1 MiB that used to make restore allocate
+    640 MiB (a copy per reference) or 512 MiB (a 256 MiB tensor from overlapping
+    pieces, and its copy): the peak memory of a restore, measured in its own process,
+    stays far below that."""
+    MALFORMED[case][0](planter)
+    script = RSS_SCRIPT.format(tests=str(Path(__file__).parent), root=str(planter.root))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    step, grown = (int(x) for x in out.split()[-2:])
+    assert grown < 128 << 20, f"restore grew the process by {grown >> 20} MiB"
+    assert step == VALID
+
+
+def test_thousands_of_pieces_tile_in_near_linear_time(
+    planter: Planter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A valid global tensor in 6,000 one-byte pieces verifies and restores; the tiling
+    check is O(n log n) (it was quadratic: 20 s to verify, 25 s to restore)."""
+    # Loading a global tensor imports DCP's planner: before the audit hook records.
+    import torch.distributed.checkpoint.planner_helpers  # noqa: F401
+
+    _one_byte_pieces(6000, overlap=False)(planter)
+    t0 = time.monotonic()
+    code, error = verify_cli(planter.root, capsys)
+    assert code == 0, error
+    outcome, ts = planter.restore()
+    assert outcome == HOSTILE
+    assert bytes(ts.sched.w.numpy()) == _ramp(6000)
+    assert time.monotonic() - t0 < 10
+
+
+class _ObjectStore(MemoryStorage):
+    """Memory without rename: committed with `MarkerCommit`, as on ``s3://``, whose
+    constructor scans every step's manifest for stale attempts."""
+
+    supports_rename = False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"[" * 900 + b"]" * 900],
+    ids=["too-deep-to-parse", "deep"],
+)
+def test_deeply_nested_manifest_on_an_object_store_does_not_stop_construction(
+    small_training_state: Callable[..., Any], body: bytes
+) -> None:
+    storage = _ObjectStore("memory://objects")
+    ts = small_training_state(seed=0, steps=1)
+    with Checkpointer(storage, ts.state, keep=None, persist="sync") as ckpt:
+        ckpt.save(1)
+    storage.write(f"{dir_name(HOSTILE)}/att-0000000000001-1-0badc0de/{DATA}", [b"x"])
+    storage.write(f"{dir_name(HOSTILE)}/manifest.json", [body])
+    fresh = small_training_state(seed=7, steps=0)
+    with Checkpointer(storage, fresh.state, keep=None, persist="sync") as ckpt:
+        assert ckpt.restore() == 1
+
+
+def _nested_dict(levels: int) -> dict[str, Any]:
+    """``levels`` dicts, each inside the previous one."""
+    d: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels - 1):
+        d = {"k": d}
+    return d
+
+
+def test_the_deepest_state_a_save_accepts_restores(tmp_path: Path) -> None:
+    """Readers refuse trees deeper than `MAX_TREE_DEPTH`, so a save refuses such a
+    state (naming its path) and never writes a checkpoint no restore would take; one
+    level less saves and restores."""
+    from resumable.errors import UnsupportedStateError
+    from resumable.tree import MAX_TREE_DEPTH
+
+    deepest = MAX_TREE_DEPTH - 1  # the root node is one level; its entries start at two
+    with Checkpointer(tmp_path / "ok", {"cfg": _nested_dict(deepest)}, persist="sync") as ckpt:
+        ckpt.save(1)
+    live = {"cfg": {}}
+    with Checkpointer(tmp_path / "ok", live, persist="sync") as ckpt:
+        assert ckpt.restore() == 1
+    assert live["cfg"] == _nested_dict(deepest)
+    with (
+        Checkpointer(tmp_path / "deep", {"cfg": _nested_dict(deepest + 1)}, persist="sync") as ck,
+        pytest.raises(UnsupportedStateError, match=f"more than {MAX_TREE_DEPTH} levels"),
+    ):
+        ck.save(1)
+
+
+def _index(pieces: list[tuple[list[int], list[int]]], gshape: list[int]) -> dict[str, Any]:
+    return {
+        f"w@{i}": {
+            "file": DATA,
+            "dtype": "U8",
+            "shape": shape,
+            "offsets": [0, 0],
+            "xxh3_64": "",
+            "fqn": "w",
+            "global_shape": gshape,
+            "global_offset": offset,
+        }
+        for i, (shape, offset) in enumerate(pieces)
+    }
+
+
+TILINGS: dict[str, tuple[list[tuple[list[int], list[int]]], str | None]] = {
+    "grid-2x2": ([([2, 2], [0, 0]), ([2, 2], [0, 2]), ([2, 2], [2, 0]), ([2, 2], [2, 2])], None),
+    "not-a-grid": ([([2, 4], [0, 0]), ([2, 1], [2, 0]), ([2, 3], [2, 1])], None),
+    "empty-pieces-ignored": ([([4, 4], [0, 0]), ([0, 4], [4, 0])], None),
+    "overlap-same-count": ([([2, 4], [0, 0]), ([2, 4], [1, 0]), ([1, 4], [3, 0])], "overlap"),
+    "hole": ([([2, 4], [0, 0]), ([1, 4], [2, 0])], "cover 12 of its 16"),
+    "outside": ([([4, 4], [0, 0]), ([1, 1], [4, 4])], "outside"),
+}
+
+
+@pytest.mark.parametrize("case", list(TILINGS))
+def test_pieces_must_tile_their_global_tensor(case: str) -> None:
+    from resumable.distributed import check_pieces, global_tensors
+
+    pieces, problem = TILINGS[case]
+    index = _index(pieces, [4, 4])
+    (spec,) = global_tensors(index).values()
+    if problem is None:
+        check_pieces("w", spec, index, "here")
+    else:
+        with pytest.raises(CorruptCheckpointError, match=problem):
+            check_pieces("w", spec, index, "here")
+
+
+def test_a_tiling_more_fragmented_than_any_sharding_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A staircase (row i from column i on, column i below row i) tiles an n-by-n tensor
+    with 2n - 1 pieces but cuts it into n² cells: refused once the cells pass the
+    bound, so the check stays O(n log n + bound)."""
+    import resumable.distributed as distributed
+
+    n = 16
+    rows = [([1, n - i], [i, i]) for i in range(n)]
+    columns = [([n - i - 1, 1], [i + 1, i]) for i in range(n - 1)]
+    index = _index(rows + columns, [n, n])
+    (spec,) = distributed.global_tensors(index).values()
+    distributed.check_pieces("w", spec, index, "here")  # n² = 256 cells: within the bound
+    monkeypatch.setattr(distributed, "MAX_TILING_CELLS", 64)
+    (spec,) = distributed.global_tensors(index).values()
+    with pytest.raises(CorruptCheckpointError, match="fragmented"):
+        distributed.check_pieces("w", spec, index, "here")

@@ -32,8 +32,7 @@ import torch
 
 from resumable.distributed import Piece, dtensor_piece, is_dtensor, piece_name
 from resumable.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
-
-RNG_KEY = "__rng__"
+from resumable.tree import MAX_TREE_DEPTH, RNG_KEY
 
 JSONValue = Any
 Tree = Any
@@ -142,10 +141,19 @@ class _Encoder:
                 "pass a plain tensor (DTensors are supported in modules and optimizers)"
             )
 
-    def value(self, v: Any, path: tuple[Any, ...]) -> Any:
+    def value(self, v: Any, path: tuple[Any, ...], depth: int) -> Any:
+        """The tree node of ``v``, a node ``depth`` levels below the root (its entries are
+        at depth 2). Readers refuse tagged nodes deeper than `MAX_TREE_DEPTH`, so such
+        a state is refused here, at save."""
+        if depth > MAX_TREE_DEPTH and not _plain_scalar(v):
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: the state nests containers more than "
+                f"{MAX_TREE_DEPTH} levels deep, more than a checkpoint holds; flatten it "
+                "(e.g. store it as a JSON string)"
+            )
         # np.generic first: np.float64 is a float subclass. bool before int: bool is an int.
         if isinstance(v, np.generic):
-            return {"npscalar": v.dtype.str, "v": self.value(v.item(), path)}
+            return {"npscalar": v.dtype.str, "v": self.value(v.item(), path, depth + 1)}
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int):
@@ -180,7 +188,7 @@ class _Encoder:
             node = self.tensor(v.get_state(), path)
             return {"torch_generator": node["tensor"]}
         if isinstance(v, np.random.Generator):
-            return {"np_generator": self.value(v.bit_generator.state, path)}
+            return {"np_generator": self.value(v.bit_generator.state, path, depth + 1)}
         if isinstance(v, Mapping) and not _is_stateful(v):
             items = []
             for k, item in v.items():
@@ -189,14 +197,14 @@ class _Encoder:
                         f"{_path_str(path)}: cannot checkpoint a dict key of type "
                         f"{type(k).__name__} ({k!r}); use str or int keys"
                     )
-                items.append([k, self.value(item, (*path, k))])
+                items.append([k, self.value(item, (*path, k), depth + 1)])
             return {"dict": items}
         if isinstance(v, torch.Size):
             return {"size": list(v)}
         if isinstance(v, list):
-            return {"list": self._sequence(v, path)}
+            return {"list": self._sequence(v, path, depth + 1)}
         if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return {"tuple": self._sequence(v, path)}
+            return {"tuple": self._sequence(v, path, depth + 1)}
         if _is_stateful(v):
             v = _unwrap(v)
             try:
@@ -205,18 +213,29 @@ class _Encoder:
                 raise UnsupportedStateError(
                     f"{_path_str(path)}: {type(v).__name__}.state_dict() raised {exc!r}"
                 ) from exc
-            return {"stateful": self.value(sd, path)}
+            return {"stateful": self.value(sd, path, depth + 1)}
         raise UnsupportedStateError(
             f"{_path_str(path)}: cannot checkpoint {type(v)!r}; "
             "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
         )
 
-    def _sequence(self, v: list[Any] | tuple[Any, ...], path: tuple[Any, ...]) -> list[Any]:
+    def _sequence(
+        self, v: list[Any] | tuple[Any, ...], path: tuple[Any, ...], depth: int
+    ) -> list[Any]:
         # Fast path (same output): long runs of plain ints, such as Python's RNG state,
         # are their own encoding.
         if all(type(x) is int or type(x) is str for x in v):
             return list(v)
-        return [self.value(x, (*path, i)) for i, x in enumerate(v)]
+        return [self.value(x, (*path, i), depth) for i, x in enumerate(v)]
+
+
+def _plain_scalar(v: Any) -> bool:
+    """Whether ``v`` is encoded as a bare JSON scalar (no tagged node, no nesting)."""
+    if isinstance(v, np.generic):
+        return False
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return v is None or isinstance(v, (bool, int, str))
 
 
 def _unwrap(v: Any) -> Any:
@@ -273,10 +292,10 @@ def capture(
                 f"state keys must be strings other than {RNG_KEY!r}, found {key!r}"
             )
         enc.in_global = is_global_object(obj)
-        top.append([key, enc.value(obj, (key,))])
+        top.append([key, enc.value(obj, (key,), 2)])
         enc.in_global = False
     if include_rng:
-        top.append([RNG_KEY, enc.value(rng_state(), (RNG_KEY,))])
+        top.append([RNG_KEY, enc.value(rng_state(), (RNG_KEY,), 2)])
     return Captured(
         tree={"dict": top},
         tensors=enc.tensors,
@@ -358,7 +377,10 @@ class _Decoder:
                 raise CorruptCheckpointError(f"malformed float node: {node!r}")
             return float(node["float"])
         if "ndarray" in node:
-            return self._get_tensor(node["ndarray"]).numpy()
+            try:
+                return self._get_tensor(node["ndarray"]).numpy()
+            except (TypeError, ValueError) as exc:  # e.g. bfloat16: NumPy has no such dtype
+                raise CorruptCheckpointError(f"malformed ndarray node {node!r}: {exc}") from None
         if "npscalar" in node:
             try:
                 npdt, v = np.dtype(str(node["npscalar"])), self.value(node.get("v"))
@@ -376,7 +398,7 @@ class _Decoder:
         if "device" in node:
             try:
                 return torch.device(str(node["device"]))
-            except (RuntimeError, TypeError) as exc:
+            except (RuntimeError, TypeError, ValueError) as exc:
                 raise CorruptCheckpointError(f"malformed device node: {node!r}") from exc
         if "bytes" in node:
             try:
@@ -387,7 +409,10 @@ class _Decoder:
             dims = _as_list(node["size"])
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in dims):
                 raise CorruptCheckpointError(f"malformed torch.Size node: {str(node)[:80]}")
-            return torch.Size(dims)
+            try:
+                return torch.Size(dims)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise CorruptCheckpointError(f"malformed torch.Size node: {exc}") from None
         if "torch_generator" in node:
             return {"__torch_generator_state__": self._get_tensor(node["torch_generator"])}
         if "np_generator" in node:
@@ -413,7 +438,11 @@ def decode(
     """Turn a tree back into plain values; tensors go to their recorded device or
     ``map_location`` (never the RNG states: generators take CPU tensors). ``resolve``
     builds global tensors (several ranks) from their fqn. Raises
-    `CorruptCheckpointError` for any malformed node."""
+    `CorruptCheckpointError` for any malformed node.
+
+    Recursive: trees from `capture`, and from manifests `resumable.format.decode_manifest`
+    accepted, are at most `resumable.tree.MAX_TREE_DEPTH` deep; a deeper one given
+    directly fails as corrupt too."""
     try:
         values = _Decoder(tensors, map_location, resolve).value(_without_rng(tree))
         rng = _rng_node(tree)
@@ -593,7 +622,7 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -
             return obj
     except StateMismatchError:
         raise
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise StateMismatchError(
             f"{_path_str(path)}: the checkpoint does not fit this object ({exc}). "
             "Restore into the same kind of model/optimizer it was saved from"
@@ -607,33 +636,47 @@ def _generator_payload(value: Any, tag: str, path: tuple[Any, ...]) -> Any:
     return value[tag]
 
 
+# What a malformed state makes the generators' own setters raise.
+_SETTER_ERRORS = (TypeError, ValueError, RuntimeError, KeyError, IndexError, OverflowError)
+
+
 def check_rng_state(rng: Any) -> None:
-    """Raise `CorruptCheckpointError` if `set_rng_state` would refuse ``rng``; the
-    process-wide random streams are left as they were either way."""
-    saved = rng_state()
+    """Raise `CorruptCheckpointError` unless `set_rng_state` can put back ``rng``.
+
+    Each stream is tried on a throwaway generator (``random.Random``, NumPy's
+    ``RandomState``, ``torch.Generator``), so no process-wide stream is touched: restore
+    calls this before loading any live object, and verify calls it too, so both judge
+    a checkpoint alike. CUDA states are checked for type only (trying one would need a
+    CUDA context).
+    """
+    if not isinstance(rng, dict):
+        raise CorruptCheckpointError(
+            f"malformed RNG entry in checkpoint: a {type(rng).__name__}, not a dict"
+        )
     try:
-        set_rng_state(rng)
-    finally:
-        set_rng_state(saved)
+        if "python" in rng:
+            random.Random().setstate(_python_state(rng["python"]))
+        if "numpy" in rng:
+            np.random.RandomState().set_state(rng["numpy"])
+        if "torch_cpu" in rng:
+            torch.Generator().set_state(_state_bytes(rng["torch_cpu"]))
+        _cuda_states(rng)
+    except _SETTER_ERRORS as exc:
+        raise CorruptCheckpointError(f"malformed RNG state in checkpoint: {exc}") from exc
 
 
 def set_rng_state(rng: Any) -> None:
-    """Put back the process-wide random streams recorded by `rng_state`."""
-    if not isinstance(rng, dict):
-        raise CorruptCheckpointError("malformed RNG entry in checkpoint")
-    try:
-        if "python" in rng:
-            version, internal, gauss = rng["python"]
-            random.setstate((version, tuple(internal), gauss))
-        if "numpy" in rng:
-            np.random.set_state(rng["numpy"])
-        if "torch_cpu" in rng:
-            torch.set_rng_state(rng["torch_cpu"].to("cpu", torch.uint8).clone())
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise CorruptCheckpointError(f"malformed RNG state in checkpoint: {exc}") from exc
-    cuda = rng.get("torch_cuda")
-    if cuda and torch.cuda.is_available():
-        states = [t.to("cpu", torch.uint8).clone() for t in cuda]
+    """Put back the process-wide random streams recorded by `rng_state` (checked by
+    `check_rng_state` first, as `restore` does)."""
+    check_rng_state(rng)
+    if "python" in rng:
+        random.setstate(_python_state(rng["python"]))
+    if "numpy" in rng:
+        np.random.set_state(rng["numpy"])
+    if "torch_cpu" in rng:
+        torch.set_rng_state(_state_bytes(rng["torch_cpu"]))
+    states = _cuda_states(rng)
+    if states and torch.cuda.is_available():
         if len(states) != torch.cuda.device_count():
             warnings.warn(
                 f"checkpoint holds RNG states for {len(states)} CUDA devices, this process "
@@ -641,8 +684,35 @@ def set_rng_state(rng: Any) -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        for i, s in enumerate(states[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, i)
+        try:
+            for i, s in enumerate(states[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
+        except RuntimeError as exc:
+            raise CorruptCheckpointError(f"malformed CUDA RNG state in checkpoint: {exc}") from exc
+
+
+def _python_state(value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise TypeError(f"Python's random state is a 3-tuple, found {str(value)[:80]}")
+    version, internal, gauss = value
+    if not isinstance(internal, (tuple, list)):
+        raise TypeError("Python's random state holds a tuple of integers")
+    return (version, tuple(internal), gauss)
+
+
+def _state_bytes(value: Any) -> torch.Tensor:
+    """A generator state as the fresh uint8 CPU tensor ``set_state`` needs (it crashes
+    on views with a storage offset)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        raise TypeError(f"a generator state is a 1-D uint8 tensor, found {str(value)[:80]}")
+    return value.detach().to("cpu").clone()
+
+
+def _cuda_states(rng: dict[str, Any]) -> list[torch.Tensor]:
+    states = rng.get("torch_cuda", [])
+    if not isinstance(states, list):
+        raise TypeError(f"CUDA RNG states are a list, found {type(states).__name__}")
+    return [_state_bytes(t) for t in states]
 
 
 def global_refs(tree: Tree) -> Iterator[str]:

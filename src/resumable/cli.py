@@ -46,9 +46,15 @@ from resumable.commit import (
     parse_step_dir,
     step_dir,
 )
-from resumable.distributed import GlobalLoader
+from resumable.distributed import GlobalLoader, GlobalTensor, global_tensors
 from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from resumable.format import TensorSlot, byte_view, dtype_from_name, safetensors_header
+from resumable.format import (
+    TensorSlot,
+    byte_view,
+    dtype_from_name,
+    itemsize,
+    safetensors_header,
+)
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention, pinned_steps
@@ -366,6 +372,14 @@ def _inline(node: Any) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class _Index:
+    """The tensor index of the checkpoint shown, and its global tensors (grouped once)."""
+
+    tensors: dict[str, Any]
+    globals: dict[str, GlobalTensor]
+
+
 def _tensor_line(label: str, kind: str, name: str, index: dict[str, Any]) -> str:
     info = index.get(name)
     if not isinstance(info, dict):
@@ -374,29 +388,27 @@ def _tensor_line(label: str, kind: str, name: str, index: dict[str, Any]) -> str
     return f"{label}: {kind} {name} {info['dtype']} {info['shape']} {_human_bytes(end - begin)}"
 
 
-def _global_line(label: str, fqn: str, index: dict[str, Any]) -> str:
+def _global_line(label: str, fqn: str, globals_: dict[str, GlobalTensor]) -> str:
     """A tensor of several ranks: its global shape and how many pieces hold it."""
-    pieces = [i for n, i in index.items() if isinstance(i, dict) and i.get("fqn", n) == fqn]
-    if not pieces:
+    spec = globals_.get(fqn)
+    if spec is None:
         return f"{label}: global {fqn} (no pieces in the tensor index)"
-    info = pieces[0]
-    shape = info.get("global_shape", info["shape"])
-    nbytes = sum(p["offsets"][1] - p["offsets"][0] for p in pieces)
+    nbytes = sum(math.prod(p.shape) for p in spec.pieces) * itemsize(spec.dtype)
     return (
-        f"{label}: global {fqn} {info['dtype']} {shape} {_human_bytes(nbytes)} "
-        f"in {len(pieces)} piece(s)"
+        f"{label}: global {fqn} {spec.dtype} {list(spec.shape)} {_human_bytes(nbytes)} "
+        f"in {len(spec.pieces)} piece(s)"
     )
 
 
-def _tree_lines(node: Any, label: str, depth: int, index: dict[str, Any], out: list[str]) -> None:
+def _tree_lines(node: Any, label: str, depth: int, index: _Index, out: list[str]) -> None:
     pad = "  " * depth
     if isinstance(node, dict):
         for kind in ("tensor", "ndarray", "torch_generator"):
             if isinstance(node.get(kind), str):
-                out.append(pad + _tensor_line(label, kind, node[kind], index))
+                out.append(pad + _tensor_line(label, kind, node[kind], index.tensors))
                 return
         if isinstance(node.get("global"), str):
-            out.append(pad + _global_line(label, node["global"], index))
+            out.append(pad + _global_line(label, node["global"], index.globals))
             return
     if not _has_tensors(node):
         out.append(f"{pad}{label}: {_inline(node)}")
@@ -412,7 +424,7 @@ def _tree_lines(node: Any, label: str, depth: int, index: dict[str, Any], out: l
         _children(node, depth + 1, index, out)
 
 
-def _children(node: Any, depth: int, index: dict[str, Any], out: list[str]) -> None:
+def _children(node: Any, depth: int, index: _Index, out: list[str]) -> None:
     if not isinstance(node, dict):
         out.append("  " * depth + _inline(node))
         return
@@ -457,7 +469,7 @@ def run_show(args: argparse.Namespace) -> int:
     for r in ranks:
         lines.append("")
         lines.append("state" if len(ranks) == 1 else f"state (rank {r.get('rank', '?')})")
-        _children(r["tree"], 1, index, lines)
+        _children(r["tree"], 1, _Index(index, global_tensors(index)), lines)
     console = _console()
     for line in lines:
         console.print(Text(line))
@@ -572,13 +584,13 @@ def _export(storage: Storage, step: int, key: str, out: Path) -> tuple[int, int]
             shape, dtype_text = tuple(index[name]["shape"]), index[name]["dtype"]
         specs[sd_key] = (dtype_from_name(dtype_text), shape)
 
-    def itemsize(k: str) -> int:
+    def element_size(k: str) -> int:
         return torch.empty(0, dtype=specs[k][0]).element_size()
 
     slots, offset = [], 0
-    for sd_key in sorted(specs, key=lambda k: -itemsize(k)):  # aligned, as the data files
+    for sd_key in sorted(specs, key=lambda k: -element_size(k)):  # aligned, as the data files
         dtype, shape = specs[sd_key]
-        n = math.prod(shape) * itemsize(sd_key)
+        n = math.prod(shape) * element_size(sd_key)
         slots.append(TensorSlot(sd_key, dtype, shape, offset, offset + n))
         offset += n
     metadata = {"format": "pt", "producer": "resumable", "step": str(step), "key": key}

@@ -23,7 +23,6 @@ iff ``step-N/manifest.json`` exists. `committer_for` picks the one a storage sup
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -31,8 +30,13 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from resumable.errors import CorruptCheckpointError, NoCheckpointError, StorageError
-from resumable.format import MANIFEST, checksum
+from resumable.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
+from resumable.format import MANIFEST, MAX_MANIFEST_BYTES, checksum, decode_manifest
 from resumable.storage.base import Storage
 
 _STEP_DIR = re.compile(r"^step-([0-9]{12,20})\Z")
@@ -262,15 +266,27 @@ class MarkerCommit:
             referenced: set[str] = set()
             if MANIFEST in entries:
                 try:
-                    files = json.loads(self.storage.read(f"{name}/{MANIFEST}"))["files"]
-                    referenced = {str(f).split("/", 1)[0] for f in files}
-                except (ValueError, KeyError, TypeError, OSError):
-                    continue  # a damaged manifest: verify reports it; keep its data
+                    files = self._manifest_files(name)
+                except (CheckpointError, OSError) as exc:
+                    # Damaged, hostile or newer: verify reports it; keep its data.
+                    log.debug("not collecting attempts of %s: %s", name, exc)
+                    continue
+                referenced = {f.split("/", 1)[0] for f in files}
             for entry in entries:
                 m = _ATTEMPT.match(entry)
                 if m and entry not in referenced and now - int(m.group(1)) / 1000 > self.gc_grace_s:
                     out.append(f"{name}/{entry}")
         return out
+
+    def _manifest_files(self, name: str) -> list[str]:
+        """The data files the manifest of step directory ``name`` lists, read only after
+        the whole manifest validates (a hostile one raises `CheckpointError`, never
+        more; its size is checked before it is read)."""
+        path = f"{name}/{MANIFEST}"
+        size = self.storage.size(path)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{path} has {size} bytes, more than a manifest")
+        return list(decode_manifest(self.storage.read(path), where=path)["files"])
 
 
 Committer = RenameCommit | MarkerCommit

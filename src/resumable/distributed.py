@@ -14,8 +14,9 @@ Under ``torchrun`` (or any initialised ``torch.distributed`` process group) the 
 - `GlobalLoader`: fills each live target (a DTensor's local shard, or a whole tensor)
   from whichever pieces overlap it, whatever world size wrote them. Which byte ranges
   of which pieces to copy is planned by ``torch.distributed.checkpoint``'s own planner
-  helper (``create_read_items_for_chunk_list``), as ``dcp.load`` does; the pieces are
-  checked to tile each tensor exactly (DCP itself does not check).
+  helper (``create_read_items_for_chunk_list``), as ``dcp.load`` does. That the pieces
+  tile each tensor exactly (DCP itself does not check) is part of reading the manifest
+  (`check_pieces`, called by `resumable.format.decode_manifest`), in O(n log n).
 
 Everything else in the state (RNG streams, data position, ...) is per-rank: every rank
 saves its own. On a different world size such state cannot be resharded, and restore
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
 from resumable.errors import CorruptCheckpointError, PersistError, StateMismatchError
@@ -190,14 +192,99 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-# --------------------------------------------------------------------------- loading
+# --------------------------------------------------------------------------- stored pieces
 
 
-@dataclass
-class _Saved:
+@dataclass(frozen=True)
+class StoredPiece:
+    """One tensor index entry, seen as a piece of its global tensor."""
+
     name: str
     shape: tuple[int, ...]
     offset: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """A global tensor of a checkpoint: its shape, dtype name and stored pieces."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: list[StoredPiece]
+
+
+def global_tensors(index: Mapping[str, Mapping[str, Any]]) -> dict[str, GlobalTensor]:
+    """A tensor index grouped by ``fqn`` (an entry without one is a global tensor of its
+    own, whole), shape and dtype from each group's first entry. Expects entries of
+    valid types; `format.decode_manifest` checks that each group agrees and tiles
+    (`check_pieces`)."""
+    out: dict[str, GlobalTensor] = {}
+    for name, info in index.items():
+        shape = tuple(info["shape"])
+        fqn = info.get("fqn", name)
+        if fqn not in out:
+            out[fqn] = GlobalTensor(tuple(info.get("global_shape", shape)), info["dtype"], [])
+        offset = tuple(info.get("global_offset", (0,) * len(shape)))
+        out[fqn].pieces.append(StoredPiece(name, shape, offset))
+    return out
+
+
+MAX_TILING_CELLS = 1 << 22
+
+
+def check_pieces(
+    fqn: str, spec: GlobalTensor, index: Mapping[str, Mapping[str, Any]], where: str
+) -> None:
+    """Raise `CorruptCheckpointError` unless the pieces of ``fqn`` agree on its shape and
+    dtype and tile it exactly: inside it, no overlap, every element covered (DCP itself
+    does not check).
+
+    Cost O(n·d·log n + c) for n pieces of d dimensions: the distinct piece boundaries of
+    each dimension cut the tensor into a grid of c cells, each piece covers whole cells,
+    and a bitmap of the cells finds one covered twice. A DTensor's shards form a grid,
+    so c = n; a tiling cut into more than max(n, `MAX_TILING_CELLS`) cells is refused.
+    """
+    what = f"{where}: pieces of {fqn[:100]!r}"
+    for p in spec.pieces:
+        info = index[p.name]
+        if tuple(info.get("global_shape", info["shape"])) != spec.shape or (
+            info["dtype"] != spec.dtype
+        ):
+            raise CorruptCheckpointError(f"{what} disagree on its shape or dtype")
+    pieces = [p for p in spec.pieces if _numel(p.shape)]
+    for p in pieces:
+        if any(o + s > g for o, s, g in zip(p.offset, p.shape, spec.shape)):
+            raise CorruptCheckpointError(f"{what}: piece {p.name[:100]!r} lies outside it")
+    covered, total = sum(_numel(p.shape) for p in pieces), _numel(spec.shape)
+    if covered != total:
+        raise CorruptCheckpointError(
+            f"{what} cover {covered} of its {total} elements (a rank's file is missing "
+            "from the manifest, or pieces overlap)"
+        )
+    if len(pieces) < 2:
+        return
+    cuts = [
+        sorted({0, g} | {p.offset[d] for p in pieces} | {p.offset[d] + p.shape[d] for p in pieces})
+        for d, g in enumerate(spec.shape)
+    ]
+    cells = _numel(tuple(len(c) - 1 for c in cuts))
+    if cells > max(len(pieces), MAX_TILING_CELLS):
+        raise CorruptCheckpointError(
+            f"{what} cut it into {cells} cells, more than {MAX_TILING_CELLS}; no sharding "
+            "resumable writes is that fragmented"
+        )
+    at = [{c: i for i, c in enumerate(dim)} for dim in cuts]
+    seen = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    for p in pieces:
+        box = tuple(
+            slice(at[d][o], at[d][o + s]) for d, (o, s) in enumerate(zip(p.offset, p.shape))
+        )
+        if seen[box].any():
+            raise CorruptCheckpointError(f"{what} overlap (at piece {p.name[:100]!r})")
+        seen[box] = True
+
+
+# --------------------------------------------------------------------------- loading
 
 
 class GlobalLoader:
@@ -208,22 +295,8 @@ class GlobalLoader:
         self.reader = reader
         self.live = live
         self.where = reader.where
-        index = reader.manifest["tensors"]
-        self.pieces: dict[str, list[_Saved]] = {}
-        self.meta: dict[str, tuple[tuple[int, ...], str]] = {}
-        for name, info in index.items():
-            fqn = info.get("fqn", name)
-            shape = tuple(info["shape"])
-            gshape = tuple(info.get("global_shape", shape))
-            offset = tuple(info.get("global_offset", (0,) * len(shape)))
-            if not isinstance(fqn, str) or len(gshape) != len(shape) or len(offset) != len(shape):
-                raise CorruptCheckpointError(f"{self.where}: malformed piece entry {name!r}")
-            self.pieces.setdefault(fqn, []).append(_Saved(name, shape, offset))
-            prev = self.meta.setdefault(fqn, (gshape, info["dtype"]))
-            if prev != (gshape, info["dtype"]):
-                raise CorruptCheckpointError(
-                    f"{self.where}: pieces of {fqn!r} disagree on its shape or dtype"
-                )
+        # Validated when the manifest was read: the pieces of each tensor tile it.
+        self.globals = global_tensors(reader.manifest["tensors"])
         self._values: dict[str, torch.Tensor] = {}
 
     def prepare(self, fqns: list[str]) -> None:
@@ -254,12 +327,11 @@ class GlobalLoader:
 
         from resumable.format import dtype_from_name
 
-        if fqn not in self.pieces:
+        if fqn not in self.globals:
             raise StateMismatchError(f"{self.where}: the checkpoint has no tensor {fqn!r}")
-        gshape, dtype_name = self.meta[fqn]
-        dtype = dtype_from_name(dtype_name)
-        saved = [p for p in self.pieces[fqn] if _numel(p.shape)]
-        _check_tiling(fqn, gshape, saved, self.where)
+        spec = self.globals[fqn]
+        gshape, dtype = spec.shape, dtype_from_name(spec.dtype)
+        saved = [p for p in spec.pieces if _numel(p.shape)]
         live = self.live.get(fqn)
         if live is not None and tuple(live.shape) != gshape:
             raise StateMismatchError(
@@ -297,16 +369,11 @@ class GlobalLoader:
         self.prepare([fqn])
         return self._values.pop(fqn)
 
-    def check(self, fqn: str) -> None:
-        """Raise `CorruptCheckpointError` unless the pieces of ``fqn`` tile it exactly."""
-        gshape, _ = self.spec(fqn)
-        _check_tiling(fqn, gshape, [p for p in self.pieces[fqn] if _numel(p.shape)], self.where)
-
     def spec(self, fqn: str) -> tuple[tuple[int, ...], str]:
         """Global shape and dtype name of ``fqn``."""
-        if fqn not in self.meta:
+        if fqn not in self.globals:
             raise CorruptCheckpointError(f"{self.where}: no pieces of {fqn!r}")
-        return self.meta[fqn]
+        return self.globals[fqn].shape, self.globals[fqn].dtype
 
     def value(self, fqn: str) -> torch.Tensor:
         """The restored value of ``fqn``: a DTensor like the live one, or a tensor."""
@@ -337,23 +404,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _check_tiling(fqn: str, gshape: tuple[int, ...], saved: list[_Saved], where: str) -> None:
-    """The pieces lie inside the tensor, do not overlap, and cover all of it."""
-    for p in saved:
-        if any(o < 0 or o + s > g for o, s, g in zip(p.offset, p.shape, gshape)):
-            raise CorruptCheckpointError(f"{where}: a piece of {fqn!r} lies outside the tensor")
-    for i, a in enumerate(saved):
-        for b in saved[i + 1 :]:
-            if all(
-                ao < bo + bs and bo < ao + as_
-                for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)
-            ):
-                raise CorruptCheckpointError(f"{where}: pieces of {fqn!r} overlap")
-    covered = sum(_numel(p.shape) for p in saved)
-    if covered != _numel(gshape):
-        raise CorruptCheckpointError(
-            f"{where}: the pieces of {fqn!r} cover {covered} of its {_numel(gshape)} "
-            "elements (a rank's file is missing from the manifest)"
-        )

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 import xxhash
 
+from resumable.distributed import check_pieces, global_tensors
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
+from resumable.tree import check_tree
 
 FORMAT_NAME = "resumable-checkpoint"
 FORMAT_VERSION = 1
@@ -41,6 +43,7 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_SAFETENSORS_HEADER = 100 << 20
 MAX_NDIM = 64
+MAX_JSON_DEPTH = 256  # arrays and objects; a tree of MAX_TREE_DEPTH needs at most 197
 CHECKSUM = "xxh3_64"
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -61,6 +64,8 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {v: torch.empty((), dtype=k).element_size() for k, v in _DTYPES.items()}
+_ARRAY_LIMIT = 2**63  # numpy and torch strides: bytes of an array, zero dimensions as 1
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9._-]{0,199}$")
 
 
@@ -78,6 +83,11 @@ def dtype_from_name(name: Any) -> torch.dtype:
     if not isinstance(name, str) or name not in _FROM_NAME:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint")
     return _FROM_NAME[name]
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a dtype known by its safetensors name (validated before)."""
+    return _ITEMSIZE[name]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -155,8 +165,14 @@ def safetensors_header(slots: Iterable[TensorSlot], metadata: Mapping[str, str])
 
 
 def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[str, Any]]:
-    """Parse a safetensors header from the first bytes of a file; returns (data_start,
-    header). ``prefix`` must hold at least ``8 + header length`` bytes."""
+    """Parse and validate a safetensors header from the first bytes of a file; returns
+    (data_start, header). ``prefix`` must hold at least ``8 + header length`` bytes.
+
+    The header must make a valid safetensors file, as the ``safetensors`` library
+    checks it: every entry has a known dtype, a shape and ``data_offsets`` whose length
+    is the shape's byte size, and the entries, sorted, cover the data region exactly:
+    no gap, no overlap, nothing after the last one. O(n log n) in the entries.
+    """
     if len(prefix) < 8:
         raise CorruptCheckpointError("data file shorter than a safetensors header")
     n = int.from_bytes(prefix[:8], "little")
@@ -164,10 +180,47 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
         raise CorruptCheckpointError(f"safetensors header length {n} is out of bounds")
     try:
         header = json.loads(prefix[8 : 8 + n])
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise CorruptCheckpointError("safetensors header is nested too deeply") from None
+    except ValueError as exc:
         raise CorruptCheckpointError(f"safetensors header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError("safetensors header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError("safetensors __metadata__ is not an object of strings")
+    ranges = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        bad = f"safetensors header entry {name[:100]!r}"
+        if not isinstance(entry, dict) or entry.get("dtype") not in _ITEMSIZE:
+            raise CorruptCheckpointError(f"{bad} is not an object with a known dtype")
+        offsets = entry.get("data_offsets")
+        if not _shape_ok(entry.get("shape"), _ITEMSIZE[entry["dtype"]]) or not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(map(_nonneg_int, offsets))
+        ):
+            raise CorruptCheckpointError(f"{bad} has a malformed shape or data_offsets")
+        begin, end = offsets
+        if end - begin != _numel(entry["shape"]) * _ITEMSIZE[entry["dtype"]]:
+            raise CorruptCheckpointError(
+                f"{bad}: data_offsets {offsets} do not hold shape {entry['shape']} of "
+                f"{entry['dtype']}"
+            )
+        ranges.append((begin, end))
+    ranges.sort()
+    at = 0
+    for begin, end in ranges:
+        if begin != at:
+            raise CorruptCheckpointError(
+                f"safetensors data_offsets {'overlap' if begin < at else 'leave a gap'} at "
+                f"data byte {min(begin, at)}; a valid file holds every byte exactly once"
+            )
+        at = end
+    if at != file_size - 8 - n:
+        raise CorruptCheckpointError(
+            f"safetensors header describes {at} data bytes, the file holds {file_size - 8 - n}"
+        )
     return 8 + n, header
 
 
@@ -242,10 +295,17 @@ def _reject_constant(name: str) -> Any:
 
 
 def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
-    """Parse and validate a manifest's structure, names, sizes and digest.
+    """Parse and validate a whole manifest; the one validation every reader runs.
 
-    Does not read data files; `validate_against_files` checks the byte ranges against
-    the real file sizes. Raises `CorruptCheckpointError` naming ``where``.
+    Checks, in time and memory linear in the manifest (O(n log n) for sorting), and
+    before anything is allocated for a tensor: JSON nesting, format, version and
+    digest; the type of every field; each tensor entry's dtype, shape and byte range
+    against the declared file sizes, with no two ranges of a file overlapping (so the
+    tensors hold at most the files' bytes); the pieces of every global tensor tiling it
+    exactly; every rank's state tree (`check_tree`). Data files are not read here:
+    `reader.CheckpointReader.check_files` checks them against what this accepted.
+    Raises `CorruptCheckpointError` naming ``where`` (`NewerFormatError` for a newer,
+    intact version); never anything else.
     """
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: manifest of {len(data)} bytes is too large")
@@ -253,10 +313,19 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
         m = json.loads(data, parse_constant=_reject_constant)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{where}: manifest is nested too deeply to parse (at most {MAX_JSON_DEPTH} "
+            "levels are allowed)"
+        ) from None
+    except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({exc})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a resumable manifest")
+    if not _depth_within(m, MAX_JSON_DEPTH):
+        raise CorruptCheckpointError(
+            f"{where}: manifest is nested more than {MAX_JSON_DEPTH} levels deep"
+        )
     version = m.get("format_version")
     digest_ok = m.get("digest") == manifest_digest(m)
     if type(version) is int and version > FORMAT_VERSION and digest_ok:
@@ -274,22 +343,71 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
     _check_type(m, "files", dict, where)
     _check_type(m, "tensors", dict, where)
     _check_type(m, "metrics", dict, where)
+    for key, value in m["metrics"].items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise CorruptCheckpointError(
+                f"{where}: metric {key[:100]!r} is {str(value)[:100]}, not a number or string"
+            )
+    world: Any = m.get("world_size")
+    if not _nonneg_int(world) or world < 1:
+        raise CorruptCheckpointError(
+            f"{where}: world_size must be an integer >= 1, found {str(world)[:100]!r}"
+        )
+    if len(m["ranks"]) != world:
+        raise CorruptCheckpointError(
+            f"{where}: manifest lists {len(m['ranks'])} rank(s) for world_size {world}"
+        )
+    for i, r in enumerate(m["ranks"]):
+        if not isinstance(r, dict) or "tree" not in r or r.get("rank", i) != i:
+            raise CorruptCheckpointError(f"{where}: malformed entry for rank {i}")
     for fname, info in m["files"].items():
         check_relpath(fname)
         if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
             raise CorruptCheckpointError(f"{where}: bad entry for file {fname!r}")
     for name, info in m["tensors"].items():
         _check_tensor_entry(name, info, m["files"], where)
-    if not m["ranks"]:
-        raise CorruptCheckpointError(f"{where}: manifest lists no rank")
-    for r in m["ranks"]:
-        if not isinstance(r, dict) or "tree" not in r:
-            raise CorruptCheckpointError(f"{where}: malformed rank entry")
+    _check_disjoint(m["tensors"], where)
+    fqns = global_tensors(m["tensors"])
+    for fqn, spec in fqns.items():
+        check_pieces(fqn, spec, m["tensors"], where)
+    for i, r in enumerate(m["ranks"]):
+        check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
     return m
+
+
+def _depth_within(doc: Any, limit: int) -> bool:
+    """Whether JSON value ``doc`` nests at most ``limit`` arrays and objects (iterative)."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return False
+        for child in value.values() if type(value) is dict else value:
+            if type(child) is dict or type(child) is list:
+                stack.append((child, depth + 1))
+    return True
 
 
 def _nonneg_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _shape_ok(shape: Any, itemsize: int) -> bool:
+    """A list of at most `MAX_NDIM` non-negative integers that numpy and torch can lay
+    out: the product of its non-zero dimensions times ``itemsize`` stays below 2**63
+    (an empty tensor may not claim a dimension that overflows a stride)."""
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        return False
+    if not all(_nonneg_int(d) and d < _ARRAY_LIMIT for d in shape):
+        return False
+    return _numel(max(d, 1) for d in shape) * itemsize < _ARRAY_LIMIT
 
 
 def _check_type(m: Mapping[str, Any], key: str, typ: type, where: str) -> None:
@@ -306,25 +424,67 @@ def _check_tensor_entry(name: str, info: Any, files: Mapping[str, Any], where: s
     f = info.get("file")
     if not isinstance(f, str) or f not in files:
         raise CorruptCheckpointError(f"{bad}: file {str(f)[:100]!r} is not listed")
-    dtype = dtype_from_name(info.get("dtype"))
-    shape, offsets = info.get("shape"), info.get("offsets")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        raise CorruptCheckpointError(f"{bad}: unknown dtype {str(dtype)[:100]!r}")
+    shape: Any = info.get("shape")
+    offsets: Any = info.get("offsets")
+    if not _shape_ok(shape, _ITEMSIZE[dtype]):
+        raise CorruptCheckpointError(
+            f"{bad}: shape {str(shape)[:100]} is not a list of at most {MAX_NDIM} "
+            "non-negative integers whose non-zero product times the element size is "
+            "below 2**63"
+        )
     if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_NDIM
-        or not all(_nonneg_int(d) for d in shape)
-        or not isinstance(offsets, list)
+        not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(_nonneg_int(o) for o in offsets)
         or not isinstance(info.get(CHECKSUM), str)
     ):
         raise CorruptCheckpointError(bad)
     begin, end = offsets
-    numel = 1
-    for d in shape:
-        numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if end < begin or end - begin != numel * itemsize or end > files[f]["size"]:
+    if end < begin or end - begin != _numel(shape) * _ITEMSIZE[dtype] or end > files[f]["size"]:
         raise CorruptCheckpointError(
             f"{bad}: byte range [{begin}, {end}) does not match shape {shape} of "
-            f"{info.get('dtype')} or exceeds the file's {files[f]['size']} bytes"
+            f"{dtype} or exceeds the file's {files[f]['size']} bytes"
         )
+    if "fqn" not in info and "global_shape" not in info and "global_offset" not in info:
+        return  # a whole tensor: its own global tensor
+    fqn = info.get("fqn", name)
+    gshape = info.get("global_shape", shape)
+    goffset = info.get("global_offset", [0] * len(shape))
+    if (
+        not isinstance(fqn, str)
+        or not _shape_ok(gshape, _ITEMSIZE[dtype])
+        or len(gshape) != len(shape)
+        or not isinstance(goffset, list)
+        or len(goffset) != len(shape)
+        or not all(_nonneg_int(o) and o < _ARRAY_LIMIT for o in goffset)
+    ):
+        raise CorruptCheckpointError(
+            f"{bad}: piece fields must be a string fqn, a global_shape like its shape "
+            f"and a global_offset of {len(shape)} non-negative integers; found fqn "
+            f"{str(fqn)[:100]!r}, global_shape {str(gshape)[:100]}, global_offset "
+            f"{str(goffset)[:100]}"
+        )
+
+
+def _check_disjoint(tensors: Mapping[str, Mapping[str, Any]], where: str) -> None:
+    """No two tensors of a file share a byte, so all tensors together hold at most the
+    files' bytes (sort and sweep: O(n log n))."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for name, info in tensors.items():
+        begin, end = info["offsets"]
+        by_file.setdefault(info["file"], []).append((begin, end, name))
+    for fname, ranges in by_file.items():
+        ranges.sort()
+        reach, last = 0, ""
+        for begin, end, name in ranges:
+            if begin < reach:
+                raise CorruptCheckpointError(
+                    f"{where}: tensors {last[:100]!r} and {name[:100]!r} overlap in "
+                    f"{fname} at byte {begin}; each byte of a data file belongs to at "
+                    "most one tensor"
+                )
+            if end >= reach:
+                reach, last = end, name

@@ -675,13 +675,9 @@ class Checkpointer:
         """Read, verify and decode this rank's values from ``reader`` without touching a
         live object; returns them and the state keys to leave as they are."""
         reader.check_files()
-        m = reader.manifest
-        saved_world = int(m.get("world_size", 1))
+        m = reader.manifest  # validated: one tree per rank of world_size
+        saved_world = m["world_size"]
         trees = [r["tree"] for r in m["ranks"]]
-        if len(trees) != saved_world:
-            raise CorruptCheckpointError(
-                f"{reader.where}: manifest has {len(trees)} rank trees for {saved_world} ranks"
-            )
         live = capture_mod.capture(
             self.state, include_rng=False, rank=self.rank, world_size=self.world_size
         )
@@ -725,13 +721,18 @@ class Checkpointer:
         and anything the saved ranks disagree on."""
         index = reader.manifest["tensors"]
 
+        def by_content(node: Any) -> Any:  # tensor names replaced by their checksums
+            if isinstance(node, dict):
+                for tag in ("tensor", "ndarray", "torch_generator"):
+                    if isinstance(node.get(tag), str):
+                        return {**node, tag: index[node[tag]]["xxh3_64"]}
+                return {k: by_content(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [by_content(v) for v in node]
+            return node
+
         def norm(node: Any) -> str:
-            text = json.dumps(node, sort_keys=True)
-            for _, name in capture_mod.iter_tensor_refs(node):
-                text = text.replace(
-                    json.dumps(name), json.dumps(index.get(name, {}).get("xxh3_64"))
-                )
-            return text
+            return json.dumps(by_content(node), sort_keys=True)
 
         keys: set[str] = set()
         by_key = [dict((p[0], p[1]) for p in t.get("dict", [])) for t in trees]

@@ -1,11 +1,14 @@
 """Read and verify a committed checkpoint, defensively.
 
-This is the load path, and it trusts nothing it reads: the manifest is validated
-(structure, names, sizes, digest) by `resumable.format.decode_manifest`; every data file
-must have the size the manifest declares and a safetensors header that agrees with the
-tensor index; every tensor's bytes are checksummed before a tensor is built from them.
-Only then does the manager touch the live training state. There is no pickle here, and
-every path goes through the storage's root check.
+This is the load path, and it trusts nothing it reads: the whole manifest is validated
+by `resumable.format.decode_manifest` (structure, names, sizes, digest, byte ranges,
+tiling of global tensors, state trees) before anything is allocated for it; every data
+file must have the size the manifest declares and a valid safetensors header that
+agrees with the tensor index; every tensor's bytes are checksummed before a tensor is
+built from them. Only then does the manager touch the live training state. No byte of a
+data file belongs to two tensors and no tree references a tensor twice, so what a
+restore reads and builds is bounded by the checkpoint's real size. There is no pickle
+here, and every path goes through the storage's root check.
 """
 
 from __future__ import annotations
@@ -91,9 +94,12 @@ class CheckpointReader:
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if n < 0 or 8 + n > actual or n > MAX_SAFETENSORS_HEADER:
                 raise CorruptCheckpointError(f"{self.where}: {fname} is not a safetensors file")
-            start, header = parse_safetensors_header(
-                head + self.storage.read_range(path, 8, n), actual
-            )
+            try:
+                start, header = parse_safetensors_header(
+                    head + self.storage.read_range(path, 8, n), actual
+                )
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(f"{self.where}: {fname}: {exc}") from None
             for name in by_file.get(fname, []):
                 info = m["tensors"][name]
                 h = header.get(name)
@@ -180,24 +186,26 @@ class CheckpointReader:
         return raw.view(dtype).view(info["shape"])
 
     def verify(self) -> int:
-        """Full check: manifest, files, every checksum, tree references. Returns bytes
-        verified; raises `CorruptCheckpointError` on the first problem."""
-        from resumable.capture import decode
-        from resumable.distributed import GlobalLoader
+        """Full check, the same a restore makes before it touches a live object:
+        manifest (including how pieces tile global tensors), files, every checksum,
+        every rank's tree decoded, and its random streams tried on throwaway
+        generators. Returns bytes verified; raises `CorruptCheckpointError` on the
+        first problem. Never initialises a GPU (tensors stay on the CPU)."""
+        from resumable.capture import RNG_KEY, check_rng_state, decode
 
         self.check_files()
         tensors = self.tensors()
-        loader = GlobalLoader(self, {})
 
-        def tiled(fqn: str) -> torch.Tensor:  # the pieces of a global tensor cover it exactly
-            loader.check(fqn)
+        def unassembled(fqn: str) -> torch.Tensor:  # the manifest check proved it tiles
             return torch.empty(0)
 
-        for r in self.manifest["ranks"]:
-            if not isinstance(decode(r["tree"], tensors, resolve=tiled), dict):
-                raise CorruptCheckpointError(
-                    f"{self.where}: the state tree is not a dict of entries"
-                )
+        for i, r in enumerate(self.manifest["ranks"]):
+            values = decode(r["tree"], tensors, "cpu", resolve=unassembled)
+            if RNG_KEY in values:
+                try:
+                    check_rng_state(values[RNG_KEY])
+                except CorruptCheckpointError as exc:
+                    raise CorruptCheckpointError(f"{self.where}: rank {i}: {exc}") from None
         return sum(f["size"] for f in self.manifest["files"].values())
 
 
