@@ -12,6 +12,7 @@ compared before and after.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -118,6 +120,25 @@ def files_outside(tmp_path: Path, root: Path) -> dict[str, tuple[int, str]]:
     return out
 
 
+@contextlib.contextmanager
+def resolved_opens() -> Iterator[list[str]]:
+    """The absolute path of every ``os.open`` made inside, ``dir_fd``-relative names
+    resolved through ``/proc/self/fd`` (an ``open`` audit event carries no ``dir_fd``,
+    and the local backend opens everything relative to directory descriptors)."""
+    real_open = os.open
+    seen: list[str] = []
+
+    def recording_open(
+        path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None
+    ) -> int:
+        base = os.getcwd() if dir_fd is None else os.readlink(f"/proc/self/fd/{dir_fd}")
+        seen.append(os.path.join(base, os.fsdecode(path)))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    with mock.patch.object(os, "open", recording_open):
+        yield seen
+
+
 # --------------------------------------------------------------------------- the planter
 
 
@@ -199,6 +220,7 @@ class Planter:
             self.caplog.at_level(logging.WARNING, logger=LOGGER),
             Checkpointer(storage or self.root, ts.state, keep=None, persist="sync") as ckpt,
             self.recorder.recording(),
+            resolved_opens() as fd_opens,
         ):
             try:
                 outcome = ckpt.restore()
@@ -206,8 +228,13 @@ class Planter:
                 outcome = exc
         assert self.recorder.named(*FORBIDDEN_EVENTS) == []
         real_root = os.path.realpath(self.root)
+        audited = [
+            os.fsdecode(a[0])
+            for _, a in self.recorder.named("open")
+            if a and isinstance(a[0], (str, bytes, os.PathLike)) and os.path.isabs(a[0])
+        ]
         outside_opens = [
-            p for p in self.recorder.opened_paths() if not p.startswith(real_root + os.sep)
+            p for p in audited + fd_opens if p != real_root and not p.startswith(real_root + os.sep)
         ]
         assert outside_opens == []
         assert not self.marker.exists()
