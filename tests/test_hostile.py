@@ -12,6 +12,7 @@ compared before and after.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -21,16 +22,20 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
+import resumable
 from resumable import (
     Checkpointer,
     CheckpointError,
@@ -122,6 +127,25 @@ def files_outside(tmp_path: Path, root: Path) -> dict[str, tuple[int, str]]:
     return out
 
 
+@contextlib.contextmanager
+def resolved_opens() -> Iterator[list[str]]:
+    """The absolute path of every ``os.open`` made inside, ``dir_fd``-relative names
+    resolved through ``/proc/self/fd`` (an ``open`` audit event carries no ``dir_fd``,
+    and the local backend opens everything relative to directory descriptors)."""
+    real_open = os.open
+    seen: list[str] = []
+
+    def recording_open(
+        path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None
+    ) -> int:
+        base = os.getcwd() if dir_fd is None else os.readlink(f"/proc/self/fd/{dir_fd}")
+        seen.append(os.path.join(base, os.fsdecode(path)))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    with mock.patch.object(os, "open", recording_open):
+        yield seen
+
+
 # --------------------------------------------------------------------------- the planter
 
 
@@ -203,6 +227,7 @@ class Planter:
             self.caplog.at_level(logging.WARNING, logger=LOGGER),
             Checkpointer(storage or self.root, ts.state, keep=None, persist="sync") as ckpt,
             self.recorder.recording(),
+            resolved_opens() as fd_opens,
         ):
             try:
                 outcome = ckpt.restore()
@@ -210,8 +235,13 @@ class Planter:
                 outcome = exc
         assert self.recorder.named(*FORBIDDEN_EVENTS) == []
         real_root = os.path.realpath(self.root)
+        audited = [
+            os.fsdecode(a[0])
+            for _, a in self.recorder.named("open")
+            if a and isinstance(a[0], (str, bytes, os.PathLike)) and os.path.isabs(a[0])
+        ]
         outside_opens = [
-            p for p in self.recorder.opened_paths() if not p.startswith(real_root + os.sep)
+            p for p in audited + fd_opens if p != real_root and not p.startswith(real_root + os.sep)
         ]
         assert outside_opens == []
         assert not self.marker.exists()
@@ -1269,3 +1299,110 @@ def test_a_tiling_more_fragmented_than_any_sharding_is_refused(
     (spec,) = distributed.global_tensors(index).values()
     with pytest.raises(CorruptCheckpointError, match="fragmented"):
         distributed.check_pieces("w", spec, index, "here")
+
+
+# --------------------------------------------------------------------------- (g) special files
+
+
+def _bounded(call: Callable[[], Any], fifos: list[Path], timeout: float = 30.0) -> Any:
+    """``call()``'s result (or the exception it raised), run in a thread; fails instead
+    of hanging when it is still running after ``timeout`` s (and then gives the FIFOs a
+    peer, so the stuck thread can finish)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:
+            box["result"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not thread.is_alive():
+        return box["result"]
+    for _ in range(50):
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+        thread.join(0.1)
+    pytest.fail(f"blocked on a FIFO for more than {timeout} s: {[str(f) for f in fifos]}")
+
+
+def _plant_fifos(saved_root: Any, where: str) -> list[Path]:
+    """Replace files of the saved root by FIFOs nobody opens; returns them."""
+    targets = {
+        "manifest": [saved_root.manifest_file(3)],
+        "data": [saved_root.data_file(3)],
+        "audit": [saved_root.path / "audit.jsonl"],
+        "every-manifest": [saved_root.manifest_file(s) for s in saved_root.steps],
+    }[where]
+    for path in targets:
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+    return targets
+
+
+@pytest.mark.parametrize("where", ["manifest", "data", "audit", "every-manifest"])
+def test_fifo_in_the_root_never_blocks_restore(
+    saved_root: Any,
+    small_training_state: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+) -> None:
+    """A FIFO where a manifest, a data file or the audit log belongs: refused at once,
+    so restore falls back (or says no checkpoint is valid) instead of waiting forever."""
+    fifos = _plant_fifos(saved_root, where)
+    ts = small_training_state(seed=7, steps=0)
+    ckpt = Checkpointer(saved_root.path, ts.state, keep=None, persist="sync")
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            outcome = _bounded(ckpt.restore, fifos)
+    finally:
+        assert _bounded(ckpt.close, fifos) is None
+    if where == "every-manifest":
+        assert isinstance(outcome, CorruptCheckpointError), outcome
+        assert "FIFO" in str(outcome)
+        return
+    step = VALID if where == "audit" else VALID - 1
+    assert outcome == step, outcome
+    assert ts.mismatches(saved_root.expected[step]) == []
+    if where != "audit":
+        assert "FIFO (named pipe), not a regular file" in caplog.text
+    assert all(stat.S_ISFIFO(os.lstat(f).st_mode) for f in fifos)
+
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["verify", "--all"], 1),
+        (["ls", "--verify"], 0),
+        (["show"], 2),
+        (["show", "--step", "2"], 0),
+    ],
+    ids=["verify", "ls", "show-newest", "show-step-2"],
+)
+def test_fifo_in_the_root_never_blocks_the_cli(
+    saved_root: Any, args: list[str], status: int
+) -> None:
+    """The command, in a process of its own, ends in bounded time with a clear message
+    (a FIFO manifest at step 3, a FIFO data file at step 2, a FIFO audit log)."""
+    _plant_fifos(saved_root, "manifest")
+    _plant_fifos(saved_root, "audit")
+    saved_root.data_file(2).unlink()
+    os.mkfifo(saved_root.data_file(2))
+    src = str(Path(resumable.__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "resumable.cli", args[0], str(saved_root.path), *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"resumable {' '.join(args)} blocked on a FIFO for 120 s")
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    if args != ["show", "--step", "2"]:
+        assert "FIFO (named pipe), not a regular file" in proc.stdout + proc.stderr

@@ -358,27 +358,29 @@ def outside(tmp_path: Path) -> Path:
 def test_symlinked_directory_pointing_outside_is_refused(
     local_storage: LocalStorage, outside: Path
 ) -> None:
+    """Reading through a link is a damaged checkpoint; writing through one a storage
+    failure (``ELOOP``): either way nothing outside the root is read or touched."""
     local_storage.write("ok.bin", [b"ok"])
     (local_storage.root / "evil").symlink_to(outside, target_is_directory=True)
 
-    with pytest.raises(CorruptCheckpointError, match="outside the checkpoint root"):
+    with pytest.raises(CorruptCheckpointError, match="'evil' in its path is a symbolic link"):
         local_storage.read("evil/secret.bin")
     with pytest.raises(CorruptCheckpointError):
         local_storage.read_range("evil/secret.bin", 0, 1)
     with pytest.raises(CorruptCheckpointError):
         local_storage.size("evil/secret.bin")
     with pytest.raises(CorruptCheckpointError):
-        local_storage.write("evil/planted.bin", [b"planted"])
-    with pytest.raises(CorruptCheckpointError):
-        local_storage.write("evil/secret.bin", [b"overwritten"])
-    with pytest.raises(CorruptCheckpointError):
-        local_storage.append("evil/secret.bin", b"appended")
-    with pytest.raises(CorruptCheckpointError):
-        local_storage.write("evil/new/deeper.bin", [b"planted"])
-    with pytest.raises(CorruptCheckpointError):
-        local_storage.delete("evil/secret.bin")
-    with pytest.raises(CorruptCheckpointError):
         local_storage.list_dir("evil")
+    for write in (
+        lambda: local_storage.write("evil/planted.bin", [b"planted"]),
+        lambda: local_storage.write("evil/secret.bin", [b"overwritten"]),
+        lambda: local_storage.append("evil/secret.bin", b"appended"),
+        lambda: local_storage.write("evil/new/deeper.bin", [b"planted"]),
+        lambda: local_storage.delete("evil/secret.bin"),
+    ):
+        with pytest.raises(StorageError, match="symbolic link") as info:
+            write()
+        assert info.value.errno == errno.ELOOP
 
     assert sorted(p.name for p in outside.iterdir()) == ["secret.bin"]
     assert (outside / "secret.bin").read_bytes() == b"secret"
@@ -390,21 +392,37 @@ def test_symlinked_file_pointing_outside_is_refused(
     local_storage.write("ok.bin", [b"ok"])
     (local_storage.root / "link.bin").symlink_to(outside / "secret.bin")
 
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(CorruptCheckpointError, match="it is a symbolic link"):
         local_storage.read("link.bin")
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(StorageError, match="symbolic link"):
         local_storage.write("link.bin", [b"overwritten"])
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(StorageError, match="symbolic link"):
         local_storage.append("link.bin", b"appended")
 
     assert (outside / "secret.bin").read_bytes() == b"secret"
 
 
-def test_symlinked_root_component_pointing_inside_is_followed(local_storage: LocalStorage) -> None:
+def test_symlinked_component_pointing_inside_is_refused_too(local_storage: LocalStorage) -> None:
+    """No link inside the root is followed, wherever it points: a link that is harmless
+    when checked may point elsewhere by the time it is used."""
     local_storage.write("real/f.bin", [b"inside"])
     (local_storage.root / "alias").symlink_to(local_storage.root / "real")
 
-    assert local_storage.read("alias/f.bin") == b"inside"
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        local_storage.read("alias/f.bin")
+
+
+def test_symlinked_root_is_followed(tmp_path: Path) -> None:
+    """The root path is the user's choice: a link there (or above) is followed."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real", target_is_directory=True)
+    backend = LocalStorage(tmp_path / "alias" / "root")
+
+    backend.write("d/f.bin", [b"x"])
+
+    assert (tmp_path / "real" / "root" / "d" / "f.bin").read_bytes() == b"x"
+    assert backend.read("d/f.bin") == b"x"
+    assert LocalStorage(tmp_path / "alias").list_dir("root") == ["d"]
 
 
 def _raise_enospc(fd: int, data: Any) -> int:
