@@ -1301,7 +1301,7 @@ def test_a_tiling_more_fragmented_than_any_sharding_is_refused(
         distributed.check_pieces("w", spec, index, "here")
 
 
-# --------------------------------------------------------------------------- (g) special files
+# --------------------------------------------------------------------------- (h) special files
 
 
 def _bounded(call: Callable[[], Any], fifos: list[Path], timeout: float = 30.0) -> Any:
