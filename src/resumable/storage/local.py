@@ -36,6 +36,7 @@ class LocalStorage(Storage):
     """Files under ``root``; created on first write."""
 
     supports_rename = True
+    supports_append = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
