@@ -6,6 +6,7 @@ committers) is in ``test_s3_faults.py``.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
@@ -27,11 +28,14 @@ from resumable.capture import capture
 from resumable.cli import main as cli
 from resumable.commit import MarkerCommit, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, PersistError, StorageError
+from resumable.format import MANIFEST
 from resumable.persist import write_checkpoint
 from resumable.reader import CheckpointReader
 from resumable.snapshot import Arena
 from resumable.storage import LocalStorage, MemoryStorage, Storage, open_storage
+from resumable.storage.base import ForwardingStorage
 from resumable.storage.s3 import S3Storage
+from resumable.tiering import upload_checkpoint
 
 
 def options(server: Any, **extra: Any) -> dict[str, Any]:
@@ -345,6 +349,98 @@ def test_newest_valid_across_tiers_wins(
         assert ck.steps() == [1, 2, 3]
         assert ck.restore() == 3
     assert fresh.mismatches(saved[3]) == []
+
+
+def _damage(remote: Storage, step: int, how: str) -> None:
+    """Damage the remote copy of ``step`` behind its (still committed) manifest."""
+    (fname,) = CheckpointReader(remote, step).manifest["files"]
+    path = f"{step_dir(step)}/{fname}"
+    if how == "missing":
+        remote.delete(path)
+    else:
+        remote.write(path, [remote.read(path)[: remote.size(path) // 2]])
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated"])
+def test_a_damaged_remote_copy_is_not_trusted_and_is_uploaded_again(
+    s3_env: Any, tmp_path: Path, small_training_state: Any, how: str
+) -> None:
+    """A later launch recognises a good remote copy of its newest step (not sent again;
+    local retention may rely on it). Damaged behind its manifest, the copy does not
+    count as mirrored, and the next launch sends it again."""
+    remote_url = f"s3://{s3_env.new_bucket('dmg')}/exp"
+    local = LocalStorage(tmp_path / "local")
+    ts = small_training_state()
+
+    def relaunch() -> list[dict[str, Any]]:
+        """Open and close: the catch-up of the newest step runs at start, close() waits
+        for it. Returns the audit events of that launch."""
+        before = len(read_audit(local))
+        keep = Keep(last=1)
+        with Checkpointer(local.root, ts.state, keep=keep, mirror=remote_url, persist="sync"):
+            pass
+        return read_audit(local)[before:]
+
+    with Checkpointer(local.root, ts.state, keep=None, mirror=remote_url, persist="sync") as ck:
+        train_and_save(ck, ts, range(1, 4))
+    events = relaunch()
+    assert [(e["step"], e["bytes"]) for e in events if e["event"] == "mirror_commit"] == [(3, 0)]
+    assert list_committed(local) == [3]
+
+    remote = open_storage(remote_url)
+    _damage(remote, 3, how)
+    events = relaunch()
+    assert CheckpointReader(remote, 3).verify() > 0
+    (upload,) = [e for e in events if e["event"] == "mirror_commit"]
+    assert upload["step"] == 3 and upload["bytes"] > 0
+    assert [e["step"] for e in events if e["event"] == "mirror_mismatch"] == [3]
+    assert list_committed(local) == [3]
+
+
+class ReadOnly(ForwardingStorage):
+    """A remote that can be read but refuses every change (lost write permission)."""
+
+    def _refuse(self, path: str) -> StorageError:
+        return StorageError(errno.EACCES, f"could not change {self.url}/{path}: read-only")
+
+    def write(self, path: str, chunks: Any) -> int:
+        raise self._refuse(path)
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        raise self._refuse(path)
+
+    def delete(self, path: str) -> None:
+        raise self._refuse(path)
+
+
+def test_local_retention_never_relies_on_an_unverified_remote_step(
+    s3_env: Any, tmp_path: Path, small_training_state: Any
+) -> None:
+    """The remote holds a truncated copy of local step 3 and a hostile step 9 that the
+    local root never had; uploads fail. Neither counts as mirrored, so local retention
+    (keep last 1) deletes nothing, and close() says the newest step is not mirrored."""
+    remote_url = f"s3://{s3_env.new_bucket('unv')}/exp"
+    ts = small_training_state()
+    with Checkpointer(tmp_path / "local", ts.state, keep=None, persist="sync") as ck:
+        train_and_save(ck, ts, range(1, 4))
+    remote = open_storage(remote_url)
+    upload_checkpoint(LocalStorage(tmp_path / "local"), remote, 3)
+    _damage(remote, 3, "truncated")
+    remote.write(f"{step_dir(9)}/{MANIFEST}", [b'{"format": "not a checkpoint"}'])
+    assert list_committed(remote) == [3, 9]
+
+    ck = Checkpointer(
+        tmp_path / "local",
+        ts.state,
+        keep=Keep(last=1),
+        mirror=ReadOnly(remote),
+        persist="sync",
+    )
+    ts.train()
+    ck.save(4)
+    with pytest.raises(PersistError, match="mirroring step 4"):
+        ck.close()
+    assert list_committed(LocalStorage(tmp_path / "local")) == [1, 2, 3, 4]
 
 
 def test_mirror_must_be_another_root(tmp_path: Path, small_training_state: Any) -> None:

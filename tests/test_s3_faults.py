@@ -46,6 +46,7 @@ import torch
 from conftest import TrainingState, build_training_state, tensor_bytes_equal
 from faultproxy import FaultProxy
 from resumable import Checkpointer, StorageError
+from resumable.audit import AUDIT_DIR
 from resumable.capture import capture
 from resumable.commit import MarkerCommit, list_committed, step_dir
 from resumable.errors import CheckpointError
@@ -141,7 +142,7 @@ def verify_all(storage: Storage) -> list[int]:
 
 def stray_objects(storage: S3Storage) -> list[str]:
     """Objects that are neither a manifest, the audit log, nor referenced by a manifest."""
-    referenced = {"audit.jsonl"}
+    referenced = {f"{AUDIT_DIR}/{name}" for name in storage.list_dir(AUDIT_DIR)}
     for step in list_committed(storage):
         referenced.add(f"{step_dir(step)}/{MANIFEST}")
         manifest = json.loads(storage.read(f"{step_dir(step)}/{MANIFEST}"))
@@ -547,7 +548,9 @@ def test_server_ignoring_if_none_match_is_refused(
     assert "allow_unconditional_commit" in str(refused.value)
     storage = direct(seaweedfs, url)
     assert list_committed(storage) == []
-    assert [n for n, _, _ in storage.list_files() if not n.endswith("/")] == ["audit.jsonl"]
+    assert {n.split("/")[0] for n, _, _ in storage.list_files() if not n.endswith("/")} == {
+        AUDIT_DIR
+    }
 
 
 def test_server_ignoring_if_none_match_is_refused_on_every_save(

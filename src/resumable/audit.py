@@ -1,36 +1,137 @@
 """The audit log: one JSON line per save start, commit, skip, failure, delete, restore
-and cleanup, in ``audit.jsonl`` at the checkpoint root.
+and cleanup, at the checkpoint root. A failure to write it is logged and never fails
+training: the log describes the checkpoints, it is not one of them.
 
-Lines are appended with a single ``write`` each (``O_APPEND``), so concurrent writers
-never interleave within a line. A failure to write the audit log is logged and never
-fails training: the log describes the checkpoints, it is not one of them.
+Where it lives depends on what the storage can do (`Storage.supports_append`):
+
+- **Stores that append atomically** (local filesystem, memory): ``audit.jsonl``. Each
+  line goes out in a single ``O_APPEND`` write, so concurrent writers (the trainer, the
+  persist worker, the mirror, ``resumable prune``) never lose or interleave a line, and
+  an event costs one line whatever the size of the log.
+- **Object stores** (objects cannot grow): ``audit/``, a prefix of *segments*. Each
+  `AuditLog` instance (one per writer and process) writes its own segment objects, named
+  ``audit/<ms>-<host>-<pid>-<nonce>-<seq>.jsonl`` so that names sort by creation time
+  and two writers never share one. An event re-puts only the writer's current segment,
+  which is rolled over to a new object once it holds `SEGMENT_BYTES`: an event costs at
+  most that much, however long the log, and no writer can overwrite another's line.
+  A read-modify-write of one shared object would cost the whole log per event and lose
+  the lines of a writer that raced another.
+
+`read_audit` reads both (an object-store root written by an older version has its
+``audit.jsonl``; a root copied from object storage to a disk has ``audit/``) and
+merges the writers' lines by time, keeping each writer's own order.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
+import math
 import os
+import re
+import secrets
 import socket
+import threading
 import time
-from typing import Any
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 from resumable.storage.base import Storage
 
 AUDIT_LOG = "audit.jsonl"
+AUDIT_DIR = "audit"
+SEGMENT_BYTES = 64 * 1024  # a segment rolls over once it holds this much
+MAX_UNSENT_BYTES = 1 << 20  # lines kept for a retry while the store refuses writes
+READ_CONCURRENCY = 16
+
 log = logging.getLogger("resumable")
+
+_SEGMENT = re.compile(r"^([0-9]{13})-(.+)-([0-9]{6,})\.jsonl\Z")
+_HOST_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class _Sink(Protocol):
+    def write(self, line: bytes) -> None:
+        """Store ``line`` (one JSON line with its newline) or raise."""
+
+
+class _AppendedFile:
+    """``audit.jsonl``, one atomic append per line."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._checked_tail = False
+
+    def write(self, line: bytes) -> None:
+        if not self._checked_tail:
+            line = self._repair_prefix() + line
+        self.storage.append(AUDIT_LOG, line)
+
+    def _repair_prefix(self) -> bytes:
+        """A newline if a crash left the log's last line torn, so the next entry is not
+        glued to it (checked once per writer)."""
+        self._checked_tail = True
+        try:
+            size = self.storage.size(AUDIT_LOG)
+            if size and self.storage.read_range(AUDIT_LOG, size - 1, 1) != b"\n":
+                return b"\n"
+        except (OSError, ValueError):
+            pass
+        return b""
+
+
+class _Segments:
+    """This writer's segments under ``audit/``: the current one is kept in memory and
+    put whole at each line (never read back); past ``cap`` bytes the next line starts a
+    new object. A line whose put failed stays in memory and goes out with the next one
+    (up to `MAX_UNSENT_BYTES`, then the unsent lines are given up)."""
+
+    def __init__(self, storage: Storage, cap: int = SEGMENT_BYTES) -> None:
+        self.storage = storage
+        self.cap = cap
+        host = _HOST_UNSAFE.sub("_", socket.gethostname())[:64] or "host"
+        self.writer = f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._seq = -1
+        self._name: str | None = None
+        self._buf = bytearray()
+        self._sent = 0  # bytes of _buf known to be stored
+        self._lock = threading.Lock()  # one instance may serve several threads
+
+    def write(self, line: bytes) -> None:
+        with self._lock:
+            if self._name is None:
+                self._seq += 1
+                ms = int(time.time() * 1000)
+                self._name = f"{AUDIT_DIR}/{ms:013d}-{self.writer}-{self._seq:06d}.jsonl"
+                self._buf.clear()
+                self._sent = 0
+            self._buf += line
+            try:
+                self.storage.write(self._name, [self._buf])
+            except BaseException:
+                if len(self._buf) - self._sent > MAX_UNSENT_BYTES:
+                    del self._buf[self._sent :]
+                raise
+            self._sent = len(self._buf)
+            if self._sent >= self.cap:
+                self._name = None
 
 
 class AuditLog:
-    """Appends to ``audit.jsonl``. With several ranks only rank 0 writes (``enabled``):
-    it records the job's commits; other ranks' failures reach it as reports."""
+    """Records events at a checkpoint root (see the module doc for where). With several
+    ranks only rank 0 writes (``enabled``): it records the job's commits; other ranks'
+    failures reach it as reports. `record` may be called from several threads."""
 
     def __init__(self, storage: Storage, *, rank: int = 0, enabled: bool = True) -> None:
         self.storage = storage
         self.rank = rank
         self.enabled = enabled
+        self._sink: _Sink = (
+            _AppendedFile(storage) if storage.supports_append else _Segments(storage)
+        )
         self._warned = False
-        self._checked_tail = False
 
     def record(self, event: str, **fields: Any) -> None:
         if not self.enabled:
@@ -45,33 +146,42 @@ class AuditLog:
         }
         line = json.dumps(entry, default=str, allow_nan=False) + "\n"
         try:
-            if not self._checked_tail:
-                line = self._repair_prefix() + line
-            self.storage.append(AUDIT_LOG, line.encode())
+            self._sink.write(line.encode())
         except Exception as exc:  # the log must never break training
             if not self._warned:
-                log.warning("could not append to the audit log of %s: %s", self.storage.url, exc)
+                log.warning("could not write to the audit log of %s: %s", self.storage.url, exc)
                 self._warned = True
-
-    def _repair_prefix(self) -> str:
-        """A newline if a crash left the log's last line torn, so the next entry is not
-        glued to it (checked once per writer)."""
-        self._checked_tail = True
-        try:
-            size = self.storage.size(AUDIT_LOG)
-            if size and self.storage.read_range(AUDIT_LOG, size - 1, 1) != b"\n":
-                return "\n"
-        except (FileNotFoundError, OSError, ValueError):
-            pass
-        return ""
 
 
 def read_audit(storage: Storage) -> list[dict[str, Any]]:
-    """Parsed audit entries; unparseable lines (a torn last line after a crash) are skipped."""
+    """Every audit entry of ``storage``: ``audit.jsonl`` and the segments under
+    ``audit/``, merged by ``time``; each writer's entries keep the order it wrote them.
+    Unparseable lines (a torn last line after a crash, a foreign file) are skipped."""
+    streams: list[list[dict[str, Any]]] = [_entries(_read_or_empty(storage, AUDIT_LOG))]
+    by_writer: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for name in storage.list_dir(AUDIT_DIR):
+        m = _SEGMENT.match(name)
+        if m:
+            by_writer[m.group(2)].append((int(m.group(3)), f"{AUDIT_DIR}/{name}"))
+    paths = [[p for _, p in sorted(segs)] for segs in by_writer.values()]
+    flat = [p for ps in paths for p in ps]
+    if len(flat) > 1:
+        with ThreadPoolExecutor(min(READ_CONCURRENCY, len(flat))) as pool:
+            data = dict(zip(flat, pool.map(lambda p: _read_or_empty(storage, p), flat)))
+    else:
+        data = {p: _read_or_empty(storage, p) for p in flat}
+    streams += [[e for p in ps for e in _entries(data[p])] for ps in paths]
+    return list(heapq.merge(*streams, key=_time))
+
+
+def _read_or_empty(storage: Storage, path: str) -> bytes:
     try:
-        data = storage.read(AUDIT_LOG)
-    except FileNotFoundError:
-        return []
+        return bytes(storage.read(path))
+    except FileNotFoundError:  # not there (or gone since the listing)
+        return b""
+
+
+def _entries(data: bytes) -> list[dict[str, Any]]:
     out = []
     for line in data.decode("utf-8", "replace").splitlines():
         try:
@@ -81,3 +191,11 @@ def read_audit(storage: Storage) -> list[dict[str, Any]]:
         if isinstance(entry, dict):
             out.append(entry)
     return out
+
+
+def _time(entry: dict[str, Any]) -> float:
+    """The merge key: the entry's ``time``, or 0 (then it keeps its writer's order)."""
+    t = entry.get("time")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+        return float(t)
+    return 0.0

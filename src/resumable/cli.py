@@ -1,4 +1,5 @@
-"""The ``resumable`` command: list, inspect, verify, export and prune checkpoints.
+"""The ``resumable`` command: list, inspect, verify, export and prune checkpoints, and
+print their audit log.
 
 Every subcommand goes through the same library calls a training job uses (storage by
 URL, `CheckpointReader`, retention), so what the command says about a checkpoint is
@@ -37,7 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 from resumable import __version__
-from resumable.audit import AuditLog
+from resumable.audit import AuditLog, read_audit
 from resumable.capture import decode, iter_refs, subtree
 from resumable.commit import (
     RenameCommit,
@@ -709,6 +710,27 @@ def run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- log
+
+
+def _log_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--event",
+        action="append",
+        metavar="NAME",
+        help="only events of this kind (commit, delete, restore, ...); repeatable",
+    )
+
+
+def run_log(args: argparse.Namespace) -> int:
+    wanted = set(args.event or ())
+    for entry in read_audit(_open(args.dir)):
+        if not wanted or entry.get("event") in wanted:
+            sys.stdout.write(json.dumps(entry, default=str) + "\n")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 # --------------------------------------------------------------------------- shm
@@ -770,6 +792,7 @@ COMMANDS: dict[str, Command] = {
         "export one state key as a plain safetensors state dict", _export_arguments, run_export
     ),
     "prune": Command("delete old checkpoints by retention", _prune_arguments, run_prune),
+    "log": Command("print the audit log (JSON lines, oldest first)", _log_arguments, run_log),
     "shm": Command("list (or --clean) shared-memory snapshot segments", _shm_arguments, run_shm),
     "demo": Command(
         "train a small digits classifier that resumes by itself (the main job)",

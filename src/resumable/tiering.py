@@ -14,6 +14,14 @@ mirror_keep=Keep(last=10, every_steps=10_000))``:
 - restore takes the newest valid checkpoint across both roots, so a job resumes from the
   remote alone on a node with an empty disk.
 
+The remote is not trusted to say what is mirrored: a remote checkpoint counts as a copy
+of a local one only if its manifest describes the same content (same tensors by
+checksum, same trees) and its files are there with the declared sizes and headers
+(`remote_copy_problem`). A step committed remotely by an earlier launch is checked so
+before local retention may rely on it, and one that fails (damaged, truncated, or
+another checkpoint under the same step) is uploaded again when it is the newest; a
+remote step with no local counterpart never licenses a local delete.
+
 A failed upload is retried; if it still fails it is reported (log WARNING, audit, the
 ``mirror_failed`` alert) and the local copy is kept; `Checkpointer.wait` and ``close``
 raise `PersistError` if the newest local checkpoint is not mirrored by then.
@@ -33,7 +41,7 @@ from typing import Any
 
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
-from resumable.errors import StorageError
+from resumable.errors import CheckpointError, StorageError
 from resumable.format import encode_manifest, manifest_digest
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
@@ -54,9 +62,10 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
     source.verify()
     manifest = source.manifest
     if step in list_committed(dst):
-        there = CheckpointReader(dst, step).manifest
-        if _same_content(there, manifest):
+        problem = remote_copy_problem(dst, step, manifest)
+        if problem is None:
             return 0
+        log.warning("%s; uploading step %d again", problem, step)
     committer = committer_for(dst)
     attempt = committer.begin(step)
     renamed = {name: attempt.key(name.rsplit("/", 1)[-1]) for name in manifest["files"]}
@@ -89,6 +98,22 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
         raise
     CheckpointReader(dst, step).check_files()
     return total + len(blob)
+
+
+def remote_copy_problem(dst: Storage, step: int, manifest: dict[str, Any]) -> str | None:
+    """Why the committed checkpoint ``step`` of ``dst`` is not a good copy of the one
+    ``manifest`` describes, or None if it is: same content (`_same_content`) and every
+    file present with its declared size and a matching safetensors header. Checksums are
+    not recomputed (that would download it all); restore verifies them before use."""
+    where = f"the copy of step {step} in {dst.url}"
+    try:
+        reader = CheckpointReader(dst, step)
+        if not _same_content(reader.manifest, manifest):
+            return f"{where} is another checkpoint than the local one (different content)"
+        reader.check_files()
+    except (CheckpointError, OSError, ValueError) as exc:
+        return f"{where} does not check out: {exc}"
+    return None
 
 
 def _same_content(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -138,7 +163,8 @@ class Mirror:
         self.on_mirrored = on_mirrored
         self.retries = retries
         self.backoff_s = backoff_s
-        self.mirrored: set[int] = set()
+        self.mirrored: set[int] = set()  # uploaded by this mirror, or checked (see _load_known)
+        self._mirrored_lock = threading.Lock()
         self.failed: dict[int, str] = {}
         self._pending: int | None = None
         self._submitted: int | None = None  # newest step handed to this mirror
@@ -150,14 +176,35 @@ class Mirror:
         self._thread.start()
 
     def _load_known(self) -> None:
-        """Steps already committed remotely (by earlier launches) count as mirrored."""
-        if not self._known:
-            self.mirrored.update(list_committed(self.remote))
-            self._known = True
+        """A step committed remotely by an earlier launch counts as mirrored only if it
+        is a good copy of a local checkpoint (`remote_copy_problem`). Checked newest
+        first, up to the first good one (older local steps may go because of it); the
+        bad ones are reported and count for nothing."""
+        if self._known:
+            return
+        remote = list_committed(self.remote)
+        for step in sorted(set(remote) & set(list_committed(self.local)), reverse=True):
+            try:
+                local_manifest = CheckpointReader(self.local, step).manifest
+            except CheckpointError as exc:
+                log.warning("mirror: local %s is unreadable: %s", step_dir(step), exc)
+                continue
+            problem = remote_copy_problem(self.remote, step, local_manifest)
+            if problem is None:
+                self._add_mirrored(step)
+                break
+            log.warning("mirror: %s; it does not count as mirrored", problem)
+            self.audit.record("mirror_mismatch", step=step, url=self.remote.url, reason=problem)
+        self._known = True
+
+    def _add_mirrored(self, step: int) -> None:
+        with self._mirrored_lock:
+            self.mirrored.add(step)
 
     def may_delete_local(self, step: int) -> bool:
         """A local checkpoint may go once it, or a newer one, is mirrored."""
-        return any(m >= step for m in self.mirrored)
+        with self._mirrored_lock:
+            return any(m >= step for m in self.mirrored)
 
     def submit(self, step: int) -> None:
         with self._cond:
@@ -181,7 +228,9 @@ class Mirror:
                 self._cond.wait(left)
         newest = self._submitted
         error = None
-        if newest is not None and newest not in self.mirrored:
+        with self._mirrored_lock:
+            done = newest in self.mirrored
+        if newest is not None and not done:
             error = self.failed.get(newest, f"step {newest} was not uploaded in time")
         return {"kind": "mirror_flushed", "newest": newest, "error": error}
 
@@ -235,7 +284,7 @@ class Mirror:
             self.notify({"kind": "mirror_failed", "step": step, "error": msg})
             return
         seconds = time.perf_counter() - t0
-        self.mirrored.add(step)
+        self._add_mirrored(step)
         self.failed.pop(step, None)
         self.audit.record(
             "mirror_commit",

@@ -198,7 +198,23 @@ def test_delete_missing_is_not_an_error(storage: Storage) -> None:
 # --------------------------------------------------------------------------- append
 
 
+def _needs_append(storage: Storage) -> None:
+    if not storage.supports_append:
+        pytest.skip(f"{type(storage).__name__} has no atomic append")
+
+
+def test_append_is_offered_only_where_it_is_atomic(storage: Storage) -> None:
+    """Object stores cannot grow an object: a read-modify-write "append" would lose the
+    bytes of a concurrent appender, so they refuse instead of pretending."""
+    if storage.supports_append:
+        pytest.skip(f"{type(storage).__name__} appends atomically")
+    with pytest.raises(NotImplementedError, match="no atomic append"):
+        storage.append("logs/audit.jsonl", b"x\n")
+    assert not storage.exists("logs/audit.jsonl")
+
+
 def test_append_creates_then_extends(storage: Storage) -> None:
+    _needs_append(storage)
     storage.append("logs/audit.jsonl", b'{"a": 1}\n')
     storage.append("logs/audit.jsonl", b'{"b": 2}\n')
     storage.append("logs/audit.jsonl", b"")
@@ -208,6 +224,7 @@ def test_append_creates_then_extends(storage: Storage) -> None:
 
 
 def test_append_after_write(storage: Storage) -> None:
+    _needs_append(storage)
     storage.write("f.txt", [b"abc"])
     storage.append("f.txt", b"def")
     assert storage.read("f.txt") == b"abcdef"
@@ -308,6 +325,8 @@ def test_hostile_paths_are_rejected_before_touching_anything(
 ) -> None:
     if op.startswith("rename_dir"):
         _needs_rename(storage)
+    if op == "append":
+        _needs_append(storage)
     storage.write("src/keep.bin", [b"keep"])
     before = _snapshot_tree(tmp_path)
 
@@ -321,6 +340,8 @@ def test_hostile_paths_are_rejected_before_touching_anything(
 
 @pytest.mark.parametrize("op", ["write", "read", "read_range", "size", "append"])
 def test_empty_path_is_not_a_file(storage: Storage, tmp_path: Path, op: str) -> None:
+    if op == "append":
+        _needs_append(storage)
     storage.write("src/keep.bin", [b"keep"])
     before = _snapshot_tree(tmp_path)
 

@@ -13,6 +13,10 @@ Contract for every backend:
   `CorruptCheckpointError` (the checkpoint is damaged, not the storage).
 - Missing paths: `read*`/`size` raise `FileNotFoundError`-derived `NoCheckpointError`;
   `list_dir` returns ``[]``; `delete` is a no-op.
+- `append` is offered only where it is atomic (``supports_append``): each call adds its
+  bytes whole, and concurrent appenders never lose or interleave each other's data.
+  Object stores cannot grow an object, so they do not offer it (the audit log writes
+  per-writer segments there instead; see `resumable.audit`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Storage(ABC):
 
     url: str
     supports_rename: bool = False
+    supports_append: bool = False
 
     @abstractmethod
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
@@ -57,10 +62,6 @@ class Storage(ABC):
         """Remove a file or a whole directory tree; no error if missing."""
 
     @abstractmethod
-    def append(self, path: str, data: bytes) -> None:
-        """Append ``data`` to ``path`` (used for the audit log)."""
-
-    @abstractmethod
     def put_if_absent(self, path: str, data: bytes) -> bool:
         """Create ``path`` holding ``data``, durably and all at once, unless it already
         exists; return whether this call created it. Two concurrent callers never both
@@ -73,6 +74,11 @@ class Storage(ABC):
 
     def read(self, path: str) -> bytes:
         return self.read_range(path, 0, self.size(path))
+
+    def append(self, path: str, data: bytes) -> None:
+        """Append ``data`` to ``path`` (creating it) in one atomic step; only where
+        ``supports_append`` (the audit log's ``audit.jsonl``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no atomic append")
 
     def rename_dir(self, src: str, dst: str) -> None:
         """Atomically make directory ``src`` visible as ``dst`` (which must not exist)."""
@@ -98,6 +104,7 @@ class ForwardingStorage(Storage):
         self.inner = inner
         self.url = inner.url
         self.supports_rename = inner.supports_rename
+        self.supports_append = inner.supports_append
 
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
         return self.inner.write(path, chunks)

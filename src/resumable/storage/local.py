@@ -103,6 +103,7 @@ class LocalStorage(Storage):
     so it may be used from several threads and passed to other processes."""
 
     supports_rename = True
+    supports_append = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()

@@ -15,6 +15,7 @@ class MemoryStorage(Storage):
     """A dict of path -> bytes; directories are implied by path prefixes."""
 
     supports_rename = True
+    supports_append = True
 
     def __init__(self, url: str = "memory://") -> None:
         self.url = url

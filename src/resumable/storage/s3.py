@@ -18,6 +18,9 @@ A root is ``s3://bucket/prefix``; every path is a key under that prefix, validat
 - **Commit.** There is no rename: `put_if_absent` (``If-None-Match: *``) is the
   primitive `resumable.commit.MarkerCommit` builds on, and `conditional_put_enforced`
   probes once that the server really refuses an overwrite.
+- **No append.** An object cannot grow, and a read-modify-write would lose the bytes of
+  a concurrent writer, so ``supports_append`` is false (the audit log writes segments
+  of its own instead, see `resumable.audit`).
 """
 
 from __future__ import annotations
@@ -444,15 +447,6 @@ class S3Storage(Storage):
         except (ClientError, BotoCoreError) as exc:
             raise self._error("probe conditional writes in", "", exc) from exc
         return ok
-
-    def append(self, path: str, data: bytes) -> None:
-        """Read-modify-write: objects cannot grow. Only the audit log appends, from one
-        writer per root."""
-        try:
-            old = self.read(path)
-        except NoCheckpointError:
-            old = b""
-        self.write(path, [old + data])
 
     # ----------------------------------------------------------------- reads
 
