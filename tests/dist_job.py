@@ -206,7 +206,7 @@ def phase_save2(out: Path, report: dict[str, Any]) -> None:
     # ... and here rank 1 loses its snapshot (its host rebooted, say).
     save_in_memory(out, "memlost2")
     if rank() == 1:
-        for path in (out / "shm").iterdir():
+        for path in (out / "shm").rglob("resumable-*"):
             if f"-r{rank()}-" in path.name and run_key_for(str(out / "memlost2")) in path.name:
                 path.unlink()
 

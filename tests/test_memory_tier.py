@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,9 +35,12 @@ def shm_dir(tmp_path: Path) -> Path:
     d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
     d.mkdir()
     yield d  # type: ignore[misc]
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    shutil.rmtree(d)
+
+
+def slot_files(shm_dir: Path) -> list[Path]:
+    """Every file under ``shm_dir`` (slots live in a per-user directory inside it)."""
+    return sorted(p for p in shm_dir.rglob("*") if p.is_file())
 
 
 def test_foreign_step_directory_is_never_overwritten(tmp_path: Path) -> None:
@@ -121,7 +125,7 @@ def test_save_wait_restore_in_every_mode(tmp_path: Path, shm_dir: Path, mode: st
     ck.wait()
     ck.close()  # flushes step 7, the newest snapshot, since it is newer than step 6
     assert ck.steps() == [3, 6, 7]
-    assert list(shm_dir.iterdir()) == [], "close() must remove the run's shared memory"
+    assert slot_files(shm_dir) == [], "close() must remove the run's shared memory"
 
     fresh = make_state(seed=1)
     with resumable.Checkpointer(tmp_path / "ck", fresh, persist=mode, shm_dir=shm_dir) as ck2:
@@ -151,7 +155,7 @@ def test_mutate_after_snapshot_does_not_change_it(tmp_path: Path, shm_dir: Path)
 
 
 def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
-    arena = ShmArena("k1", directory=shm_dir)
+    arena = ShmArena("k1", shm_dir=shm_dir)
     t = {"w": torch.arange(1000, dtype=torch.float32)}
     arena.snapshot(5, t, {"step": 5, "tree": {}, "metrics": {}})
     # A kill in the middle of the next copy: the other slot is left WRITING.
@@ -162,7 +166,7 @@ def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     slot.begin_write()
     arena.close(unlink=False)
 
-    again = ShmArena("k1", directory=shm_dir)
+    again = ShmArena("k1", shm_dir=shm_dir)
     found = again.adopt()
     assert [c.step for _, c in found] == [5], "the half-written slot must be ignored"
     assert again.newest is not None and again.newest.step == 5
@@ -273,7 +277,7 @@ def test_kill9_resumes_from_shared_memory_and_persists_it(
     assert any(e["event"] == "commit" and e["step"] == 17 for e in events), (
         "recovered step persisted"
     )
-    assert list(shm_dir.iterdir()) == []
+    assert slot_files(shm_dir) == []
 
 
 def test_exception_in_training_persists_the_latest_snapshot(tmp_path: Path, shm_dir: Path) -> None:
@@ -326,7 +330,7 @@ def test_close_raises_a_pending_failure_and_keeps_the_snapshot(shm_dir: Path) ->
     ck.save(1)
     with pytest.raises(PersistError):
         ck.close()
-    assert len(list(shm_dir.iterdir())) == 1, "the unpersisted snapshot stays for the next launch"
+    assert len(slot_files(shm_dir)) == 1, "the unpersisted snapshot stays for the next launch"
 
 
 def test_killed_persist_process_surfaces_and_loses_nothing(tmp_path: Path, shm_dir: Path) -> None:
@@ -439,25 +443,24 @@ def test_too_small_shared_memory_fails_before_training(
 
 
 def test_stale_segments_of_dead_runs_are_removed(tmp_path: Path, shm_dir: Path) -> None:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
+    slots = shm.own_dir(shm_dir)
+    assert slots is not None
     slot = shm.ShmSlot.create(
-        shm_dir / "resumable-deadbeef0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10
+        slots / "resumable-deadbeef0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10
     )
     control = slot.control()
-    control.owner_pid, control.updated = proc.pid, time.time() - 3 * 86400
+    control.updated = time.time() - 3 * 86400
     slot._write_control(control)
-    slot.close()
+    slot.close()  # no process holds it any more
     slot = shm.ShmSlot.create(
-        shm_dir / "resumable-feedface0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10
+        slots / "resumable-feedface0000-r0-s0", meta_cap=10, sums_cap=10, data_cap=10
     )
-    slot._update(owner_pid=proc.pid)  # dead but recent: its run may still relaunch
-    slot.close()
+    slot.close()  # dead but recent: its run may still relaunch
     ck = resumable.Checkpointer(tmp_path / "ck", make_state(), persist="thread", shm_dir=shm_dir)
-    names = sorted(p.name for p in shm_dir.iterdir())
+    names = [p.name for p in slot_files(shm_dir)]
     assert names == ["resumable-feedface0000-r0-s0"]
     ck.close()
-    assert shm.remove_dead_segments(shm_dir) == [shm_dir / "resumable-feedface0000-r0-s0"]
+    assert shm.remove_dead_segments(shm_dir) == [slots / "resumable-feedface0000-r0-s0"]
 
 
 def test_cli_ls_shows_the_memory_tier(

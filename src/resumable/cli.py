@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import math
 import os
 import secrets
@@ -60,6 +61,8 @@ from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention, pinned_steps
 from resumable.storage import LocalStorage, Storage, open_storage
+
+log = logging.getLogger(__name__)
 
 PROG = "resumable"
 DEBUG_ENV = "RESUMABLE_DEBUG"
@@ -200,7 +203,11 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
 def _add_shm_dir(p: argparse.ArgumentParser) -> None:
     from resumable.shm import SHM_DIR
 
-    p.add_argument("--shm-dir", default=str(SHM_DIR), help="where shared-memory snapshots live")
+    p.add_argument(
+        "--shm-dir",
+        default=str(SHM_DIR),
+        help="the shared-memory directory (snapshots are in its resumable-<uid> directory)",
+    )
 
 
 def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -> dict[str, Any]:
@@ -266,16 +273,19 @@ def _incomplete_rows(storage: Storage, pinned: set[int]) -> list[dict[str, Any]]
 
 
 def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
-    """The memory tier: this run's complete shared-memory snapshots on this host."""
-    from resumable.shm import ShmSlot, run_key_for, slot_paths
+    """The memory tier: this run's complete shared-memory snapshots on this host, in
+    this user's slot directories."""
+    from resumable.shm import ShmSlot, run_key_for, slot_paths, unusable, user_dirs
 
     rows: list[dict[str, Any]] = []
-    for path in slot_paths(run_key_for(storage.url), 0, shm_dir):
-        if not path.exists():
+    key = run_key_for(storage.location)
+    for path in (p for d in user_dirs(shm_dir) for p in slot_paths(key, 0, d)):
+        if not os.path.lexists(path):
             continue
         try:
-            slot = ShmSlot.attach(path)
-        except (OSError, CheckpointError):
+            slot = ShmSlot.attach(path, lock=False)
+        except (OSError, CheckpointError) as exc:
+            log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
             continue
         try:
             content = slot.read()
@@ -739,7 +749,9 @@ def run_log(args: argparse.Namespace) -> int:
 def _shm_arguments(p: argparse.ArgumentParser) -> None:
     _add_shm_dir(p)
     p.add_argument(
-        "--clean", action="store_true", help="remove segments whose owner process is gone"
+        "--clean",
+        action="store_true",
+        help="remove segments that no process holds (whatever owner pid they record)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
@@ -755,7 +767,7 @@ def run_shm(args: argparse.Namespace) -> int:
             "path": str(seg.path),
             "bytes": seg.size,
             "owner_pid": seg.owner_pid,
-            "owner_alive": seg.owner_alive,
+            "in_use": seg.in_use,
             "step": seg.step,
             "removed": str(seg.path) in removed,
         }
@@ -766,13 +778,13 @@ def run_shm(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     if not rows:
-        console.print(Text(f"no resumable shared-memory segments in {directory}"))
+        console.print(Text(f"no resumable shared-memory segments of this user in {directory}"))
         return 0
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in ("segment", "size", "owner", "step", "state"):
         table.add_column(col, no_wrap=True)
     for r in rows:
-        state = "removed" if r["removed"] else ("live" if r["owner_alive"] else "orphaned")
+        state = "removed" if r["removed"] else ("in use" if r["in_use"] else "orphaned")
         table.add_row(
             Text(r["path"]),
             Text(_human_bytes(r["bytes"])),

@@ -95,7 +95,8 @@ class Checkpointer:
         on_busy: when a persist is due while the previous one still runs: ``"skip"``
             (default; logged, and the persist is taken as soon as the worker is free)
             or ``"wait"``.
-        shm_dir: where the shared-memory slots live (default ``/dev/shm``).
+        shm_dir: the shared-memory directory (default ``/dev/shm``); slots live in this
+            user's private ``resumable-<uid>`` directory inside it.
         overlap: copy parameters and optimizer state in the background during the next
             forward/backward; an optimizer step pre-hook waits for the copy before the
             optimizer changes them. Until ``optimizer.step()`` runs, nothing else may
@@ -218,11 +219,11 @@ class Checkpointer:
             from pathlib import Path
 
             self._shm = ShmArena(
-                run_key_for(self.url),
+                run_key_for(self.storage.location),
                 rank=self.rank,
-                directory=Path(shm_dir) if shm_dir is not None else None,
+                shm_dir=Path(shm_dir) if shm_dir is not None else None,
             )
-            for path in remove_dead_segments(self._shm.directory, older_than_s=STALE_SHM_S):
+            for path in remove_dead_segments(self._shm.shm_dir, older_than_s=STALE_SHM_S):
                 log.info("removed shared-memory snapshot %s left by a dead run", path)
                 self.audit.record("stale_removed", name=str(path))
         else:
@@ -1001,9 +1002,7 @@ class Checkpointer:
             return
         captured = capture_mod.capture(self.state, include_rng=self.capture_rng)
         need = 2 * sum(t.numel() * t.element_size() for t in captured.tensors.values())
-        have = shm_free_bytes(self._shm.directory) + sum(
-            p.stat().st_size for p in self._shm.paths if p.exists()
-        )
+        have = shm_free_bytes(self._shm.directory) + self._shm.existing_bytes()
         if need > have:
             raise StorageError(
                 errno.ENOSPC,

@@ -19,6 +19,21 @@ filled in later by the worker (they would double the blocking time on the traini
 thread) and are tagged with the ``seq`` they belong to; a restore verifies them when
 present.
 
+Slots are private to their user, by construction rather than by name. They live in
+``<shm_dir>/resumable-<euid>/`` (`own_dir`), which this user creates with mode 0700 and
+uses only while it is a real directory of this user that nobody else may write to; if
+another user took that name first, the run warns and uses a fresh private directory
+(`fallback_dir`). Every slot is opened without following links and used only if it is
+a regular file of this user that nobody else may open; anything else at a slot name is
+ignored with a WARNING, never read, written into or deleted. A slot's content is
+trusted because nobody but this user could have written it.
+
+Liveness is a lock, not a pid: every process that maps a slot (the trainer, its persist
+worker) holds a shared `flock` on it for as long as it does, and a slot is taken over or
+deleted only by a process that gets the exclusive lock. Locks belong to the file, so
+they work across PID namespaces (a sidecar container sharing ``/dev/shm``), and they
+die with their holder. The owner pid in the control block is informational only.
+
 We map files ourselves instead of using `multiprocessing.shared_memory`: its resource
 tracker unlinks a segment when the creating process dies, which is precisely the case
 the memory tier exists for.
@@ -28,10 +43,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
+import logging
 import mmap
 import os
+import secrets
+import stat
 import struct
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,8 +64,11 @@ import xxhash
 from resumable.errors import CheckpointError, StorageError
 from resumable.format import TensorSlot, dtype_from_name, dtype_name
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "resumable-"
+TMP_MARK = ".new"
 MAGIC = b"RSMBLSHM"
 VERSION = 1
 CONTROL = 4096
@@ -60,27 +83,157 @@ _FMT = _FMT.replace(" ", "")
 _SIZE = struct.calcsize(_FMT)
 
 
-def run_key(url: str) -> str:
-    """A short stable key naming a run's segments: the same checkpoint URL on the same
-    host finds the same segments after a crash."""
-    return xxhash.xxh3_64_hexdigest(url.encode())[:12]
+def run_key(location: str) -> str:
+    """A short stable key naming a run's segments: the same checkpoint location on the
+    same host finds the same segments after a crash."""
+    return xxhash.xxh3_64_hexdigest(location.encode())[:12]
 
 
-def run_key_for(url: str) -> str:
-    """The key of a checkpoint URL's segments on this host."""
-    return run_key(f"{os.uname().nodename}:{url}")
+def run_key_for(location: str) -> str:
+    """The key of a checkpoint root's segments on this host, from its
+    `Storage.location` (which tells apart equal URLs on different servers)."""
+    return run_key(f"{os.uname().nodename}:{location}")
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+# --------------------------------------------------------------------------- private places
+
+
+def own_dir(shm_dir: Path = SHM_DIR) -> Path | None:
+    """This user's slot directory in ``shm_dir``, ``resumable-<euid>``, created (mode
+    0700) if missing; None, with a WARNING, if that name cannot be trusted.
+
+    An existing one is used only if it is a real directory (not a link) owned by this
+    user and not writable by group or others. Otherwise another user created the name
+    first, to read or plant snapshots: the caller then uses a `fallback_dir`, so the run
+    works but does not find snapshots an earlier launch left. Raises `StorageError` if
+    ``shm_dir`` takes no directory of this user at all."""
+    path = shm_dir / f"{PREFIX}{os.geteuid()}"
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise _dir_error(path, exc) from exc
+    problem = _dir_problem(path)
+    if problem is None:
+        return path
+    log.warning(
+        "not using %s for shared-memory snapshots: it %s. Using a new private directory "
+        "instead, so snapshots left by an earlier launch are not found; remove %s or pass "
+        "shm_dir= another directory",
+        path,
+        problem,
+        path,
+    )
+    return None
+
+
+def fallback_dir(shm_dir: Path) -> tuple[Path, int]:
+    """A fresh private directory in ``shm_dir`` (``resumable-<euid>-XXXXXXXX``, mode
+    0700) and a descriptor holding its shared lock: `remove_dead_segments` removes an
+    empty fallback directory only when nobody holds it. Close the descriptor when done."""
+    for _ in range(3):
+        try:
+            path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.geteuid()}-", dir=shm_dir))
+        except OSError as exc:
+            raise _dir_error(shm_dir, exc) from exc
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # a cleaner saw it empty and unlocked
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if _same_file(path, fd):
+            return path, fd
+        os.close(fd)
+    raise StorageError(errno.EAGAIN, f"private directories created in {shm_dir} keep disappearing")
+
+
+def user_dirs(shm_dir: Path = SHM_DIR) -> list[Path]:
+    """This user's slot directories in ``shm_dir`` (its own and fallbacks), creating none;
+    entries with these names that are not private directories of this user are skipped
+    with a WARNING."""
+    euid = os.geteuid()
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError:
+        return []
+    dirs = []
+    for name in names:
+        if name != f"{PREFIX}{euid}" and not name.startswith(f"{PREFIX}{euid}-"):
+            continue
+        problem = _dir_problem(shm_dir / name)
+        if problem is None:
+            dirs.append(shm_dir / name)
+        else:
+            log.warning("ignoring %s: it %s", shm_dir / name, problem)
+    return dirs
+
+
+def _dir_problem(path: Path) -> str | None:
+    """Why ``path`` is not a private directory of this user, or None if it is one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"is not a directory ({exc.strerror})"
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _dir_error(path: Path, exc: OSError) -> StorageError:
+    return StorageError(
+        exc.errno,
+        f"cannot create a private directory for shared-memory snapshots in {path}: "
+        f"{exc.strerror}; pass shm_dir= a writable directory on a tmpfs, or use "
+        "persist='sync' without memory_every",
+    )
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """A descriptor of ``path`` (never through a link) if it is a regular file of this
+    user that no one else may open; `CheckpointError` saying what it is otherwise, and
+    `OSError` if it cannot be opened."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            problem = "it is not a regular file"
+        elif st.st_uid != os.geteuid():
+            problem = f"it belongs to uid {st.st_uid}"
+        elif st.st_mode & 0o077:
+            problem = f"other users may open it (mode {stat.S_IMODE(st.st_mode):o})"
+        else:
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    raise CheckpointError(
+        f"{path} is not a private snapshot slot of this user (uid {os.geteuid()}): {problem}"
+    )
+
+
+def unusable(path: Path, exc: Exception) -> str:
+    """``path`` and why it is no slot, from the error `ShmSlot.attach` raised."""
+    if isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
+        return str(exc)  # names the path
+    return f"{path} cannot be opened: {exc.strerror}"
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 @dataclass
@@ -121,7 +274,10 @@ def shm_free_bytes(directory: Path = SHM_DIR) -> int:
 
 class ShmSlot:
     """One mapped slot file. Created by the trainer (`create`), attached by the worker
-    or by the next launch (`attach`). Not thread-safe; one writer (the trainer)."""
+    or by the next launch (`attach`). Not thread-safe; one writer (the trainer).
+
+    A slot created, or attached with ``lock=True``, holds a shared lock on its file
+    until `close`: that is what tells other processes it is in use."""
 
     def __init__(self, path: Path, fd: int, mm: mmap.mmap) -> None:
         self.path = path
@@ -134,22 +290,38 @@ class ShmSlot:
     @classmethod
     def create(cls, path: Path, *, meta_cap: int, sums_cap: int, data_cap: int) -> ShmSlot:
         """Create (or replace) a slot file sized for the given capacities; pages are
-        touched now so the first snapshot does not pay the page faults."""
+        touched now so the first snapshot does not pay the page faults. The new file
+        is private (mode 0600) and locked before it appears under ``path``.
+
+        Raises `StorageError` if shared memory is too small, and `CheckpointError` if
+        no file can be made at ``path`` (its directory is gone, or a directory sits at
+        the name): the caller may try another directory."""
         meta_cap = _round_up(meta_cap, ALIGN)
         sums_cap = _round_up(sums_cap, ALIGN)
         total = CONTROL + meta_cap + sums_cap + _round_up(max(data_cap, 1), ALIGN)
-        free = shm_free_bytes(path.parent)
-        existing = path.stat().st_size if path.exists() else 0
-        if total > free + existing:
+        try:
+            free = shm_free_bytes(path.parent)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create a snapshot slot in {path.parent}: {exc.strerror}"
+            ) from exc
+        if total > free + replaced_size(path):
             raise StorageError(
                 errno.ENOSPC,
                 f"shared memory {path.parent} has {free / 2**20:.0f} MiB free, the snapshot "
                 f"arena needs {total / 2**20:.0f} MiB per slot (two slots); enlarge /dev/shm "
                 "(e.g. docker --shm-size, or a tmpfs mount) or pass memory_every=None",
             )
-        tmp = path.with_name(path.name + f".new{os.getpid()}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create a snapshot slot in {path.parent}: {exc.strerror}"
+            ) from exc
+        mm: mmap.mmap | None = None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, total)
             try:
                 os.posix_fallocate(fd, 0, total)
@@ -160,8 +332,15 @@ class ShmSlot:
                     "enlarge /dev/shm or pass memory_every=None",
                 ) from exc
             mm = mmap.mmap(fd, total)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"cannot put a snapshot slot at {path}: {exc.strerror}"
+                ) from exc
         except BaseException:
+            if mm is not None:
+                mm.close()
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -192,10 +371,17 @@ class ShmSlot:
         return slot
 
     @classmethod
-    def attach(cls, path: Path) -> ShmSlot:
-        """Map an existing slot; `CheckpointError` if it is not a resumable slot."""
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    def attach(cls, path: Path, *, lock: bool = True) -> ShmSlot:
+        """Map an existing slot of this user.
+
+        With ``lock`` (a persist worker) a shared lock is taken, waiting while a cleaner
+        holds the exclusive one; without it the caller only reads the slot, or locks it
+        itself (`lock_exclusive`). Raises `CheckpointError` if ``path`` is not a private
+        file of this user or not a resumable slot, `OSError` if it cannot be opened."""
+        fd = _open_private(path, os.O_RDWR)
         try:
+            if lock:
+                fcntl.flock(fd, fcntl.LOCK_SH)
             size = os.fstat(fd).st_size
             if size < CONTROL:
                 raise CheckpointError(f"{path} is not a resumable snapshot slot (too small)")
@@ -213,6 +399,35 @@ class ShmSlot:
             raise CheckpointError(f"{path}: slot capacities exceed the file size")
         return slot
 
+    def lock_exclusive(self) -> bool:
+        """Take the exclusive lock unless another process (or another `attach` in this
+        one) holds a lock on the file; returns at once."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def lock_shared(self) -> None:
+        """Hold a shared lock (turning an exclusive one into it) until `close`."""
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def in_use(self) -> bool:
+        """Whether some process holds a lock on the file: it maps the slot. Only for a
+        slot attached with ``lock=False`` (this one's own lock would be dropped)."""
+        if not self.lock_exclusive():
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    def linked(self) -> bool:
+        """Whether ``path`` still names this file (not removed or replaced since)."""
+        return _same_file(self.path, self._fd)
+
+    @property
+    def size(self) -> int:
+        return len(self.mm)
+
     def close(self) -> None:
         self._data = None
         if self._mm is not None:
@@ -224,9 +439,12 @@ class ShmSlot:
             self._fd = -1
 
     def unlink(self) -> None:
+        """Close, and remove the file if ``path`` still names it."""
+        ours = self._fd >= 0 and self.linked()
         self.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if ours:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     # ---------------------------------------------------------------- control block
 
@@ -252,6 +470,10 @@ class ShmSlot:
 
     def set_worker(self, pid: int) -> None:
         self._update(worker_pid=pid)
+
+    def claim(self) -> None:
+        """Record this process as the owner, with no worker (when a launch adopts it)."""
+        self._update(owner_pid=os.getpid(), worker_pid=0)
 
     def fits(self, meta_len: int, n_tensors: int, data_len: int) -> bool:
         c = self.control()
@@ -373,57 +595,130 @@ def layout_meta(slots: list[TensorSlot]) -> list[dict[str, Any]]:
     ]
 
 
-def slot_paths(key: str, rank: int, directory: Path = SHM_DIR) -> list[Path]:
+def slot_paths(key: str, rank: int, directory: Path) -> list[Path]:
+    """The two slot files of run ``key`` and ``rank`` in a slot directory (`own_dir`)."""
     return [directory / f"{PREFIX}{key}-r{rank}-s{i}" for i in range(2)]
 
 
 @dataclass(frozen=True)
 class SegmentInfo:
+    """One slot file. ``owner_pid`` is the pid its owner recorded, for people to read:
+    it may belong to another PID namespace. ``in_use`` is what counts: some process
+    holds the file's lock."""
+
     path: Path
     size: int
     owner_pid: int
-    owner_alive: bool
+    in_use: bool
     step: int | None
     updated: float
 
 
-def list_segments(directory: Path = SHM_DIR) -> Iterator[SegmentInfo]:
-    """Every resumable slot file in ``directory``, with its owner and step."""
-    if not directory.is_dir():
-        return
-    for p in sorted(directory.glob(f"{PREFIX}*")):
-        try:
-            slot = ShmSlot.attach(p)
-        except (OSError, CheckpointError, ValueError):
-            continue
-        try:
-            c = slot.control()
-            content = slot.read()
-            yield SegmentInfo(
-                p,
-                p.stat().st_size,
-                c.owner_pid,
-                _pid_alive(c.owner_pid),
-                content.step if content else None,
-                c.updated,
-            )
-        finally:
-            slot.close()
+def list_segments(shm_dir: Path = SHM_DIR) -> Iterator[SegmentInfo]:
+    """This user's slot files in ``shm_dir`` (see `user_dirs`), with owner and step.
+    Files that are not private slots of this user are skipped with a WARNING."""
+    for directory in user_dirs(shm_dir):
+        for path in _entries(directory, tmp=False):
+            try:
+                slot = ShmSlot.attach(path, lock=False)
+            except (OSError, CheckpointError) as exc:
+                log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
+                continue
+            try:
+                c = slot.control()
+                content = slot.read()
+                yield SegmentInfo(
+                    path,
+                    slot.size,
+                    c.owner_pid,
+                    slot.in_use(),
+                    content.step if content else None,
+                    c.updated,
+                )
+            finally:
+                slot.close()
+
+
+def _entries(directory: Path, *, tmp: bool) -> list[Path]:
+    """Slot files in ``directory``, and with ``tmp`` the leftovers of cut-short creations."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [directory / n for n in names if n.startswith(PREFIX) and (tmp or TMP_MARK not in n)]
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def remove_dead_segments(directory: Path = SHM_DIR, *, older_than_s: float = 0.0) -> list[Path]:
-    """Unlink slot files whose owner process is gone and that were last written more
-    than ``older_than_s`` ago. A run's own segments are adopted by its next launch, so
-    the default age used at start-up is long (a day); ``resumable shm --clean`` uses 0."""
+def replaced_size(path: Path) -> int:
+    """Bytes freed when a new slot replaces ``path`` (a regular file; never followed)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def remove_dead_segments(shm_dir: Path = SHM_DIR, *, older_than_s: float = 0.0) -> list[Path]:
+    """Unlink this user's slot files in ``shm_dir`` that no process holds (see the
+    module doc) and that were last written more than ``older_than_s`` ago, together
+    with leftovers of slot creations cut short and empty fallback directories. A run's
+    own segments are adopted by its next launch, so the default age used at start-up is
+    long (a day); ``resumable shm --clean`` uses 0.
+
+    Whatever pid a slot records, a slot whose lock is held is kept: its owner is alive,
+    possibly in a PID namespace this process cannot see. Files of other users are never
+    touched."""
     removed = []
-    now = time.time()
-    for seg in list_segments(directory):
-        if not seg.owner_alive and now - seg.updated >= older_than_s:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(seg.path)
-            removed.append(seg.path)
+    cutoff = time.time() - older_than_s
+    for directory in user_dirs(shm_dir):
+        for path in _entries(directory, tmp=True):
+            if _remove_if_dead(path, cutoff):
+                removed.append(path)
+        if directory.name != f"{PREFIX}{os.geteuid()}":
+            _remove_if_unused(directory)
     return removed
+
+
+def _remove_if_unused(directory: Path) -> None:
+    """Remove a fallback directory that is empty and that nobody holds."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(directory, fd):
+            directory.rmdir()  # fails if not empty
+    except OSError:  # held (BlockingIOError), not empty, or gone
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_if_dead(path: Path, cutoff: float) -> bool:
+    try:
+        fd = _open_private(path, os.O_RDONLY)
+    except (OSError, CheckpointError) as exc:
+        log.warning("not removing a shared-memory snapshot file: %s", unusable(path, exc))
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if not _same_file(path, fd):
+            return False
+        head = os.pread(fd, _SIZE, 0)
+        if len(head) == _SIZE and head[:8] == MAGIC:
+            updated = Control(*struct.unpack(_FMT, head)).updated
+        else:
+            updated = os.fstat(fd).st_mtime
+        if updated > cutoff:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)

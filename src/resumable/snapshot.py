@@ -18,7 +18,9 @@ of the training process. Large copies are split across a small thread pool.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Collection, Mapping
@@ -29,9 +31,22 @@ from typing import Any
 
 import torch
 
-from resumable.errors import CheckpointError
+from resumable.errors import CheckpointError, StorageError
 from resumable.format import TensorSlot, byte_view, plan_layout
-from resumable.shm import SHM_DIR, ShmSlot, SlotContent, _pid_alive, layout_meta, slot_paths
+from resumable.shm import (
+    PREFIX,
+    SHM_DIR,
+    ShmSlot,
+    SlotContent,
+    fallback_dir,
+    layout_meta,
+    own_dir,
+    replaced_size,
+    slot_paths,
+    unusable,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,10 +172,18 @@ class ShmArena:
     (``locked``). A snapshot goes to a slot that is neither locked nor the newest
     complete one when possible, so a complete snapshot always survives a kill during
     the next copy. Used from the training thread only.
+
+    The slots live in this user's `own_dir` of ``shm_dir`` (``directory``), or in a
+    fresh `fallback_dir` if that cannot be trusted; a slot that cannot be created where
+    it should moves to a fallback directory too, so a file in the way costs the run the
+    adoption of that slot, never the run.
     """
 
-    def __init__(self, key: str, *, rank: int = 0, directory: Path | None = None) -> None:
-        self.directory = directory or SHM_DIR
+    def __init__(self, key: str, *, rank: int = 0, shm_dir: Path | None = None) -> None:
+        self.shm_dir = shm_dir or SHM_DIR
+        self._key, self._rank = key, rank
+        self._held: list[int] = []  # locks on the fallback directories in use
+        self.directory = own_dir(self.shm_dir) or self._fallback()
         self.paths = slot_paths(key, rank, self.directory)
         self.slots: list[ShmSlot | None] = [None, None]
         self.locked: set[int] = set()
@@ -175,29 +198,34 @@ class ShmArena:
 
     # ---------------------------------------------------------------- adoption
 
-    def adopt(self) -> list[tuple[int, SlotContent]]:
+    def adopt(self, *, wait_s: float = 60.0) -> list[tuple[int, SlotContent]]:
         """Attach slot files left by an earlier launch of this run; returns the complete
-        snapshots found (index, content), newest first. Raises `CheckpointError` if a
-        live process other than this one owns them."""
+        snapshots found (index, content), newest first.
+
+        A slot is taken over only once no other process holds its lock; the persist
+        worker of a dead launch may still be finishing its last commit, so this waits up
+        to ``wait_s`` for it, then raises `CheckpointError` (another trainer of this run
+        holds it). A slot this process already maps elsewhere is shared, as before. A
+        file at a slot name that is not a private slot of this user is ignored with a
+        WARNING and replaced by the next snapshot."""
         found = []
         for i, path in enumerate(self.paths):
-            if self.slots[i] is not None or not path.exists():
+            if self.slots[i] is not None or not os.path.lexists(path):
                 continue
             try:
-                slot = ShmSlot.attach(path)
-            except (OSError, CheckpointError, ValueError):
-                path.unlink(missing_ok=True)
+                slot = ShmSlot.attach(path, lock=False)
+            except (OSError, CheckpointError) as exc:
+                log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
                 continue
-            c = slot.control()
-            if c.owner_pid != os.getpid() and _pid_alive(c.owner_pid):
+            try:
+                taken = _take_over(slot, wait_s)
+            except BaseException:
                 slot.close()
-                raise CheckpointError(
-                    f"the shared-memory snapshots of this run ({path}) belong to the running "
-                    f"process {c.owner_pid}; two trainers cannot share one checkpoint "
-                    "directory. Stop the other one or use another directory"
-                )
-            _wait_for_exit(c.worker_pid, timeout=60.0)
-            slot._update(owner_pid=os.getpid(), worker_pid=0)
+                raise
+            if not taken:  # removed by a cleaner while we waited
+                slot.close()
+                continue
+            slot.claim()
             self.slots[i] = slot
             content = slot.read()
             if content is not None:
@@ -267,17 +295,35 @@ class ShmArena:
         old = self.slots[index]
         if old is not None:
             old.close()
-        slot = ShmSlot.create(
-            self.paths[index],
-            meta_cap=meta_len + meta_len // 4 + 65536,
-            sums_cap=16 * n_tensors + 4096,
-            data_cap=nbytes,
-        )
+        self.slots[index] = None
+        caps = {
+            "meta_cap": meta_len + meta_len // 4 + 65536,
+            "sums_cap": 16 * n_tensors + 4096,
+            "data_cap": nbytes,
+        }
+        try:
+            slot = ShmSlot.create(self.paths[index], **caps)
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            elsewhere = self._fallback()
+            log.warning("%s; putting this snapshot slot in %s instead", exc, elsewhere)
+            self.paths[index] = slot_paths(self._key, self._rank, elsewhere)[index]
+            slot = ShmSlot.create(self.paths[index], **caps)
         self.slots[index] = slot
         if self.newest is not None and self.newest.index == index:
             self.newest = None
         self.allocations += 1
         return slot
+
+    def _fallback(self) -> Path:
+        path, fd = fallback_dir(self.shm_dir)
+        self._held.append(fd)
+        return path
+
+    def existing_bytes(self) -> int:
+        """Bytes of the slot files now at this arena's slot names (freed when replaced)."""
+        return sum(replaced_size(p) for p in self.paths)
 
     def content(self, index: int) -> SlotContent | None:
         slot = self.slots[index]
@@ -298,6 +344,14 @@ class ShmArena:
                 else:
                     slot.close()
                 self.slots[i] = None
+        for fd in self._held:
+            os.close(fd)
+        self._held.clear()
+        if unlink:
+            for directory in {p.parent for p in self.paths}:
+                if directory.name != f"{PREFIX}{os.geteuid()}":
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()  # a fallback directory, if now empty
         self.newest = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -308,8 +362,21 @@ def _nbytes(slots: list[TensorSlot]) -> int:
     return slots[-1].end if slots else 0
 
 
-def _wait_for_exit(pid: int, *, timeout: float) -> None:
-    """Wait (bounded) for a persist worker of a dead trainer to finish its last commit."""
-    deadline = time.monotonic() + timeout
-    while pid > 0 and _pid_alive(pid) and time.monotonic() < deadline:
+def _take_over(slot: ShmSlot, wait_s: float) -> bool:
+    """Hold ``slot``'s shared lock, once no other process holds it; False if the file
+    was removed or replaced meanwhile."""
+    deadline = time.monotonic() + wait_s
+    while not slot.lock_exclusive():
+        owner = slot.control().owner_pid
+        if owner == os.getpid():
+            break  # another arena of this process maps it
+        if time.monotonic() >= deadline:
+            raise CheckpointError(
+                f"the shared-memory snapshot {slot.path} of this run is still in use after "
+                f"{wait_s:.0f} s (its owner recorded pid {owner}): another trainer of this "
+                "run is running, or the persist worker of an earlier launch is stuck. Stop "
+                "it, or use another checkpoint directory"
+            )
         time.sleep(0.05)
+    slot.lock_shared()
+    return slot.linked()

@@ -38,6 +38,13 @@ class Storage(ABC):
     supports_rename: bool = False
     supports_append: bool = False
 
+    @property
+    def location(self) -> str:
+        """What tells this root apart from every other on this host: its ``url``, plus
+        anything else that decides where the bytes go (an object store's endpoint).
+        Names the root's shared-memory snapshots."""
+        return self.url
+
     @abstractmethod
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
         """Write ``chunks`` in order to ``path`` (replacing it), durably; return bytes written."""
@@ -129,6 +136,10 @@ class ForwardingStorage(Storage):
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         return self.inner.put_if_absent(path, data)
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
 
     def conditional_put_enforced(self) -> bool:
         return self.inner.conditional_put_enforced()

@@ -234,6 +234,11 @@ class S3Storage(Storage):
         with _SESSION_LOCK:  # creating clients from one session is not thread-safe
             return session.client("s3", config=config, **kwargs)
 
+    @property
+    def location(self) -> str:
+        """The url at its endpoint: one bucket name may exist on several servers."""
+        return f"{self.url} at {self.client.meta.endpoint_url}"
+
     # ----------------------------------------------------------------- helpers
 
     def _key(self, path: str) -> str:
