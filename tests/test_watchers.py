@@ -3,8 +3,11 @@ provider's metadata protocol: AWS IMDSv2 (session tokens, 401 on a missing or ex
 one, 404 until a spot action is scheduled), GCP ``instance/preempted`` (403 without
 ``Metadata-Flavor: Google``) and Azure Scheduled Events (400 without ``Metadata: true``
 or ``api-version``; events of other VMs in the same scale set are delivered too).
+A fake can also misbehave: answer slowly, trickle its answer a byte at a time, or
+redirect to another server.
 
-No timed assertions: waits have generous deadlines that only a broken watcher reaches.
+No timed assertions but upper bounds: waits have generous deadlines that only a broken
+watcher reaches.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from resumable.watchers import (
 
 FAST: dict[str, Any] = {"interval_s": 0.05, "timeout_s": 2.0}
 DEADLINE_S = 10.0
+TRICKLE_S = 0.2  # a trickling fake sends one byte this often
 NOTICE_TIME = "2026-05-01T12:00:00Z"
 SELF_VM = "train-vm_3"
 
@@ -70,8 +74,14 @@ class FakeCloud:
         notice_after: the number of notice polls answered "no notice" before the notice
             appears; None: it never does.
         delay_s: every answer is held this long (a slow or hung service).
+        trickle: every answer is sent one byte every `TRICKLE_S` seconds: from its
+            status line ("head") or, after the status line and headers, its body
+            ("body", padded with 50 spaces).
+        redirect_to: notice requests that pass the protocol's checks are answered
+            ``redirect_status`` with ``Location: redirect_to + path``.
         token_uses: AWS: the number of GETs a session token authorizes before it
             expires (401).
+        notice_body: AWS: the body of the notice (a JSON instance-action when None).
         events: Azure: the events listed once ``notice_after`` polls were answered.
         vm_name: Azure: this VM's name from ``compute/name``; None: 404.
     """
@@ -82,14 +92,22 @@ class FakeCloud:
         *,
         notice_after: int | None = None,
         delay_s: float = 0.0,
+        trickle: str | None = None,
+        redirect_to: str | None = None,
+        redirect_status: int = 302,
         token_uses: int = 1_000_000,
+        notice_body: bytes | None = None,
         events: list[dict[str, Any]] | None = None,
         vm_name: str | None = SELF_VM,
     ) -> None:
         self.provider = provider
         self.notice_after = notice_after
         self.delay_s = delay_s
+        self.trickle = trickle
+        self.redirect_to = redirect_to
+        self.redirect_status = redirect_status
         self.token_uses = token_uses
+        self.notice_body = notice_body
         self.events = events if events is not None else [azure_event("Preempt")]
         self.vm_name = vm_name
         self.lock = threading.Lock()
@@ -99,6 +117,7 @@ class FakeCloud:
         self.tokens: dict[str, int] = {}  # token -> GETs it may still authorize
         self.refused: list[tuple[str, int]] = []  # (path, status) of rejected requests
         self.name_lookups = 0
+        self.seen: list[tuple[str, str, dict[str, str]]] = []  # (method, path, headers)
         self.url = ""
 
     def notice_due(self) -> bool:
@@ -129,16 +148,43 @@ def make_handler(cloud: FakeCloud) -> type[BaseHTTPRequestHandler]:
         def reply(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
             if cloud.delay_s:
                 cloud.closing.wait(cloud.delay_s)
+            headers = {"Content-Type": content_type}
+            if cloud.provider == "gcp":
+                headers["Metadata-Flavor"] = "Google"
+            if cloud.trickle:
+                return self.trickle(status, headers, body + b" " * 50)
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", content_type)
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
-                if cloud.provider == "gcp":
-                    self.send_header("Metadata-Flavor", "Google")
                 self.end_headers()
                 self.wfile.write(body)
             except OSError:
                 pass  # the client gave up (timeout): expected with delay_s
+
+        def trickle(self, status: int, headers: dict[str, str], body: bytes) -> None:
+            lines = [f"HTTP/1.1 {status} {self.responses[status][0]}"]
+            lines += [f"{name}: {value}" for name, value in headers.items()]
+            lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+            head = "\r\n".join(lines).encode()
+            at_once, slowly = (b"", head + body) if cloud.trickle == "head" else (head, body)
+            self.close_connection = True
+            try:
+                self.wfile.write(at_once)
+                for i in range(len(slowly)):
+                    if cloud.closing.wait(TRICKLE_S):
+                        return
+                    self.wfile.write(slowly[i : i + 1])
+            except OSError:
+                pass  # the client gave up
+
+        def redirect(self) -> None:
+            cloud.refused.append((self.path, cloud.redirect_status))
+            self.send_response(cloud.redirect_status)
+            self.send_header("Location", f"{cloud.redirect_to}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
         def refuse(self, status: int, body: bytes) -> None:
             cloud.refused.append((self.path, status))
@@ -146,6 +192,7 @@ def make_handler(cloud: FakeCloud) -> type[BaseHTTPRequestHandler]:
 
         def do_PUT(self) -> None:
             with cloud.lock:
+                cloud.seen.append(("PUT", self.path, dict(self.headers)))
                 if cloud.provider != "aws" or self.path != "/latest/api/token":
                     return self.refuse(404, b"Not Found")
                 ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds", "")
@@ -158,6 +205,7 @@ def make_handler(cloud: FakeCloud) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             with cloud.lock:
+                cloud.seen.append(("GET", self.path, dict(self.headers)))
                 url = urllib.parse.urlsplit(self.path)
                 query = urllib.parse.parse_qs(url.query)
                 if cloud.provider == "aws":
@@ -173,9 +221,13 @@ def make_handler(cloud: FakeCloud) -> type[BaseHTTPRequestHandler]:
             cloud.tokens[token] -= 1
             if path != "/latest/meta-data/spot/instance-action":
                 return self.refuse(404, b"Not Found")
+            if cloud.redirect_to:
+                return self.redirect()
             cloud.polls += 1
             if not cloud.notice_due():
                 return self.reply(404, b"Not Found")
+            if cloud.notice_body is not None:
+                return self.reply(200, cloud.notice_body, "text/html")
             doc = {"action": "terminate", "time": NOTICE_TIME}
             return self.reply(200, json.dumps(doc).encode(), "application/json")
 
@@ -186,6 +238,8 @@ def make_handler(cloud: FakeCloud) -> type[BaseHTTPRequestHandler]:
                 return self.refuse(403, b"Missing Metadata-Flavor:Google header.")
             if path != "/computeMetadata/v1/instance/preempted":
                 return self.refuse(404, b"Not Found")
+            if cloud.redirect_to:
+                return self.redirect()
             cloud.polls += 1
             return self.reply(200, b"TRUE" if cloud.notice_due() else b"FALSE")
 
@@ -201,6 +255,8 @@ def make_handler(cloud: FakeCloud) -> type[BaseHTTPRequestHandler]:
                 return self.reply(200, cloud.vm_name.encode())
             if path != "/metadata/scheduledevents":
                 return self.refuse(404, b"Not found")
+            if cloud.redirect_to:
+                return self.redirect()
             cloud.polls += 1
             due = cloud.notice_due()
             doc = {"DocumentIncarnation": 2 if due else 1, "Events": cloud.events if due else []}
@@ -348,11 +404,8 @@ def test_aws_token_is_reused_while_valid(serve: Callable[..., FakeCloud]) -> Non
 
 
 def test_aws_unparsable_notice_still_counts(serve: Callable[..., FakeCloud]) -> None:
-    cloud = serve("aws", notice_after=0)
+    cloud = serve("aws", notice_after=0, notice_body=b"<html>terminate</html>")
     w = AWSSpotWatcher(endpoint=cloud.url, **FAST)
-    w._refresh_token()
-    # The server's 200 is well-formed; check the fallback on a body that is not JSON.
-    w._get_notice = lambda: (200, b"<html>terminate</html>")  # type: ignore[method-assign]
     assert w.poll() == "aws-spot: instance-action '<html>terminate</html>'"
 
 
@@ -520,6 +573,79 @@ def test_slow_service_times_out_as_a_failure(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
     assert "timed out" in warnings[0].getMessage()
+
+
+def test_one_deadline_covers_every_request_of_a_poll(serve: Callable[..., FakeCloud]) -> None:
+    """AWS polls with two requests (token, notice); each answers within ``timeout_s``,
+    both together do not: the poll fails at its deadline."""
+    cloud = serve("aws", notice_after=0, delay_s=0.6)
+    w = make_watcher("aws", cloud.url, timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out"):
+        w.poll()
+    assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("where", ["head", "body"])
+@pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
+def test_a_trickling_answer_ends_the_poll_at_its_deadline(
+    provider: str, where: str, serve: Callable[..., FakeCloud]
+) -> None:
+    """One byte every 0.2 s would take 10 s or more; each read alone is quick, so only
+    a deadline for the whole poll ends it after ``timeout_s``."""
+    cloud = serve(provider, notice_after=0, trickle=where)
+    kwargs: dict[str, Any] = {"timeout_s": 1.0}
+    if provider == "azure":
+        kwargs["first_timeout_s"] = 1.0
+    w = make_watcher(provider, cloud.url, **kwargs)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out"):
+        w.poll()
+    assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
+def test_a_redirect_is_not_followed_and_not_a_notice(
+    provider: str, serve: Callable[..., FakeCloud], watchers: list[Watcher], caplog: Any
+) -> None:
+    """The other server would answer with a notice, and would see the headers that
+    authorize metadata requests (AWS: the session token) if the redirect were followed."""
+    elsewhere = serve(provider, notice_after=0)
+    cloud = serve(provider, notice_after=0, redirect_to=elsewhere.url)
+    w = make_watcher(provider, cloud.url, max_failures=2)
+    watchers.append(w)
+    on_notice = Recorder()
+    with caplog.at_level(logging.WARNING, logger="resumable"):
+        w.start(on_notice)
+        assert wait_until(lambda: not w.running)
+    assert on_notice.calls == []
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "HTTP 302, a redirect to" in warnings[0].getMessage()
+    assert elsewhere.seen == []
+    if provider == "aws":
+        assert [m for m, _, h in cloud.seen if "X-aws-ec2-metadata-token" in h] == ["GET", "GET"]
+
+
+def test_proxies_from_the_environment_are_bypassed(
+    serve: Callable[..., FakeCloud], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = serve("gcp", notice_after=0)
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, proxy.url)
+    cloud = serve("gcp", notice_after=None)
+    assert make_watcher("gcp", cloud.url).poll() is None
+    assert proxy.seen == []
+    assert cloud.polls == 1
+
+
+@pytest.mark.parametrize("status", [301, 303, 307, 308])
+def test_no_redirect_status_is_followed(status: int, serve: Callable[..., FakeCloud]) -> None:
+    elsewhere = serve("gcp", notice_after=0)
+    cloud = serve("gcp", notice_after=0, redirect_to=elsewhere.url, redirect_status=status)
+    with pytest.raises(OSError, match=f"HTTP {status}, a redirect to '{elsewhere.url}/"):
+        make_watcher("gcp", cloud.url).poll()
+    assert elsewhere.seen == []
 
 
 def test_a_transient_failure_does_not_stop_the_watcher(

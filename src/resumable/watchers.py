@@ -8,13 +8,20 @@ long-polling: a plain GET every ``interval_s`` costs one local HTTP round-trip a
 needs no connection held open, and the clouds give 30 s (GCP, Azure Preempt) to
 2 minutes (AWS) of warning, so a 5 s poll loses little of it.
 
-A watcher must never hurt the job it protects: every request has a bounded timeout,
+A watcher must never hurt the job it protects: each poll has one deadline,
+``timeout_s``, that covers all of its requests (connect, send, and every read of the
+answer, so a service that trickles its answer cannot hold a poll longer),
 ``start``/``stop`` return at once (``stop`` waits at most about ``timeout_s`` for the
 thread), and a watcher whose endpoint fails ``max_failures`` times in a row (not
 reachable, too slow, or answering something unexpected) logs one WARNING on the
 ``resumable`` logger and stops: on a machine that is not on that cloud, it costs a few
-failed requests and nothing more. Requests bypass any HTTP proxy from the environment,
-as metadata services are link-local.
+failed requests and nothing more.
+
+Requests go to the endpoint and nowhere else: they bypass any HTTP proxy from the
+environment, as metadata services are link-local, and a redirect is an unexpected
+answer, never followed, so the headers that authorize metadata requests (the IMDSv2
+session token) never reach another host. Requests are made with `http.client`, which
+does neither proxies nor redirects, rather than `urllib`, which does both.
 
 `watchers_from_env` is the one place where the environment selects watchers.
 """
@@ -22,15 +29,16 @@ as metadata services are link-local.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
 import os
+import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("resumable")
@@ -39,12 +47,47 @@ WATCH_ENV = "RESUMABLE_WATCH"
 WATCH_ENDPOINT_ENV = "RESUMABLE_WATCH_ENDPOINT"
 
 _MAX_BODY = 1 << 16
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 PollError = (OSError, http.client.HTTPException, ValueError)
-"""What one failed poll raises: transport failures (refused, DNS, timeout, reset),
-malformed HTTP, and unexpected answers (`OSError` with the status, `ValueError` for a
-body that does not parse)."""
+"""What one failed poll raises: transport failures (refused, DNS, reset), a poll past
+its deadline (`TimeoutError`), malformed HTTP, and unexpected answers (`OSError` with
+the status, redirects included; `ValueError` for a body that does not parse)."""
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    """The end of one poll, on the `time.monotonic` clock."""
+
+    at: float
+    seconds: float
+
+    def left(self) -> float:
+        """Seconds left; raises `TimeoutError` once there are none."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"timed out: no complete answer within {self.seconds:g} s")
+        return left
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket of one request as `http.client.HTTPResponse` reads it: each read may
+    wait only for the time left before the poll's deadline, so an answer that arrives
+    a byte at a time still ends the poll on time."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(self)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._sock.settimeout(self._deadline.left())
+        return self._sock.recv_into(buffer)
 
 
 class Watcher:
@@ -56,7 +99,8 @@ class Watcher:
         endpoint: base URL of the metadata service (``http://host[:port]``); the
             provider's address when None.
         interval_s: seconds between polls.
-        timeout_s: timeout of each HTTP request (connect and each read).
+        timeout_s: the time one poll may take, all of its requests together (connect,
+            send, and every read of each answer).
         max_failures: consecutive failed polls after which the watcher logs one
             WARNING and stops.
 
@@ -79,6 +123,7 @@ class Watcher:
         max_failures: int = 3,
     ) -> None:
         self.endpoint = _check_endpoint(endpoint if endpoint is not None else self.default_endpoint)
+        self._url = urllib.parse.urlsplit(self.endpoint)
         if not interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {interval_s!r}")
         if not timeout_s > 0:
@@ -133,8 +178,9 @@ class Watcher:
     def poll(self) -> str | None:
         """One check of the endpoint: the notice's reason, or None while there is none.
 
-        Raises one of `PollError` when the endpoint cannot be reached or answers
-        something unexpected.
+        Raises one of `PollError` when the endpoint cannot be reached, answers
+        something unexpected, or does not answer within ``timeout_s``. Implementations
+        take one `_deadline` and pass it to each of their `_request` calls.
         """
         raise NotImplementedError
 
@@ -179,34 +225,65 @@ class Watcher:
     def _timeout(self) -> float:
         return self.timeout_s
 
-    def _request(self, method: str, path: str, headers: Mapping[str, str]) -> tuple[int, bytes]:
-        """``method`` ``endpoint + path``: (status, body) for any HTTP answer; transport
-        failures raise."""
-        request = urllib.request.Request(self.endpoint + path, headers=dict(headers), method=method)
+    def _deadline(self) -> _Deadline:
+        """The deadline of a poll that starts now."""
+        seconds = self._timeout()
+        return _Deadline(time.monotonic() + seconds, seconds)
+
+    def _request(
+        self, method: str, path: str, headers: Mapping[str, str], deadline: _Deadline
+    ) -> tuple[int, bytes]:
+        """``method`` ``endpoint + path``, finished before ``deadline``: (status, body)
+        for any HTTP answer but a redirect.
+
+        Raises `TimeoutError` past the deadline, `OSError` for a redirect (3xx: not
+        followed, not a notice) and for transport failures, `http.client.HTTPException`
+        for malformed HTTP.
+        """
+        url = self._url
+        connection = (
+            http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        )
+        conn = connection(url.hostname or "", url.port, timeout=deadline.left())
         try:
-            with _OPENER.open(request, timeout=self._timeout()) as response:
+            conn.connect()
+            conn.sock.settimeout(deadline.left())
+            conn.request(method, url.path + path, headers={**headers, "Connection": "close"})
+            response = http.client.HTTPResponse(
+                _DeadlineReader(conn.sock, deadline),  # type: ignore[arg-type]
+                method=method,
+            )
+            try:
+                response.begin()
+                if 300 <= response.status < 400:
+                    location = (response.getheader("Location") or "")[:200]
+                    raise OSError(
+                        f"{self.name}: {path.split('?')[0]} answered HTTP {response.status}, "
+                        f"a redirect to {location!r}: a metadata service does not redirect, "
+                        "and the watcher does not follow redirects"
+                    )
                 return response.status, response.read(_MAX_BODY)
-        except urllib.error.HTTPError as err:
-            with err:
-                try:
-                    body = err.read(_MAX_BODY)
-                except (OSError, http.client.HTTPException):
-                    body = b""
-            return err.code, body
+            finally:
+                response.close()
+        finally:
+            conn.close()
 
 
 def _check_endpoint(endpoint: str) -> str:
     parsed = urllib.parse.urlsplit(endpoint)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+    try:
+        valid = parsed.port is None or parsed.port > 0  # .port raises for a malformed port
+    except ValueError:
+        valid = False
+    if not valid or parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.query:
         raise ValueError(
-            f"watcher endpoint must be an http:// or https:// URL with a host, got {endpoint!r}"
+            "watcher endpoint must be an http:// or https:// URL with a host (and a port, "
+            f"optionally), got {endpoint!r}"
         )
     return endpoint.rstrip("/")
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
-        return f"{type(exc).__name__}: {exc.reason}"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -237,12 +314,13 @@ class AWSSpotWatcher(Watcher):
         self._token_expires = 0.0
 
     def poll(self) -> str | None:
+        deadline = self._deadline()
         if self._token is None or time.monotonic() >= self._token_expires:
-            self._refresh_token()
-        status, body = self._get_notice()
+            self._refresh_token(deadline)
+        status, body = self._get_notice(deadline)
         if status == 401:
-            self._refresh_token()
-            status, body = self._get_notice()
+            self._refresh_token(deadline)
+            status, body = self._get_notice(deadline)
         if status == 404:
             return None
         if status != 200:
@@ -254,22 +332,23 @@ class AWSSpotWatcher(Watcher):
             # A 200 is a scheduled action whatever its body says: report it anyway.
             return f"{self.name}: instance-action {body[:200].decode('utf-8', 'replace')!r}"
 
-    def _refresh_token(self) -> None:
+    def _refresh_token(self, deadline: _Deadline) -> None:
         self._token = None
         started = time.monotonic()
         status, body = self._request(
             "PUT",
             self.token_path,
             {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
+            deadline,
         )
         if status != 200 or not body.strip():
             raise _unexpected(self.name, self.token_path, status, body)
         self._token = body.decode("ascii", "replace").strip()
         self._token_expires = started + self.token_ttl_s - 60
 
-    def _get_notice(self) -> tuple[int, bytes]:
+    def _get_notice(self, deadline: _Deadline) -> tuple[int, bytes]:
         return self._request(
-            "GET", self.notice_path, {"X-aws-ec2-metadata-token": self._token or ""}
+            "GET", self.notice_path, {"X-aws-ec2-metadata-token": self._token or ""}, deadline
         )
 
 
@@ -286,7 +365,9 @@ class GCPPreemptionWatcher(Watcher):
     notice_path = "/computeMetadata/v1/instance/preempted"
 
     def poll(self) -> str | None:
-        status, body = self._request("GET", self.notice_path, {"Metadata-Flavor": "Google"})
+        status, body = self._request(
+            "GET", self.notice_path, {"Metadata-Flavor": "Google"}, self._deadline()
+        )
         if status != 200:
             raise _unexpected(self.name, self.notice_path, status, body)
         value = body.strip().upper()
@@ -314,8 +395,8 @@ class AzureScheduledEventsWatcher(Watcher):
             ``Reboot`` and ``Redeploy`` also end it but are scheduled minutes ahead;
             add them to checkpoint and stop for those too.
         vm_name: this VM's name as it appears in ``Resources``; looked up when None.
-        first_timeout_s: timeout of requests until the service first answered: Azure
-            enables Scheduled Events on the first request and may take up to two
+        first_timeout_s: the time a poll may take until the service first answered:
+            Azure enables Scheduled Events on the first request and may take up to two
             minutes to answer it. The thread waits; the owner does not.
     """
 
@@ -347,9 +428,10 @@ class AzureScheduledEventsWatcher(Watcher):
         return self.timeout_s if self._answered else max(self.timeout_s, self.first_timeout_s)
 
     def poll(self) -> str | None:
+        deadline = self._deadline()
         headers = {"Metadata": "true"}
         status, body = self._request(
-            "GET", f"{self.events_path}?api-version={self.api_version}", headers
+            "GET", f"{self.events_path}?api-version={self.api_version}", headers, deadline
         )
         self._answered = True
         if status != 200:
@@ -364,7 +446,7 @@ class AzureScheduledEventsWatcher(Watcher):
         if not wanted:
             return None
         if not self._looked_up:
-            self._look_up_vm_name()
+            self._look_up_vm_name(deadline)
         for event in wanted:
             resources = event.get("Resources")
             if self.vm_name is None or not resources or self.vm_name in resources:
@@ -375,10 +457,10 @@ class AzureScheduledEventsWatcher(Watcher):
                 )
         return None
 
-    def _look_up_vm_name(self) -> None:
+    def _look_up_vm_name(self, deadline: _Deadline) -> None:
         path = f"{self.vm_name_path}?api-version={self.vm_name_api_version}&format=text"
         try:
-            status, body = self._request("GET", path, {"Metadata": "true"})
+            status, body = self._request("GET", path, {"Metadata": "true"}, deadline)
         except PollError as exc:
             log.debug("%s watcher: cannot read the VM name: %r", self.name, exc)
             return

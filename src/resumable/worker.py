@@ -8,7 +8,7 @@ outstanding job locked, so the worker never reads a slot being rewritten.
 
 Two ways to run it, same job code (`JobRunner`):
 
-- ``process`` (default): ``python -m resumable.worker``, a separate interpreter, so
+- ``process`` (default): a separate interpreter (``python -I -c <boot>``), so
   serialisation and checksums never hold the trainer's GIL. It is launched with
   ``subprocess`` rather than ``multiprocessing`` so a user script without a
   ``__main__`` guard is never re-imported. Messages are length-prefixed JSON over a
@@ -21,6 +21,17 @@ Two ways to run it, same job code (`JobRunner`):
 Error propagation: a failed job comes back as a ``failed`` reply; the `Checkpointer`
 raises it as `PersistError` at the next ``save``/``maybe_save``/``wait``/``close``. A
 worker process that dies is detected the same way.
+
+What the worker process imports: the trainer's import path, less what depends on where
+the trainer was started (the current directory, ``''``, relative entries, the main
+script's directory), and the ``resumable`` package the trainer runs, loaded from its
+own directory. The interpreter runs isolated (``-I``: no current directory on the
+path, ``PYTHON*`` variables and the user site ignored), so a ``signal.py`` or
+``json.py`` in the directory a job was launched from is never imported, while torch or
+boto3 found through ``PYTHONPATH`` or the user site still are (their entries are on the
+trainer's path, and passed on). With ``PYTHONHOME`` set, which ``-I`` would ignore and
+the interpreter may need to start, the worker runs with ``-s`` instead, and the boot
+code replaces the import path before its first import.
 """
 
 from __future__ import annotations
@@ -61,14 +72,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("resumable")
 
 _LEN = struct.Struct(">I")
-# Signals sent to every process of a group or Slurm job step (Ctrl-C, --signal=USR1@90,
-# torchrun stopping its workers) are the trainer's: ignored here, before the slow imports, so
-# an in-flight persist survives them. The trainer ends the worker (stop, socket EOF, SIGKILL).
+# argv: the socket's fd, the resumable package's directory, then the import path. The path
+# is set before the first import (`sys` is built in). Signals sent to every process of a
+# group or Slurm job step (Ctrl-C, --signal=USR1@90, torchrun stopping its workers) are the
+# trainer's: ignored here, before the slow imports, so an in-flight persist survives them.
+# The trainer ends the worker (stop, socket EOF, SIGKILL). `resumable` is loaded from the
+# trainer's copy, whatever else the path holds.
 _WORKER_BOOT = (
-    "import signal, sys\n"
+    "import sys\n"
+    "fd, package_dir, *path = sys.argv[1:]\n"
+    "sys.path[:] = path\n"
+    "import signal\n"
     "for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n"
     "    signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
-    "from resumable.worker import worker_main; sys.exit(worker_main())"
+    "import importlib.machinery, importlib.util\n"
+    "spec = importlib.machinery.PathFinder.find_spec('resumable', [package_dir])\n"
+    "sys.modules['resumable'] = package = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(package)\n"
+    "from resumable.worker import worker_main; sys.exit(worker_main(['--fd', fd]))"
 )
 # Retrying cannot help: full disk, no permission, read-only, another writer committed
 # the step, a server that cannot do conditional writes.
@@ -403,6 +424,52 @@ def worker_main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- trainer side
 
 
+def _worker_command(fd: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a worker process that talks over ``fd``."""
+    env = dict(os.environ)
+    flags = ["-I"]
+    if env.get("PYTHONHOME"):
+        flags = ["-s"]
+        env.pop("PYTHONPATH", None)
+    if sys.flags.dont_write_bytecode:
+        flags.append("-B")
+    package_dir = str(Path(__file__).resolve().parents[1])
+    return [
+        sys.executable,
+        *flags,
+        "-c",
+        _WORKER_BOOT,
+        str(fd),
+        package_dir,
+        *_worker_import_path(),
+    ], env
+
+
+def _worker_import_path() -> list[str]:
+    """The trainer's ``sys.path`` without the entries that depend on where it was
+    started: ``''`` and other relative entries, the current directory and the main
+    script's directory (compared after resolving links)."""
+    untrusted: set[str] = set()
+    try:
+        untrusted.add(os.path.realpath(os.getcwd()))
+    except OSError:
+        pass  # the current directory was removed; relative entries are left out anyway
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main_file, str):  # its directory, through a link to the script or not
+        untrusted.add(os.path.realpath(os.path.dirname(os.path.abspath(main_file))))
+        untrusted.add(os.path.dirname(os.path.realpath(main_file)))
+    path: list[str] = []
+    for entry in sys.path:
+        if (
+            isinstance(entry, str)
+            and os.path.isabs(entry)
+            and entry not in path
+            and os.path.realpath(entry) not in untrusted
+        ):
+            path.append(entry)
+    return path
+
+
 class PersistWorker:
     """The trainer's handle on its worker. Called from the training thread only.
 
@@ -443,11 +510,9 @@ class PersistWorker:
         self.pid = os.getpid()
         if mode == "process":
             parent, child = socket.socketpair()
-            env = dict(os.environ)
-            src = str(Path(__file__).resolve().parents[1])
-            env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+            command, env = _worker_command(child.fileno())
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_BOOT, "--fd", str(child.fileno())],
+                command,
                 pass_fds=[child.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,
