@@ -14,11 +14,13 @@ TORCH_PIN ?= torch==2.13.0
 
 # $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
-# `resumable-training`: an .venv from then still has it, and two would claim one package.
+# `resumable-training`: an .venv from then still has it (and src/ its egg-info, which the
+# editable install puts on sys.path), and two would claim one package.
 define venv_install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip uninstall -y -q resumable 2>/dev/null || true
+	rm -rf src/resumable.egg-info
 	$(PY) -m pip install -q -e ".[$(1)]"
 endef
 

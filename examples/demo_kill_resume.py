@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,19 +78,27 @@ def run_to_end(cmd: list[str], label: str) -> str:
 
 def run_and_kill(cmd: list[str], kill_after_step: int) -> None:
     print(f"\n$ {shown(cmd)}    # to be killed with SIGKILL after step {kill_after_step}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print(f"  | {line.rstrip()}", flush=True)
-        if line.startswith("step ") and int(line.split()[1]) >= kill_after_step:
-            time.sleep(0.05)
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait()
-    if proc.returncode == -signal.SIGKILL:
-        print("  X killed with SIGKILL")
-    else:
-        print(f"  X ended before the kill (exit status {proc.returncode})")
+    # Its stderr is shown only if it fails by itself, as for the other runs: after the
+    # kill, its orphaned helper processes may still report that their peer vanished.
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"  | {line.rstrip()}", flush=True)
+            if line.startswith("step ") and int(line.split()[1]) >= kill_after_step:
+                time.sleep(0.05)
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.stdout.close()
+        proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            print("  X killed with SIGKILL")
+        elif proc.returncode == 0:
+            print("  X finished before the kill")
+        else:
+            stderr.seek(0)
+            print(stderr.read(), file=sys.stderr)
+            raise SystemExit(f"the run to be killed failed with exit code {proc.returncode}")
 
 
 def main() -> int:

