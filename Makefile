@@ -1,22 +1,41 @@
-# Every target bootstraps its own virtual environment in .venv.
+# Every target bootstraps its own virtual environment in .venv, which also gets the command
+# line: .venv/bin/resumable. `make demo` installs what the demo needs (torch, scikit-learn,
+# the library); every other target installs the whole development toolchain as well.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+STAMP := $(VENV)/.installed-dev
+DEV_EXTRAS := test,demo,s3
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: install demo test lint typecheck campaign bench bench-peers-env clean
 
-$(STAMP): pyproject.toml Makefile
+# $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
+# another (multi-GB CUDA) build. The distribution was called `resumable` before it became
+# `resumable-training`: an .venv from then still has it (and src/ its egg-info, which the
+# editable install puts on sys.path), and two would claim one package.
+define venv_install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,demo]"
-	touch $(STAMP)
+	$(PY) -m pip uninstall -y -q resumable 2>/dev/null || true
+	rm -rf src/resumable.egg-info
+	$(PY) -m pip install -q -e ".[$(1)]"
+endef
+
+$(DEMO_STAMP): pyproject.toml Makefile
+	$(call venv_install,demo)
+	touch $@
+
+# The development install holds the demo's too.
+$(STAMP): pyproject.toml Makefile
+	$(call venv_install,$(DEV_EXTRAS))
+	touch $@ $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo_kill_resume.py --dir runs/demo
 
 lint: $(STAMP)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +25,9 @@ from torch import nn
 
 import resumable
 from resumable.data import ResumableDataLoader
+from resumable.errors import CheckpointError
+from resumable.shm import SHM_DIR, list_segments, run_key_for, slot_paths
+from resumable.storage import LocalStorage
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,46 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> str:
     line = f"final step={step} loss={extra['loss']:.6f} params_sha256={digest}"
     echo(line)
     return line
+
+
+def remove_run(
+    directory: str | os.PathLike[str],
+    echo: Callable[[str], None] = print,
+    shm_dir: Path = SHM_DIR,
+) -> bool:
+    """Delete an earlier local run so that the next launch in ``directory`` starts fresh:
+    the directory and this host's shared-memory snapshots of it (a launch resumes from
+    those too, even into an empty directory). Says what it is about to delete through
+    ``echo`` first; returns whether there was anything. Raises `CheckpointError`, before
+    deleting anything, if ``directory`` holds files but no ``audit.jsonl`` (so it is not a
+    checkpoint root) or if a live process still takes snapshots of that run.
+    """
+    root = LocalStorage(directory).root
+    if root.exists() and not (root / "audit.jsonl").is_file():
+        if not root.is_dir() or any(root.iterdir()):
+            raise CheckpointError(
+                f"refusing to delete {directory}: expected an earlier run's checkpoint "
+                "directory (one with an audit.jsonl), found other files; pick another directory"
+            )
+    slots = set(slot_paths(run_key_for(str(root)), 0, shm_dir))
+    segments = [seg for seg in list_segments(shm_dir) if seg.path in slots]
+    snapshots = [seg.path for seg in segments]
+    live = sorted({seg.owner_pid for seg in segments if seg.owner_alive})
+    if live:
+        raise CheckpointError(
+            f"cannot start {directory} afresh: process {', '.join(map(str, live))} still "
+            "takes snapshots of that run; stop it first, then run this again"
+        )
+    if not root.exists() and not snapshots:
+        return False
+    what = [os.fspath(directory)] if root.exists() else []
+    what += [f"its shared-memory snapshot {p}" for p in snapshots]
+    echo(f"removing an earlier run to start afresh: {', '.join(what)}")
+    if root.exists():
+        shutil.rmtree(root)
+    for path in snapshots:
+        path.unlink(missing_ok=True)
+    return True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -207,7 +207,8 @@ class S3Storage(Storage):
             from botocore.config import Config
         except ImportError as exc:  # pragma: no cover - boto3 is a test dependency
             raise CheckpointError(
-                "s3:// checkpoints need boto3: pip install 'resumable[s3]'"
+                "s3:// checkpoints need boto3, which is not installed: pip install 'boto3>=1.36' "
+                "(the s3 extra of resumable-training)"
             ) from exc
         with _SESSION_LOCK:  # a session loads its data files once (~0.25 s); clients are cheap
             profile = options.get("profile_name")
