@@ -26,7 +26,7 @@ from torch import nn
 import resumable
 from resumable.data import ResumableDataLoader
 from resumable.errors import CheckpointError
-from resumable.shm import SHM_DIR, list_segments, run_key_for, slot_paths
+from resumable.shm import SHM_DIR, list_segments, run_key_for, slot_paths, user_dirs
 from resumable.storage import LocalStorage
 
 
@@ -174,10 +174,11 @@ def remove_run(
                 f"refusing to delete {directory}: expected an earlier run's checkpoint "
                 "directory (one with an audit.jsonl), found other files; pick another directory"
             )
-    slots = set(slot_paths(run_key_for(str(root)), 0, shm_dir))
+    key = run_key_for(LocalStorage(directory).location)
+    slots = {p for d in user_dirs(shm_dir) for p in slot_paths(key, 0, d)}
     segments = [seg for seg in list_segments(shm_dir) if seg.path in slots]
     snapshots = [seg.path for seg in segments]
-    live = sorted({seg.owner_pid for seg in segments if seg.owner_alive})
+    live = sorted({seg.owner_pid for seg in segments if seg.in_use})
     if live:
         raise CheckpointError(
             f"cannot start {directory} afresh: process {', '.join(map(str, live))} still "
