@@ -111,3 +111,40 @@ def test_with_pythonhome_the_worker_is_still_kept_from_the_launch_directory(
     )
     result = run_trainer(tmp_path, python, env)
     assert result == {"steps": [1], "mode": "process"}
+
+
+KILLED = """
+import os, signal, sys, time
+import torch
+import resumable
+
+state = {"w": torch.arange(1024.0)}
+ck = resumable.Checkpointer(sys.argv[1], state, persist="process", shm_dir=sys.argv[2])
+for step in range(1, 4):
+    ck.save(step)
+time.sleep(3)  # the worker's replies wait, unread, in this end of the socket
+print("killing", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_worker_ends_quietly_when_its_trainer_is_killed(tmp_path: Path) -> None:
+    """A SIGKILLed trainer leaves the worker a reset connection (its replies were never
+    read): the worker ends as on a clean EOF, printing no traceback to the job's log."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(KILLED))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    # stderr is shared with the worker, so reading it to its end waits for the worker too.
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck"), str(shm)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr
+    assert "killing" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Error" not in proc.stderr, proc.stderr

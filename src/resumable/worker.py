@@ -408,7 +408,10 @@ def worker_main(argv: list[str] | None = None) -> int:
         return 0  # the trainer is already gone
     try:
         while True:
-            job = _recv(sock)
+            try:
+                job = _recv(sock)
+            except ConnectionResetError:  # the trainer died (SIGKILL): same as its EOF
+                break
             if job is None or job.get("kind") == "stop":
                 break
             reply = runner.handle(job)
