@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -41,6 +42,7 @@ from resumable import Checkpointer, Every
 from resumable.commit import step_dir
 from resumable.errors import StorageError
 from resumable.shm import run_key_for
+from resumable.storage import LocalStorage
 from resumable.storage.base import Buffer, ForwardingStorage, Storage
 
 SEED = 0
@@ -234,6 +236,7 @@ def save_in_memory(out: Path, root: str) -> Checkpointer:
     for step in (1, 2, 3):
         train(model, optim, [step])
         ck.maybe_save(step)
+    ck.wait()  # step 2's persist runs in the background: let it commit
     dump(out, f"ref-{root}", model, optim)
     return ck
 
@@ -261,6 +264,7 @@ def phase_load2(out: Path, report: dict[str, Any]) -> None:
     model, optim = build("fsdp")
     with memory_ck(out, "mem2", model, optim) as ck:
         report["mem_restore"] = outcome(ck.restore)
+        ck.wait()  # the recovered step is committed in the background
         report["mem_steps_after"] = ck.steps()
     dump(out, "got-mem2", model, optim)
     # One rank lost its snapshot: every rank falls back to the newest checkpoint, step 2.
@@ -313,7 +317,91 @@ def phase_solo(out: Path, report: dict[str, Any]) -> None:
         dump(out, f"got-solo-{persist}", model, optim)
 
 
+def worker_pids() -> list[int]:
+    """This trainer's persist worker processes (its children running the worker)."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+            except OSError:
+                continue
+    return pids
+
+
+def background_run(
+    out: Path, root: str, report: dict[str, Any], **kw: Any
+) -> tuple[Checkpointer, nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 checkpointer persisting in the background, step 1 committed, step 2
+    trained; snapshots under ``out/shm``."""
+    (out / "shm").mkdir(exist_ok=True)
+    model, optim = build("fsdp")
+    train(model, optim, [1])
+    url = kw.pop("storage", out / root)
+    ck = Checkpointer(url, {"model": model, "optim": optim}, keep=None, shm_dir=out / "shm", **kw)
+    report[f"{root}_mode"] = ck.persist_mode
+    ck.save(1)
+    ck.wait()
+    train(model, optim, [2])
+    return ck, model, optim
+
+
+def then_step_3(ck: Checkpointer, model: nn.Module, optim: Any, root: str, report: Any) -> None:
+    """After a failed persist, the next one commits on every rank."""
+    report[f"{root}_steps"] = ck.steps()
+    train(model, optim, [3])
+    report[f"{root}_save3"] = outcome(lambda: (ck.save(3), ck.wait())[0])
+    report[f"{root}_steps_after"] = ck.steps()
+
+
+def phase_background(out: Path, report: dict[str, Any]) -> None:
+    """Several ranks persisting in the background: failures on one rank."""
+    # Rank 1's write of step 2 fails (a thread worker, so it writes through this storage).
+    storage: Storage = LocalStorage(out / "bgfail")
+    if rank() == 1:
+        storage = RefusingStorage(storage, 2)
+    ck, model, optim = background_run(out, "bgfail", report, storage=storage, persist="thread")
+    report["bgfail_save2"] = outcome(lambda: ck.save(2))  # returns after the snapshot
+    report["bgfail_wait2"] = outcome(ck.wait)
+    report["bgfail_listing"] = listing(out / "bgfail")
+    then_step_3(ck, model, optim, "bgfail", report)
+    ck.close()
+
+    # Rank 1's worker process is SIGKILLed with step 2 in its queue.
+    ck, model, optim = background_run(out, "bgkill", report)
+    stopped = worker_pids() if rank() == 1 else []
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    report["bgkill_save2"] = outcome(lambda: ck.save(2))
+    for pid in stopped:
+        os.kill(pid, signal.SIGKILL)
+    report["bgkill_workers"] = len(stopped)
+    report["bgkill_wait2"] = outcome(ck.wait)
+    report["bgkill_listing"] = listing(out / "bgkill")
+    then_step_3(ck, model, optim, "bgkill", report)
+    ck.close()
+
+    # Rank 1's worker hangs (stopped) past the timeout: rank 0 gives up and says why.
+    ck, model, optim = background_run(out, "bghang", report, dist_timeout_s=DIST_TIMEOUT_S)
+    stopped = worker_pids() if rank() == 1 else []
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    ck.save(2)
+    if rank() == 0:
+        report["bghang_wait2"] = outcome(ck.wait)
+        report["bghang_listing"] = listing(out / "bghang")
+    dist.barrier()
+    for pid in stopped:
+        os.kill(pid, signal.SIGKILL)
+    if rank() == 1:
+        report["bghang_wait2"] = outcome(ck.wait)
+    then_step_3(ck, model, optim, "bghang", report)
+    ck.close()
+
+
 PHASES = {
+    "background": phase_background,
     "solo": phase_solo,
     "save2": phase_save2,
     "world4": phase_world4,

@@ -425,3 +425,59 @@ def test_fsdp2_on_one_rank_round_trips(solo_run: Runs, persist: str) -> None:
     runs = solo_run
     assert restored(runs.report("solo", 0), f"solo_{persist}") == 3
     assert_same_state(runs, f"ref-solo-{persist}", f"got-solo-{persist}")
+
+
+# ------------------------------------------------------------- 8. background persists
+
+
+@pytest.fixture(scope="module")
+def background_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    out = tmp_path_factory.mktemp("background")
+    torchrun(2, JOB, "background", out)
+    return Runs(out)
+
+
+def assert_failed_then_recovered(runs: Runs, root: str, case: str) -> None:
+    """``case`` raised `PersistError` on every rank; step 2 was not committed and left
+    nothing behind; the next persist committed on every rank."""
+    for report in runs.reports("background", 2):
+        assert report[f"{root}_mode"] in ("process", "thread")
+        failed = report[case]
+        assert "PersistError" in failed.get("bases", []), f"rank {report['rank']}: {failed}"
+        assert report[f"{root}_steps"] == [1]
+        assert restored(report, f"{root}_save3")
+        assert report[f"{root}_steps_after"] == [1, 3]
+    leftovers = [n for n in os.listdir(runs.out / root) if n.startswith(".tmp")]
+    assert leftovers == []
+    assert runs.manifest(root, 3)["world_size"] == 2
+
+
+def test_background_persist_with_a_failing_rank_commits_nothing(background_run: Runs) -> None:
+    """Rank 1's write of step 2 fails in its worker: save() returned on both ranks after
+    the snapshot; every rank gets PersistError at wait(); the next save commits."""
+    for report in background_run.reports("background", 2):
+        assert restored(report, "bgfail_save2") is True
+        assert step_dir(2) not in report["bgfail_listing"]
+    assert_failed_then_recovered(background_run, "bgfail", "bgfail_wait2")
+
+
+def test_background_persist_with_a_killed_worker_commits_nothing(background_run: Runs) -> None:
+    """Rank 1's worker is SIGKILLed with step 2 queued: its trainer reports the loss in
+    the worker's place, so rank 0's worker aborts at once, not at the 600 s default
+    timeout (the launch would run over its limit)."""
+    r0, r1 = background_run.reports("background", 2)
+    assert r1["bgkill_workers"] == 1
+    for report in (r0, r1):
+        assert step_dir(2) not in report["bgkill_listing"]
+    assert "persist process" in r1["bgkill_wait2"]["message"]
+    assert_failed_then_recovered(background_run, "bgkill", "bgkill_wait2")
+
+
+def test_background_persist_with_a_hung_worker_fails_at_the_timeout(background_run: Runs) -> None:
+    """Rank 1's worker hangs: rank 0's worker stops waiting at dist_timeout_s, names the
+    rank it waited for, removes its attempt and commits nothing."""
+    r0, _ = background_run.reports("background", 2)
+    assert "rank(s) [1]" in r0["bghang_wait2"]["message"], r0["bghang_wait2"]
+    assert step_dir(2) not in r0["bghang_listing"]
+    assert not [n for n in r0["bghang_listing"] if n.startswith(".tmp")]
+    assert_failed_then_recovered(background_run, "bghang", "bghang_wait2")

@@ -82,6 +82,18 @@ def piece_name(piece: Piece) -> str:
     return f"{piece.fqn}@{','.join(str(o) for o in piece.global_offset)}"
 
 
+def owned_tensors(
+    tensors: Mapping[str, torch.Tensor], replicated: Any, rank: int, world: int
+) -> dict[str, torch.Tensor]:
+    """The tensors ``rank`` writes: all but the replicated ones that `balance` gives
+    another rank (each replicated tensor is written once in total)."""
+    if world == 1:
+        return dict(tensors)
+    sizes = {n: tensors[n].numel() * tensors[n].element_size() for n in replicated if n in tensors}
+    owner = balance(sizes, world)
+    return {n: t for n, t in tensors.items() if owner.get(n, rank) == rank}
+
+
 def balance(sizes: Mapping[str, int], world: int) -> dict[str, int]:
     """Assign each replicated tensor to one rank: biggest first, to the least loaded
     rank (ties to the lowest). Deterministic, so every rank computes the same map
@@ -110,8 +122,9 @@ class Group:
     def coordinator(self) -> bool:
         return self.rank == 0
 
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+    def gather(self, obj: Any, name: str = "") -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (``name`` is for
+        `resumable.coordination`'s interface)."""
         if self.world_size == 1:
             return [obj]
         import torch.distributed as dist
@@ -126,7 +139,7 @@ class Group:
             ) from exc
         return out
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, name: str = "") -> Any:
         """Rank 0's ``obj`` on every rank."""
         if self.world_size == 1:
             return obj
@@ -141,6 +154,9 @@ class Group:
                 f"({str(exc).splitlines()[0][:300]})"
             ) from exc
         return box[0]
+
+    def abandon(self, reason: str) -> None:
+        """Nothing to tell: when a collective fails, it fails on every rank."""
 
     def close(self) -> None:
         """Destroy the side group while the interpreter is fully alive: gloo's worker

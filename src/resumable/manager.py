@@ -42,11 +42,13 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
+from resumable.coordination import CoordinationStore
 from resumable.distributed import (
+    DEFAULT_TIMEOUT_S,
     GlobalLoader,
-    balance,
     current_group,
     is_dtensor,
+    owned_tensors,
     pieces_from_json,
     pieces_to_json,
     shaped_like,
@@ -154,16 +156,11 @@ class Checkpointer:
         self._group = current_group(dist_timeout_s)
         self.rank = self._group.rank if self._group is not None else 0
         self.world_size = self._group.world_size if self._group is not None else 1
-        if self._group is not None:
-            if persist not in ("auto", "sync") or overlap or mirror:
-                raise CheckpointError(
-                    f"with {self.world_size} ranks this version persists synchronously and "
-                    "coordinated (persist='sync'); the background persist, overlap and "
-                    "mirror are not available there yet. Leave persist, overlap and mirror "
-                    "unset (memory_every works: each rank snapshots into its own shared "
-                    "memory)"
-                )
-            persist = "sync"
+        if self._group is not None and (overlap or mirror):
+            raise CheckpointError(
+                f"with {self.world_size} ranks, overlap and mirror are not available yet; "
+                "leave them unset (the background persist and memory_every work)"
+            )
         self.storage_options = dict(storage_options) if storage_options else None
         self.storage = open_storage(url, _options_for(url, self.storage_options))
         self.url = self.storage.url
@@ -196,6 +193,13 @@ class Checkpointer:
             )
             persist = "process" if shareable else "thread"
         self.persist_mode = persist
+        # Several ranks persisting in the background: their workers meet in a store that
+        # rank 0 hosts (`resumable.coordination`), created now, collectively.
+        self._coord: CoordinationStore | None = (
+            CoordinationStore(self._group, dist_timeout_s or DEFAULT_TIMEOUT_S)
+            if self._group is not None and persist != "sync"
+            else None
+        )
         self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
         self._committer = committer_for(self.storage)
         self._notes: list[dict[str, Any]] = []  # reports of a sync-mode mirror thread
@@ -238,6 +242,7 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._worker: PersistWorker | None = None
         self._jobs: dict[int, tuple[int, int]] = {}  # job id -> (slot index, step)
+        self._job_keys: dict[int, str] = {}  # job id -> its coordinated persist's key
         self._errors: list[str] = []
         self._adopted = False
         self._last_persist: int | None = None
@@ -364,6 +369,8 @@ class Checkpointer:
         if busy and self.on_busy == "wait":
             self._wait_worker()
             busy = False
+        if self._coord is not None and self._group is not None:
+            busy = self._group.any(busy)  # all ranks persist this step, or none
         newest = self._shm.newest if self._shm is not None else None
         if (
             newest is None
@@ -406,6 +413,8 @@ class Checkpointer:
         self.monitor.check_age(step)
         now = time.monotonic()
         worker_free = self._worker is None or not self._worker.busy
+        if self._owed and self._coord is not None and self._group is not None:
+            worker_free = not self._group.any(not worker_free)  # taken on all ranks at once
         policy_due = self.persist_every.due(
             step,
             last_step=(
@@ -478,6 +487,8 @@ class Checkpointer:
                 self._shm.close(unlink=ok)
             self._runner.close()
             self.storage.close()
+            if self._coord is not None:
+                self._coord.close()
             if self._group is not None:
                 self._group.close()
             if self.mirror is not None:
@@ -1042,15 +1053,8 @@ class Checkpointer:
         return True
 
     def _owned(self, tensors: dict[str, torch.Tensor], replicated: Any) -> dict[str, torch.Tensor]:
-        """The tensors this rank writes: replicated ones are written once in total,
-        spread over the ranks by `balance` (all of them with a single rank)."""
-        if self._group is None:
-            return tensors
-        sizes = {
-            n: tensors[n].numel() * tensors[n].element_size() for n in replicated if n in tensors
-        }
-        owner = balance(sizes, self.world_size)
-        return {n: t for n, t in tensors.items() if owner.get(n, self.rank) == self.rank}
+        """The tensors this rank writes (`owned_tensors`)."""
+        return owned_tensors(tensors, replicated, self.rank, self.world_size)
 
     def _persist_group(
         self, snap: Snapshot, step: int, tree: Any, pieces: Any, metrics: Any
@@ -1137,15 +1141,18 @@ class Checkpointer:
         )
         self._shm.locked.add(snap.index)
         self.monitor.persist_started()
-        job = worker.submit(
-            {
-                "kind": "persist",
-                "slot": str(self._shm.paths[snap.index]),
-                "seq": snap.seq,
-                "step": snap.step,
-            }
-        )
+        request: dict[str, Any] = {
+            "kind": "persist",
+            "slot": str(self._shm.paths[snap.index]),
+            "seq": snap.seq,
+            "step": snap.step,
+        }
+        if self._coord is not None:
+            request["group"] = self._coord.next_job()
+        job = worker.submit(request)
         self._jobs[job["id"]] = (snap.index, snap.step)
+        if self._coord is not None:
+            self._job_keys[job["id"]] = request["group"]["key"]
         self._last_persist = snap.step
         self._persist_clock = time.monotonic()
 
@@ -1176,7 +1183,7 @@ class Checkpointer:
             try:
                 replies = self._worker.poll()
             except PersistError as exc:
-                self._fail_all_jobs()
+                self._fail_all_jobs(str(exc))
                 self._worker = None
                 self.monitor.failed(None, str(exc))
                 raise exc
@@ -1187,6 +1194,7 @@ class Checkpointer:
             if self._mirror_report(r):
                 continue
             index, step = self._jobs.pop(r.get("id", -1), (None, r.get("step")))
+            self._job_keys.pop(r.get("id", -1), None)
             if index is not None and self._shm is not None:
                 self._shm.locked.discard(index)
             if r.get("kind") == "committed":
@@ -1239,10 +1247,17 @@ class Checkpointer:
                 )
             log.warning("not mirrored: %s", error)
 
-    def _fail_all_jobs(self) -> None:
+    def _fail_all_jobs(self, reason: str) -> None:
+        """The worker is gone with its jobs: release their slots, and tell the other
+        ranks' workers, waiting for this rank's part of a coordinated persist, to stop
+        waiting."""
         if self._shm is not None:
             self._shm.locked.clear()
         self._jobs.clear()
+        if self._coord is not None:
+            for key in self._job_keys.values():
+                self._coord.give_up(key, reason)
+        self._job_keys.clear()
 
     def _wait_worker(self, timeout: float | None = None) -> None:
         if self._worker is None:
@@ -1251,7 +1266,7 @@ class Checkpointer:
         try:
             replies = self._worker.wait_all(timeout)
         except PersistError as exc:
-            self._fail_all_jobs()
+            self._fail_all_jobs(str(exc))
             self._worker = None
             self.monitor.failed(None, str(exc))
             raise

@@ -68,10 +68,10 @@ class Snapshot:
 
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
         """A view of one tensor inside the arena (valid until the next snapshot)."""
-        return _view(self.buffer, slot)
+        return tensor_view(self.buffer, slot)
 
 
-def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+def tensor_view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buf[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
 
 
@@ -123,13 +123,13 @@ def copy_into(
     if pool is None or on_cuda or total < _PARALLEL_MIN_BYTES or torch.get_num_threads() > 1:
         with torch.no_grad():
             for slot in slots:
-                _view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
+                tensor_view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
         if on_cuda:
             torch.cuda.synchronize()
         return
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for slot in slots:
-        dst, src = _view(buf, slot), tensors[slot.name]
+        dst, src = tensor_view(buf, slot), tensors[slot.name]
         if src.is_contiguous() and slot.nbytes > _CHUNK_BYTES and src.dim() > 0:
             flat_d, flat_s = dst.view(-1), src.view(-1)
             step = max(1, _CHUNK_BYTES // max(1, src.element_size()))
@@ -334,7 +334,7 @@ class ShmArena:
         slot = self.slots[index]
         assert slot is not None
         data = slot.data_tensor()
-        return {s.name: _view(data, s) for s in content.slots}
+        return {s.name: tensor_view(data, s) for s in content.slots}
 
     def close(self, *, unlink: bool) -> None:
         for i, slot in enumerate(self.slots):

@@ -57,16 +57,16 @@ from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed
-from resumable.distributed import pieces_from_json
+from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
 from resumable.retention import apply_retention
-from resumable.shm import ShmSlot
-from resumable.snapshot import Snapshot
+from resumable.shm import ShmSlot, SlotContent
+from resumable.snapshot import Arena, Snapshot, tensor_view
 from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from resumable.distributed import Group
+    from resumable.persist import Coordination
     from resumable.tiering import Mirror
 
 log = logging.getLogger("resumable")
@@ -152,6 +152,8 @@ class JobRunner:
         self.retries = int(config.get("retries", 2))
         self.parent_pid = int(config.get("parent_pid", 0))
         self.slots: dict[str, ShmSlot] = {}
+        self._stores: dict[tuple[str, int], Any] = {}  # coordination store clients
+        self._arena = Arena()  # this rank's share of a coordinated persist
         self.metrics_cache: dict[int, Any] = {}
         self._retention_lock = threading.Lock()
         self.mirror: Mirror | None = None
@@ -222,6 +224,8 @@ class JobRunner:
             raise CheckpointError(
                 f"snapshot of step {job['step']} was overwritten before it was persisted"
             )
+        if job.get("group"):
+            return {**self._persist_coordinated(slot, content, job["group"]), "id": job.get("id")}
         reply, sums = self.persist_snapshot(
             Snapshot(content.slots, slot.data_tensor()),
             step=content.step,
@@ -287,8 +291,42 @@ class JobRunner:
         }
         return reply, sums
 
+    def _persist_coordinated(
+        self, slot: ShmSlot, content: SlotContent, where: dict[str, Any]
+    ) -> dict[str, Any]:
+        """This rank's share of a coordinated persist, from its shared-memory snapshot:
+        its tensors copied out (the slot may be rewritten once the job ends), then the
+        exchanges of `write_distributed` through the coordination store."""
+        from resumable.coordination import StoreCoordinator
+
+        coordinator = StoreCoordinator.connect(where, self._stores)
+        meta = content.meta
+        data = slot.data_tensor()
+        views = {s.name: tensor_view(data, s) for s in content.slots}
+        own = owned_tensors(
+            views, meta.get("replicated", []), coordinator.rank, coordinator.world_size
+        )
+        snap = self._arena.snapshot(own)
+        if not slot.still(content.seq):
+            raise CheckpointError("snapshot slot was rewritten while being persisted")
+        return self.persist_group(
+            coordinator,
+            snap,
+            step=content.step,
+            tree=meta["tree"],
+            pieces=pieces_from_json(meta.get("pieces")),
+            metrics=meta.get("metrics"),
+        )
+
     def persist_group(
-        self, group: Group, snap: Snapshot, *, step: int, tree: Any, pieces: Any, metrics: Any
+        self,
+        group: Coordination,
+        snap: Snapshot,
+        *,
+        step: int,
+        tree: Any,
+        pieces: Any,
+        metrics: Any,
     ) -> dict[str, Any]:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
@@ -303,6 +341,7 @@ class JobRunner:
             tree=tree,
             pieces=pieces,
             metrics=metrics,
+            check=self._check_parent,
         )
         deleted: list[int] = []
         if group.coordinator:
@@ -346,6 +385,7 @@ class JobRunner:
         for slot in self.slots.values():
             slot.close()
         self.slots.clear()
+        self._stores.clear()
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
