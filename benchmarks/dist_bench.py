@@ -14,8 +14,8 @@ mesh at W=1), and interleaves ``reps + 1`` rounds of: resumable ``save()``
 and ``dcp.async_save`` (thread executor, gloo side group), the first method rotating
 each round; also resumable with its default background persist, and the copy floor.
 Each sample is the slowest rank's time after a barrier; round 0 is reported apart as
-*first*. Bytes are the sizes of each rank's data file (``rank-RRRRR.safetensors``, ``__R_0.distcp``) and of the
-rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
+*first*. Bytes are the sizes of each rank's data file (``rank-RRRRR.safetensors``,
+``__R_0.distcp``) and of the rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
 ranks share the cores as W trainers would. The data directories live under the bench
 directory (on the repository's disk) and are removed at the end.
 """
