@@ -10,14 +10,15 @@ For each world size W, one ``torchrun --standalone --nproc-per-node=W`` launch o
 `dist_worker.py` builds an MLP whose parameters plus AdamW's moments take about
 ``size_mb`` MiB in total (sharded over the W ranks by ``fully_shard``, on a one-rank
 mesh at W=1), and interleaves ``reps + 1`` rounds of: resumable ``save()``
-(``persist="sync"``: the save returns after the coordinated, durable commit), ``dcp.save``
-and ``dcp.async_save`` (thread executor, gloo side group), the first method rotating
-each round; also resumable with its default background persist, and the copy floor.
-Each sample is the slowest rank's time after a barrier; round 0 is reported apart as
-*first*. Bytes are the sizes of each rank's data file (``rank-RRRRR.safetensors``,
-``__R_0.distcp``) and of the rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
-ranks share the cores as W trainers would. The data directories live under the bench
-directory (on the repository's disk) and are removed at the end.
+(``persist="sync"``: the save returns after the coordinated, durable commit),
+``dcp.save`` and ``dcp.async_save`` (thread executor, gloo side group), the first method
+rotating each round; also resumable with its default background persist, and the copy
+floor. Each sample is the slowest rank's time after a barrier; round 0 is reported apart
+as *first*. Bytes are the sizes of each rank's data file (``rank-RRRRR.safetensors``,
+``__R_0.distcp``) and of the rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the
+machine's cores ÷ W, so the W ranks share the cores as W trainers would. The data
+directories live under the bench directory (on the repository's disk) and are removed at
+the end.
 """
 
 from __future__ import annotations
