@@ -25,6 +25,7 @@ says so by name unless asked to reset it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -57,16 +58,28 @@ def is_dtensor(t: Any) -> bool:
 
 
 def dtensor_piece(t: Any, fqn: str) -> tuple[torch.Tensor, Piece, bool]:
-    """This rank's local shard of DTensor ``t``, where it lies, and whether it is fully
-    replicated (every rank holds all of it)."""
+    """This rank's local shard of DTensor ``t`` (detached), where it lies, and whether
+    it is fully replicated (every rank holds all of it). Runs at every snapshot, so the
+    shard's place is computed once per shape, mesh and placements."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(int(x) for x in t.shape)
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    replicated = all(isinstance(p, Replicate) for p in t.placements)
-    piece = Piece(fqn, shape, tuple(int(x) for x in offset))
-    return t.to_local(), piece, replicated
+    placements = tuple(t.placements)
+    offset = _shard_offset(shape, t.device_mesh, placements)
+    replicated = all(isinstance(p, Replicate) for p in placements)
+    with torch.no_grad():  # no autograd node for the view (to_local is differentiable)
+        local = t.to_local()
+    return local.detach(), Piece(fqn, shape, offset), replicated
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_offset(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(x) for x in offset)
 
 
 def pieces_to_json(pieces: Mapping[str, Piece]) -> dict[str, list[Any]]:
