@@ -481,3 +481,131 @@ def test_background_persist_with_a_hung_worker_fails_at_the_timeout(background_r
     assert step_dir(2) not in r0["bghang_listing"]
     assert not [n for n in r0["bghang_listing"] if n.startswith(".tmp")]
     assert_failed_then_recovered(background_run, "bghang", "bghang_wait2")
+
+
+# ------------------------------------------------- 9. SIGKILLs at random moments
+
+
+CAMPAIGN_ARGS = ["--steps", 400, "--save-every", 5, "--memory-every"]
+CAMPAIGN_FINAL = re.compile(r"final step=400 params_sha256=([0-9a-f]{64})")
+
+
+def trainer_pids(agent: int) -> list[int]:
+    """The example's rank processes: descendants of torchrun's agent ``agent``."""
+    found, todo = [], [agent]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train_fsdp.py") for a in cmd) and b"torch.distributed.run" not in cmd:
+            found.append(pid)
+    return sorted(found)
+
+
+def killed_at_random(out: Path, kills: int, seed: int) -> str:
+    """The example under ``torchrun --max-restarts``: in each of its first ``kills``
+    attempts, once both ranks have restored, one rank is SIGKILLed after a random
+    0.1-1.5 s (in a training step, a snapshot, a background persist or its commit);
+    returns the output."""
+    import random
+    import threading
+    import time
+
+    rng = random.Random(seed)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={kills + 2}",
+        str(EXAMPLE),
+        "--dir",
+        str(out),
+        *(str(a) for a in CAMPAIGN_ARGS),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    done: list[int] = []
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    def killer() -> None:
+        for attempt in range(kills):
+            want = {f"rank {r} attempt {attempt}: resumed" for r in (0, 1)}
+            while not all(any(w in x for x in lines) for w in want):
+                if proc.poll() is not None:
+                    return
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.1, 1.5))
+            pids = trainer_pids(proc.pid)
+            if not pids:
+                return
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            done.append(attempt)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (reader, killer)]
+    for t in threads:
+        t.start()
+    try:
+        proc.wait(timeout=LAUNCH_TIMEOUT_S + 20 * kills)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail("the campaign ran over its time:\n" + "".join(lines)[-4000:])
+    for t in threads:
+        t.join(timeout=10)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-6000:]
+    assert len(done) == kills, f"{len(done)} of {kills} kills landed:\n{output[-3000:]}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def campaign_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    plain = torchrun(2, EXAMPLE, "--dir", tmp_path_factory.mktemp("ref"), *CAMPAIGN_ARGS)
+    want = CAMPAIGN_FINAL.findall(plain)
+    assert len(want) == 1, plain[-3000:]
+    return str(want[0])
+
+
+def _campaign(tmp_path: Path, reference: str, kills: int, seed: int) -> None:
+    output = killed_at_random(tmp_path / "ck", kills, seed)
+    assert CAMPAIGN_FINAL.findall(output) == [reference], output[-4000:]
+    attempts = {int(a) for _, a, _ in RESUMED.findall(output)}
+    assert attempts == set(range(kills + 1)), output[-4000:]
+    leftovers = [n for n in os.listdir(tmp_path / "ck") if n.startswith(".tmp")]
+    assert leftovers == []
+
+
+def test_random_sigkills_of_a_two_rank_job_end_bit_identical(
+    tmp_path: Path, campaign_reference: str
+) -> None:
+    """Three SIGKILLs of a random rank at random moments of training: each time the
+    job restarts from the newest commit (or every rank's shared-memory snapshot) and it
+    ends bit-identical to an uninterrupted run."""
+    _campaign(tmp_path, campaign_reference, kills=3, seed=11)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_twelve_random_sigkills_of_a_two_rank_job_end_bit_identical(
+    tmp_path: Path, campaign_reference: str, seed: int
+) -> None:
+    _campaign(tmp_path, campaign_reference, kills=12, seed=seed)
