@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumable import Checkpointer, Every
+from resumable import Checkpointer, Every, Keep
 from resumable.commit import step_dir
 from resumable.errors import StorageError
 from resumable.shm import run_key_for
@@ -400,7 +401,35 @@ def phase_background(out: Path, report: dict[str, Any]) -> None:
     ck.close()
 
 
+def phase_mirror(out: Path, report: dict[str, Any]) -> None:
+    """Several ranks with a mirror: each checkpoint uploaded once (by rank 0's worker);
+    then the local root is lost and every rank restores from the mirror."""
+    model, optim = build("fsdp")
+    state = {"model": model, "optim": optim}
+    kw: dict[str, Any] = {"mirror": str(out / "remote"), "shm_dir": out / "shm"}
+    (out / "shm").mkdir(exist_ok=True)
+    with Checkpointer(
+        out / "local", state, persist_every=Every(steps=2), keep=Keep(last=1), **kw
+    ) as ck:
+        report["mirror_mode"] = ck.persist_mode
+        for step in range(1, 5):
+            train(model, optim, [step])
+            ck.maybe_save(step)
+            ck.wait()  # each due persist commits and is uploaded (none deferred)
+        report["mirror_steps"] = ck.steps()
+    dump(out, "ref-mirror", model, optim)
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(out / "local")  # the node's disk is lost
+    dist.barrier()
+    model, optim = build("fsdp")
+    with Checkpointer(out / "local", {"model": model, "optim": optim}, **kw) as ck:
+        report["mirror_restore"] = outcome(ck.restore)
+    dump(out, "got-mirror", model, optim)
+
+
 PHASES = {
+    "mirror": phase_mirror,
     "background": phase_background,
     "solo": phase_solo,
     "save2": phase_save2,

@@ -609,3 +609,27 @@ def test_twelve_random_sigkills_of_a_two_rank_job_end_bit_identical(
     tmp_path: Path, campaign_reference: str, seed: int
 ) -> None:
     _campaign(tmp_path, campaign_reference, kills=12, seed=seed)
+
+
+# ------------------------------------------------------------ 10. a mirror
+
+
+def test_a_mirror_with_several_ranks_uploads_once_and_restores_an_empty_disk(
+    tmp_path: Path,
+) -> None:
+    """Two ranks persisting in the background with a mirror: rank 0's worker uploads
+    each committed checkpoint once; after the local root is lost, both ranks restore
+    the newest checkpoint from the mirror, bit-identically."""
+    torchrun(2, JOB, "mirror", tmp_path)
+    runs = Runs(tmp_path)
+    for report in runs.reports("mirror", 2):
+        assert report["mirror_mode"] == "process"
+        assert report["mirror_steps"] == [2, 4]  # local keeps 1; the mirror keeps all
+        assert restored(report, "mirror_restore") == 4
+    assert_same_state(runs, "ref-mirror", "got-mirror")
+    remote = tmp_path / "remote"
+    assert sorted(p.name for p in remote.glob("step-*")) == [step_dir(2), step_dir(4)]
+    assert json.loads((remote / step_dir(4) / "manifest.json").read_text())["world_size"] == 2
+    audit = [json.loads(x) for x in (remote / "audit.jsonl").read_text().splitlines()]
+    uploads = [e["step"] for e in audit if e["event"] == "commit"]
+    assert uploads == [2, 4]  # each once, whichever rank

@@ -156,10 +156,10 @@ class Checkpointer:
         self._group = current_group(dist_timeout_s)
         self.rank = self._group.rank if self._group is not None else 0
         self.world_size = self._group.world_size if self._group is not None else 1
-        if self._group is not None and (overlap or mirror):
+        if self._group is not None and overlap:
             raise CheckpointError(
-                f"with {self.world_size} ranks, overlap and mirror are not available yet; "
-                "leave them unset (the background persist and memory_every work)"
+                f"with {self.world_size} ranks, overlap is not available yet; leave it "
+                "unset (the background persist and memory_every work)"
             )
         self.storage_options = dict(storage_options) if storage_options else None
         self.storage = open_storage(url, _options_for(url, self.storage_options))
@@ -210,7 +210,9 @@ class Checkpointer:
                 "rank": self.rank,
                 "audit": self.rank == 0,
                 "mirror": (
-                    self.mirror.url if self.mirror is not None and persist == "sync" else None
+                    self.mirror.url
+                    if self.mirror is not None and persist == "sync" and self.rank == 0
+                    else None
                 ),
                 "mirror_keep": _keep_json(mirror_keep),
             },
@@ -634,7 +636,7 @@ class Checkpointer:
     def _restore_storage(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
         steps = sorted(roots)
         if self._group is not None:
-            return self._restore_group(steps, step, loc)
+            return self._restore_group(roots, step, loc)
         if step is not None:
             if step not in steps:
                 raise NoCheckpointError(
@@ -859,22 +861,34 @@ class Checkpointer:
         if isinstance(self.state, dict):
             self.state.update(part)
 
-    def _restore_group(self, steps: list[int], step: int | None, loc: Any) -> int:
-        """Restore on every rank from the newest step every rank can read, together."""
+    def _restore_group(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
+        """Restore on every rank from the newest step every rank can read (from the
+        local root, or else the mirror), together."""
         g = self._group
         assert g is not None
+        steps = sorted(roots)
         candidates = [step] if step is not None else list(reversed(steps))
-        readable = []
+        readable: dict[int, Storage] = {}
         for s in candidates:
-            try:
-                CheckpointReader(self.storage, s).check_files()
-                readable.append(s)
-            except CorruptCheckpointError as exc:
-                log.warning("rank %d: checkpoint %s is damaged: %s", self.rank, step_dir(s), exc)
-        common = set.intersection(*(set(x) for x in g.gather(readable)))
+            for root in roots.get(s, []):
+                try:
+                    CheckpointReader(root, s).check_files()
+                except CorruptCheckpointError as exc:
+                    log.warning(
+                        "rank %d: checkpoint %s in %s is damaged: %s",
+                        self.rank,
+                        step_dir(s),
+                        root.url,
+                        exc,
+                    )
+                    continue
+                readable[s] = root
+                break
+        common = set.intersection(*(set(x) for x in g.gather(sorted(readable))))
         for s in sorted(common, reverse=True):
             t0 = time.perf_counter()
-            reader = CheckpointReader(self.storage, s)
+            root = readable[s]
+            reader = CheckpointReader(root, s)
             values: dict[str, Any] = {}
             skip: set[str] = set()
             problem: tuple[str, str] | None = None
@@ -902,7 +916,8 @@ class Checkpointer:
             self.audit.record(
                 "restore",
                 step=s,
-                tier="storage",
+                tier="storage" if root is self.storage else "mirror",
+                url=root.url,
                 ranks=self.world_size,
                 saved_ranks=reader.manifest.get("world_size", 1),
                 duration_s=round(time.perf_counter() - t0, 6),
@@ -1165,7 +1180,8 @@ class Checkpointer:
                 keep=self.keep,
                 storage=self.storage if thread else None,
                 storage_options=_options_for(self.url, self.storage_options),
-                mirror=self.mirror.url if self.mirror is not None else None,
+                # With several ranks, rank 0's worker commits, so it alone uploads.
+                mirror=self.mirror.url if self.mirror is not None and self.rank == 0 else None,
                 mirror_keep=self.mirror_keep,
                 mirror_options=(
                     _options_for(self.mirror.url, self.storage_options)
@@ -1230,7 +1246,8 @@ class Checkpointer:
             return
         self._mirror_flushed = None
         if self.persist_mode == "sync":
-            assert self._runner.mirror is not None
+            if self._runner.mirror is None:  # another rank than 0: rank 0 uploads
+                return
             self._collect([self._runner.mirror.flush(timeout)])
         elif self._worker is not None:
             self._worker.submit({"kind": "mirror_flush", "timeout": timeout})

@@ -356,6 +356,8 @@ class JobRunner:
             )
             self.metrics_cache[step] = result.manifest["metrics"]
             deleted = self._retain(step)
+            if self.mirror is not None:  # rank 0's worker uploads the whole checkpoint
+                self.mirror.submit(step)
         return {"kind": "committed", "step": step, "seconds": result.seconds, "deleted": deleted}
 
     def _retain(self, just_written: int) -> list[int]:
