@@ -428,7 +428,44 @@ def phase_mirror(out: Path, report: dict[str, Any]) -> None:
     dump(out, "got-mirror", model, optim)
 
 
+def phase_overlap(out: Path, report: dict[str, Any]) -> None:
+    """Several ranks in overlap mode: the snapshot of step 5 is still being copied
+    while step 6 trains; the copy ends before the optimizer changes the shards."""
+    model, optim = build("fsdp")
+    (out / "shm").mkdir(exist_ok=True)
+    ck = Checkpointer(
+        out / "overlap",
+        {"model": model, "optim": optim},
+        overlap=True,
+        memory_every=Every(steps=1),
+        persist_every=Every(steps=1000),
+        keep=None,
+        shm_dir=out / "shm",
+    )
+    for step in range(1, 6):
+        train(model, optim, [step])
+        ck.maybe_save(step)
+    report["overlapped"] = ck.stats["last_snapshot_overlapped_bytes"]
+    report["state_bytes"] = sum(
+        t.to_local().numel() * 4
+        for t in [
+            *model.parameters(),
+            *(v for st in optim.state.values() for k, v in st.items() if k != "step"),
+        ]
+    )
+    dump(out, "ref-overlap", model, optim)  # the state of step 5
+    train(model, optim, [6])  # optimizer.step() waits for the copy
+    ck.save(5)  # persists the snapshot of step 5 (not the state of step 6)
+    ck.wait()
+    ck.close()
+    model, optim = build("fsdp")
+    with Checkpointer(out / "overlap", {"model": model, "optim": optim}, shm_dir=out / "shm") as ck:
+        report["overlap_restore"] = outcome(lambda: ck.restore(tier="storage"))
+    dump(out, "got-overlap", model, optim)
+
+
 PHASES = {
+    "overlap": phase_overlap,
     "mirror": phase_mirror,
     "background": phase_background,
     "solo": phase_solo,

@@ -633,3 +633,15 @@ def test_a_mirror_with_several_ranks_uploads_once_and_restores_an_empty_disk(
     audit = [json.loads(x) for x in (remote / "audit.jsonl").read_text().splitlines()]
     uploads = [e["step"] for e in audit if e["event"] == "commit"]
     assert uploads == [2, 4]  # each once, whichever rank
+
+
+def test_overlap_mode_with_several_ranks_snapshots_the_right_step(tmp_path: Path) -> None:
+    """FSDP2 at 2 ranks with overlap=True: the parameters and moments of step 5 are
+    copied while step 6 trains, and the checkpoint of step 5 holds step 5's state."""
+    torchrun(2, JOB, "overlap", tmp_path)
+    runs = Runs(tmp_path)
+    for report in runs.reports("overlap", 2):
+        # parameters and moments (all but the step counts) were copied in the background
+        assert report["overlapped"] >= report["state_bytes"] > 0
+        assert restored(report, "overlap_restore") == 5
+    assert_same_state(runs, "ref-overlap", "got-overlap")

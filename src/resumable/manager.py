@@ -156,11 +156,6 @@ class Checkpointer:
         self._group = current_group(dist_timeout_s)
         self.rank = self._group.rank if self._group is not None else 0
         self.world_size = self._group.world_size if self._group is not None else 1
-        if self._group is not None and overlap:
-            raise CheckpointError(
-                f"with {self.world_size} ranks, overlap is not available yet; leave it "
-                "unset (the background persist and memory_every work)"
-            )
         self.storage_options = dict(storage_options) if storage_options else None
         self.storage = open_storage(url, _options_for(url, self.storage_options))
         self.url = self.storage.url
@@ -320,7 +315,10 @@ class Checkpointer:
         else:
             future.result()
         self.last_snapshot_s = time.perf_counter() - t0
-        self.monitor.snapshot(self.last_snapshot_s)
+        overlapped = sum(
+            captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
+        )
+        self.monitor.snapshot(self.last_snapshot_s, overlapped)
         self._last_memory = step
         self._memory_clock = time.monotonic()
 
@@ -341,9 +339,9 @@ class Checkpointer:
 
                 self._hooks.append((obj, obj.register_step_pre_hook(wait_for_copy)))
             for group in obj.param_groups:
-                ptrs.update(p.data_ptr() for p in group["params"])
+                ptrs.update(_storage_ptr(p) for p in group["params"])
             for st in obj.state.values():
-                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+                ptrs.update(_storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
         return ptrs
 
     def _settle(self) -> None:
@@ -1318,6 +1316,14 @@ class Checkpointer:
                 continue
             log.info("removed stale %s (data of a commit that never finished)", name)
             self.audit.record("stale_removed", name=name)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s bytes are: a DTensor's are its local shard's (the wrapper has none)."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return int(t.to_local().data_ptr())  # type: ignore[attr-defined]
+    return int(t.data_ptr())
 
 
 def views_base(arena: ShmArena, index: int) -> Any:
