@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from resumable.commit import Attempt, Committer
+from resumable.commit import Attempt, Committer, abort_quietly
 from resumable.distributed import Piece
 from resumable.errors import PersistError
 from resumable.format import (
@@ -79,10 +79,7 @@ def write_checkpoint(
             before_commit()
         replaced = committer.commit(attempt, blob)
     except BaseException:
-        try:
-            committer.abort(attempt)
-        except Exception:
-            pass  # the original error is the one that matters; stale() cleans up later
+        abort_quietly(committer, attempt)
         raise
     return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
 
@@ -180,10 +177,7 @@ def write_distributed(
     except PersistError as exc:  # a rank died or hung: nobody will commit
         if group.coordinator:
             group.abandon(str(exc))
-            try:
-                committer.abort(attempt)
-            except Exception:
-                pass  # left for stale() to clean up
+            abort_quietly(committer, attempt)
         raise
     outcome: dict[str, Any] | None = None
     if group.coordinator:
@@ -216,10 +210,7 @@ def write_distributed(
             except Exception as exc:
                 errors.append(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
         if errors:
-            try:
-                committer.abort(attempt)
-            except Exception:
-                pass  # left for stale() to clean up
+            abort_quietly(committer, attempt)
             outcome = {"error": "; ".join(errors)}
     outcome = group.broadcast(outcome, "outcome")
     if "error" in outcome:

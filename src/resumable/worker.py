@@ -61,6 +61,7 @@ from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
 from resumable.retention import apply_retention
+from resumable.retrying import retrying
 from resumable.shm import ShmSlot, SlotContent
 from resumable.snapshot import Arena, Snapshot, tensor_view
 from resumable.storage import Storage, open_storage
@@ -246,27 +247,27 @@ class JobRunner:
         from resumable.persist import write_checkpoint
 
         t0 = time.perf_counter()
-        attempt = 0
-        while True:
-            try:
-                result = write_checkpoint(
-                    self.storage,
-                    self.committer,
-                    step=step,
-                    snapshot=snap,
-                    tree=tree,
-                    metrics=metrics,
-                    before_commit=self._check_parent,
-                    pieces=pieces,
-                )
-                break
-            except StorageError as exc:
-                attempt += 1
-                if exc.errno in _NOT_TRANSIENT or attempt > self.retries:
-                    raise
-                log.warning("persist of step %d failed (%s), retry %d", step, exc, attempt)
-                self.audit.record("retry", step=step, error=repr(exc)[:300])
-                time.sleep(0.2 * 2**attempt)
+
+        def on_retry(exc: StorageError, n: int) -> None:
+            log.warning("persist of step %d failed (%s), retry %d", step, exc, n)
+            self.audit.record("retry", step=step, error=repr(exc)[:300])
+
+        result = retrying(
+            lambda: write_checkpoint(
+                self.storage,
+                self.committer,
+                step=step,
+                snapshot=snap,
+                tree=tree,
+                metrics=metrics,
+                before_commit=self._check_parent,
+                pieces=pieces,
+            ),
+            retries=self.retries,
+            backoff_s=0.4,
+            permanent=_NOT_TRANSIENT,
+            on_retry=on_retry,
+        )
         seconds = time.perf_counter() - t0
         self.audit.record(
             "commit",
