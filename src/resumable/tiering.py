@@ -79,9 +79,8 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
     try:
         for name, new in renamed.items():
             path = f"{step_dir(step)}/{name}"
-            map_file = getattr(src, "map_file", None)
-            if map_file is not None and manifest["files"][name]["size"] > 0:
-                mm = map_file(path)
+            mm = src.map_file(path) if manifest["files"][name]["size"] > 0 else None
+            if mm is not None:
                 try:
                     total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [mm])
                 finally:
