@@ -49,6 +49,9 @@ from resumable.storage.base import Buffer, ForwardingStorage, Storage
 SEED = 0
 HANG_S = 8.0
 DIST_TIMEOUT_S = 5.0
+# The background hang case: long enough that the next persist, which starts a new worker
+# process on rank 1, never meets it on a loaded machine.
+BG_TIMEOUT_S = 20.0
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -384,7 +387,7 @@ def phase_background(out: Path, report: dict[str, Any]) -> None:
     ck.close()
 
     # Rank 1's worker hangs (stopped) past the timeout: rank 0 gives up and says why.
-    ck, model, optim = background_run(out, "bghang", report, dist_timeout_s=DIST_TIMEOUT_S)
+    ck, model, optim = background_run(out, "bghang", report, dist_timeout_s=BG_TIMEOUT_S)
     stopped = worker_pids() if rank() == 1 else []
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)

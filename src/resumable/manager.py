@@ -46,6 +46,7 @@ from resumable.coordination import CoordinationStore
 from resumable.distributed import (
     DEFAULT_TIMEOUT_S,
     GlobalLoader,
+    Group,
     current_group,
     is_dtensor,
     owned_tensors,
@@ -154,6 +155,8 @@ class Checkpointer:
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self._group = current_group(dist_timeout_s)
+        # What the restore paths agree through: the ranks' group, or one process alone.
+        self._coordination = self._group or Group(0, 1)
         self.rank = self._group.rank if self._group is not None else 0
         self.world_size = self._group.world_size if self._group is not None else 1
         self.storage_options = dict(storage_options) if storage_options else None
@@ -566,30 +569,14 @@ class Checkpointer:
         roots = self._roots_by_step() if tier != "memory" else {}
         steps = sorted(roots)
         self._committed = steps[-1] if steps else None
-        if tier != "storage" and self._shm is not None and self._group is not None:
-            restored = self._restore_memory_group(steps, step, loc, tier)
+        if tier != "storage" and self._shm is not None:
+            restored = self._restore_memory(steps, step, loc, tier)
             if restored is not None:
                 return restored
             if tier == "memory":
                 if step is not None:
-                    raise NoCheckpointError(f"no memory snapshot of step {step} on every rank")
-                return 0
-        elif tier != "storage" and self._shm is not None:
-            self._adopt()
-            newest = self._shm.newest
-            if (
-                newest is not None
-                and (step is None or step == newest.step)
-                and (tier == "memory" or not steps or newest.step >= steps[-1] or step is not None)
-            ):
-                if self._restore_memory(newest, loc):
-                    if self._committed is None or newest.step > self._committed:
-                        log.info("persisting step %d recovered from shared memory", newest.step)
-                        self._persist_snapshot(newest)
-                    return newest.step
-            if tier == "memory":
-                if step is not None:
-                    raise NoCheckpointError(f"no memory snapshot of step {step} for {self.url}")
+                    where = "on every rank" if self.world_size > 1 else f"for {self.url}"
+                    raise NoCheckpointError(f"no memory snapshot of step {step} {where}")
                 return 0
         return self._restore_storage(roots, step, loc)
 
@@ -608,77 +595,148 @@ class Checkpointer:
                     raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
         return content, views
 
-    def _restore_memory(self, snap: MemorySnapshot, loc: Any) -> bool:
+    def _restore_memory(
+        self, steps: list[int], step: int | None, loc: Any, tier: str
+    ) -> int | None:
+        """Restore every rank from its own shared-memory snapshot, if every rank has one
+        of the same step (newer than the newest checkpoint, unless asked for), agreed
+        through the coordination (nothing to agree with one process); otherwise None,
+        and every rank falls back to storage together."""
+        g = self._coordination
         assert self._shm is not None
+        self._adopt()
+        newest = self._shm.newest
+        mine = None
+        if newest is not None:
+            content = self._shm.content(newest.index)
+            if content is None or content.seq != newest.seq:
+                self._skip_memory(newest.step, "the snapshot is incomplete or was overwritten")
+            elif content.meta.get("world_size", 1) == self.world_size:
+                mine = newest.step
+        offers = g.gather(mine)
+        s = offers[0]
+        if s is None or any(o != s for o in offers):
+            return None
+        wanted = (
+            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
+        )
+        if not wanted:
+            return None
+        assert newest is not None
         t0 = time.perf_counter()
+        problem = None
+        values: dict[str, Any] = {}
         try:
-            content, views = self._verified(snap)
-            values = capture_mod.decode(content.meta["tree"], views, loc)
-            # Borrowed: the slot is rewritten by later snapshots, so whatever the live
-            # state would keep a reference to is copied out.
-            capture_mod.restore(self.state, values, borrowed=True)
+            values = self._decode_memory(newest, loc)
         except CorruptCheckpointError as exc:
-            log.warning("skipping the shared-memory snapshot of step %d: %s", snap.step, exc)
-            self.audit.record("skip", step=snap.step, tier="memory", reason=str(exc)[:500])
-            return False
+            problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
+        problems = [p for p in g.gather(problem) if p]
+        if problems:
+            self._skip_memory(s, "; ".join(problems))
+            return None
+        # Borrowed: the slot is rewritten by later snapshots, so whatever the live state
+        # would keep a reference to is copied out.
+        capture_mod.restore(self.state, values, borrowed=True)
         self.audit.record(
             "restore",
-            step=snap.step,
+            step=s,
             tier="memory",
-            bytes=snap.nbytes,
+            bytes=newest.nbytes,
+            ranks=self.world_size,
             duration_s=round(time.perf_counter() - t0, 6),
         )
-        self._mark_restored(snap.step)
-        return True
+        self._mark_restored(s)
+        if self._committed is None or s > self._committed:
+            log.info("persisting step %d recovered from shared memory", s)
+            self._persist_snapshot(newest)
+        return int(s)
+
+    def _skip_memory(self, step: int, reason: str) -> None:
+        log.warning("skipping the shared-memory snapshot of step %d: %s", step, reason)
+        self.audit.record("skip", step=step, tier="memory", reason=reason[:500])
 
     def _restore_storage(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
+        """Restore from the newest committed step every rank can read (each from the
+        local root, or else the mirror), trying older ones in turn; every rank decides
+        alike, through the coordination (nothing to agree with one process)."""
+        g = self._coordination
         steps = sorted(roots)
-        if self._group is not None:
-            return self._restore_group(roots, step, loc)
-        if step is not None:
-            if step not in steps:
-                raise NoCheckpointError(
-                    f"no committed checkpoint for step {step} in {self.url}; "
-                    f"committed steps: {steps[-10:] or 'none'}"
-                )
-            candidates = [step]
-        else:
-            candidates = list(reversed(steps))
+        if step is not None and step not in steps:
+            raise NoCheckpointError(
+                f"no committed checkpoint for step {step} in {self.url}; "
+                f"committed steps: {steps[-10:] or 'none'}"
+            )
+        candidates = [step] if step is not None else list(reversed(steps))
         if not candidates:
             self.audit.record("restore", step=0, fresh=True)
             return 0
-        problems = []
-        tries = [(s, root) for s in candidates for root in roots[s]]
-        for i, (s, root) in enumerate(tries):
+        problems: list[str] = []
+        last: CorruptCheckpointError | None = None
+        for s in candidates:
             t0 = time.perf_counter()
-            try:
-                reader = CheckpointReader(root, s)
-                values, skip = self._decode(reader, loc)
-                # Raises CorruptCheckpointError only before touching a live object.
-                self._apply(values, skip, borrowed=reader.mapped)
-            except CorruptCheckpointError as exc:
-                log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(s), root.url, exc)
-                self.audit.record("skip", step=s, url=root.url, reason=str(exc)[:500])
-                problems.append(f"{root.url}/{step_dir(s)}: {exc}")
-                if step is not None and i == len(tries) - 1:
-                    raise
+            root: Storage | None = None
+            reader: CheckpointReader | None = None
+            values: dict[str, Any] = {}
+            skip: set[str] = set()
+            problem: tuple[str, str] | None = None
+            seen: list[str] = []
+            for candidate in roots[s]:
+                try:
+                    reader = CheckpointReader(candidate, s)
+                    values, skip = self._decode(reader, loc)
+                    root = candidate
+                    break
+                except CorruptCheckpointError as exc:
+                    last = exc
+                    seen.append(f"{candidate.url}/{step_dir(s)}: {exc}")
+                    log.warning(
+                        "skipping corrupt checkpoint %s in %s: %s", step_dir(s), candidate.url, exc
+                    )
+                    self.audit.record("skip", step=s, url=candidate.url, reason=str(exc)[:500])
+                except StateMismatchError as exc:
+                    if self.world_size == 1:
+                        raise
+                    problem = ("mismatch", f"rank {self.rank}: {exc}")
+                    break
+            if root is None and problem is None:
+                problem = ("corrupt", f"rank {self.rank}: " + "; ".join(seen))
+            verdicts = [p for p in g.gather(problem) if p is not None]
+            if any(kind == "mismatch" for kind, _ in verdicts):
+                raise StateMismatchError("; ".join(msg for _, msg in verdicts))
+            if verdicts:
+                problems += seen if self.world_size == 1 else [m for _, m in verdicts]
                 continue
-            nbytes = sum(f["size"] for f in reader.manifest["files"].values())
+            assert root is not None and reader is not None
+            failed: StateMismatchError | None = None
+            try:
+                # Raises StateMismatchError only before touching a live object.
+                self._apply(values, skip, borrowed=reader.mapped)
+            except StateMismatchError as exc:
+                if self.world_size == 1:
+                    raise
+                failed = exc
+            failures = [f for f in g.gather(f"rank {self.rank}: {failed}" if failed else None) if f]
+            if failures:
+                raise StateMismatchError("; ".join(failures))
             self.audit.record(
                 "restore",
                 step=s,
                 tier="storage" if root is self.storage else "mirror",
                 url=root.url,
-                bytes=nbytes,
+                bytes=sum(f["size"] for f in reader.manifest["files"].values()),
+                ranks=self.world_size,
+                saved_ranks=reader.manifest.get("world_size", 1),
                 duration_s=round(time.perf_counter() - t0, 6),
             )
             self._mark_restored(s)
             return s
+        if step is not None and last is not None and self.world_size == 1:
+            raise last
         raise CorruptCheckpointError(
             f"{len(candidates)} checkpoint(s) in {' and '.join(r.url for r in self._roots())} "
-            "and none is valid; refusing to "
-            "start over silently. Inspect them with `resumable verify`, or move the "
-            "directory away to start fresh. Problems: " + "; ".join(problems)
+            "and none is valid (readable by every rank); refusing to start over silently. "
+            "Inspect them with `resumable verify`, or move the directory away to start "
+            "fresh. Problems: " + "; ".join(problems)
         )
 
     # ------------------------------------------------------------------ several ranks
@@ -769,58 +827,6 @@ class Checkpointer:
             if isinstance(obj, torch.optim.Optimizer):
                 _init_optim_state(obj)
 
-    def _restore_memory_group(
-        self, steps: list[int], step: int | None, loc: Any, tier: str
-    ) -> int | None:
-        """Restore every rank from its own shared-memory snapshot, if every rank has one
-        of the same step (newer than the newest checkpoint, unless asked for): agreed by
-        a collective; otherwise all fall back to storage together."""
-        g = self._group
-        assert g is not None and self._shm is not None
-        self._adopt()
-        newest = self._shm.newest
-        mine = None
-        if newest is not None:
-            content = self._shm.content(newest.index)
-            if content is not None and content.meta.get("world_size", 1) == self.world_size:
-                mine = newest.step
-        offers = g.gather(mine)
-        s = offers[0]
-        agreed = s is not None and all(o == s for o in offers)
-        if not agreed or s is None:
-            return None
-        wanted = (
-            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
-        )
-        if not wanted:
-            return None
-        assert newest is not None
-        t0 = time.perf_counter()
-        problem = None
-        values: dict[str, Any] = {}
-        try:
-            values = self._decode_memory(newest, loc)
-        except CorruptCheckpointError as exc:
-            problem = f"rank {self.rank}: {exc}"
-        problems = [p for p in g.gather(problem) if p]
-        if problems:
-            log.warning("not restoring from shared memory: %s", "; ".join(problems))
-            return None
-        capture_mod.restore(self.state, values, borrowed=True)
-        self.audit.record(
-            "restore",
-            step=s,
-            tier="memory",
-            ranks=self.world_size,
-            duration_s=round(time.perf_counter() - t0, 6),
-        )
-        self._mark_restored(s)
-        self._committed = steps[-1] if steps else None
-        if self._committed is None or s > self._committed:
-            log.info("persisting step %d recovered from shared memory", s)
-            self._persist_snapshot(newest)
-        return int(s)
-
     def _decode_memory(self, snap: MemorySnapshot, loc: Any) -> dict[str, Any]:
         """This rank's values from its shared-memory snapshot (same world size)."""
         content, views = self._verified(snap)
@@ -858,77 +864,6 @@ class Checkpointer:
         capture_mod.restore(part, values, borrowed=borrowed)
         if isinstance(self.state, dict):
             self.state.update(part)
-
-    def _restore_group(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
-        """Restore on every rank from the newest step every rank can read (from the
-        local root, or else the mirror), together."""
-        g = self._group
-        assert g is not None
-        steps = sorted(roots)
-        candidates = [step] if step is not None else list(reversed(steps))
-        readable: dict[int, Storage] = {}
-        for s in candidates:
-            for root in roots.get(s, []):
-                try:
-                    CheckpointReader(root, s).check_files()
-                except CorruptCheckpointError as exc:
-                    log.warning(
-                        "rank %d: checkpoint %s in %s is damaged: %s",
-                        self.rank,
-                        step_dir(s),
-                        root.url,
-                        exc,
-                    )
-                    continue
-                readable[s] = root
-                break
-        common = set.intersection(*(set(x) for x in g.gather(sorted(readable))))
-        for s in sorted(common, reverse=True):
-            t0 = time.perf_counter()
-            root = readable[s]
-            reader = CheckpointReader(root, s)
-            values: dict[str, Any] = {}
-            skip: set[str] = set()
-            problem: tuple[str, str] | None = None
-            try:
-                values, skip = self._decode(reader, loc)
-            except CorruptCheckpointError as exc:
-                problem = ("corrupt", f"rank {self.rank}: {exc}")
-            except StateMismatchError as exc:
-                problem = ("mismatch", f"rank {self.rank}: {exc}")
-            problems = [p for p in g.gather(problem) if p is not None]
-            if any(kind == "mismatch" for kind, _ in problems):
-                raise StateMismatchError("; ".join(msg for _, msg in problems))
-            if problems:
-                log.warning("skipping %s: %s", step_dir(s), "; ".join(m for _, m in problems))
-                self.audit.record("skip", step=s, reason="; ".join(m for _, m in problems)[:500])
-                continue
-            failed = None
-            try:
-                self._apply(values, skip, borrowed=reader.mapped)
-            except StateMismatchError as exc:
-                failed = f"rank {self.rank}: {exc}"
-            failures = [f for f in g.gather(failed) if f]
-            if failures:
-                raise StateMismatchError("; ".join(failures))
-            self.audit.record(
-                "restore",
-                step=s,
-                tier="storage" if root is self.storage else "mirror",
-                url=root.url,
-                ranks=self.world_size,
-                saved_ranks=reader.manifest.get("world_size", 1),
-                duration_s=round(time.perf_counter() - t0, 6),
-            )
-            self._mark_restored(s)
-            return s
-        if not candidates:
-            self.audit.record("restore", step=0, fresh=True)
-            return 0
-        raise CorruptCheckpointError(
-            f"none of the {len(candidates)} checkpoint(s) in {self.url} can be read by every "
-            "rank; inspect them with `resumable verify`, or move the directory away"
-        )
 
     def _roots(self) -> list[Storage]:
         return [r for r in (self.storage, self.mirror) if r is not None]
