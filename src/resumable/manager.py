@@ -707,17 +707,26 @@ class Checkpointer:
                 problems += seen if self.world_size == 1 else [m for _, m in verdicts]
                 continue
             assert root is not None and reader is not None
-            failed: StateMismatchError | None = None
+            applied: tuple[str, str] | None = None
             try:
-                # Raises StateMismatchError only before touching a live object.
+                # Raises CorruptCheckpointError or StateMismatchError only before
+                # touching a live object.
                 self._apply(values, skip, borrowed=reader.mapped)
+            except CorruptCheckpointError as exc:
+                last = exc
+                log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(s), root.url, exc)
+                self.audit.record("skip", step=s, url=root.url, reason=str(exc)[:500])
+                applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
             except StateMismatchError as exc:
                 if self.world_size == 1:
                     raise
-                failed = exc
-            failures = [f for f in g.gather(f"rank {self.rank}: {failed}" if failed else None) if f]
+                applied = ("mismatch", f"rank {self.rank}: {exc}")
+            failures = [f for f in g.gather(applied) if f is not None]
+            if any(kind == "mismatch" for kind, _ in failures):
+                raise StateMismatchError("; ".join(msg for _, msg in failures))
             if failures:
-                raise StateMismatchError("; ".join(failures))
+                problems += [m for _, m in failures]
+                continue
             self.audit.record(
                 "restore",
                 step=s,
