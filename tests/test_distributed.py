@@ -44,11 +44,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "tr
 LAUNCH_TIMEOUT_S = 240.0
 
 
-def torchrun(
-    nproc: int, script: Path, *args: Any, restarts: int = 0, env: dict[str, str] | None = None
-) -> str:
-    """Run ``script`` on ``nproc`` local ranks; returns stdout+stderr, fails on rc != 0."""
-    cmd = [
+def torchrun_cmd(nproc: int, script: Path, *args: Any, restarts: int = 0) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -58,6 +55,13 @@ def torchrun(
         str(script),
         *(str(a) for a in args),
     ]
+
+
+def torchrun(
+    nproc: int, script: Path, *args: Any, restarts: int = 0, env: dict[str, str] | None = None
+) -> str:
+    """Run ``script`` on ``nproc`` local ranks; returns stdout+stderr, fails on rc != 0."""
+    cmd = torchrun_cmd(nproc, script, *args, restarts=restarts)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd,
@@ -516,18 +520,7 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
     import time
 
     rng = random.Random(seed)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={kills + 2}",
-        str(EXAMPLE),
-        "--dir",
-        str(out),
-        *(str(a) for a in CAMPAIGN_ARGS),
-    ]
+    cmd = torchrun_cmd(2, EXAMPLE, "--dir", out, *CAMPAIGN_ARGS, restarts=kills + 2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd,
