@@ -43,7 +43,9 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def make_trainer(out: Path, *, steps: int, evaluate: bool = False, **kwargs: Any) -> ResumableTrainer:
+def make_trainer(
+    out: Path, *, steps: int, evaluate: bool = False, **kwargs: Any
+) -> ResumableTrainer:
     """A `ResumableTrainer` over 32 samples in batches of 4 (8 steps an epoch)."""
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in TRAINER_OPTIONS}
     args = TrainingArguments(

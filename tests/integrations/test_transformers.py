@@ -12,19 +12,18 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("transformers")
-
 import torch
 from transformers import GPT2LMHeadModel, TrainerCallback
 
 import resumable
 from resumable.commit import step_dir
-from tests.integrations.hf_job import digest, make_trainer, tiny_gpt2
+
+from .hf_job import digest, make_trainer, tiny_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "transformers_gpt2.py"
@@ -98,7 +97,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(
     trainer = make_trainer(tmp_path, steps=10, persist="sync")
     with caplog.at_level(logging.WARNING):
         trainer.train()
-    skipped = [r for r in caplog.records if r.levelno == logging.WARNING and step_dir(6) in r.msg % r.args]
+    skipped = [
+        r for r in caplog.records if r.levelno == logging.WARNING and step_dir(6) in r.msg % r.args
+    ]
     assert skipped, [r.getMessage() for r in caplog.records]
     assert digest(trainer) == reference[0]  # resumed from step 3, lost nothing else
 
@@ -172,10 +173,7 @@ def run_until(cmd: list[str], step: int, sig: signal.Signals, pause: float = 0.0
     try:
         for line in proc.stdout:
             if line.startswith("step ") and int(line.split()[1]) >= step:
-                if pause:
-                    import time
-
-                    time.sleep(pause)
+                time.sleep(pause)
                 proc.send_signal(sig)
                 break
         proc.stdout.read()
@@ -206,6 +204,7 @@ def test_sigkilled_twice_ends_bit_identical(tmp_path: Path, example_reference: s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_sigkilled_at_random_moments_ends_bit_identical(
     tmp_path: Path, example_reference: str
 ) -> None:

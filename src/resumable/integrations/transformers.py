@@ -147,7 +147,7 @@ class ResumableTrainer(Trainer):
         self,
         *args: Any,
         checkpoint_dir: str | os.PathLike[str] | None = None,
-        keep: Keep | None | str = "from_args",
+        keep: Keep | str | None = "from_args",
         memory_every: Every | None = None,
         preemption: Preemption | None = None,
         persist: str = "auto",
@@ -164,8 +164,10 @@ class ResumableTrainer(Trainer):
                 "or FSDP their engine owns that state. Use the plain Trainer there, or train "
                 "without DeepSpeed/FSDP"
             )
-        root = checkpoint_dir if checkpoint_dir is not None else os.path.join(
-            self.args.output_dir, "resumable"
+        root = (
+            checkpoint_dir
+            if checkpoint_dir is not None
+            else os.path.join(self.args.output_dir or ".", "resumable")
         )
         self.checkpoint_dir = os.fspath(root)
         if keep == "from_args":
@@ -203,12 +205,16 @@ class ResumableTrainer(Trainer):
         return self.optimizer.state_dict() if self.optimizer is not None else {}
 
     def _load_optimizer(self, sd: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise CheckpointError("the Trainer has no optimizer to load the checkpoint into")
         self.optimizer.load_state_dict(sd)
 
     def _scheduler_state(self) -> dict[str, Any]:
         return self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {}
 
     def _load_scheduler(self, sd: dict[str, Any]) -> None:
+        if self.lr_scheduler is None:
+            raise CheckpointError("the Trainer has no LR scheduler to load the checkpoint into")
         self.lr_scheduler.load_state_dict(sd)
 
     def _scaler(self) -> Any:
@@ -288,7 +294,7 @@ class ResumableTrainer(Trainer):
         trial: Any,
     ) -> tuple[int, int]:
         if resume_from_checkpoint != self._marker:
-            return super()._init_training_state(  # type: ignore[no-any-return]
+            return super()._init_training_state(
                 max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial
             )
         saved = self._slots["trainer"].pending
@@ -349,7 +355,7 @@ class ResumableTrainer(Trainer):
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
         self._eval_metrics = {"step": self.state.global_step, **metrics}
-        return super()._determine_best_metric(metrics, trial)  # type: ignore[no-any-return]
+        return super()._determine_best_metric(metrics, trial)
 
     def _metrics_now(self) -> dict[str, float]:
         """This step's evaluation metrics (for ``Keep(best=...)``), if it evaluated."""
@@ -377,13 +383,14 @@ class ResumableTrainer(Trainer):
             and (best == step or best in ckpt.steps())
         ):
             self.state.best_model_checkpoint = self.step_location(best)
+        stateful: Any = self.state.stateful_callbacks or {}
         for cb in [*self.callback_handler.callbacks, self.control]:
             if isinstance(cb, ExportableState):
                 name = cb.__class__.__name__
-                if isinstance(self.state.stateful_callbacks[name], list):
-                    self.state.stateful_callbacks[name].append(cb.state())
+                if isinstance(stateful[name], list):
+                    stateful[name].append(cb.state())
                 else:
-                    self.state.stateful_callbacks[name] = cb.state()
+                    stateful[name] = cb.state()
         ckpt.save(step, metrics=self._metrics_now())
         self._boundary = step
 
