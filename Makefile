@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-dev
-DEV_EXTRAS := test,demo,s3
+DEV_EXTRAS := test,demo,s3,transformers
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
