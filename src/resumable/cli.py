@@ -59,7 +59,7 @@ from resumable.format import (
 )
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
-from resumable.retention import apply_retention, pinned_steps
+from resumable.retention import PINS_DIR, apply_retention, pinned_steps
 from resumable.storage import LocalStorage, Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -89,13 +89,18 @@ def _console() -> Console:
 
 
 def _open(url: str) -> Storage:
-    """The storage of ``url``; a local directory must already exist."""
+    """The storage of ``url``; a local directory must already exist. Any other root is
+    listed once here, so that an unreachable server, a missing bucket or missing
+    credentials is reported against the root the user named, not against a file
+    inside it that the command happened to read first."""
     storage = open_storage(url)
     if isinstance(storage, LocalStorage):
         if not storage.root.exists():
             raise NoCheckpointError(f"no checkpoint directory at {storage.root}")
         if not storage.root.is_dir():
             raise NoCheckpointError(f"{storage.root} is not a directory")
+    else:
+        storage.list_dir("")
     return storage
 
 
@@ -143,6 +148,12 @@ def _stored_bytes(storage: Storage, path: str) -> int | None:
     except (CheckpointError, OSError):
         return None
     return total
+
+
+def _declared_bytes(manifest: dict[str, Any]) -> int:
+    """A checkpoint's size as ``ls``, ``show`` and ``verify`` report it: the bytes of
+    its data files, as its manifest declares them."""
+    return sum(int(f["size"]) for f in manifest["files"].values())
 
 
 def _newest(storage: Storage) -> int:
@@ -226,6 +237,7 @@ def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -
     reader = CheckpointReader(storage, step)
     try:
         manifest = reader.manifest
+        row["bytes"] = _declared_bytes(manifest)
         row["created_unix"] = manifest.get("created")
         row["created"] = _iso_time(manifest.get("created"))
         row["metrics"] = manifest["metrics"]
@@ -311,6 +323,19 @@ def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _restore_pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row ``Checkpointer.restore()`` (``tier="auto"``) would load: the newest
+    complete memory snapshot if it is at least as new as every committed checkpoint,
+    else the newest committed checkpoint that checks out (corrupt ones are skipped)."""
+    committed = [r for r in rows if r["status"] in ("committed", "corrupt")]
+    valid = [r for r in committed if r["status"] == "committed"]
+    newest_step = max((r["step"] for r in committed), default=-1)
+    memory = [r for r in rows if r["status"] == "memory" and r["step"] >= newest_step]
+    if memory:
+        return max(memory, key=lambda r: r["step"])
+    return max(valid, key=lambda r: r["step"]) if valid else None
+
+
 def run_ls(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     pinned = pinned_steps(storage)
@@ -318,6 +343,9 @@ def run_ls(args: argparse.Namespace) -> int:
     rows += _incomplete_rows(storage, pinned)
     rows += _memory_rows(storage, Path(args.shm_dir))
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
+    picked = _restore_pick(rows)
+    for r in rows:
+        r["restore"] = r is picked
     if args.json:
         _print_json(rows)
         return 0
@@ -332,6 +360,7 @@ def run_ls(args: argparse.Namespace) -> int:
         ("size", "right"),
         ("status", "left"),
         ("pinned", "left"),
+        ("restore", "left"),
         ("metrics", "left"),
     ):
         wraps = col == "metrics"
@@ -349,6 +378,7 @@ def run_ls(args: argparse.Namespace) -> int:
             Text(_human_bytes(r["bytes"])),
             Text(r["status"], style=styles.get(r["status"], "")),
             Text("yes" if r["pinned"] else "no"),
+            Text("<-" if r["restore"] else ""),
             Text(_metrics_text(r["metrics"])),
         )
     console.print(table)
@@ -471,7 +501,7 @@ def run_show(args: argparse.Namespace) -> int:
         ("host", str(m.get("hostname", "?"))),
         ("world size", str(m.get("world_size", "?"))),
         ("metrics", _metrics_text(m["metrics"]) or "-"),
-        ("files", f"{len(files)} ({_human_bytes(sum(f['size'] for f in files.values()))})"),
+        ("files", f"{len(files)} ({_human_bytes(_declared_bytes(m))})"),
         ("tensors", str(len(index))),
     ]
     width = max(len(k) for k, _ in summary)
@@ -542,6 +572,11 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", required=True, help="top-level state key to export, e.g. model")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="export the newest checkpoint or fail; never fall back to an older one",
+    )
 
 
 def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, str]]:
@@ -655,9 +690,17 @@ def run_export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, f"directory {out.parent} of --out does not exist")
     storage = _open(args.dir)
-    if args.step is not None:
-        step = _require_step(storage, args.step)
-        count, nbytes = _export(storage, step, args.key, out)
+    if args.step is not None or args.exact:
+        step = _newest(storage) if args.step is None else _require_step(storage, args.step)
+        try:
+            count, nbytes = _export(storage, step, args.key, out)
+        except CorruptCheckpointError as exc:
+            if args.step is not None:
+                raise
+            raise CorruptCheckpointError(
+                f"{exc}; --exact does not fall back to an older checkpoint (leave it out to "
+                "export the newest valid one)"
+            ) from exc
     else:
         candidates = list(reversed(list_committed(storage)))
         if not candidates:
@@ -717,6 +760,45 @@ def run_prune(args: argparse.Namespace) -> int:
             + (", ".join(str(s) for s in kept) or "none")
         )
     )
+    return 0
+
+
+# --------------------------------------------------------------------------- pin, unpin
+
+
+def _pin_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument("step", metavar="STEP", type=_step_arg, help="step of the checkpoint")
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    """Exempt a committed checkpoint from retention (``prune`` and the training job's
+    ``keep``), as `Checkpointer.pin` does; recorded in the audit log."""
+    storage = _open(args.dir)
+    step = _require_step(storage, args.step)
+    name = step_dir(step)
+    if step in pinned_steps(storage):
+        _console().print(Text(f"{name} was already pinned"))
+        return 0
+    storage.write(f"{PINS_DIR}/{name}", [b""])
+    AuditLog(storage).record("pin", step=step, by="cli")
+    _console().print(Text(f"pinned {name}: retention will not delete it"))
+    return 0
+
+
+def run_unpin(args: argparse.Namespace) -> int:
+    """Let retention delete a pinned checkpoint again; an error if it is not pinned."""
+    storage = _open(args.dir)
+    pinned = pinned_steps(storage)
+    name = step_dir(args.step)
+    if args.step not in pinned:
+        listed = ", ".join(str(s) for s in sorted(pinned)) or "none"
+        raise CheckpointError(
+            f"step {args.step} is not pinned in {storage.url}; pinned steps: {listed}"
+        )
+    storage.delete(f"{PINS_DIR}/{name}")
+    AuditLog(storage).record("unpin", step=args.step, by="cli")
+    _console().print(Text(f"unpinned {name}: retention may delete it"))
     return 0
 
 
@@ -804,6 +886,8 @@ COMMANDS: dict[str, Command] = {
         "export one state key as a plain safetensors state dict", _export_arguments, run_export
     ),
     "prune": Command("delete old checkpoints by retention", _prune_arguments, run_prune),
+    "pin": Command("exempt a checkpoint from retention", _pin_arguments, run_pin),
+    "unpin": Command("let retention delete a pinned checkpoint again", _pin_arguments, run_unpin),
     "log": Command("print the audit log (JSON lines, oldest first)", _log_arguments, run_log),
     "shm": Command("list (or --clean) shared-memory snapshot segments", _shm_arguments, run_shm),
     "demo": Command(
