@@ -833,28 +833,89 @@ def _shm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clean",
         action="store_true",
-        help="remove segments that no process holds (whatever owner pid they record)",
+        help="remove segments that no process holds (whatever owner pid they record), "
+        "except those holding progress their checkpoint root has not committed",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --clean: remove those too, losing that progress",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+@dataclass(frozen=True)
+class _RootState:
+    """What ``resumable shm`` learned of a slot's checkpoint root: its newest committed
+    step (None: none), or why it could not tell (``unknown``)."""
+
+    newest: int | None = None
+    unknown: str | None = None
+
+
+def _root_state(root: str | None) -> _RootState:
+    """The newest commit of a local checkpoint root. Other roots are not contacted (a
+    cleanup on one host should not wait on an object store's retries)."""
+    if root is None:
+        return _RootState(unknown="the slot does not record its root (an older version wrote it)")
+    try:
+        storage = open_storage(root)
+    except CheckpointError as exc:
+        return _RootState(unknown=str(exc))
+    if not isinstance(storage, LocalStorage):
+        return _RootState(unknown=f"{root} is not a local directory; not checked")
+    if not storage.root.is_dir():
+        return _RootState()  # the directory is gone: nothing of it is committed
+    try:
+        steps = list_committed(storage)
+    except (CheckpointError, OSError) as exc:
+        return _RootState(unknown=f"cannot list {root}: {_one_line(exc)}")
+    return _RootState(newest=steps[-1] if steps else None)
+
+
+def _unsaved(step: int | None, state: _RootState) -> bool | None:
+    """Whether a slot's snapshot is newer than everything its root committed (None:
+    cannot tell); a slot without a complete snapshot holds nothing to lose."""
+    if step is None:
+        return False
+    if state.unknown is not None:
+        return None
+    return state.newest is None or step > state.newest
 
 
 def run_shm(args: argparse.Namespace) -> int:
     from resumable.shm import list_segments, remove_dead_segments
 
+    if args.force and not args.clean:
+        raise ValueError("--force only applies to --clean")
     directory = Path(args.shm_dir)
     segments = list(list_segments(directory))
-    removed = {str(p) for p in remove_dead_segments(directory)} if args.clean else set()
-    rows: list[dict[str, Any]] = [
-        {
-            "path": str(seg.path),
-            "bytes": seg.size,
-            "owner_pid": seg.owner_pid,
-            "in_use": seg.in_use,
-            "step": seg.step,
-            "removed": str(seg.path) in removed,
-        }
-        for seg in segments
-    ]
+    roots = {seg.root: _root_state(seg.root) for seg in segments}
+    rows: list[dict[str, Any]] = []
+    for seg in segments:
+        state = roots[seg.root]
+        rows.append(
+            {
+                "path": str(seg.path),
+                "bytes": seg.size,
+                "owner_pid": seg.owner_pid,
+                "in_use": seg.in_use,
+                "step": seg.step,
+                "root": seg.root,
+                "newest_commit": state.newest,
+                "unsaved": _unsaved(seg.step, state),
+                "unknown": state.unknown,
+                "removed": False,
+                "kept": False,
+            }
+        )
+    if args.clean:
+        at_risk = {Path(r["path"]) for r in rows if r["unsaved"] is not False}
+        spare = set() if args.force else at_risk
+        removed = {str(p) for p in remove_dead_segments(directory, spare=spare)}
+        for r in rows:
+            r["removed"] = r["path"] in removed
+            r["kept"] = Path(r["path"]) in spare and not r["in_use"]
     if args.json:
         _print_json(rows)
         return 0
@@ -863,19 +924,48 @@ def run_shm(args: argparse.Namespace) -> int:
         console.print(Text(f"no resumable shared-memory segments of this user in {directory}"))
         return 0
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("segment", "size", "owner", "step", "state"):
+    for col in ("segment", "size", "owner", "step", "root", "committed", "unsaved", "state"):
         table.add_column(col, no_wrap=True)
     for r in rows:
-        state = "removed" if r["removed"] else ("in use" if r["in_use"] else "orphaned")
+        if r["removed"]:
+            label = "removed"
+        elif r["kept"]:
+            label = "kept"
+        else:
+            label = "in use" if r["in_use"] else "orphaned"
         table.add_row(
             Text(r["path"]),
             Text(_human_bytes(r["bytes"])),
             Text(str(r["owner_pid"])),
             Text("-" if r["step"] is None else str(r["step"])),
-            Text(state),
+            Text(r["root"] or "?"),
+            Text("-" if r["newest_commit"] is None else str(r["newest_commit"])),
+            Text({True: "yes", False: "no", None: "?"}[r["unsaved"]]),
+            Text(label),
         )
     console.print(table)
+    for r in rows:
+        if r["unsaved"] is False or r["in_use"]:
+            continue
+        loss = _loss_text(r)
+        if r["kept"]:
+            console.print(Text(f"kept {r['path']}: {loss}; `--clean --force` removes it"))
+        elif r["removed"]:
+            console.print(Text(f"removed {r['path']}: lost {loss}"))
+        elif not args.clean:
+            console.print(Text(f"{r['path']}: {loss}; `--clean` keeps it unless --force"))
     return 0
+
+
+def _loss_text(row: dict[str, Any]) -> str:
+    """What removing a slot loses, for people: its step and how it compares with its
+    root's newest commit."""
+    step, root = row["step"], row["root"] or "its root"
+    if row["unsaved"] is None:
+        return f"step {step}, maybe never committed to {root} ({row['unknown']})"
+    newest = row["newest_commit"]
+    since = "nothing committed there" if newest is None else f"newest commit: step {newest}"
+    return f"step {step} of {root}, held nowhere else ({since})"
 
 
 COMMANDS: dict[str, Command] = {
