@@ -153,3 +153,43 @@ def test_persist_worker_does_not_hold_the_trainers_stdout(
     worker_stdout = os.readlink(f"/proc/{worker}/fd/1")
     assert worker_stdout != info["stdout"], "the persist worker holds the trainer's stdout"
     assert worker_stdout == os.devnull
+
+
+WATCHED = """
+import os, socket, sys, time
+from resumable import worker
+
+use_pidfd, result = sys.argv[1] == "pidfd", sys.argv[2]
+if not use_pidfd:
+    del os.pidfd_open  # as on a kernel or platform without pidfds
+here, there = socket.socketpair()  # a channel that never gets EOF: both ends stay open
+trainer = os.getpid()
+if os.fork() == 0:  # the worker: watches the process that forked it
+    watch = worker.TrainerWatch(trainer)
+    worker.TrainerWatch.POLL_S = 0.05
+    readable = watch.wait(here)
+    with open(result + ".tmp", "w") as f:
+        f.write(f"{readable} {watch._pidfd is not None}")
+    os.rename(result + ".tmp", result)
+    os._exit(0)
+time.sleep(0.5)  # the trainer dies with the channel still open
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["pidfd", "getppid"])
+def test_trainer_watch_sees_its_trainer_die_without_an_eof(tmp_path: Path, how: str) -> None:
+    if how == "pidfd" and not hasattr(os, "pidfd_open"):
+        pytest.skip("no os.pidfd_open here")
+    result = tmp_path / "result"
+    done = subprocess.run(
+        [sys.executable, "-c", WATCHED, how, str(result)],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0
+    end = time.monotonic() + 60
+    while not result.exists() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert result.read_text() == f"False {how == 'pidfd'}"
