@@ -169,7 +169,7 @@ if os.fork() == 0:  # the worker: watches the process that forked it
     worker.TrainerWatch.POLL_S = 0.05
     readable = watch.wait(here)
     with open(result + ".tmp", "w") as f:
-        f.write(f"{readable} {watch._pidfd is not None}")
+        f.write(f"{readable} {watch.uses_pidfd}")
     os.rename(result + ".tmp", result)
     os._exit(0)
 time.sleep(0.5)  # the trainer dies with the channel still open

@@ -410,6 +410,11 @@ class TrainerWatch:
         if self._pidfd is not None and self.gone():
             self.close()
 
+    @property
+    def uses_pidfd(self) -> bool:
+        """Whether it sleeps on a pidfd (else it polls ``getppid``)."""
+        return self._pidfd is not None
+
     def gone(self) -> bool:
         return bool(self.trainer_pid) and os.getppid() != self.trainer_pid
 
