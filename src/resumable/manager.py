@@ -226,6 +226,7 @@ class Checkpointer:
                 run_key_for(self.storage.location),
                 rank=self.rank,
                 shm_dir=Path(shm_dir) if shm_dir is not None else None,
+                root=self.storage.url,
             )
             for path in remove_dead_segments(self._shm.shm_dir, older_than_s=STALE_SHM_S):
                 log.info("removed shared-memory snapshot %s left by a dead run", path)

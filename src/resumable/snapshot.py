@@ -35,6 +35,7 @@ from resumable.errors import CheckpointError, StorageError
 from resumable.format import TensorSlot, byte_view, plan_layout
 from resumable.shm import (
     PREFIX,
+    ROOT_KEY,
     SHM_DIR,
     ShmSlot,
     SlotContent,
@@ -177,11 +178,18 @@ class ShmArena:
     fresh `fallback_dir` if that cannot be trusted; a slot that cannot be created where
     it should moves to a fallback directory too, so a file in the way costs the run the
     adoption of that slot, never the run.
+
+    ``root`` (the checkpoint root's URL) is recorded in every snapshot's metadata, so
+    that ``resumable shm`` can tell whose progress a slot holds and whether that root
+    has committed it; slots written before it was recorded simply lack it.
     """
 
-    def __init__(self, key: str, *, rank: int = 0, shm_dir: Path | None = None) -> None:
+    def __init__(
+        self, key: str, *, rank: int = 0, shm_dir: Path | None = None, root: str | None = None
+    ) -> None:
         self.shm_dir = shm_dir or SHM_DIR
         self._key, self._rank = key, rank
+        self.root = root
         self._held: list[int] = []  # locks on the fallback directories in use
         self.directory = own_dir(self.shm_dir) or self._fallback()
         self.paths = slot_paths(key, rank, self.directory)
@@ -258,6 +266,8 @@ class ShmArena:
         if both slots are locked by the persist worker."""
         layout = plan_layout(tensors)
         meta = {**meta, "layout": layout_meta(layout)}
+        if self.root is not None:
+            meta[ROOT_KEY] = self.root
         blob_len = len(json.dumps(meta, separators=(",", ":")))
         nbytes = layout[-1].end if layout else 0
         index = self._choose()
