@@ -76,6 +76,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return line
 
 
+@pytest.mark.timeout(1200)  # 25 launches: a hang guard, generous on a loaded machine
 def test_twenty_random_sigkills_end_bit_identical(reference: str, tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("RESUMABLE_CAMPAIGN_SEED", "20261122")))
     kills = []
