@@ -10,12 +10,14 @@ CLI, clear errors, and the demo killed with SIGKILL resuming bit for bit.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import random
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +153,25 @@ def save_with_marker(storage: Storage, step: int, state: dict[str, Any]) -> Pers
 WRITERS = 8
 
 
+def race(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``fns`` in threads; each result is a return value or the exception raised."""
+    results: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a committer hung"
+    return results
+
+
 def test_eight_writers_racing_on_one_step_have_exactly_one_winner(cloud: Cloud) -> None:
     url = cloud.url()
     storages = [cloud.storage(url) for _ in range(WRITERS)]  # a client each
@@ -162,22 +183,14 @@ def test_eight_writers_racing_on_one_step_have_exactly_one_winner(cloud: Cloud) 
             {"w": torch.arange(4096, dtype=torch.float32) * (w + 1) + step, "writer": w}
             for w in range(WRITERS)
         ]
-        results: list[Any] = [None] * WRITERS
-
-        def run(w: int, step: int = step, barrier: threading.Barrier = barrier) -> None:
-            try:
-                results[w] = save_with_marker(
-                    BarrierStorage(storages[w], barrier), step, states[w]
+        results = race(
+            [
+                functools.partial(
+                    save_with_marker, BarrierStorage(storages[w], barrier), step, states[w]
                 )
-            except BaseException as exc:
-                results[w] = exc
-
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(WRITERS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-            assert not t.is_alive(), "a committer hung"
+                for w in range(WRITERS)
+            ]
+        )
 
         won = [w for w, r in enumerate(results) if isinstance(r, PersistResult)]
         lost = [r for r in results if not isinstance(r, PersistResult)]
@@ -237,9 +250,7 @@ def test_storage_options_go_to_the_client(cloud: Cloud, small_training_state: An
     assert torch.equal(out["big"], big["big"])
 
 
-def test_mirror_on_object_storage(
-    cloud: Cloud, tmp_path: Path, small_training_state: Any
-) -> None:
+def test_mirror_on_object_storage(cloud: Cloud, tmp_path: Path, small_training_state: Any) -> None:
     """Local first, mirrored; a new node with an empty disk restores from the mirror."""
     mirror = cloud.url("mirror")
     ts = small_training_state()
@@ -268,7 +279,7 @@ def test_missing_object_and_bad_input(cloud: Cloud) -> None:
     storage = open_storage(cloud.url())
     with pytest.raises(NoCheckpointError):
         storage.read("step-000000000001/manifest.json")
-    with pytest.raises(CheckpointError, match="unknown .* storage option"):
+    with pytest.raises(CheckpointError, match=r"unknown .* storage option"):
         open_storage(cloud.url(), {"endpont_url": "http://x"})
     with pytest.raises(CheckpointError, match="invalid object storage URL"):
         open_storage(f"{cloud.scheme}://Bad_Bucket!/x")
