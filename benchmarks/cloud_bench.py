@@ -188,7 +188,13 @@ def _s3_clients(workdir: Path, size_mb: float, reps: int, log: Log) -> dict[str,
             reps,
         )
         boto.close()
-    res = {k: _entry(v, len(raw)) for k, v in {**ups, **downs}.items()}
+    import aiobotocore
+    import boto3
+
+    res: dict[str, Any] = {k: _entry(v, len(raw)) for k, v in {**ups, **downs}.items()}
+    res["versions"] = f"boto3 {boto3.__version__}, s3fs {s3fs.__version__}, " + (
+        f"aiobotocore {aiobotocore.__version__}"
+    )
     res["s3fs_vs_boto3_write"] = round(
         res["boto3_write"]["median_s"] / res["s3fs_pipe_file"]["median_s"], 2
     )
@@ -285,6 +291,8 @@ def render(result: dict[str, Any]) -> str:
         ]
     r = result.get("s3_clients", {})
     lines += ["**S3 clients on SeaweedFS (same bytes, 16 MiB parts, 4 in flight)**", ""]
+    if "versions" in r:
+        lines += [f"{r['versions']} (both clients on one botocore, in `.venv-s3fs`).", ""]
     if "error" in r:
         lines += [f"failed: `{r['error']}`", ""]
     else:

@@ -52,8 +52,8 @@ def open_storage(
         return FsspecStorage(text, **dict(storage_options or {}))
     if storage_options:
         raise CheckpointError(
-            f"storage_options {sorted(storage_options)} apply to object storage URLs "
-            f"(s3://, gs://, az://, abfs://) only, not {text!r}"
+            f"storage_options {sorted(storage_options)} apply to object storage URLs only "
+            f"(s3://, gs://, az://, abfs://), not {text!r}"
         )
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and os.name == "nt"):
         return LocalStorage(parsed.path if parsed.scheme == "file" else text)
