@@ -305,6 +305,30 @@ def test_azure_without_a_server_fails_in_bounded_attempts(tmp_path: Path) -> Non
         storage.write("x.bin", [b"x"])
 
 
+@pytest.mark.slow
+def test_gcs_without_a_server_fails_in_bounded_time() -> None:
+    """gcsfs makes six tries with backoff (about 34 s), fixed by the library."""
+    from s3server import free_ports
+
+    (port,) = free_ports(1)
+    storage = open_storage("gs://bucket/run", {"endpoint_url": f"http://127.0.0.1:{port}"})
+    with pytest.raises(StorageError, match="check the endpoint and the network"):
+        storage.write("x.bin", [b"x"])
+
+
+def test_abfs_urls_name_the_same_blobs_as_az(azure_env: AzuriteServer) -> None:
+    container = azure_env.new_bucket("abfs")
+    open_storage(f"az://{container}/run").write("d/f.bin", [b"via az"])
+
+    via_abfs = open_storage(f"abfs://{container}/run")
+    assert via_abfs.url == f"abfs://{container}/run"
+    assert via_abfs.read("d/f.bin") == b"via az"
+    assert via_abfs.list_dir("") == ["d"]
+    # The account may be named in the URL (adlfs's form); here it matches the server's.
+    in_url = open_storage(f"abfs://{container}@devstoreaccount1.dfs.core.windows.net/run")
+    assert in_url.read("d/f.bin") == b"via az"
+
+
 def test_hdfs_is_refused_with_the_reason() -> None:
     with pytest.raises(CheckpointError, match="HDFS is not supported"):
         open_storage("hdfs://namenode/run")
