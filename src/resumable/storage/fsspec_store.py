@@ -380,9 +380,37 @@ class FsspecStorage(Storage):
         return int(info["size"])
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if 0 < length <= self.part_size:  # one request, its bytes returned as they come
+            parts = self._ranges(path, [offset], [offset + length])
+            if len(parts) == 1 and len(parts[0]) == length:
+                return bytes(parts[0])
+            raise self._truncated(path, offset, length)
         buf = bytearray(length)
         self.read_into(path, offset, memoryview(buf))
         return bytes(buf)
+
+    def _ranges(self, path: str, starts: list[int], ends: list[int]) -> list[bytes]:
+        """The byte ranges ``[starts[i], ends[i])`` of ``path``, fetched concurrently; a
+        range starting past the end gives ``[]`` (the caller reports the truncation)."""
+        try:
+            parts: list[bytes] = self.fs.cat_ranges(
+                [self._object_key(path)] * len(starts),
+                starts,
+                ends,
+                on_error="raise",
+                batch_size=self.max_concurrency,
+            )
+        except Exception as exc:
+            if _status(exc) != 416 and "InvalidRange" not in str(exc):
+                raise self._error("read", path, exc) from exc
+            return []
+        return parts
+
+    def _truncated(self, path: str, offset: int, length: int) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.url}/{path} is truncated: wanted bytes [{offset}, "
+            f"{offset + length}), the object ends before"
+        )
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``path``: ranges of
@@ -392,32 +420,17 @@ class FsspecStorage(Storage):
         if length == 0:
             self.size(path)  # still an error if missing
             return
-        key = self._object_key(path)
         starts = list(range(offset, offset + length, self.part_size))
-        ends = [min(s + self.part_size, offset + length) for s in starts]
-        try:
-            parts = self.fs.cat_ranges(
-                [key] * len(starts),
-                starts,
-                ends,
-                on_error="raise",
-                batch_size=self.max_concurrency,
-            )
-        except Exception as exc:
-            if _status(exc) != 416 and "InvalidRange" not in str(exc):
-                raise self._error("read", path, exc) from exc
-            parts = []  # a range starts past the end: reported below
+        ends = [min(st + self.part_size, offset + length) for st in starts]
+        parts = self._ranges(path, starts, ends)
         got = 0
-        for s, e, part in zip(starts, ends, parts):
-            if len(part) != e - s:
+        for st, e, part in zip(starts, ends, parts):
+            if len(part) != e - st:
                 break
-            out[s - offset : e - offset] = part
+            out[st - offset : e - offset] = part
             got += 1
         if got != len(starts):
-            raise CorruptCheckpointError(
-                f"{self.url}/{path} is truncated: wanted bytes [{offset}, "
-                f"{offset + length}), the object ends before"
-            )
+            raise self._truncated(path, offset, length)
 
     def list_dir(self, path: str = "") -> list[str]:
         base = self._key(path)
