@@ -392,9 +392,10 @@ class FsspecStorage(Storage):
     def _ranges(self, path: str, starts: list[int], ends: list[int]) -> list[bytes]:
         """The byte ranges ``[starts[i], ends[i])`` of ``path``, fetched concurrently; a
         range starting past the end gives ``[]`` (the caller reports the truncation)."""
+        key = self._object_key(path)  # a hostile name is refused before any request
         try:
             parts: list[bytes] = self.fs.cat_ranges(
-                [self._object_key(path)] * len(starts),
+                [key] * len(starts),
                 starts,
                 ends,
                 on_error="raise",
