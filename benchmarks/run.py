@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import cloud_bench  # noqa: E402
 import dist_bench  # noqa: E402
 import floors  # noqa: E402
 import peers  # noqa: E402
@@ -362,6 +363,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--s3-part-mb", type=int, default=16, help="s3 multipart part size, MiB (16)")
     ap.add_argument("--s3-concurrency", type=int, default=4, help="s3 parts in flight (4)")
+    ap.add_argument("--no-cloud", action="store_true", help="skip gs://, az://, s3fs-vs-boto3")
+    ap.add_argument(
+        "--cloud-size-mb", type=float, default=None, help="cloud state, MiB (128; --quick: 32)"
+    )
     ap.add_argument("--no-dist", action="store_true", help="skip the several-ranks phase")
     ap.add_argument(
         "--dist-size-mb",
@@ -505,6 +510,17 @@ def main(argv: list[str] | None = None) -> int:
         if got is not None:
             out["s3"] = got
 
+    if args.no_cloud:
+        out["cloud"] = {"error": "skipped (--no-cloud)"}
+    else:
+        log("cloud storage (fake-gcs-server, Azurite; boto3 beside s3fs)")
+        size = args.cloud_size_mb or (32.0 if args.quick else 128.0)
+        got = guarded(
+            out, "cloud", lambda: cloud_bench.run_phase(work / "cloud", size, args.reps, log)
+        )
+        if got is not None:
+            out["cloud"] = got
+
     if args.no_dist:
         out["dist"] = {"error": "skipped (--no-dist)"}
     else:
@@ -528,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {path}")
     report.write_report(path, args.docs)
     log(f"regenerated {args.docs} ({out['wall_s']} s)")
+    if "gcs" in out.get("cloud", {}):
+        cloud = {**out["cloud"], "file": path.name, "machine": cloud_bench.machine()}
+        cloud_bench.write_doc(cloud)
+        log(f"regenerated {cloud_bench.DOC}")
     if not args.keep_bench_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -27,7 +27,7 @@ from torch import nn
 
 import resumable
 
-pytest_plugins = ("s3server",)  # the SeaweedFS fixtures: seaweedfs, s3_bucket, s3_env
+pytest_plugins = ("s3server", "cloudservers")  # SeaweedFS (S3), fake-gcs-server, Azurite
 
 DATA_FILE = "rank-00000.safetensors"
 MANIFEST_FILE = "manifest.json"

@@ -122,7 +122,7 @@ def test_bad_options_and_missing_bucket_are_clear_errors(seaweedfs: Any) -> None
         open_storage("s3://bucket/x", {"part_size": 1024})
     with pytest.raises(CheckpointError, match="invalid S3 URL"):
         open_storage("s3://Not_A_Bucket/x")
-    with pytest.raises(CheckpointError, match="apply to s3:// URLs only"):
+    with pytest.raises(CheckpointError, match="apply to object storage URLs only"):
         open_storage("/tmp/x", {"part_size": 1 << 23})
     storage = open_storage("s3://no-such-bucket-here/x", options(seaweedfs))
     # AWS answers NoSuchBucket ("does not exist"); SeaweedFS answers AccessDenied.

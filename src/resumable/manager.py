@@ -70,7 +70,7 @@ from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR
 from resumable.shm import remove_dead_segments, run_key_for, shm_free_bytes
 from resumable.snapshot import Arena, MemorySnapshot, ShmArena, Snapshot
-from resumable.storage import MemoryStorage, Storage, open_storage
+from resumable.storage import OBJECT_SCHEMES, MemoryStorage, Storage, open_storage
 from resumable.worker import JobRunner, PersistWorker
 
 log = logging.getLogger("resumable")
@@ -1316,8 +1316,9 @@ def _close_all_at_exit() -> None:
 def _options_for(
     url: str | os.PathLike[str] | Storage, options: dict[str, Any] | None
 ) -> dict[str, Any] | None:
-    """``storage_options`` apply to the ``s3://`` roots only."""
-    if options and isinstance(url, (str, os.PathLike)) and os.fspath(url).startswith("s3://"):
+    """``storage_options`` apply to the object storage roots only (s3://, gs://, az://)."""
+    remote = tuple(f"{scheme}://" for scheme in OBJECT_SCHEMES)
+    if options and isinstance(url, (str, os.PathLike)) and os.fspath(url).startswith(remote):
         return options
     return None
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from resumable.storage import LocalStorage, MemoryStorage, Storage
+from resumable.storage.fsspec_store import FsspecStorage
 from resumable.storage.s3 import S3Storage
 
 BackendFactory = Callable[[pytest.FixtureRequest, Path], Storage]
@@ -40,16 +41,44 @@ def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     )
 
 
+def _gcs(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    """A fresh prefix in the suite's bucket on the session's fake-gcs-server."""
+    server = request.getfixturevalue("fake_gcs")
+    bucket = request.getfixturevalue("gcs_suite_bucket")
+    url = f"gs://{bucket}/runs/{uuid.uuid4().hex[:12]}"
+    return FsspecStorage(url, **server.options(part_size=5 << 20))
+
+
+def _azure(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    """A fresh prefix in the suite's container on the session's Azurite."""
+    server = request.getfixturevalue("azurite")
+    bucket = request.getfixturevalue("azure_suite_bucket")
+    url = f"az://{bucket}/runs/{uuid.uuid4().hex[:12]}"
+    return FsspecStorage(url, **server.options(part_size=5 << 20, max_attempts=2))
+
+
 BACKENDS: dict[str, BackendFactory] = {
     "local": lambda request, tmp_path: LocalStorage(tmp_path / "root"),
     "memory": lambda request, tmp_path: MemoryStorage(),
     "s3": _s3,
+    "gcs": _gcs,
+    "azure": _azure,
 }
 
 
 @pytest.fixture(scope="session")
 def s3_suite_bucket(seaweedfs: Any) -> str:
     return str(seaweedfs.new_bucket("suite"))
+
+
+@pytest.fixture(scope="session")
+def gcs_suite_bucket(fake_gcs: Any) -> str:
+    return str(fake_gcs.new_bucket("suite"))
+
+
+@pytest.fixture(scope="session")
+def azure_suite_bucket(azurite: Any) -> str:
+    return str(azurite.new_bucket("suite"))
 
 
 @pytest.fixture(params=sorted(BACKENDS))

@@ -3,7 +3,9 @@
 ``open_storage("runs/exp1")`` and ``open_storage("file:///abs/dir")`` give the local
 filesystem backend; ``s3://bucket/prefix`` S3-compatible object storage (boto3, with
 ``storage_options`` such as ``endpoint_url``, ``part_size``, ``max_concurrency``);
-``memory://name`` an in-process store (tests).
+``gs://bucket/prefix`` Google Cloud Storage and ``az://container/prefix`` (or
+``abfs://``) Azure Blob Storage, both through fsspec (gcsfs, adlfs; see
+`resumable.storage.fsspec_store`); ``memory://name`` an in-process store (tests).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from resumable.storage.base import Storage
 from resumable.storage.local import LocalStorage
 from resumable.storage.memory import MemoryStorage
 
-__all__ = ["LocalStorage", "MemoryStorage", "Storage", "open_storage"]
+__all__ = ["OBJECT_SCHEMES", "LocalStorage", "MemoryStorage", "Storage", "open_storage"]
+
+# The remote schemes; ``storage_options`` apply to these.
+FSSPEC_SCHEMES = ("gs", "gcs", "az", "abfs", "abfss")
+OBJECT_SCHEMES = ("s3", *FSSPEC_SCHEMES)
 
 _memory_stores: dict[str, MemoryStorage] = {}
 _memory_lock = threading.Lock()
@@ -29,8 +35,9 @@ def open_storage(
     url: str | os.PathLike[str] | Storage, storage_options: Mapping[str, Any] | None = None
 ) -> Storage:
     """The backend for ``url``: a path or ``file://`` URL, ``s3://BUCKET/PREFIX``,
-    ``memory://NAME``, or an already-built `Storage` (returned as is).
-    ``storage_options`` go to the backend (only S3 takes any)."""
+    ``gs://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX`` (``abfs://``), ``memory://NAME``,
+    or an already-built `Storage` (returned as is). ``storage_options`` go to the
+    backend (object stores only)."""
     if isinstance(url, Storage):
         return url
     text = os.fspath(url)
@@ -39,9 +46,14 @@ def open_storage(
         from resumable.storage.s3 import S3Storage
 
         return S3Storage(text, **dict(storage_options or {}))
+    if parsed.scheme in FSSPEC_SCHEMES:
+        from resumable.storage.fsspec_store import FsspecStorage
+
+        return FsspecStorage(text, **dict(storage_options or {}))
     if storage_options:
         raise CheckpointError(
-            f"storage_options {sorted(storage_options)} apply to s3:// URLs only, not {text!r}"
+            f"storage_options {sorted(storage_options)} apply to object storage URLs only "
+            f"(s3://, gs://, az://, abfs://), not {text!r}"
         )
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and os.name == "nt"):
         return LocalStorage(parsed.path if parsed.scheme == "file" else text)
@@ -50,5 +62,6 @@ def open_storage(
             return _memory_stores.setdefault(text, MemoryStorage(text))
     raise CheckpointError(
         f"unsupported checkpoint URL scheme {parsed.scheme!r} in {text!r}; "
-        "use a local path, file://, s3://, or memory://"
+        "use a local path, file://, s3://, gs://, az://, abfs://, or memory://. "
+        "HDFS is not supported (docs/cloud-storage.md says why)"
     )
