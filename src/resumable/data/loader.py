@@ -186,6 +186,17 @@ def _refusal(obj: object, arg: str) -> str | None:
     )
 
 
+def _sharded_by(obj: object) -> tuple[int, int] | None:
+    """``(num_replicas, rank)`` of a ``DistributedSampler``-like sampler (or of the sampler
+    inside a batch sampler), None for one that does not shard."""
+    for candidate in (obj, getattr(obj, "sampler", None)):
+        size, rank = getattr(candidate, "num_replicas", None), getattr(candidate, "rank", None)
+        if is_int(size) and is_int(rank):
+            assert isinstance(size, int) and isinstance(rank, int)
+            return size, rank
+    return None
+
+
 class _UserOrder:
     """A user's sampler (``unit`` = 1 index) or batch sampler (``unit`` = 1 batch), wrapped
     so that its next iteration starts at a position. The DataLoader iterates `_Skipping`."""
@@ -443,7 +454,8 @@ class ResumableDataLoader(DataLoader[Any]):
                 raise UnsupportedStateError(f"{_WHAT} cannot resume {why}.")
             assert user is not None
             unit = 1 if batch_sampler is not None else batch_size
-            user_order = _UserOrder(user, kind, unit, world_size, my_rank)
+            user_world, user_rank = _sharded_by(user) or (world_size, my_rank)
+            user_order = _UserOrder(user, kind, unit, user_world, user_rank)
             order = user_order
             if batch_sampler is not None:
                 sampler_args: dict[str, Any] = {"batch_sampler": user_order.skipping}
