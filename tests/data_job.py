@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, Dataset, DistributedSampler
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset
 
 from resumable import Checkpointer
 from resumable.data import ResumableDataLoader
@@ -47,6 +47,32 @@ class IndexDataset(Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         return index
+
+
+class RankStream(IterableDataset[int]):
+    """``range(n)`` in an order drawn from (seed, epoch), each rank reading every
+    world-th entry; tracks its position (``state_dict``) like Hugging Face's iterables."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch, self.offset = n, seed, 0, 0
+        self.resume_at = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 100 + self.epoch)
+        mine = torch.randperm(self.n, generator=g).tolist()[rank() :: dist.get_world_size()]
+        self.offset, self.resume_at = self.resume_at, 0
+        while self.offset < len(mine):
+            self.offset += 1
+            yield mine[self.offset - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resume_at = state["offset"]
 
 
 def own(n: int, batch_size: int, **kw: Any) -> Callable[[], ResumableDataLoader]:
@@ -77,8 +103,10 @@ CONFIGS: dict[str, Callable[[], ResumableDataLoader]] = {
     "workers": own(13, 2, shuffle=True, seed=9, num_workers=2),
     "user-sampler": user_sampler(19, 2),
     "user-batch-sampler": user_batch_sampler(19, 2),
+    "iterable": lambda: ResumableDataLoader(RankStream(20, 4), 2),
 }
-"""Loaders read at every batch boundary; names of the user-sampler ones start with 'user'."""
+"""Loaders read at every batch boundary; those whose state is per-rank ('user...',
+'iterable') carry their rank in it."""
 
 RESIZE: dict[str, Callable[[], ResumableDataLoader]] = {
     "pad": own(50, 2, shuffle=True, seed=11),
@@ -135,7 +163,7 @@ def phase_boundaries(out: Path, report: dict[str, Any], args: list[str]) -> None
             "reference": reference,
             "mismatches": mismatches,
             "states_equal": states_equal,
-            "len": len(make()),
+            "epochs": sorted({e for e, _ in reference}),
         }
 
 

@@ -20,6 +20,7 @@ drawn inside workers from their global RNG is not part of it (see docs/data.md, 
 """
 
 import itertools
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any, Protocol
@@ -48,6 +49,8 @@ from resumable.data.state import check_bool, expect_same, is_int, validated_stat
 from resumable.errors import StateMismatchError, UnsupportedStateError
 
 __all__ = ["ResumableDataLoader"]
+
+log = logging.getLogger(__name__)
 
 _WHAT = "ResumableDataLoader"
 
@@ -298,6 +301,113 @@ class _UserOrder:
         return s["epoch"], s["position"]
 
 
+def _has_state(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+class _IterableOrder:
+    """An ``IterableDataset``: the position is this rank's batches of the epoch.
+
+    With ``state_dict()``/``load_state_dict()`` on the dataset and no worker processes, the
+    dataset's own state is taken when the loader's is (nothing is prefetched then, so it is
+    exactly after the last batch handed out) and loaded before the next pass: nothing is
+    replayed. Otherwise, when the user opted in (``replay_iterable=True``), the pass re-reads
+    and discards the consumed batches, with a WARNING. The dataset shards itself over ranks
+    and workers (``get_worker_info``, ``split_dataset_by_node``), so the position is per rank.
+    """
+
+    per_rank = True
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        drop_last: bool,
+        replay: bool,
+        world_size: int,
+        rank: int,
+    ) -> None:
+        self.dataset = dataset
+        self.world_size = world_size
+        self.rank = rank
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.replay = replay
+        self.pending: Any = None  # the dataset state to load before the next pass
+        self.skip = 0  # batches to re-read and discard at the start of the next pass
+
+    def begin(self, epoch: int, position: int) -> None:
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+        if self.replay:
+            self.skip = position
+        elif position and self.pending is not None:
+            self.dataset.load_state_dict(self.pending)
+        self.pending = None
+
+    def position(self, start: int, batches: int) -> int:
+        return start + batches
+
+    def batches_from(self, position: int) -> int | None:
+        return None
+
+    def state(self, epoch: int, position: int) -> dict[str, Any]:
+        dataset_state = None
+        if not self.replay and position:
+            dataset_state = self.pending if self.pending is not None else self.dataset.state_dict()
+        return {
+            "version": STATE_VERSION,
+            "order": "iterable",
+            "epoch": epoch,
+            "position": position,
+            "dataset_state": dataset_state,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "replay": self.replay,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        spec = {
+            "order": str,
+            "epoch": int,
+            "position": int,
+            "dataset_state": object,
+            "batch_size": int,
+            "drop_last": bool,
+            "replay": bool,
+            "world_size": int,
+            "rank": int,
+        }
+        s = validated_state(state, _WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
+        for key, current in (
+            ("order", "iterable"),
+            ("batch_size", self.batch_size),
+            ("drop_last", self.drop_last),
+            ("replay", self.replay),
+        ):
+            expect_same(_WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
+        for key, current in (("world_size", self.world_size), ("rank", self.rank)):
+            expect_same(
+                _WHAT,
+                key,
+                s[key],
+                current,
+                "A position in an IterableDataset is one rank's own (the dataset shards "
+                "itself); it resumes only at the same world size and rank.",
+            )
+        if not self.replay and s["position"] and s["dataset_state"] is None:
+            raise StateMismatchError(
+                f"{_WHAT} state has position={s['position']} but no dataset_state; the "
+                "checkpoint is damaged."
+            )
+        self.pending = s["dataset_state"]
+        return s["epoch"], s["position"]
+
+
 class _Skipping(Sampler[Any]):
     """Iterates a user's order from ``skip`` on (then resets ``skip`` to 0); ``len`` is what
     is left."""
@@ -376,10 +486,14 @@ class ResumableDataLoader(DataLoader[Any]):
     and calling ``iter`` again continues where the caller stopped. A user's sampler or
     batch sampler gets ``set_epoch(loader.epoch)`` before each pass.
 
+    An ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` resumes from its own
+    state with ``num_workers=0``; with ``replay_iterable=True`` any iterable dataset resumes by
+    re-reading the consumed batches (WARNING with the count), workers or not.
+
     Refused with `UnsupportedStateError` (the message says what to use instead):
     ``generator`` (the loader owns it; use ``seed``), a sampler or batch sampler whose order
-    cannot be recomputed (`_refusal`), ``in_order=False``, ``batch_size=None``, and
-    iterable-style datasets.
+    cannot be recomputed (`_refusal`), ``in_order=False``, ``batch_size=None``, and an
+    ``IterableDataset`` that cannot be resumed as above.
     """
 
     resumable_per_rank = False
@@ -410,6 +524,7 @@ class ResumableDataLoader(DataLoader[Any]):
         num_replicas: int | None = None,
         rank: int | None = None,
         shard_end: ShardEnd = "pad",
+        replay_iterable: bool = False,
     ) -> None:
         if generator is not None:
             raise UnsupportedStateError(
@@ -422,12 +537,6 @@ class ResumableDataLoader(DataLoader[Any]):
                 f"{_WHAT} does not support in_order=False: batch order would depend on "
                 "worker timing and could not be resumed. Use in_order=True."
             )
-        if isinstance(dataset, IterableDataset):
-            raise UnsupportedStateError(
-                f"{_WHAT} needs a map-style dataset (__getitem__ and __len__); "
-                f"{type(dataset).__name__} is an IterableDataset, whose position cannot be "
-                "resumed without replaying it."
-            )
         if batch_size is None:
             raise UnsupportedStateError(
                 f"{_WHAT} does not support batch_size=None (no automatic batching); use "
@@ -436,9 +545,37 @@ class ResumableDataLoader(DataLoader[Any]):
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         check_bool("drop_last", drop_last)
+        check_bool("replay_iterable", replay_iterable)
         world_size, my_rank = world(num_replicas, rank)
         order: _Order
-        if batch_sampler is not None or sampler is not None:
+        if isinstance(dataset, IterableDataset):
+            if sampler is not None or batch_sampler is not None or shuffle:
+                raise ValueError(
+                    "an IterableDataset takes no sampler=, batch_sampler= or shuffle=True (as "
+                    "in DataLoader); it orders and shards itself."
+                )
+            name = type(dataset).__name__
+            if not replay_iterable and not _has_state(dataset):
+                raise UnsupportedStateError(
+                    f"{_WHAT} cannot resume {name}: an IterableDataset without "
+                    "state_dict()/load_state_dict() can only be resumed by re-reading the "
+                    "consumed batches. Give it state_dict()/load_state_dict() (as Hugging Face "
+                    "datasets.IterableDataset and torchdata's nodes have), or pass "
+                    "replay_iterable=True to re-read and discard them on resume."
+                )
+            if not replay_iterable and num_workers > 0:
+                raise UnsupportedStateError(
+                    f"{_WHAT} cannot resume {name} read by num_workers={num_workers} worker "
+                    "processes exactly: its position is in the workers' copies, out of reach. "
+                    "Use num_workers=0, or torchdata's StatefulDataLoader (put it in the "
+                    "Checkpointer's state as it is), or pass replay_iterable=True to re-read "
+                    "and discard the consumed batches on resume."
+                )
+            order = _IterableOrder(
+                dataset, batch_size, drop_last, replay_iterable, world_size, my_rank
+            )
+            sampler_args: dict[str, Any] = {"batch_size": batch_size, "drop_last": drop_last}
+        elif batch_sampler is not None or sampler is not None:
             if shuffle:
                 raise ValueError(
                     "shuffle=True cannot be combined with sampler= or batch_sampler= (as in "
@@ -458,14 +595,13 @@ class ResumableDataLoader(DataLoader[Any]):
             user_order = _UserOrder(user, kind, unit, user_world, user_rank)
             order = user_order
             if batch_sampler is not None:
-                sampler_args: dict[str, Any] = {"batch_sampler": user_order.skipping}
+                sampler_args = {"batch_sampler": user_order.skipping}
             else:
                 sampler_args = {
                     "batch_size": batch_size,
                     "sampler": user_order.skipping,
                     "drop_last": drop_last,
                 }
-            self.resumable_per_rank = True
         else:
             if not isinstance(dataset, Sized):
                 raise UnsupportedStateError(
@@ -483,6 +619,7 @@ class ResumableDataLoader(DataLoader[Any]):
             order = _SeededOrder(own, batch_size, drop_last)
             sampler_args = {"batch_size": batch_size, "sampler": own, "drop_last": drop_last}
         self._order = order
+        self.resumable_per_rank = order.per_rank
         self._seed = seed
         self._shuffle = bool(shuffle)
         self._private_generator = torch.Generator()
@@ -547,10 +684,28 @@ class ResumableDataLoader(DataLoader[Any]):
         self._pass_batches = 0
         self._order.begin(self._epoch, self._pass_start)
         self._private_generator.manual_seed(derive_seed(self._seed, self._epoch, WORKER_STREAM))
-        inner = super().__iter__()
+        inner: Iterator[Any] = super().__iter__()
+        if isinstance(self._order, _IterableOrder) and self._order.skip:
+            inner = self._replayed(inner, self._order.skip)
+            self._order.skip = 0
         iterator = _EpochIterator(self, self._generation, inner)
         self._active = weakref.ref(iterator)
         return iterator
+
+    def _replayed(self, inner: Iterator[Any], batches: int) -> Iterator[Any]:
+        """``inner`` after re-reading and discarding its first ``batches`` batches."""
+        skipped = sum(1 for _ in itertools.islice(inner, batches))
+        log.warning(
+            "%s resumed %s by replay: re-read and discarded %d batch(es) (%d sample(s) at "
+            "batch_size=%d) of epoch %d",
+            _WHAT,
+            type(self.dataset).__name__,
+            skipped,
+            skipped * (self.batch_size or 1),
+            self.batch_size,
+            self._epoch,
+        )
+        return inner
 
     def _next_epoch(self) -> None:
         self._epoch += 1
