@@ -8,6 +8,9 @@ The rank side is `data_job`; four launches share one output folder (`runs`):
 3. world 2: restore what world 4 saved (4->2) and what world 2 saved (2->2);
 4. world 3: restore what world 2 saved (2->3).
 
+And `examples/distributed/train_ddp_data.py` (DDP, dropout, the loader in the checkpoint)
+SIGKILLed at random moments at 2 ranks ends bit-identical to an uninterrupted run.
+
 Expected shards are computed here from the epoch's permutation with the dealing rule of
 ``DistributedSampler`` written out again, not with the library's own sharding code.
 """
@@ -15,6 +18,13 @@ Expected shards are computed here from the epoch's permutation with the dealing 
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -233,3 +243,57 @@ def test_random_streams_need_the_reset_but_the_data_position_does_not(
         assert "'__rng__'" in result["message"] and "'data'" not in result["message"]
         assert result["step"] == data_job.SAVE_AFTER
         assert result["state"]["position"] == source * data_job.SAVE_AFTER * B
+
+
+# --------------------------------------------------------------------------- killed training
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "train_ddp_data.py"
+EXAMPLE_ARGS = ["--epochs", "3", "--samples", "400", "--batch-size", "8", "--save-every", "2"]
+STEPS_PER_EPOCH = 400 // (2 * 8)
+
+
+def killed_after(out: Path, new_steps: int) -> int:
+    """Launch the example at 2 ranks, SIGKILL torchrun and its workers (one process group)
+    once rank 0 has printed ``new_steps`` steps; returns the step it resumed from."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.Popen(
+        [*cmd, str(EXAMPLE), "--dir", str(out), *EXAMPLE_ARGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    watchdog = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
+    resumed, seen, lines = None, 0, []
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("rank 0: resumed from step"):
+                resumed = int(line.split()[-1])
+            if line.startswith("step "):
+                seen += 1
+                if seen == new_steps:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+    finally:
+        watchdog.cancel()
+        proc.wait()
+    assert seen == new_steps and resumed is not None, "".join(lines[-40:])
+    return resumed
+
+
+def test_ddp_training_killed_at_random_moments_ends_bit_identical(
+    tmp_path: Path,
+) -> None:
+    plain = torchrun(2, EXAMPLE, "--dir", tmp_path / "plain", *EXAMPLE_ARGS)
+    want = re.findall(r"final step=\d+ params_sha256=\w+", plain)
+    assert want, plain[-3000:]
+    rng = random.Random(12)
+    resumed = [killed_after(tmp_path / "killed", rng.randint(3, 14)) for _ in range(4)]
+    finished = torchrun(2, EXAMPLE, "--dir", tmp_path / "killed", *EXAMPLE_ARGS)
+    assert re.findall(r"final step=\d+ params_sha256=\w+", finished) == want
+    assert any(s % STEPS_PER_EPOCH for s in resumed[1:]), resumed  # resumed mid-epoch
+    assert resumed == sorted(resumed) and resumed[-1] > 0
