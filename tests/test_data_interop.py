@@ -104,6 +104,7 @@ def test_hf_streaming_split_by_node_resumes_each_rank(jsonl_shards: list[str]) -
 # --------------------------------------------------------------------------- torchdata
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # inside torchdata
 def test_stateful_dataloader_is_captured_as_it_is(tmp_path: Path) -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     data = torch.utils.data.TensorDataset(torch.arange(20))
