@@ -6,11 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-dev
-DEV_EXTRAS := test,demo,s3
+DEV_EXTRAS := test,demo,s3,transformers,docs
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck campaign bench bench-peers-env clean
+.PHONY: install demo test lint typecheck docs campaign bench bench-peers-env clean
 
 # $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
@@ -39,16 +39,22 @@ demo: $(DEMO_STAMP)
 	$(PY) examples/demo_kill_resume.py --dir runs/demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The API reference, from the docstrings, in build/api; fails on an import error or a
+# docstring that names something that does not exist.
+docs: $(STAMP)
+	$(PY) docs/build_api.py --out build/api
+
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py
 	$(VENV)/bin/mypy
+	$(PY) docs/build_api.py --out build/api
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
 campaign: $(STAMP)

@@ -10,14 +10,15 @@ For each world size W, one ``torchrun --standalone --nproc-per-node=W`` launch o
 `dist_worker.py` builds an MLP whose parameters plus AdamW's moments take about
 ``size_mb`` MiB in total (sharded over the W ranks by ``fully_shard``, on a one-rank
 mesh at W=1), and interleaves ``reps + 1`` rounds of: resumable ``save()``
-(``persist="sync"``: the save returns after the coordinated, durable commit), ``dcp.save``
-and ``dcp.async_save`` (thread executor, gloo side group), the first method rotating
-each round; at W=1 also resumable with its default background persist. Each sample is the
-slowest rank's time after a barrier; round 0 is reported apart as *first*. Bytes are the
-sizes of each rank's data file (``rank-RRRRR.safetensors``, ``__R_0.distcp``) and of the
-rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
-ranks share the cores as W trainers would. The data directories live under the bench
-directory (on the repository's disk) and are removed at the end.
+(``persist="sync"``: the save returns after the coordinated, durable commit),
+``dcp.save`` and ``dcp.async_save`` (thread executor, gloo side group), the first method
+rotating each round; also resumable with its default background persist, and the copy
+floor. Each sample is the slowest rank's time after a barrier; round 0 is reported apart
+as *first*. Bytes are the sizes of each rank's data file (``rank-RRRRR.safetensors``,
+``__R_0.distcp``) and of the rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the
+machine's cores ÷ W, so the W ranks share the cores as W trainers would. The data
+directories live under the bench directory (on the repository's disk) and are removed at
+the end.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ WORLDS = (1, 2, 4)
 LABELS = {
     "resumable": 'resumable `save()`, `persist="sync"` (coordinated commit at W > 1)',
     "resumable_process": 'resumable `save()`, `persist="process"` (background), + `wait()`',
+    "copy_floor": "floor: copy this rank's state into preallocated buffers",
     "dcp_save": "`get_state_dict` + `dcp.save`",
     "dcp_async": "`get_state_dict` + `dcp.async_save` (thread executor)",
 }
@@ -64,7 +66,14 @@ def _stat(samples: list[float]) -> dict[str, Any]:
 
 
 def launch(
-    world: int, size_mb: float, reps: int, workdir: Path, *, background: bool, timeout_s: float
+    world: int,
+    size_mb: float,
+    reps: int,
+    workdir: Path,
+    *,
+    background: bool,
+    timeout_s: float,
+    loop_steps: int = 0,
 ) -> dict[str, Any]:
     """One torchrun launch of `dist_worker.py` with ``world`` ranks; its JSON, raw."""
     if workdir.exists():
@@ -86,6 +95,8 @@ def launch(
     ]
     if background:
         cmd.append("--background")
+    if loop_steps:
+        cmd.append(f"--loop-steps={loop_steps}")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
@@ -134,7 +145,15 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "resumable_over_dcp_save_total": ratio("resumable", "dcp_save", "total"),
             "resumable_over_dcp_async_blocking": ratio("resumable", "dcp_async", "blocking"),
             "resumable_over_dcp_async_total": ratio("resumable", "dcp_async", "total"),
+            "background_over_dcp_async_blocking": ratio(
+                "resumable_process", "dcp_async", "blocking"
+            ),
+            "background_over_copy_floor_blocking": ratio(
+                "resumable_process", "copy_floor", "blocking"
+            ),
+            "background_over_dcp_save_total": ratio("resumable_process", "dcp_save", "total"),
         },
+        "loop": raw.get("loop"),
     }
 
 
@@ -147,6 +166,7 @@ def run_phase(
     worlds: tuple[int, ...] = WORLDS,
     background: bool = True,
     timeout_s: float = 900.0,
+    loop_steps: int = 150,
 ) -> dict[str, Any]:
     """Every world size in turn; a world size that fails is recorded with its error and
     the others still run. ``workdir`` is emptied and removed at the end."""
@@ -166,8 +186,9 @@ def run_phase(
                     size_mb,
                     reps,
                     workdir / f"w{w}",
-                    background=background and w == 1,
+                    background=background,
                     timeout_s=timeout_s,
+                    loop_steps=loop_steps,
                 )
                 out["worlds"][str(w)] = summarise(raw)
             except Exception as exc:
@@ -185,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=float, default=128, help="model + AdamW state, MiB (128)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions after a first (3)")
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="(1 2 4)")
-    ap.add_argument("--no-background", action="store_true", help="skip persist='process' at W=1")
+    ap.add_argument("--no-background", action="store_true", help="skip persist='process'")
+    ap.add_argument("--loop-steps", type=int, default=150, help="training loop steps (150)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per launch (900)")
     ap.add_argument("--bench-dir", type=Path, default=HERE.parent / "runs" / "bench-dist")
     args = ap.parse_args(argv)
@@ -196,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         worlds=tuple(args.worlds),
         background=not args.no_background,
         timeout_s=args.timeout_s,
+        loop_steps=args.loop_steps,
     )
     print(json.dumps(out, indent=1))
     return 0

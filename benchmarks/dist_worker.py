@@ -15,14 +15,22 @@ waits for). Rank 0 writes the samples, the per-rank times and the bytes of each 
 - ``resumable``: ``Checkpointer(DIR/resumable, {"model", "optim"}, persist="sync",
   keep=Keep(last=1))``, built once; ``save(step)`` returns after the commit is durable
   (with several ranks: after the coordinated commit), so blocking = total.
-- ``resumable_process`` (``--background``, world 1 only): the same with the default
-  background persist (``persist="process"``): blocking = ``save()``, total = + ``wait()``.
+- ``resumable_process`` (``--background``): the same with the default background
+  persist (``persist="process"``; with several ranks the workers commit together through
+  the coordination store): blocking = ``save()``, total = + ``wait()``.
+- ``copy_floor``: copying this rank's parameters and optimizer state (its local shards)
+  into buffers allocated once: the least a snapshot can block.
 - ``dcp_save``: ``get_state_dict`` then ``dcp.save(..., FileSystemWriter(dir))``.
 - ``dcp_async``: ``get_state_dict`` then ``dcp.async_save`` (thread executor, default
   stager) on a gloo side group; blocking = until it returns, total = ``.result()``.
 
 The ``get_state_dict`` call is inside DCP's timings, as resumable's own capture is inside
 ``save()``. DCP's directories are removed after each round, outside the timings.
+
+With ``--loop-steps N``, the rounds are followed by a training loop timed twice: N steps
+with no checkpointing, then N steps calling ``maybe_save`` of a `Checkpointer` with a
+memory snapshot every step and a persist every 50 steps (its default background mode),
+the last persist waited for inside the timing.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--background", action="store_true")
+    ap.add_argument("--loop-steps", type=int, default=0)
     args = ap.parse_args()
     warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
 
@@ -109,7 +118,7 @@ def main() -> None:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from resumable import Checkpointer, Keep
+    from resumable import Checkpointer, Every, Keep
     from resumable.commit import step_dir
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -119,10 +128,20 @@ def main() -> None:
     state = {"model": model, "optim": opt}
     ours = Checkpointer(args.dir / "resumable", state, persist="sync", keep=Keep(last=1))
     bg = None
-    if args.background and world == 1:
+    if args.background:
         bg = Checkpointer(
             args.dir / "resumable-process", state, persist="process", keep=Keep(last=1)
         )
+    local = [_local(p) for p in model.parameters()]
+    local += [_local(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    floor_dst = [torch.empty_like(t) for t in local]
+
+    def copy_floor(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for dst, src in zip(floor_dst, local):
+            dst.copy_(src)
+        t = time.perf_counter() - t0
+        return t, t
 
     def dcp_dir(name: str, i: int) -> Path:
         return args.dir / f"{name}-{i}"
@@ -164,6 +183,7 @@ def main() -> None:
         "resumable": save_ours,
         "dcp_save": save_dcp,
         "dcp_async": save_dcp_async,
+        "copy_floor": copy_floor,
     }
     if bg is not None:
         methods["resumable_process"] = save_bg
@@ -203,12 +223,14 @@ def main() -> None:
     ours.close()
     if bg is not None:
         bg.close()
+    loop = _loop(model, opt, info, args, Checkpointer, Every, Keep) if args.loop_steps else None
     if rank == 0:
         out = {
             "world_size": world,
             "torch_threads": torch.get_num_threads(),
             "model": info,
             "order": names,
+            "loop": loop,
             "methods": {
                 name: {
                     "blocking": [max(b for b, _ in rep) for rep in reps],
@@ -223,6 +245,67 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _loop(
+    model: nn.Module, opt: torch.optim.Optimizer, info: dict[str, Any], args: Any, *classes: Any
+) -> dict[str, Any]:
+    """Seconds for ``args.loop_steps`` training steps without and with checkpointing
+    (slowest rank of each)."""
+    checkpointer, every, keep = classes
+    x = torch.randn(BATCH, info["width"], generator=torch.Generator().manual_seed(2))
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def timed(run: Callable[[], None]) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine.item())
+
+    def plain() -> None:
+        for _ in range(args.loop_steps):
+            step()
+
+    ck = checkpointer(
+        args.dir / "loop",
+        {"model": model, "optim": opt},
+        memory_every=every(steps=1),
+        persist_every=every(steps=50),
+        keep=keep(last=1),
+    )
+
+    def checkpointed() -> None:
+        for s in range(1, args.loop_steps + 1):
+            step()
+            ck.maybe_save(s)
+        ck.wait()
+
+    plain()  # warm-up of the loop itself
+    base = timed(plain)
+    with_ck = timed(checkpointed)
+    stats = dict(ck.stats)
+    ck.close()
+    return {
+        "steps": args.loop_steps,
+        "persist_every": 50,
+        "memory_every": 1,
+        "plain_s": round(base, 6),
+        "checkpointed_s": round(with_ck, 6),
+        "throughput_ratio": round(base / with_ck, 4),
+        "commits": stats.get("commits"),
+        "skips": stats.get("skips"),
+    }
 
 
 if __name__ == "__main__":

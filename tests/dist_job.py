@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import sys
 import time
 import traceback
@@ -37,15 +39,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumable import Checkpointer, Every
+from resumable import Checkpointer, Every, Keep
 from resumable.commit import step_dir
 from resumable.errors import StorageError
 from resumable.shm import run_key_for
+from resumable.storage import LocalStorage
 from resumable.storage.base import Buffer, ForwardingStorage, Storage
 
 SEED = 0
 HANG_S = 8.0
 DIST_TIMEOUT_S = 5.0
+# The background hang case: long enough that the next persist, which starts a new worker
+# process on rank 1, never meets it on a loaded machine.
+BG_TIMEOUT_S = 20.0
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -234,6 +240,7 @@ def save_in_memory(out: Path, root: str) -> Checkpointer:
     for step in (1, 2, 3):
         train(model, optim, [step])
         ck.maybe_save(step)
+    ck.wait()  # step 2's persist runs in the background: let it commit
     dump(out, f"ref-{root}", model, optim)
     return ck
 
@@ -261,6 +268,7 @@ def phase_load2(out: Path, report: dict[str, Any]) -> None:
     model, optim = build("fsdp")
     with memory_ck(out, "mem2", model, optim) as ck:
         report["mem_restore"] = outcome(ck.restore)
+        ck.wait()  # the recovered step is committed in the background
         report["mem_steps_after"] = ck.steps()
     dump(out, "got-mem2", model, optim)
     # One rank lost its snapshot: every rank falls back to the newest checkpoint, step 2.
@@ -313,7 +321,156 @@ def phase_solo(out: Path, report: dict[str, Any]) -> None:
         dump(out, f"got-solo-{persist}", model, optim)
 
 
+def worker_pids() -> list[int]:
+    """This trainer's persist worker processes (its children running the worker)."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+            except OSError:
+                continue
+    return pids
+
+
+def background_run(
+    out: Path, root: str, report: dict[str, Any], **kw: Any
+) -> tuple[Checkpointer, nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 checkpointer persisting in the background, step 1 committed, step 2
+    trained; snapshots under ``out/shm``."""
+    (out / "shm").mkdir(exist_ok=True)
+    model, optim = build("fsdp")
+    train(model, optim, [1])
+    url = kw.pop("storage", out / root)
+    ck = Checkpointer(url, {"model": model, "optim": optim}, keep=None, shm_dir=out / "shm", **kw)
+    report[f"{root}_mode"] = ck.persist_mode
+    ck.save(1)
+    ck.wait()
+    train(model, optim, [2])
+    return ck, model, optim
+
+
+def then_step_3(ck: Checkpointer, model: nn.Module, optim: Any, root: str, report: Any) -> None:
+    """After a failed persist, the next one commits on every rank."""
+    report[f"{root}_steps"] = ck.steps()
+    train(model, optim, [3])
+    report[f"{root}_save3"] = outcome(lambda: (ck.save(3), ck.wait())[0])
+    report[f"{root}_steps_after"] = ck.steps()
+
+
+def phase_background(out: Path, report: dict[str, Any]) -> None:
+    """Several ranks persisting in the background: failures on one rank."""
+    # Rank 1's write of step 2 fails (a thread worker, so it writes through this storage).
+    storage: Storage = LocalStorage(out / "bgfail")
+    if rank() == 1:
+        storage = RefusingStorage(storage, 2)
+    ck, model, optim = background_run(out, "bgfail", report, storage=storage, persist="thread")
+    report["bgfail_save2"] = outcome(lambda: ck.save(2))  # returns after the snapshot
+    report["bgfail_wait2"] = outcome(ck.wait)
+    report["bgfail_listing"] = listing(out / "bgfail")
+    then_step_3(ck, model, optim, "bgfail", report)
+    ck.close()
+
+    # Rank 1's worker process is SIGKILLed with step 2 in its queue.
+    ck, model, optim = background_run(out, "bgkill", report)
+    stopped = worker_pids() if rank() == 1 else []
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    report["bgkill_save2"] = outcome(lambda: ck.save(2))
+    for pid in stopped:
+        os.kill(pid, signal.SIGKILL)
+    report["bgkill_workers"] = len(stopped)
+    report["bgkill_wait2"] = outcome(ck.wait)
+    report["bgkill_listing"] = listing(out / "bgkill")
+    then_step_3(ck, model, optim, "bgkill", report)
+    ck.close()
+
+    # Rank 1's worker hangs (stopped) past the timeout: rank 0 gives up and says why.
+    ck, model, optim = background_run(out, "bghang", report, dist_timeout_s=BG_TIMEOUT_S)
+    stopped = worker_pids() if rank() == 1 else []
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    ck.save(2)
+    if rank() == 0:
+        report["bghang_wait2"] = outcome(ck.wait)
+        report["bghang_listing"] = listing(out / "bghang")
+    dist.barrier()
+    for pid in stopped:
+        os.kill(pid, signal.SIGKILL)
+    if rank() == 1:
+        report["bghang_wait2"] = outcome(ck.wait)
+    then_step_3(ck, model, optim, "bghang", report)
+    ck.close()
+
+
+def phase_mirror(out: Path, report: dict[str, Any]) -> None:
+    """Several ranks with a mirror: each checkpoint uploaded once (by rank 0's worker);
+    then the local root is lost and every rank restores from the mirror."""
+    model, optim = build("fsdp")
+    state = {"model": model, "optim": optim}
+    kw: dict[str, Any] = {"mirror": str(out / "remote"), "shm_dir": out / "shm"}
+    (out / "shm").mkdir(exist_ok=True)
+    with Checkpointer(
+        out / "local", state, persist_every=Every(steps=2), keep=Keep(last=1), **kw
+    ) as ck:
+        report["mirror_mode"] = ck.persist_mode
+        for step in range(1, 5):
+            train(model, optim, [step])
+            ck.maybe_save(step)
+            ck.wait()  # each due persist commits and is uploaded (none deferred)
+        report["mirror_steps"] = ck.steps()
+    dump(out, "ref-mirror", model, optim)
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(out / "local")  # the node's disk is lost
+    dist.barrier()
+    model, optim = build("fsdp")
+    with Checkpointer(out / "local", {"model": model, "optim": optim}, **kw) as ck:
+        report["mirror_restore"] = outcome(ck.restore)
+    dump(out, "got-mirror", model, optim)
+
+
+def phase_overlap(out: Path, report: dict[str, Any]) -> None:
+    """Several ranks in overlap mode: the snapshot of step 5 is still being copied
+    while step 6 trains; the copy ends before the optimizer changes the shards."""
+    model, optim = build("fsdp")
+    (out / "shm").mkdir(exist_ok=True)
+    ck = Checkpointer(
+        out / "overlap",
+        {"model": model, "optim": optim},
+        overlap=True,
+        memory_every=Every(steps=1),
+        persist_every=Every(steps=1000),
+        keep=None,
+        shm_dir=out / "shm",
+    )
+    for step in range(1, 6):
+        train(model, optim, [step])
+        ck.maybe_save(step)
+    report["overlapped"] = ck.stats["last_snapshot_overlapped_bytes"]
+    report["state_bytes"] = sum(
+        t.to_local().numel() * 4
+        for t in [
+            *model.parameters(),
+            *(v for st in optim.state.values() for k, v in st.items() if k != "step"),
+        ]
+    )
+    dump(out, "ref-overlap", model, optim)  # the state of step 5
+    train(model, optim, [6])  # optimizer.step() waits for the copy
+    ck.save(5)  # persists the snapshot of step 5 (not the state of step 6)
+    ck.wait()
+    ck.close()
+    model, optim = build("fsdp")
+    with Checkpointer(out / "overlap", {"model": model, "optim": optim}, shm_dir=out / "shm") as ck:
+        report["overlap_restore"] = outcome(lambda: ck.restore(tier="storage"))
+    dump(out, "got-overlap", model, optim)
+
+
 PHASES = {
+    "overlap": phase_overlap,
+    "mirror": phase_mirror,
+    "background": phase_background,
     "solo": phase_solo,
     "save2": phase_save2,
     "world4": phase_world4,

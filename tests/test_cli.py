@@ -124,7 +124,7 @@ def test_ls_lists_valid_checkpoints_with_metrics_and_pins(
     assert {r["status"] for r in rows} == {"committed"}
     assert [r["pinned"] for r in rows] == [False, True, False, False]
     assert all(isinstance(r["metrics"]["loss"], float) for r in rows)
-    assert all(r["bytes"] > _data_file(run.root, 1).stat().st_size for r in rows)
+    assert all(r["bytes"] == _data_file(run.root, r["step"]).stat().st_size for r in rows)
     assert all(r["created"] and "T" in r["created"] for r in rows)
 
     assert main(["ls", str(run.root)]) == 0
@@ -393,3 +393,138 @@ def test_console_script_entry_point(run: Run, tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stdout == ""
     _one_error_line(done.stderr)
+
+
+# --------------------------------------------------------------------------- issue 19: details
+
+
+def test_ls_show_and_verify_agree_on_a_checkpoints_size(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One size everywhere: the data files as the manifest declares them."""
+    listed = {r["step"]: r["bytes"] for r in _ls(run.root, capsys)}
+    assert main(["verify", str(run.root), "--all", "--json"]) == 0
+    verified = {r["step"]: r["bytes"] for r in json.loads(capsys.readouterr().out)}
+    assert listed == verified
+    for step in STEPS:
+        assert main(["show", str(run.root), "--step", str(step)]) == 0
+        files = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("files"))
+        assert resumable.cli._human_bytes(listed[step]) in files
+
+
+def test_pin_and_unpin_commands(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pin", str(run.root), "1"]) == 0
+    assert "pinned step-000000000001" in capsys.readouterr().out
+    assert main(["pin", str(run.root), "1"]) == 0
+    assert "already pinned" in capsys.readouterr().out
+    assert [r["pinned"] for r in _ls(run.root, capsys)] == [True, False, False, False]
+
+    assert main(["prune", str(run.root), "--keep-last", "1"]) == 0
+    capsys.readouterr()
+    assert [r["step"] for r in _ls(run.root, capsys)] == [1, 4]
+
+    assert main(["unpin", str(run.root), "1"]) == 0
+    assert "unpinned step-000000000001" in capsys.readouterr().out
+    assert main(["prune", str(run.root), "--keep-last", "1"]) == 0
+    capsys.readouterr()
+    assert [r["step"] for r in _ls(run.root, capsys)] == [4]
+    events = [json.loads(x) for x in (run.root / "audit.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events if e["event"] in ("pin", "unpin")] == [
+        ("pin", 1),
+        ("unpin", 1),
+    ]
+
+    assert main(["unpin", str(run.root), "4"]) == 2
+    assert "step 4 is not pinned" in _one_error_line(capsys.readouterr().err)
+    assert main(["pin", str(run.root), "2"]) == 2  # deleted by the prune
+    assert "no committed checkpoint for step 2" in _one_error_line(capsys.readouterr().err)
+
+
+def test_ls_marks_the_checkpoint_restore_would_pick(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = _ls(run.root, capsys)
+    assert [r["step"] for r in rows if r["restore"]] == [4]
+    assert main(["ls", str(run.root)]) == 0
+    marked = [x for x in capsys.readouterr().out.splitlines() if "<-" in x]
+    assert len(marked) == 1 and marked[0].split()[0] == "4"
+
+    data = _data_file(run.root, 4)
+    data.write_bytes(data.read_bytes()[:-4])  # step 4 corrupt: restore skips it
+    rows = _ls(run.root, capsys)
+    assert [r["step"] for r in rows if r["restore"]] == [3]
+    state = {
+        "model": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+        "optim": None,
+        "extra": {"epoch": 0},
+    }
+    state["optim"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-2)
+    with resumable.Checkpointer(run.root, state=state, persist="sync") as c:
+        assert c.restore() == 3
+
+
+def test_export_exact_fails_instead_of_falling_back(
+    run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _flip_tensor_byte(run.root, 4, "model/2.bias")
+    out = tmp_path / "model.safetensors"
+    args = ["export", str(run.root), "--key", "model", "--out", str(out), "--exact"]
+    assert main(args) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "step-000000000004" in line and "checksum mismatch" in line and "--exact" in line
+    assert not out.exists()
+    assert main(args[:-1]) == 0  # without --exact: the newest valid one, step 3
+    assert "skipping corrupt step-000000000004" in capsys.readouterr().err
+
+
+def test_s3_errors_name_the_root_not_internal_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing listens at the endpoint: the error names the root the user typed (not
+    ``.../pins``, which ``ls`` reads first) and says to check the endpoint and network."""
+    import socket
+
+    pytest.importorskip("boto3")
+    with socket.socket() as s:  # a port on which nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for command in (["ls"], ["pin", "1"], ["show"], ["log"]):
+        assert main([command[0], "s3://bucket/run", *command[1:]]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "s3://bucket/run:" in line and "/pins" not in line, line
+        assert "check the endpoint and the network" in line
+
+
+def test_s3_missing_credentials_says_so(tmp_path: Path) -> None:
+    """No credentials anywhere (a fresh process: sessions cache what they found): the
+    error says so, without the network advice that fits an unreachable endpoint."""
+    pytest.importorskip("boto3")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RESUMABLE_"))}
+    env.update(
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_ENDPOINT_URL="http://127.0.0.1:9",
+        PYTHONPATH=str(Path(resumable.__file__).resolve().parents[1]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "resumable.cli", "ls", "s3://bucket/run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    line = _one_error_line(done.stderr)
+    assert "credentials" in line and "AWS_ACCESS_KEY_ID" in line, line
+    assert "network" not in line and "/pins" not in line, line
+
+
+def test_docs_list_every_command() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    for name in COMMANDS:
+        assert f"resumable {name}" in text, f"docs/cli.md does not describe `{name}`"

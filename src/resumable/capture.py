@@ -97,7 +97,7 @@ class _Encoder:
         """A tensor of a module or optimizer, with several ranks or as a DTensor."""
         fqn = _tensor_name(path, self.live)
         if is_dtensor(t):
-            local, piece, whole = dtensor_piece(t.detach(), fqn)
+            local, piece, whole = dtensor_piece(t, fqn)
             self._check(local, path)
             name = fqn if whole else piece_name(piece)
             if whole:

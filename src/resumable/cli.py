@@ -59,7 +59,7 @@ from resumable.format import (
 )
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
-from resumable.retention import apply_retention, pinned_steps
+from resumable.retention import PINS_DIR, apply_retention, pinned_steps
 from resumable.storage import LocalStorage, Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -89,13 +89,18 @@ def _console() -> Console:
 
 
 def _open(url: str) -> Storage:
-    """The storage of ``url``; a local directory must already exist."""
+    """The storage of ``url``; a local directory must already exist. Any other root is
+    listed once here, so that an unreachable server, a missing bucket or missing
+    credentials is reported against the root the user named, not against a file
+    inside it that the command happened to read first."""
     storage = open_storage(url)
     if isinstance(storage, LocalStorage):
         if not storage.root.exists():
             raise NoCheckpointError(f"no checkpoint directory at {storage.root}")
         if not storage.root.is_dir():
             raise NoCheckpointError(f"{storage.root} is not a directory")
+    else:
+        storage.list_dir("")
     return storage
 
 
@@ -143,6 +148,12 @@ def _stored_bytes(storage: Storage, path: str) -> int | None:
     except (CheckpointError, OSError):
         return None
     return total
+
+
+def _declared_bytes(manifest: dict[str, Any]) -> int:
+    """A checkpoint's size as ``ls``, ``show`` and ``verify`` report it: the bytes of
+    its data files, as its manifest declares them."""
+    return sum(int(f["size"]) for f in manifest["files"].values())
 
 
 def _newest(storage: Storage) -> int:
@@ -226,6 +237,7 @@ def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -
     reader = CheckpointReader(storage, step)
     try:
         manifest = reader.manifest
+        row["bytes"] = _declared_bytes(manifest)
         row["created_unix"] = manifest.get("created")
         row["created"] = _iso_time(manifest.get("created"))
         row["metrics"] = manifest["metrics"]
@@ -311,6 +323,19 @@ def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _restore_pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row ``Checkpointer.restore()`` (``tier="auto"``) would load: the newest
+    complete memory snapshot if it is at least as new as every committed checkpoint,
+    else the newest committed checkpoint that checks out (corrupt ones are skipped)."""
+    committed = [r for r in rows if r["status"] in ("committed", "corrupt")]
+    valid = [r for r in committed if r["status"] == "committed"]
+    newest_step = max((r["step"] for r in committed), default=-1)
+    memory = [r for r in rows if r["status"] == "memory" and r["step"] >= newest_step]
+    if memory:
+        return max(memory, key=lambda r: r["step"])
+    return max(valid, key=lambda r: r["step"]) if valid else None
+
+
 def run_ls(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     pinned = pinned_steps(storage)
@@ -318,6 +343,9 @@ def run_ls(args: argparse.Namespace) -> int:
     rows += _incomplete_rows(storage, pinned)
     rows += _memory_rows(storage, Path(args.shm_dir))
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
+    picked = _restore_pick(rows)
+    for r in rows:
+        r["restore"] = r is picked
     if args.json:
         _print_json(rows)
         return 0
@@ -332,6 +360,7 @@ def run_ls(args: argparse.Namespace) -> int:
         ("size", "right"),
         ("status", "left"),
         ("pinned", "left"),
+        ("restore", "left"),
         ("metrics", "left"),
     ):
         wraps = col == "metrics"
@@ -349,6 +378,7 @@ def run_ls(args: argparse.Namespace) -> int:
             Text(_human_bytes(r["bytes"])),
             Text(r["status"], style=styles.get(r["status"], "")),
             Text("yes" if r["pinned"] else "no"),
+            Text("<-" if r["restore"] else ""),
             Text(_metrics_text(r["metrics"])),
         )
     console.print(table)
@@ -471,7 +501,7 @@ def run_show(args: argparse.Namespace) -> int:
         ("host", str(m.get("hostname", "?"))),
         ("world size", str(m.get("world_size", "?"))),
         ("metrics", _metrics_text(m["metrics"]) or "-"),
-        ("files", f"{len(files)} ({_human_bytes(sum(f['size'] for f in files.values()))})"),
+        ("files", f"{len(files)} ({_human_bytes(_declared_bytes(m))})"),
         ("tensors", str(len(index))),
     ]
     width = max(len(k) for k, _ in summary)
@@ -542,6 +572,11 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", required=True, help="top-level state key to export, e.g. model")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="export the newest checkpoint or fail; never fall back to an older one",
+    )
 
 
 def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, str]]:
@@ -655,9 +690,17 @@ def run_export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, f"directory {out.parent} of --out does not exist")
     storage = _open(args.dir)
-    if args.step is not None:
-        step = _require_step(storage, args.step)
-        count, nbytes = _export(storage, step, args.key, out)
+    if args.step is not None or args.exact:
+        step = _newest(storage) if args.step is None else _require_step(storage, args.step)
+        try:
+            count, nbytes = _export(storage, step, args.key, out)
+        except CorruptCheckpointError as exc:
+            if args.step is not None:
+                raise
+            raise CorruptCheckpointError(
+                f"{exc}; --exact does not fall back to an older checkpoint (leave it out to "
+                "export the newest valid one)"
+            ) from exc
     else:
         candidates = list(reversed(list_committed(storage)))
         if not candidates:
@@ -720,6 +763,45 @@ def run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- pin, unpin
+
+
+def _pin_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument("step", metavar="STEP", type=_step_arg, help="step of the checkpoint")
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    """Exempt a committed checkpoint from retention (``prune`` and the training job's
+    ``keep``), as `Checkpointer.pin` does; recorded in the audit log."""
+    storage = _open(args.dir)
+    step = _require_step(storage, args.step)
+    name = step_dir(step)
+    if step in pinned_steps(storage):
+        _console().print(Text(f"{name} was already pinned"))
+        return 0
+    storage.write(f"{PINS_DIR}/{name}", [b""])
+    AuditLog(storage).record("pin", step=step, by="cli")
+    _console().print(Text(f"pinned {name}: retention will not delete it"))
+    return 0
+
+
+def run_unpin(args: argparse.Namespace) -> int:
+    """Let retention delete a pinned checkpoint again; an error if it is not pinned."""
+    storage = _open(args.dir)
+    pinned = pinned_steps(storage)
+    name = step_dir(args.step)
+    if args.step not in pinned:
+        listed = ", ".join(str(s) for s in sorted(pinned)) or "none"
+        raise CheckpointError(
+            f"step {args.step} is not pinned in {storage.url}; pinned steps: {listed}"
+        )
+    storage.delete(f"{PINS_DIR}/{name}")
+    AuditLog(storage).record("unpin", step=args.step, by="cli")
+    _console().print(Text(f"unpinned {name}: retention may delete it"))
+    return 0
+
+
 # --------------------------------------------------------------------------- log
 
 
@@ -751,28 +833,89 @@ def _shm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clean",
         action="store_true",
-        help="remove segments that no process holds (whatever owner pid they record)",
+        help="remove segments that no process holds (whatever owner pid they record), "
+        "except those holding progress their checkpoint root has not committed",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --clean: remove those too, losing that progress",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+@dataclass(frozen=True)
+class _RootState:
+    """What ``resumable shm`` learned of a slot's checkpoint root: its newest committed
+    step (None: none), or why it could not tell (``unknown``)."""
+
+    newest: int | None = None
+    unknown: str | None = None
+
+
+def _root_state(root: str | None) -> _RootState:
+    """The newest commit of a local checkpoint root. Other roots are not contacted (a
+    cleanup on one host should not wait on an object store's retries)."""
+    if root is None:
+        return _RootState(unknown="the slot does not record its root (an older version wrote it)")
+    try:
+        storage = open_storage(root)
+    except CheckpointError as exc:
+        return _RootState(unknown=str(exc))
+    if not isinstance(storage, LocalStorage):
+        return _RootState(unknown=f"{root} is not a local directory; not checked")
+    if not storage.root.is_dir():
+        return _RootState()  # the directory is gone: nothing of it is committed
+    try:
+        steps = list_committed(storage)
+    except (CheckpointError, OSError) as exc:
+        return _RootState(unknown=f"cannot list {root}: {_one_line(exc)}")
+    return _RootState(newest=steps[-1] if steps else None)
+
+
+def _unsaved(step: int | None, state: _RootState) -> bool | None:
+    """Whether a slot's snapshot is newer than everything its root committed (None:
+    cannot tell); a slot without a complete snapshot holds nothing to lose."""
+    if step is None:
+        return False
+    if state.unknown is not None:
+        return None
+    return state.newest is None or step > state.newest
 
 
 def run_shm(args: argparse.Namespace) -> int:
     from resumable.shm import list_segments, remove_dead_segments
 
+    if args.force and not args.clean:
+        raise ValueError("--force only applies to --clean")
     directory = Path(args.shm_dir)
     segments = list(list_segments(directory))
-    removed = {str(p) for p in remove_dead_segments(directory)} if args.clean else set()
-    rows: list[dict[str, Any]] = [
-        {
-            "path": str(seg.path),
-            "bytes": seg.size,
-            "owner_pid": seg.owner_pid,
-            "in_use": seg.in_use,
-            "step": seg.step,
-            "removed": str(seg.path) in removed,
-        }
-        for seg in segments
-    ]
+    roots = {seg.root: _root_state(seg.root) for seg in segments}
+    rows: list[dict[str, Any]] = []
+    for seg in segments:
+        state = roots[seg.root]
+        rows.append(
+            {
+                "path": str(seg.path),
+                "bytes": seg.size,
+                "owner_pid": seg.owner_pid,
+                "in_use": seg.in_use,
+                "step": seg.step,
+                "root": seg.root,
+                "newest_commit": state.newest,
+                "unsaved": _unsaved(seg.step, state),
+                "unknown": state.unknown,
+                "removed": False,
+                "kept": False,
+            }
+        )
+    if args.clean:
+        at_risk = {Path(r["path"]) for r in rows if r["unsaved"] is not False}
+        spare = set() if args.force else at_risk
+        removed = {str(p) for p in remove_dead_segments(directory, spare=spare)}
+        for r in rows:
+            r["removed"] = r["path"] in removed
+            r["kept"] = Path(r["path"]) in spare and not r["in_use"]
     if args.json:
         _print_json(rows)
         return 0
@@ -781,19 +924,48 @@ def run_shm(args: argparse.Namespace) -> int:
         console.print(Text(f"no resumable shared-memory segments of this user in {directory}"))
         return 0
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("segment", "size", "owner", "step", "state"):
+    for col in ("segment", "size", "owner", "step", "root", "committed", "unsaved", "state"):
         table.add_column(col, no_wrap=True)
     for r in rows:
-        state = "removed" if r["removed"] else ("in use" if r["in_use"] else "orphaned")
+        if r["removed"]:
+            label = "removed"
+        elif r["kept"]:
+            label = "kept"
+        else:
+            label = "in use" if r["in_use"] else "orphaned"
         table.add_row(
             Text(r["path"]),
             Text(_human_bytes(r["bytes"])),
             Text(str(r["owner_pid"])),
             Text("-" if r["step"] is None else str(r["step"])),
-            Text(state),
+            Text(r["root"] or "?"),
+            Text("-" if r["newest_commit"] is None else str(r["newest_commit"])),
+            Text({True: "yes", False: "no", None: "?"}[r["unsaved"]]),
+            Text(label),
         )
     console.print(table)
+    for r in rows:
+        if r["unsaved"] is False or r["in_use"]:
+            continue
+        loss = _loss_text(r)
+        if r["kept"]:
+            console.print(Text(f"kept {r['path']}: {loss}; `--clean --force` removes it"))
+        elif r["removed"]:
+            console.print(Text(f"removed {r['path']}: lost {loss}"))
+        elif not args.clean:
+            console.print(Text(f"{r['path']}: {loss}; `--clean` keeps it unless --force"))
     return 0
+
+
+def _loss_text(row: dict[str, Any]) -> str:
+    """What removing a slot loses, for people: its step and how it compares with its
+    root's newest commit."""
+    step, root = row["step"], row["root"] or "its root"
+    if row["unsaved"] is None:
+        return f"step {step}, maybe never committed to {root} ({row['unknown']})"
+    newest = row["newest_commit"]
+    since = "nothing committed there" if newest is None else f"newest commit: step {newest}"
+    return f"step {step} of {root}, held nowhere else ({since})"
 
 
 COMMANDS: dict[str, Command] = {
@@ -804,6 +976,8 @@ COMMANDS: dict[str, Command] = {
         "export one state key as a plain safetensors state dict", _export_arguments, run_export
     ),
     "prune": Command("delete old checkpoints by retention", _prune_arguments, run_prune),
+    "pin": Command("exempt a checkpoint from retention", _pin_arguments, run_pin),
+    "unpin": Command("let retention delete a pinned checkpoint again", _pin_arguments, run_unpin),
     "log": Command("print the audit log (JSON lines, oldest first)", _log_arguments, run_log),
     "shm": Command("list (or --clean) shared-memory snapshot segments", _shm_arguments, run_shm),
     "demo": Command(

@@ -105,6 +105,20 @@ class Attempt:
         return f"{self.subdir}/{fname}" if self.subdir else fname
 
 
+def abort_quietly(committer: Committer, attempt: Attempt) -> None:
+    """Remove a failed attempt's files. A failure to remove them is logged, not raised:
+    the error that made the attempt fail is the one to report, and `stale()` removes
+    what is left at the next start."""
+    try:
+        committer.abort(attempt)
+    except Exception as exc:
+        log.warning(
+            "could not remove the failed attempt %s (it is removed at the next start): %s",
+            attempt.staging,
+            exc,
+        )
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True

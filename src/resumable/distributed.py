@@ -25,6 +25,7 @@ says so by name unless asked to reset it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -57,16 +58,28 @@ def is_dtensor(t: Any) -> bool:
 
 
 def dtensor_piece(t: Any, fqn: str) -> tuple[torch.Tensor, Piece, bool]:
-    """This rank's local shard of DTensor ``t``, where it lies, and whether it is fully
-    replicated (every rank holds all of it)."""
+    """This rank's local shard of DTensor ``t`` (detached), where it lies, and whether
+    it is fully replicated (every rank holds all of it). Runs at every snapshot, so the
+    shard's place is computed once per shape, mesh and placements."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(int(x) for x in t.shape)
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    replicated = all(isinstance(p, Replicate) for p in t.placements)
-    piece = Piece(fqn, shape, tuple(int(x) for x in offset))
-    return t.to_local(), piece, replicated
+    placements = tuple(t.placements)
+    offset = _shard_offset(shape, t.device_mesh, placements)
+    replicated = all(isinstance(p, Replicate) for p in placements)
+    with torch.no_grad():  # no autograd node for the view (to_local is differentiable)
+        local = t.to_local()
+    return local.detach(), Piece(fqn, shape, offset), replicated
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_offset(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(x) for x in offset)
 
 
 def pieces_to_json(pieces: Mapping[str, Piece]) -> dict[str, list[Any]]:
@@ -80,6 +93,18 @@ def pieces_from_json(data: Any) -> dict[str, Piece]:
 def piece_name(piece: Piece) -> str:
     """Index name of a shard: ``fqn@o1,o2`` (a whole tensor keeps its plain name)."""
     return f"{piece.fqn}@{','.join(str(o) for o in piece.global_offset)}"
+
+
+def owned_tensors(
+    tensors: Mapping[str, torch.Tensor], replicated: Any, rank: int, world: int
+) -> dict[str, torch.Tensor]:
+    """The tensors ``rank`` writes: all but the replicated ones that `balance` gives
+    another rank (each replicated tensor is written once in total)."""
+    if world == 1:
+        return dict(tensors)
+    sizes = {n: tensors[n].numel() * tensors[n].element_size() for n in replicated if n in tensors}
+    owner = balance(sizes, world)
+    return {n: t for n, t in tensors.items() if owner.get(n, rank) == rank}
 
 
 def balance(sizes: Mapping[str, int], world: int) -> dict[str, int]:
@@ -110,8 +135,9 @@ class Group:
     def coordinator(self) -> bool:
         return self.rank == 0
 
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+    def gather(self, obj: Any, name: str = "") -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (``name`` is for
+        `resumable.coordination`'s interface)."""
         if self.world_size == 1:
             return [obj]
         import torch.distributed as dist
@@ -126,7 +152,7 @@ class Group:
             ) from exc
         return out
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, name: str = "") -> Any:
         """Rank 0's ``obj`` on every rank."""
         if self.world_size == 1:
             return obj
@@ -141,6 +167,9 @@ class Group:
                 f"({str(exc).splitlines()[0][:300]})"
             ) from exc
         return box[0]
+
+    def abandon(self, reason: str) -> None:
+        """Nothing to tell: when a collective fails, it fails on every rank."""
 
     def close(self) -> None:
         """Destroy the side group while the interpreter is fully alive: gloo's worker

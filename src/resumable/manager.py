@@ -42,11 +42,14 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed, step_dir
+from resumable.coordination import CoordinationStore
 from resumable.distributed import (
+    DEFAULT_TIMEOUT_S,
     GlobalLoader,
-    balance,
+    Group,
     current_group,
     is_dtensor,
+    owned_tensors,
     pieces_from_json,
     pieces_to_json,
     shaped_like,
@@ -152,18 +155,10 @@ class Checkpointer:
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self._group = current_group(dist_timeout_s)
+        # What the restore paths agree through: the ranks' group, or one process alone.
+        self._coordination = self._group or Group(0, 1)
         self.rank = self._group.rank if self._group is not None else 0
         self.world_size = self._group.world_size if self._group is not None else 1
-        if self._group is not None:
-            if persist not in ("auto", "sync") or overlap or mirror:
-                raise CheckpointError(
-                    f"with {self.world_size} ranks this version persists synchronously and "
-                    "coordinated (persist='sync'); the background persist, overlap and "
-                    "mirror are not available there yet. Leave persist, overlap and mirror "
-                    "unset (memory_every works: each rank snapshots into its own shared "
-                    "memory)"
-                )
-            persist = "sync"
         self.storage_options = dict(storage_options) if storage_options else None
         self.storage = open_storage(url, _options_for(url, self.storage_options))
         self.url = self.storage.url
@@ -196,6 +191,13 @@ class Checkpointer:
             )
             persist = "process" if shareable else "thread"
         self.persist_mode = persist
+        # Several ranks persisting in the background: their workers meet in a store that
+        # rank 0 hosts (`resumable.coordination`), created now, collectively.
+        self._coord: CoordinationStore | None = (
+            CoordinationStore(self._group, dist_timeout_s or DEFAULT_TIMEOUT_S)
+            if self._group is not None and persist != "sync"
+            else None
+        )
         self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
         self._committer = committer_for(self.storage)
         self._notes: list[dict[str, Any]] = []  # reports of a sync-mode mirror thread
@@ -206,7 +208,9 @@ class Checkpointer:
                 "rank": self.rank,
                 "audit": self.rank == 0,
                 "mirror": (
-                    self.mirror.url if self.mirror is not None and persist == "sync" else None
+                    self.mirror.url
+                    if self.mirror is not None and persist == "sync" and self.rank == 0
+                    else None
                 ),
                 "mirror_keep": _keep_json(mirror_keep),
             },
@@ -222,6 +226,7 @@ class Checkpointer:
                 run_key_for(self.storage.location),
                 rank=self.rank,
                 shm_dir=Path(shm_dir) if shm_dir is not None else None,
+                root=self.storage.url,
             )
             for path in remove_dead_segments(self._shm.shm_dir, older_than_s=STALE_SHM_S):
                 log.info("removed shared-memory snapshot %s left by a dead run", path)
@@ -238,6 +243,7 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._worker: PersistWorker | None = None
         self._jobs: dict[int, tuple[int, int]] = {}  # job id -> (slot index, step)
+        self._job_keys: dict[int, str] = {}  # job id -> its coordinated persist's key
         self._errors: list[str] = []
         self._adopted = False
         self._last_persist: int | None = None
@@ -313,7 +319,10 @@ class Checkpointer:
         else:
             future.result()
         self.last_snapshot_s = time.perf_counter() - t0
-        self.monitor.snapshot(self.last_snapshot_s)
+        overlapped = sum(
+            captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
+        )
+        self.monitor.snapshot(self.last_snapshot_s, overlapped)
         self._last_memory = step
         self._memory_clock = time.monotonic()
 
@@ -334,9 +343,9 @@ class Checkpointer:
 
                 self._hooks.append((obj, obj.register_step_pre_hook(wait_for_copy)))
             for group in obj.param_groups:
-                ptrs.update(p.data_ptr() for p in group["params"])
+                ptrs.update(_storage_ptr(p) for p in group["params"])
             for st in obj.state.values():
-                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+                ptrs.update(_storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
         return ptrs
 
     def _settle(self) -> None:
@@ -364,6 +373,8 @@ class Checkpointer:
         if busy and self.on_busy == "wait":
             self._wait_worker()
             busy = False
+        if self._coord is not None and self._group is not None:
+            busy = self._group.any(busy)  # all ranks persist this step, or none
         newest = self._shm.newest if self._shm is not None else None
         if (
             newest is None
@@ -406,6 +417,8 @@ class Checkpointer:
         self.monitor.check_age(step)
         now = time.monotonic()
         worker_free = self._worker is None or not self._worker.busy
+        if self._owed and self._coord is not None and self._group is not None:
+            worker_free = not self._group.any(not worker_free)  # taken on all ranks at once
         policy_due = self.persist_every.due(
             step,
             last_step=(
@@ -478,6 +491,8 @@ class Checkpointer:
                 self._shm.close(unlink=ok)
             self._runner.close()
             self.storage.close()
+            if self._coord is not None:
+                self._coord.close()
             if self._group is not None:
                 self._group.close()
             if self.mirror is not None:
@@ -555,30 +570,14 @@ class Checkpointer:
         roots = self._roots_by_step() if tier != "memory" else {}
         steps = sorted(roots)
         self._committed = steps[-1] if steps else None
-        if tier != "storage" and self._shm is not None and self._group is not None:
-            restored = self._restore_memory_group(steps, step, loc, tier)
+        if tier != "storage" and self._shm is not None:
+            restored = self._restore_memory(steps, step, loc, tier)
             if restored is not None:
                 return restored
             if tier == "memory":
                 if step is not None:
-                    raise NoCheckpointError(f"no memory snapshot of step {step} on every rank")
-                return 0
-        elif tier != "storage" and self._shm is not None:
-            self._adopt()
-            newest = self._shm.newest
-            if (
-                newest is not None
-                and (step is None or step == newest.step)
-                and (tier == "memory" or not steps or newest.step >= steps[-1] or step is not None)
-            ):
-                if self._restore_memory(newest, loc):
-                    if self._committed is None or newest.step > self._committed:
-                        log.info("persisting step %d recovered from shared memory", newest.step)
-                        self._persist_snapshot(newest)
-                    return newest.step
-            if tier == "memory":
-                if step is not None:
-                    raise NoCheckpointError(f"no memory snapshot of step {step} for {self.url}")
+                    where = "on every rank" if self.world_size > 1 else f"for {self.url}"
+                    raise NoCheckpointError(f"no memory snapshot of step {step} {where}")
                 return 0
         return self._restore_storage(roots, step, loc)
 
@@ -597,77 +596,157 @@ class Checkpointer:
                     raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
         return content, views
 
-    def _restore_memory(self, snap: MemorySnapshot, loc: Any) -> bool:
+    def _restore_memory(
+        self, steps: list[int], step: int | None, loc: Any, tier: str
+    ) -> int | None:
+        """Restore every rank from its own shared-memory snapshot, if every rank has one
+        of the same step (newer than the newest checkpoint, unless asked for), agreed
+        through the coordination (nothing to agree with one process); otherwise None,
+        and every rank falls back to storage together."""
+        g = self._coordination
         assert self._shm is not None
+        self._adopt()
+        newest = self._shm.newest
+        mine = None
+        if newest is not None:
+            content = self._shm.content(newest.index)
+            if content is None or content.seq != newest.seq:
+                self._skip_memory(newest.step, "the snapshot is incomplete or was overwritten")
+            elif content.meta.get("world_size", 1) == self.world_size:
+                mine = newest.step
+        offers = g.gather(mine)
+        s = offers[0]
+        if s is None or any(o != s for o in offers):
+            return None
+        wanted = (
+            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
+        )
+        if not wanted:
+            return None
+        assert newest is not None
         t0 = time.perf_counter()
+        problem = None
+        values: dict[str, Any] = {}
         try:
-            content, views = self._verified(snap)
-            values = capture_mod.decode(content.meta["tree"], views, loc)
-            # Borrowed: the slot is rewritten by later snapshots, so whatever the live
-            # state would keep a reference to is copied out.
-            capture_mod.restore(self.state, values, borrowed=True)
+            values = self._decode_memory(newest, loc)
         except CorruptCheckpointError as exc:
-            log.warning("skipping the shared-memory snapshot of step %d: %s", snap.step, exc)
-            self.audit.record("skip", step=snap.step, tier="memory", reason=str(exc)[:500])
-            return False
+            problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
+        problems = [p for p in g.gather(problem) if p]
+        if problems:
+            self._skip_memory(s, "; ".join(problems))
+            return None
+        # Borrowed: the slot is rewritten by later snapshots, so whatever the live state
+        # would keep a reference to is copied out.
+        capture_mod.restore(self.state, values, borrowed=True)
         self.audit.record(
             "restore",
-            step=snap.step,
+            step=s,
             tier="memory",
-            bytes=snap.nbytes,
+            bytes=newest.nbytes,
+            ranks=self.world_size,
             duration_s=round(time.perf_counter() - t0, 6),
         )
-        self._mark_restored(snap.step)
-        return True
+        self._mark_restored(s)
+        if self._committed is None or s > self._committed:
+            log.info("persisting step %d recovered from shared memory", s)
+            self._persist_snapshot(newest)
+        return int(s)
+
+    def _skip_memory(self, step: int, reason: str) -> None:
+        log.warning("skipping the shared-memory snapshot of step %d: %s", step, reason)
+        self.audit.record("skip", step=step, tier="memory", reason=reason[:500])
 
     def _restore_storage(self, roots: dict[int, list[Storage]], step: int | None, loc: Any) -> int:
+        """Restore from the newest committed step every rank can read (each from the
+        local root, or else the mirror), trying older ones in turn; every rank decides
+        alike, through the coordination (nothing to agree with one process)."""
+        g = self._coordination
         steps = sorted(roots)
-        if self._group is not None:
-            return self._restore_group(steps, step, loc)
-        if step is not None:
-            if step not in steps:
-                raise NoCheckpointError(
-                    f"no committed checkpoint for step {step} in {self.url}; "
-                    f"committed steps: {steps[-10:] or 'none'}"
-                )
-            candidates = [step]
-        else:
-            candidates = list(reversed(steps))
+        if step is not None and step not in steps:
+            raise NoCheckpointError(
+                f"no committed checkpoint for step {step} in {self.url}; "
+                f"committed steps: {steps[-10:] or 'none'}"
+            )
+        candidates = [step] if step is not None else list(reversed(steps))
         if not candidates:
             self.audit.record("restore", step=0, fresh=True)
             return 0
-        problems = []
-        tries = [(s, root) for s in candidates for root in roots[s]]
-        for i, (s, root) in enumerate(tries):
+        problems: list[str] = []
+        last: CorruptCheckpointError | None = None
+        for s in candidates:
             t0 = time.perf_counter()
+            root: Storage | None = None
+            reader: CheckpointReader | None = None
+            values: dict[str, Any] = {}
+            skip: set[str] = set()
+            problem: tuple[str, str] | None = None
+            seen: list[str] = []
+            for candidate in roots[s]:
+                try:
+                    reader = CheckpointReader(candidate, s)
+                    values, skip = self._decode(reader, loc)
+                    root = candidate
+                    break
+                except CorruptCheckpointError as exc:
+                    last = exc
+                    seen.append(f"{candidate.url}/{step_dir(s)}: {exc}")
+                    log.warning(
+                        "skipping corrupt checkpoint %s in %s: %s", step_dir(s), candidate.url, exc
+                    )
+                    self.audit.record("skip", step=s, url=candidate.url, reason=str(exc)[:500])
+                except StateMismatchError as exc:
+                    if self.world_size == 1:
+                        raise
+                    problem = ("mismatch", f"rank {self.rank}: {exc}")
+                    break
+            if root is None and problem is None:
+                problem = ("corrupt", f"rank {self.rank}: " + "; ".join(seen))
+            verdicts = [p for p in g.gather(problem) if p is not None]
+            if any(kind == "mismatch" for kind, _ in verdicts):
+                raise StateMismatchError("; ".join(msg for _, msg in verdicts))
+            if verdicts:
+                problems += seen if self.world_size == 1 else [m for _, m in verdicts]
+                continue
+            assert root is not None and reader is not None
+            applied: tuple[str, str] | None = None
             try:
-                reader = CheckpointReader(root, s)
-                values, skip = self._decode(reader, loc)
-                # Raises CorruptCheckpointError only before touching a live object.
+                # Raises CorruptCheckpointError or StateMismatchError only before
+                # touching a live object.
                 self._apply(values, skip, borrowed=reader.mapped)
             except CorruptCheckpointError as exc:
+                last = exc
                 log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(s), root.url, exc)
                 self.audit.record("skip", step=s, url=root.url, reason=str(exc)[:500])
-                problems.append(f"{root.url}/{step_dir(s)}: {exc}")
-                if step is not None and i == len(tries) - 1:
+                applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
+            except StateMismatchError as exc:
+                if self.world_size == 1:
                     raise
+                applied = ("mismatch", f"rank {self.rank}: {exc}")
+            failures = [f for f in g.gather(applied) if f is not None]
+            if any(kind == "mismatch" for kind, _ in failures):
+                raise StateMismatchError("; ".join(msg for _, msg in failures))
+            if failures:
+                problems += [m for _, m in failures]
                 continue
-            nbytes = sum(f["size"] for f in reader.manifest["files"].values())
             self.audit.record(
                 "restore",
                 step=s,
                 tier="storage" if root is self.storage else "mirror",
                 url=root.url,
-                bytes=nbytes,
+                bytes=sum(f["size"] for f in reader.manifest["files"].values()),
+                ranks=self.world_size,
+                saved_ranks=reader.manifest.get("world_size", 1),
                 duration_s=round(time.perf_counter() - t0, 6),
             )
             self._mark_restored(s)
             return s
+        if step is not None and last is not None and self.world_size == 1:
+            raise last
         raise CorruptCheckpointError(
             f"{len(candidates)} checkpoint(s) in {' and '.join(r.url for r in self._roots())} "
-            "and none is valid; refusing to "
-            "start over silently. Inspect them with `resumable verify`, or move the "
-            "directory away to start fresh. Problems: " + "; ".join(problems)
+            "and none is valid (readable by every rank); refusing to start over silently. "
+            "Inspect them with `resumable verify`, or move the directory away to start "
+            "fresh. Problems: " + "; ".join(problems)
         )
 
     # ------------------------------------------------------------------ several ranks
@@ -758,58 +837,6 @@ class Checkpointer:
             if isinstance(obj, torch.optim.Optimizer):
                 _init_optim_state(obj)
 
-    def _restore_memory_group(
-        self, steps: list[int], step: int | None, loc: Any, tier: str
-    ) -> int | None:
-        """Restore every rank from its own shared-memory snapshot, if every rank has one
-        of the same step (newer than the newest checkpoint, unless asked for): agreed by
-        a collective; otherwise all fall back to storage together."""
-        g = self._group
-        assert g is not None and self._shm is not None
-        self._adopt()
-        newest = self._shm.newest
-        mine = None
-        if newest is not None:
-            content = self._shm.content(newest.index)
-            if content is not None and content.meta.get("world_size", 1) == self.world_size:
-                mine = newest.step
-        offers = g.gather(mine)
-        s = offers[0]
-        agreed = s is not None and all(o == s for o in offers)
-        if not agreed or s is None:
-            return None
-        wanted = (
-            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
-        )
-        if not wanted:
-            return None
-        assert newest is not None
-        t0 = time.perf_counter()
-        problem = None
-        values: dict[str, Any] = {}
-        try:
-            values = self._decode_memory(newest, loc)
-        except CorruptCheckpointError as exc:
-            problem = f"rank {self.rank}: {exc}"
-        problems = [p for p in g.gather(problem) if p]
-        if problems:
-            log.warning("not restoring from shared memory: %s", "; ".join(problems))
-            return None
-        capture_mod.restore(self.state, values, borrowed=True)
-        self.audit.record(
-            "restore",
-            step=s,
-            tier="memory",
-            ranks=self.world_size,
-            duration_s=round(time.perf_counter() - t0, 6),
-        )
-        self._mark_restored(s)
-        self._committed = steps[-1] if steps else None
-        if self._committed is None or s > self._committed:
-            log.info("persisting step %d recovered from shared memory", s)
-            self._persist_snapshot(newest)
-        return int(s)
-
     def _decode_memory(self, snap: MemorySnapshot, loc: Any) -> dict[str, Any]:
         """This rank's values from its shared-memory snapshot (same world size)."""
         content, views = self._verified(snap)
@@ -847,64 +874,6 @@ class Checkpointer:
         capture_mod.restore(part, values, borrowed=borrowed)
         if isinstance(self.state, dict):
             self.state.update(part)
-
-    def _restore_group(self, steps: list[int], step: int | None, loc: Any) -> int:
-        """Restore on every rank from the newest step every rank can read, together."""
-        g = self._group
-        assert g is not None
-        candidates = [step] if step is not None else list(reversed(steps))
-        readable = []
-        for s in candidates:
-            try:
-                CheckpointReader(self.storage, s).check_files()
-                readable.append(s)
-            except CorruptCheckpointError as exc:
-                log.warning("rank %d: checkpoint %s is damaged: %s", self.rank, step_dir(s), exc)
-        common = set.intersection(*(set(x) for x in g.gather(readable)))
-        for s in sorted(common, reverse=True):
-            t0 = time.perf_counter()
-            reader = CheckpointReader(self.storage, s)
-            values: dict[str, Any] = {}
-            skip: set[str] = set()
-            problem: tuple[str, str] | None = None
-            try:
-                values, skip = self._decode(reader, loc)
-            except CorruptCheckpointError as exc:
-                problem = ("corrupt", f"rank {self.rank}: {exc}")
-            except StateMismatchError as exc:
-                problem = ("mismatch", f"rank {self.rank}: {exc}")
-            problems = [p for p in g.gather(problem) if p is not None]
-            if any(kind == "mismatch" for kind, _ in problems):
-                raise StateMismatchError("; ".join(msg for _, msg in problems))
-            if problems:
-                log.warning("skipping %s: %s", step_dir(s), "; ".join(m for _, m in problems))
-                self.audit.record("skip", step=s, reason="; ".join(m for _, m in problems)[:500])
-                continue
-            failed = None
-            try:
-                self._apply(values, skip, borrowed=reader.mapped)
-            except StateMismatchError as exc:
-                failed = f"rank {self.rank}: {exc}"
-            failures = [f for f in g.gather(failed) if f]
-            if failures:
-                raise StateMismatchError("; ".join(failures))
-            self.audit.record(
-                "restore",
-                step=s,
-                tier="storage",
-                ranks=self.world_size,
-                saved_ranks=reader.manifest.get("world_size", 1),
-                duration_s=round(time.perf_counter() - t0, 6),
-            )
-            self._mark_restored(s)
-            return s
-        if not candidates:
-            self.audit.record("restore", step=0, fresh=True)
-            return 0
-        raise CorruptCheckpointError(
-            f"none of the {len(candidates)} checkpoint(s) in {self.url} can be read by every "
-            "rank; inspect them with `resumable verify`, or move the directory away"
-        )
 
     def _roots(self) -> list[Storage]:
         return [r for r in (self.storage, self.mirror) if r is not None]
@@ -1042,15 +1011,8 @@ class Checkpointer:
         return True
 
     def _owned(self, tensors: dict[str, torch.Tensor], replicated: Any) -> dict[str, torch.Tensor]:
-        """The tensors this rank writes: replicated ones are written once in total,
-        spread over the ranks by `balance` (all of them with a single rank)."""
-        if self._group is None:
-            return tensors
-        sizes = {
-            n: tensors[n].numel() * tensors[n].element_size() for n in replicated if n in tensors
-        }
-        owner = balance(sizes, self.world_size)
-        return {n: t for n, t in tensors.items() if owner.get(n, self.rank) == self.rank}
+        """The tensors this rank writes (`owned_tensors`)."""
+        return owned_tensors(tensors, replicated, self.rank, self.world_size)
 
     def _persist_group(
         self, snap: Snapshot, step: int, tree: Any, pieces: Any, metrics: Any
@@ -1137,15 +1099,18 @@ class Checkpointer:
         )
         self._shm.locked.add(snap.index)
         self.monitor.persist_started()
-        job = worker.submit(
-            {
-                "kind": "persist",
-                "slot": str(self._shm.paths[snap.index]),
-                "seq": snap.seq,
-                "step": snap.step,
-            }
-        )
+        request: dict[str, Any] = {
+            "kind": "persist",
+            "slot": str(self._shm.paths[snap.index]),
+            "seq": snap.seq,
+            "step": snap.step,
+        }
+        if self._coord is not None:
+            request["group"] = self._coord.next_job()
+        job = worker.submit(request)
         self._jobs[job["id"]] = (snap.index, snap.step)
+        if self._coord is not None:
+            self._job_keys[job["id"]] = request["group"]["key"]
         self._last_persist = snap.step
         self._persist_clock = time.monotonic()
 
@@ -1158,7 +1123,8 @@ class Checkpointer:
                 keep=self.keep,
                 storage=self.storage if thread else None,
                 storage_options=_options_for(self.url, self.storage_options),
-                mirror=self.mirror.url if self.mirror is not None else None,
+                # With several ranks, rank 0's worker commits, so it alone uploads.
+                mirror=self.mirror.url if self.mirror is not None and self.rank == 0 else None,
                 mirror_keep=self.mirror_keep,
                 mirror_options=(
                     _options_for(self.mirror.url, self.storage_options)
@@ -1176,7 +1142,7 @@ class Checkpointer:
             try:
                 replies = self._worker.poll()
             except PersistError as exc:
-                self._fail_all_jobs()
+                self._fail_all_jobs(str(exc))
                 self._worker = None
                 self.monitor.failed(None, str(exc))
                 raise exc
@@ -1187,6 +1153,7 @@ class Checkpointer:
             if self._mirror_report(r):
                 continue
             index, step = self._jobs.pop(r.get("id", -1), (None, r.get("step")))
+            self._job_keys.pop(r.get("id", -1), None)
             if index is not None and self._shm is not None:
                 self._shm.locked.discard(index)
             if r.get("kind") == "committed":
@@ -1222,7 +1189,8 @@ class Checkpointer:
             return
         self._mirror_flushed = None
         if self.persist_mode == "sync":
-            assert self._runner.mirror is not None
+            if self._runner.mirror is None:  # another rank than 0: rank 0 uploads
+                return
             self._collect([self._runner.mirror.flush(timeout)])
         elif self._worker is not None:
             self._worker.submit({"kind": "mirror_flush", "timeout": timeout})
@@ -1239,10 +1207,17 @@ class Checkpointer:
                 )
             log.warning("not mirrored: %s", error)
 
-    def _fail_all_jobs(self) -> None:
+    def _fail_all_jobs(self, reason: str) -> None:
+        """The worker is gone with its jobs: release their slots, and tell the other
+        ranks' workers, waiting for this rank's part of a coordinated persist, to stop
+        waiting."""
         if self._shm is not None:
             self._shm.locked.clear()
         self._jobs.clear()
+        if self._coord is not None:
+            for key in self._job_keys.values():
+                self._coord.give_up(key, reason)
+        self._job_keys.clear()
 
     def _wait_worker(self, timeout: float | None = None) -> None:
         if self._worker is None:
@@ -1251,7 +1226,7 @@ class Checkpointer:
         try:
             replies = self._worker.wait_all(timeout)
         except PersistError as exc:
-            self._fail_all_jobs()
+            self._fail_all_jobs(str(exc))
             self._worker = None
             self.monitor.failed(None, str(exc))
             raise
@@ -1286,6 +1261,14 @@ class Checkpointer:
                 continue
             log.info("removed stale %s (data of a commit that never finished)", name)
             self.audit.record("stale_removed", name=name)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s bytes are: a DTensor's are its local shard's (the wrapper has none)."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return int(t.to_local().data_ptr())  # type: ignore[attr-defined]
+    return int(t.data_ptr())
 
 
 def views_base(arena: ShmArena, index: int) -> Any:

@@ -53,6 +53,7 @@ class Monitor:
             "skips": 0,
             "failures": 0,
             "last_snapshot_s": None,
+            "last_snapshot_overlapped_bytes": 0,
             "last_persist_s": None,
             "last_commit_step": None,
             "alerts": 0,
@@ -65,9 +66,10 @@ class Monitor:
 
     # ---------------------------------------------------------------- events
 
-    def snapshot(self, seconds: float) -> None:
+    def snapshot(self, seconds: float, overlapped_bytes: int = 0) -> None:
         self.stats["snapshots"] += 1
         self.stats["last_snapshot_s"] = seconds
+        self.stats["last_snapshot_overlapped_bytes"] = overlapped_bytes
         if self._prom:
             self._prom.snapshot(seconds)
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
-from resumable.commit import Committer
-from resumable.distributed import Group, Piece
+from resumable.commit import Attempt, Committer, abort_quietly
+from resumable.distributed import Piece
 from resumable.errors import PersistError
 from resumable.format import (
     CHECKSUM,
@@ -79,10 +79,7 @@ def write_checkpoint(
             before_commit()
         replaced = committer.commit(attempt, blob)
     except BaseException:
-        try:
-            committer.abort(attempt)
-        except Exception:
-            pass  # the original error is the one that matters; stale() cleans up later
+        abort_quietly(committer, attempt)
         raise
     return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
 
@@ -115,8 +112,24 @@ def file_index(
     return header, data, tensors
 
 
+class Coordination(Protocol):
+    """The exchanges of a coordinated persist (`resumable.coordination`)."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def coordinator(self) -> bool: ...
+
+    def broadcast(self, obj: Any, name: str) -> Any: ...
+
+    def gather(self, obj: Any, name: str) -> list[Any]: ...
+
+    def abandon(self, reason: str) -> None: ...
+
+
 def write_distributed(
-    group: Group,
+    group: Coordination,
     storage: Storage,
     committer: Committer,
     *,
@@ -125,34 +138,46 @@ def write_distributed(
     tree: Any,
     pieces: Mapping[str, Piece],
     metrics: Mapping[str, Any] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> PersistResult:
-    """The coordinated commit of several ranks (called on every rank at the same step).
+    """The coordinated commit of several ranks (called on every rank at the same step,
+    through a `Group` on the training threads or a `StoreCoordinator` in the workers).
 
     Rank 0 opens the attempt and tells every rank where to write; each rank writes its
     own data file (its shards, its share of the replicated tensors, its per-rank state)
     and reports it, or its error; rank 0 commits only if every rank succeeded, and
     tells everyone the outcome. Any failure, on any rank, means nothing is committed, the
     attempt is removed, and every rank raises `PersistError`: the previous checkpoint
-    stays the newest.
+    stays the newest. ``check`` runs on every rank before it reports success and on
+    rank 0 before it commits (a worker whose trainer died reports an error instead).
     """
     t0 = time.perf_counter()
-    attempt = group.broadcast(committer.begin(step) if group.coordinator else None)
+    opened: dict[str, Any] | None = None
+    if group.coordinator:
+        try:
+            opened = asdict(committer.begin(step))
+        except Exception as exc:
+            opened = {"error": f"rank 0 could not open an attempt: {type(exc).__name__}: {exc}"}
+    shared = group.broadcast(opened, "attempt")
+    if "error" in shared:
+        raise PersistError(f"step {step} was not committed: {shared['error']}")
+    attempt = Attempt(**shared)
     report: dict[str, Any]
     try:
         fname = attempt.key(rank_file(group.rank))
         header, data, tensors = file_index(snapshot, fname, step, pieces)
         size = storage.write(attempt.path(rank_file(group.rank)), [header, data])
+        if check is not None:
+            check()
         report = {"file": fname, "size": size, "tensors": tensors, "tree": tree, "step": step}
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
     try:
-        reports = group.gather(report)
-    except PersistError:  # a rank died or hung: the group is gone, nobody will commit
+        reports = group.gather(report, "reports")
+    except PersistError as exc:  # a rank died or hung: nobody will commit
         if group.coordinator:
-            try:
-                committer.abort(attempt)
-            except Exception:
-                pass  # left for stale() to clean up
+            group.abandon(str(exc))
+            abort_quietly(committer, attempt)
         raise
     outcome: dict[str, Any] | None = None
     if group.coordinator:
@@ -177,18 +202,17 @@ def write_distributed(
                     world_size=group.world_size,
                 )
                 blob = encode_manifest(manifest)
+                if check is not None:
+                    check()
                 replaced = committer.commit(attempt, blob)
                 nbytes = sum(r["size"] for r in reports) + len(blob)
                 outcome = {"nbytes": nbytes, "replaced": replaced, "manifest": manifest}
             except Exception as exc:
                 errors.append(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
         if errors:
-            try:
-                committer.abort(attempt)
-            except Exception:
-                pass  # left for stale() to clean up
+            abort_quietly(committer, attempt)
             outcome = {"error": "; ".join(errors)}
-    outcome = group.broadcast(outcome)
+    outcome = group.broadcast(outcome, "outcome")
     if "error" in outcome:
         raise PersistError(f"step {step} was not committed on any rank: {outcome['error']}")
     return PersistResult(

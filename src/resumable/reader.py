@@ -151,23 +151,15 @@ class CheckpointReader:
         """Bytes ``[offset, offset + length)`` of a data file: a view of the file mapped
         copy-on-write where the backend can map (no allocation, no copy), else a read
         into a new buffer. Sizes were checked against the manifest before."""
-        map_file = getattr(self.storage, "map_file", None)
-        if map_file is not None and length > 0:
-            mm = map_file(path)
+        mm = self.storage.map_file(path) if length > 0 else None
+        if mm is not None:
             if offset + length <= len(mm):
                 self.mapped = True
                 return torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=length)
             mm.close()
         buf = torch.empty(length, dtype=torch.uint8)
-        if length == 0:
-            return buf
-        view = byte_view(buf)
-        read_into = getattr(self.storage, "read_into", None)
-        if read_into is not None:
-            read_into(path, offset, view)
-        else:
-            data = self.storage.read_range(path, offset, length)
-            view[:] = data
+        if length:
+            self.storage.read_into(path, offset, byte_view(buf))
         return buf
 
     def _tensor(self, name: str, buf: torch.Tensor, b: int, e: int, verify: bool) -> torch.Tensor:

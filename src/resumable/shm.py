@@ -8,7 +8,9 @@ mapped into the trainer and into the persist worker. It holds one complete snaps
 The data region has the layout of a safetensors data region (`format.plan_layout`), so
 the persist worker writes it out without another copy. The metadata carries the step,
 the state tree, the tensor layout and metrics: everything needed to restore without
-storage.
+storage; and ``root``, the URL of the checkpoint root the snapshot belongs to (absent
+in slots of versions before it was recorded), which ``resumable shm`` shows and checks
+against the root's newest commit before it removes a slot.
 
 Consistency is a sequence lock. The trainer sets the state to WRITING and bumps
 ``seq`` (odd) before touching a slot, copies, writes the metadata and its checksum,
@@ -53,7 +55,7 @@ import stat
 import struct
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,7 @@ CONTROL = 4096
 ALIGN = 4096
 
 EMPTY, WRITING, COMPLETE = 0, 1, 2
+ROOT_KEY = "root"  # metadata key: the checkpoint root's URL
 
 # magic, version, state, seq, step, meta_len, meta_cap, sums_cap, data_cap, data_len,
 # meta_xxh, sums_seq, owner_pid, worker_pid, created, updated
@@ -612,6 +615,7 @@ class SegmentInfo:
     in_use: bool
     step: int | None
     updated: float
+    root: str | None = None  # the checkpoint root of its snapshot, if it records one
 
 
 def list_segments(shm_dir: Path = SHM_DIR) -> Iterator[SegmentInfo]:
@@ -634,9 +638,15 @@ def list_segments(shm_dir: Path = SHM_DIR) -> Iterator[SegmentInfo]:
                     slot.in_use(),
                     content.step if content else None,
                     c.updated,
+                    _root_of(content),
                 )
             finally:
                 slot.close()
+
+
+def _root_of(content: SlotContent | None) -> str | None:
+    root = content.meta.get(ROOT_KEY) if content is not None else None
+    return root if isinstance(root, str) else None
 
 
 def _entries(directory: Path, *, tmp: bool) -> list[Path]:
@@ -661,12 +671,15 @@ def replaced_size(path: Path) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def remove_dead_segments(shm_dir: Path = SHM_DIR, *, older_than_s: float = 0.0) -> list[Path]:
+def remove_dead_segments(
+    shm_dir: Path = SHM_DIR, *, older_than_s: float = 0.0, spare: Collection[Path] = ()
+) -> list[Path]:
     """Unlink this user's slot files in ``shm_dir`` that no process holds (see the
     module doc) and that were last written more than ``older_than_s`` ago, together
-    with leftovers of slot creations cut short and empty fallback directories. A run's
-    own segments are adopted by its next launch, so the default age used at start-up is
-    long (a day); ``resumable shm --clean`` uses 0.
+    with leftovers of slot creations cut short and empty fallback directories, except
+    the files in ``spare``. A run's own segments are adopted by its next launch, so the
+    default age used at start-up is long (a day); ``resumable shm --clean`` uses 0 and
+    spares the slots that hold progress their root has not committed.
 
     Whatever pid a slot records, a slot whose lock is held is kept: its owner is alive,
     possibly in a PID namespace this process cannot see. Files of other users are never
@@ -675,6 +688,8 @@ def remove_dead_segments(shm_dir: Path = SHM_DIR, *, older_than_s: float = 0.0) 
     cutoff = time.time() - older_than_s
     for directory in user_dirs(shm_dir):
         for path in _entries(directory, tmp=True):
+            if path in spare:
+                continue
             if _remove_if_dead(path, cutoff):
                 removed.append(path)
         if directory.name != f"{PREFIX}{os.geteuid()}":

@@ -35,6 +35,7 @@ from resumable.errors import CheckpointError, StorageError
 from resumable.format import TensorSlot, byte_view, plan_layout
 from resumable.shm import (
     PREFIX,
+    ROOT_KEY,
     SHM_DIR,
     ShmSlot,
     SlotContent,
@@ -68,10 +69,10 @@ class Snapshot:
 
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
         """A view of one tensor inside the arena (valid until the next snapshot)."""
-        return _view(self.buffer, slot)
+        return tensor_view(self.buffer, slot)
 
 
-def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+def tensor_view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buf[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
 
 
@@ -123,13 +124,13 @@ def copy_into(
     if pool is None or on_cuda or total < _PARALLEL_MIN_BYTES or torch.get_num_threads() > 1:
         with torch.no_grad():
             for slot in slots:
-                _view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
+                tensor_view(buf, slot).copy_(tensors[slot.name], non_blocking=on_cuda)
         if on_cuda:
             torch.cuda.synchronize()
         return
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for slot in slots:
-        dst, src = _view(buf, slot), tensors[slot.name]
+        dst, src = tensor_view(buf, slot), tensors[slot.name]
         if src.is_contiguous() and slot.nbytes > _CHUNK_BYTES and src.dim() > 0:
             flat_d, flat_s = dst.view(-1), src.view(-1)
             step = max(1, _CHUNK_BYTES // max(1, src.element_size()))
@@ -177,11 +178,18 @@ class ShmArena:
     fresh `fallback_dir` if that cannot be trusted; a slot that cannot be created where
     it should moves to a fallback directory too, so a file in the way costs the run the
     adoption of that slot, never the run.
+
+    ``root`` (the checkpoint root's URL) is recorded in every snapshot's metadata, so
+    that ``resumable shm`` can tell whose progress a slot holds and whether that root
+    has committed it; slots written before it was recorded simply lack it.
     """
 
-    def __init__(self, key: str, *, rank: int = 0, shm_dir: Path | None = None) -> None:
+    def __init__(
+        self, key: str, *, rank: int = 0, shm_dir: Path | None = None, root: str | None = None
+    ) -> None:
         self.shm_dir = shm_dir or SHM_DIR
         self._key, self._rank = key, rank
+        self.root = root
         self._held: list[int] = []  # locks on the fallback directories in use
         self.directory = own_dir(self.shm_dir) or self._fallback()
         self.paths = slot_paths(key, rank, self.directory)
@@ -258,6 +266,8 @@ class ShmArena:
         if both slots are locked by the persist worker."""
         layout = plan_layout(tensors)
         meta = {**meta, "layout": layout_meta(layout)}
+        if self.root is not None:
+            meta[ROOT_KEY] = self.root
         blob_len = len(json.dumps(meta, separators=(",", ":")))
         nbytes = layout[-1].end if layout else 0
         index = self._choose()
@@ -334,7 +344,7 @@ class ShmArena:
         slot = self.slots[index]
         assert slot is not None
         data = slot.data_tensor()
-        return {s.name: _view(data, s) for s in content.slots}
+        return {s.name: tensor_view(data, s) for s in content.slots}
 
     def close(self, *, unlink: bool) -> None:
         for i, slot in enumerate(self.slots):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import itertools
 import json
 import logging
 import threading
@@ -40,12 +39,13 @@ from collections.abc import Callable
 from typing import Any
 
 from resumable.audit import AuditLog
-from resumable.commit import committer_for, list_committed, step_dir
+from resumable.commit import abort_quietly, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, StorageError
 from resumable.format import encode_manifest, manifest_digest
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention
+from resumable.retrying import retrying
 from resumable.storage.base import Storage
 
 log = logging.getLogger("resumable")
@@ -79,9 +79,8 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
     try:
         for name, new in renamed.items():
             path = f"{step_dir(step)}/{name}"
-            map_file = getattr(src, "map_file", None)
-            if map_file is not None and manifest["files"][name]["size"] > 0:
-                mm = map_file(path)
+            mm = src.map_file(path) if manifest["files"][name]["size"] > 0 else None
+            if mm is not None:
                 try:
                     total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [mm])
                 finally:
@@ -91,10 +90,7 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
         blob = encode_manifest(relocated)
         committer.commit(attempt, blob)
     except BaseException:
-        try:
-            committer.abort(attempt)
-        except Exception:
-            pass
+        abort_quietly(committer, attempt)
         raise
     CheckpointReader(dst, step).check_files()
     return total + len(blob)
@@ -259,18 +255,22 @@ class Mirror:
                     self._cond.notify_all()
 
     def _upload(self, step: int) -> int:
-        for attempt in itertools.count():
-            try:
-                self._load_known()
-                return upload_checkpoint(self.local, self.remote, step)
-            except StorageError as exc:
-                if exc.errno in _PERMANENT or attempt >= self.retries:
-                    raise
-                log.warning(
-                    "mirror of step %d to %s failed (%s); retrying", step, self.remote.url, exc
-                )
-                time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
+        def upload() -> int:
+            self._load_known()
+            return upload_checkpoint(self.local, self.remote, step)
+
+        def on_retry(exc: StorageError, n: int) -> None:
+            log.warning(
+                "mirror of step %d to %s failed (%s); retry %d", step, self.remote.url, exc, n
+            )
+
+        return retrying(
+            upload,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            permanent=_PERMANENT,
+            on_retry=on_retry,
+        )
 
     def _mirror(self, step: int) -> None:
         t0 = time.perf_counter()

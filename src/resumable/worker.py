@@ -12,9 +12,19 @@ Two ways to run it, same job code (`JobRunner`):
   serialisation and checksums never hold the trainer's GIL. It is launched with
   ``subprocess`` rather than ``multiprocessing`` so a user script without a
   ``__main__`` guard is never re-imported. Messages are length-prefixed JSON over a
-  socketpair (no pickle). If the trainer dies, the worker notices (EOF, or its parent
-  changed) and abandons an uncommitted job: the next launch adopts the shared-memory
-  snapshot and persists it itself, so there is never a second writer.
+  socketpair (no pickle). If the trainer dies, the worker notices and abandons an
+  uncommitted job: the next launch adopts the shared-memory snapshot and persists it
+  itself, so there is never a second writer.
+
+  The worker does not rely on the socket's EOF alone to learn that the trainer died:
+  a process forked from the trainer (a DataLoader worker) would hold the trainer's end
+  open, so the EOF would wait for that process. So the trainer's end is closed in every
+  child forked from the trainer (`os.register_at_fork`), the worker's end is not
+  inherited past its ``exec``, and the worker watches the trainer itself: a pidfd of
+  its parent (Linux 5.3+) that becomes readable when the trainer exits, or else a
+  once-a-second look at ``getppid()``. The worker's stdout is ``/dev/null`` (it never
+  prints), so a wrapper reading the trainer's stdout sees EOF when the trainer exits;
+  stderr stays shared, so the worker's warnings reach the job's log.
 - ``thread``: a thread in the trainer, for backends that only live in this process
   (``memory://``).
 
@@ -50,6 +60,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -57,16 +68,17 @@ from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed
-from resumable.distributed import pieces_from_json
+from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.policy import Keep
 from resumable.retention import apply_retention
-from resumable.shm import ShmSlot
-from resumable.snapshot import Snapshot
+from resumable.retrying import retrying
+from resumable.shm import ShmSlot, SlotContent
+from resumable.snapshot import Arena, Snapshot, tensor_view
 from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from resumable.distributed import Group
+    from resumable.persist import Coordination
     from resumable.tiering import Mirror
 
 log = logging.getLogger("resumable")
@@ -152,6 +164,8 @@ class JobRunner:
         self.retries = int(config.get("retries", 2))
         self.parent_pid = int(config.get("parent_pid", 0))
         self.slots: dict[str, ShmSlot] = {}
+        self._stores: dict[tuple[str, int], Any] = {}  # coordination store clients
+        self._arena = Arena()  # this rank's share of a coordinated persist
         self.metrics_cache: dict[int, Any] = {}
         self._retention_lock = threading.Lock()
         self.mirror: Mirror | None = None
@@ -222,6 +236,8 @@ class JobRunner:
             raise CheckpointError(
                 f"snapshot of step {job['step']} was overwritten before it was persisted"
             )
+        if job.get("group"):
+            return {**self._persist_coordinated(slot, content, job["group"]), "id": job.get("id")}
         reply, sums = self.persist_snapshot(
             Snapshot(content.slots, slot.data_tensor()),
             step=content.step,
@@ -242,27 +258,27 @@ class JobRunner:
         from resumable.persist import write_checkpoint
 
         t0 = time.perf_counter()
-        attempt = 0
-        while True:
-            try:
-                result = write_checkpoint(
-                    self.storage,
-                    self.committer,
-                    step=step,
-                    snapshot=snap,
-                    tree=tree,
-                    metrics=metrics,
-                    before_commit=self._check_parent,
-                    pieces=pieces,
-                )
-                break
-            except StorageError as exc:
-                attempt += 1
-                if exc.errno in _NOT_TRANSIENT or attempt > self.retries:
-                    raise
-                log.warning("persist of step %d failed (%s), retry %d", step, exc, attempt)
-                self.audit.record("retry", step=step, error=repr(exc)[:300])
-                time.sleep(0.2 * 2**attempt)
+
+        def on_retry(exc: StorageError, n: int) -> None:
+            log.warning("persist of step %d failed (%s), retry %d", step, exc, n)
+            self.audit.record("retry", step=step, error=repr(exc)[:300])
+
+        result = retrying(
+            lambda: write_checkpoint(
+                self.storage,
+                self.committer,
+                step=step,
+                snapshot=snap,
+                tree=tree,
+                metrics=metrics,
+                before_commit=self._check_parent,
+                pieces=pieces,
+            ),
+            retries=self.retries,
+            backoff_s=0.4,
+            permanent=_NOT_TRANSIENT,
+            on_retry=on_retry,
+        )
         seconds = time.perf_counter() - t0
         self.audit.record(
             "commit",
@@ -287,8 +303,42 @@ class JobRunner:
         }
         return reply, sums
 
+    def _persist_coordinated(
+        self, slot: ShmSlot, content: SlotContent, where: dict[str, Any]
+    ) -> dict[str, Any]:
+        """This rank's share of a coordinated persist, from its shared-memory snapshot:
+        its tensors copied out (the slot may be rewritten once the job ends), then the
+        exchanges of `write_distributed` through the coordination store."""
+        from resumable.coordination import StoreCoordinator
+
+        coordinator = StoreCoordinator.connect(where, self._stores)
+        meta = content.meta
+        data = slot.data_tensor()
+        views = {s.name: tensor_view(data, s) for s in content.slots}
+        own = owned_tensors(
+            views, meta.get("replicated", []), coordinator.rank, coordinator.world_size
+        )
+        snap = self._arena.snapshot(own)
+        if not slot.still(content.seq):
+            raise CheckpointError("snapshot slot was rewritten while being persisted")
+        return self.persist_group(
+            coordinator,
+            snap,
+            step=content.step,
+            tree=meta["tree"],
+            pieces=pieces_from_json(meta.get("pieces")),
+            metrics=meta.get("metrics"),
+        )
+
     def persist_group(
-        self, group: Group, snap: Snapshot, *, step: int, tree: Any, pieces: Any, metrics: Any
+        self,
+        group: Coordination,
+        snap: Snapshot,
+        *,
+        step: int,
+        tree: Any,
+        pieces: Any,
+        metrics: Any,
     ) -> dict[str, Any]:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
@@ -303,6 +353,7 @@ class JobRunner:
             tree=tree,
             pieces=pieces,
             metrics=metrics,
+            check=self._check_parent,
         )
         deleted: list[int] = []
         if group.coordinator:
@@ -317,6 +368,8 @@ class JobRunner:
             )
             self.metrics_cache[step] = result.manifest["metrics"]
             deleted = self._retain(step)
+            if self.mirror is not None:  # rank 0's worker uploads the whole checkpoint
+                self.mirror.submit(step)
         return {"kind": "committed", "step": step, "seconds": result.seconds, "deleted": deleted}
 
     def _retain(self, just_written: int) -> list[int]:
@@ -346,6 +399,7 @@ class JobRunner:
         for slot in self.slots.values():
             slot.close()
         self.slots.clear()
+        self._stores.clear()
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -376,16 +430,68 @@ def _recv(sock: socket.socket) -> dict[str, Any] | None:
     return msg
 
 
+class TrainerWatch:
+    """The worker's own check that its trainer (its parent process) is alive.
+
+    With a pidfd of the parent, `wait` sleeps until the socket is readable or the
+    trainer exited; without one (an old kernel, not Linux) it wakes once a second to
+    compare ``getppid()`` with the trainer's pid: a dead parent's children are given
+    to another process. Called from the worker's main thread only."""
+
+    POLL_S = 1.0
+
+    def __init__(self, trainer_pid: int) -> None:
+        self.trainer_pid = trainer_pid
+        self._pidfd: int | None = None
+        if trainer_pid and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(trainer_pid)
+            except OSError:
+                self._pidfd = None
+        # Opened after the trainer died, the pidfd could name another process that got its
+        # pid; while the trainer is still our parent, it names the trainer.
+        if self._pidfd is not None and self.gone():
+            self.close()
+
+    @property
+    def uses_pidfd(self) -> bool:
+        """Whether it sleeps on a pidfd (else it polls ``getppid``)."""
+        return self._pidfd is not None
+
+    def gone(self) -> bool:
+        return bool(self.trainer_pid) and os.getppid() != self.trainer_pid
+
+    def wait(self, sock: socket.socket) -> bool:
+        """Block until ``sock`` is readable (True) or the trainer is gone (False)."""
+        while True:
+            if self.gone():
+                return False
+            watched: list[Any] = [sock] if self._pidfd is None else [sock, self._pidfd]
+            timeout = self.POLL_S if self._pidfd is None and self.trainer_pid else None
+            ready, _, _ = select.select(watched, [], [], timeout)
+            if sock in ready:
+                return True
+            if self._pidfd is not None and self._pidfd in ready:
+                return False
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     """Entry point of the worker process (``--fd N``: its end of the socketpair)."""
     p = argparse.ArgumentParser(prog="resumable-worker")
     p.add_argument("--fd", type=int, required=True)
     args = p.parse_args(argv)
+    os.set_inheritable(args.fd, False)  # made inheritable for our exec only
     sock = socket.socket(fileno=args.fd)
     try:
         config = _recv(sock)
         if config is None:
             return 0
+        watch = TrainerWatch(int(config.get("parent_pid", 0)))
         send_lock = threading.Lock()
 
         def send(msg: dict[str, Any]) -> None:
@@ -408,6 +514,9 @@ def worker_main(argv: list[str] | None = None) -> int:
         return 0  # the trainer is already gone
     try:
         while True:
+            if not watch.wait(sock):
+                log.debug("the training process is gone; the persist worker exits")
+                break
             try:
                 job = _recv(sock)
             except ConnectionResetError:  # the trainer died (SIGKILL): same as its EOF
@@ -420,6 +529,7 @@ def worker_main(argv: list[str] | None = None) -> int:
             except OSError:
                 break
     finally:
+        watch.close()
         runner.close()
     return 0
 
@@ -473,6 +583,24 @@ def _worker_import_path() -> list[str]:
     return path
 
 
+# The trainer's ends of its workers' sockets. A child forked from the trainer (a DataLoader
+# worker; fork copies every descriptor, close-on-exec or not) closes its copies at once, so
+# the worker's EOF comes when the trainer exits, not when its last forked child does.
+_TRAINER_ENDS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def _close_inherited_ends() -> None:
+    for sock in list(_TRAINER_ENDS):
+        try:
+            sock.close()
+        except OSError:
+            pass
+    _TRAINER_ENDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_ends)
+
+
 class PersistWorker:
     """The trainer's handle on its worker. Called from the training thread only.
 
@@ -513,15 +641,19 @@ class PersistWorker:
         self.pid = os.getpid()
         if mode == "process":
             parent, child = socket.socketpair()
+            _TRAINER_ENDS.update((parent, child))
             command, env = _worker_command(child.fileno())
-            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                command,
-                pass_fds=[child.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=env,
-                close_fds=True,
-            )
-            child.close()
+            try:
+                self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                    command,
+                    pass_fds=[child.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    env=env,
+                    close_fds=True,
+                )
+            finally:
+                child.close()
             self._sock: socket.socket | None = parent
             _send(parent, config)
             self._ready = False

@@ -21,10 +21,12 @@ Contract for every backend:
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
+from resumable.errors import CorruptCheckpointError
 from resumable.format import check_relpath
 
 Buffer = Any  # bytes, bytearray, memoryview, or anything exporting the buffer protocol
@@ -78,6 +80,22 @@ class Storage(ABC):
         """Whether `put_if_absent` really is exclusive (filesystems and memory: by
         construction; object stores probe their server and raise if not)."""
         return True
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``path``. Backends
+        that can read straight into memory override it; this fallback reads a copy."""
+        data = self.read_range(path, offset, len(out))
+        if len(data) != len(out):
+            raise CorruptCheckpointError(
+                f"{self.join(self.url, path)} is truncated: wanted {len(out)} bytes at "
+                f"{offset}, found {len(data)}"
+            )
+        (out.cast("B") if out.format != "B" else out)[:] = data
+
+    def map_file(self, path: str) -> mmap.mmap | None:
+        """The whole file mapped copy-on-write, or None where the backend cannot map
+        (the default; readers then use `read_into`)."""
+        return None
 
     def read(self, path: str) -> bytes:
         return self.read_range(path, 0, self.size(path))
@@ -133,6 +151,13 @@ class ForwardingStorage(Storage):
 
     def append(self, path: str, data: bytes) -> None:
         self.inner.append(path, data)
+
+    # Optional capabilities are forwarded too: a wrapper never loses them.
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(path, offset, out)
+
+    def map_file(self, path: str) -> mmap.mmap | None:
+        return self.inner.map_file(path)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         return self.inner.put_if_absent(path, data)

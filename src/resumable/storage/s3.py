@@ -288,6 +288,14 @@ class S3Storage(Storage):
             return StorageError(
                 errno.EIO, f"could not {action} {where}: {code or status} {message}".rstrip()
             )
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return StorageError(
+                errno.EACCES,
+                f"could not {action} {where}: {exc}; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or pass them in storage_options",
+            )
         return StorageError(
             errno.EIO,
             f"could not {action} {where}: {type(exc).__name__}: {exc} (after retries; "

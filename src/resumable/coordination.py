@@ -1,0 +1,217 @@
+"""How the ranks of a job agree on one coordinated persist, behind one interface.
+
+A coordinated persist (`resumable.persist.write_distributed`) needs three exchanges:
+rank 0 opens the attempt and tells every rank where to write (``broadcast``), every
+rank reports its written file or its error to rank 0 (``gather``), and rank 0 tells
+every rank the outcome (``broadcast``). Two transports implement them:
+
+- `resumable.distributed.Group`: collectives on the checkpointer's side gloo group,
+  called on the training thread (``persist="sync"``).
+- `StoreCoordinator`: keys in a ``torch.distributed.TCPStore`` that the checkpointer
+  of rank 0 hosts (`CoordinationStore`), used by the persist workers in the background,
+  so the training processes take part in no collective while a persist runs.
+
+Why a store of the checkpointer's own rather than torchrun's: it exists however the
+process group was initialised, and it lives exactly as long as rank 0's trainer, so a
+dead rank 0 fails every waiting worker at once instead of after the timeout. Why not
+files in the checkpoint root: an object store would be polled for every exchange.
+
+Failure cases (each ends with nothing committed and `PersistError` on every rank):
+
+- a rank's write fails: its report carries the error; rank 0 aborts the attempt and
+  the outcome carries the error to every rank.
+- a rank's worker dies (SIGKILL): its trainer notices at its next call and posts the
+  error report in the worker's place (`CoordinationStore.give_up`); rank 0's trainer
+  also posts the outcome if its own worker died.
+- a rank hangs: rank 0's worker stops waiting after the timeout (``dist_timeout_s``),
+  aborts, and posts the outcome naming the ranks it waited for.
+- rank 0's trainer dies: the store dies with it; every worker waiting on it fails, and
+  rank 0's worker, which checks its trainer before committing, commits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from resumable.errors import PersistError
+
+log = logging.getLogger("resumable")
+
+ATTEMPT, REPORTS, OUTCOME = "attempt", "reports", "outcome"
+
+
+def _store(host: str, port: int, timeout_s: float, *, master: bool) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host,
+        port,
+        is_master=master,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+class CoordinationStore:
+    """The store of one several-rank `Checkpointer`: hosted by rank 0's trainer (a
+    free port, found at construction and shared over the side group), reached by every
+    rank's trainer and persist worker as a client.
+
+    The address others connect to is ``RESUMABLE_STORE_HOST`` if set, else loopback
+    when every rank runs on rank 0's host, else rank 0's fully qualified host name.
+    """
+
+    def __init__(self, group: Any, timeout_s: float) -> None:
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.timeout_s = timeout_s
+        hosts = group.gather(socket.gethostname())
+        if self.rank == 0:
+            host = os.environ.get("RESUMABLE_STORE_HOST") or (
+                "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn()
+            )
+            self._store = _store(host, 0, timeout_s, master=True)
+            address = [host, int(self._store.port)]
+        else:
+            address = None
+        self.host, self.port = group.broadcast(address)
+        if self.rank != 0:
+            self._store = _store(self.host, self.port, timeout_s, master=False)
+        self._seq = 0
+
+    def next_job(self) -> dict[str, Any]:
+        """Where the workers of the next coordinated persist meet (the same on every
+        rank, because every rank submits the same persists in the same order)."""
+        self._seq += 1
+        return {
+            "host": self.host,
+            "port": self.port,
+            "rank": self.rank,
+            "world": self.world_size,
+            "key": f"p{self._seq}",
+            "timeout": self.timeout_s,
+        }
+
+    def give_up(self, key: str, reason: str) -> None:
+        """Report ``reason`` in place of this rank's worker for persist ``key`` (and,
+        on rank 0, its outcome), unless the worker already did: the others stop
+        waiting now rather than at the timeout."""
+        error = json.dumps({"error": f"rank {self.rank}: {reason}"})
+        try:
+            self._store.compare_set(f"{key}/{REPORTS}/{self.rank}", "", error)
+            if self.rank == 0:
+                self._store.compare_set(f"{key}/{OUTCOME}", "", error)
+        except Exception as exc:  # the store is gone: the others fail on it anyway
+            log.debug("could not post the failure of %s: %s", key, exc)
+
+    def close(self) -> None:
+        self._store = None
+
+
+class StoreCoordinator:
+    """One coordinated persist's exchanges through the `CoordinationStore` (used by a
+    persist worker). Keys are ``<key>/<name>`` and ``<key>/<name>/<rank>``; rank 0
+    removes the keys of the persist before the previous one when it starts a new one
+    (every rank has read them by then: it reported for the previous persist)."""
+
+    def __init__(self, store: Any, job: dict[str, Any]) -> None:
+        self.store = store
+        self.rank = int(job["rank"])
+        self.world_size = int(job["world"])
+        self.key = str(job["key"])
+        self.timeout_s = float(job["timeout"])
+        if self.coordinator:
+            self._forget(self.key)
+
+    @classmethod
+    def connect(cls, job: dict[str, Any], cache: dict[tuple[str, int], Any]) -> StoreCoordinator:
+        """A coordinator for ``job``, reusing a client connection from ``cache``."""
+        address = (str(job["host"]), int(job["port"]))
+        store = cache.get(address)
+        if store is None:
+            try:
+                store = _store(*address, float(job["timeout"]), master=False)
+            except Exception as exc:
+                raise PersistError(
+                    f"rank {job['rank']}: cannot reach the checkpoint coordination store "
+                    f"at {address[0]}:{address[1]} ({_first_line(exc)}); rank 0's trainer "
+                    "is gone or the address is unreachable (set RESUMABLE_STORE_HOST)"
+                ) from exc
+            cache[address] = store
+        return cls(store, job)
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any, name: str) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        key = f"{self.key}/{name}"
+        if self.coordinator:  # what the others see: an outcome posted by give_up wins
+            return json.loads(
+                self._call("post", lambda: self.store.compare_set(key, "", json.dumps(obj)))
+            )
+        return json.loads(self._call(f"wait for rank 0's {name}", lambda: self.store.get(key)))
+
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
+        prefix = f"{self.key}/{name}"
+        mine = f"{prefix}/{self.rank}"
+        self._call("post", lambda: self.store.compare_set(mine, "", json.dumps(obj)))
+        if not self.coordinator:
+            return []
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            missing = [r for r, k in enumerate(keys) if not self._has(k)]
+            raise PersistError(
+                f"rank 0: no report from rank(s) {missing} within {self.timeout_s:.0f} s "
+                f"({_first_line(exc)}); nothing was committed by this step"
+            ) from exc
+        return [json.loads(self._call("read", lambda k=k: self.store.get(k))) for k in keys]
+
+    def abandon(self, reason: str) -> None:
+        """Rank 0 gave up before an outcome: tell the ranks waiting for it."""
+        try:
+            self.store.compare_set(f"{self.key}/{OUTCOME}", "", json.dumps({"error": reason}))
+        except Exception as exc:
+            log.debug("could not post the outcome of %s: %s", self.key, exc)
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False
+
+    def _forget(self, key: str) -> None:
+        n = int(key[1:]) - 2 if key[1:].isdigit() else 0
+        if n < 1:
+            return
+        old = f"p{n}"
+        names = [f"{old}/{ATTEMPT}", f"{old}/{OUTCOME}"]
+        names += [f"{old}/{REPORTS}/{r}" for r in range(self.world_size)]
+        for k in names:
+            try:
+                self.store.delete_key(k)
+            except Exception as exc:
+                log.debug("could not remove %s from the coordination store: %s", k, exc)
+
+    def _call(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            raise PersistError(
+                f"rank {self.rank}: checkpoint coordination failed ({what}: "
+                f"{_first_line(exc)}); nothing was committed by this step"
+            ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

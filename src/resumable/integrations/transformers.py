@@ -1,0 +1,418 @@
+"""Hugging Face Transformers: a ``Trainer`` that checkpoints through `resumable`.
+
+One change to a script: ``Trainer(...)`` becomes ``ResumableTrainer(...)``. ``train()``
+then restores the newest *valid* checkpoint by itself (a torn or corrupt one is skipped
+with a WARNING), and every save the ``TrainingArguments`` ask for (``save_strategy``,
+``save_steps``) becomes an atomic `Checkpointer.save`, with retention
+(``save_total_limit``, the best checkpoint kept for ``load_best_model_at_end``) applied
+only after a commit. Memory snapshots, background persists, preemption and ``s3://``
+roots are the `Checkpointer`'s, through the keyword arguments of `ResumableTrainer`.
+
+How it hooks in. A callback cannot move the point where the Trainer restarts, so the
+subclass overrides the methods through which the Trainer loads and saves a checkpoint
+(checked against transformers 5.23; the names have been stable through 5.x):
+
+- ``_inner_training_loop``: opens the `Checkpointer`, restores, and when something was
+  restored hands the Trainer's own resume path a marker instead of a directory.
+- ``_init_training_state``: the ``TrainerState`` (best metric, log history, stateful
+  callbacks) from the checkpoint instead of ``trainer_state.json``.
+- ``_load_optimizer_and_scheduler``, ``_load_scaler``: applied where the Trainer loads
+  them, after accelerate prepared the optimizer and the scheduler exists.
+- ``_load_rng_state``: every random stream, at the point the Trainer puts them back
+  (after the epoch's data iterator was made).
+- ``_save_checkpoint``: `Checkpointer.save` instead of a ``checkpoint-N`` directory.
+- ``_maybe_log_save_evaluate``: `Checkpointer.maybe_save` after it, at each step
+  boundary (memory snapshots, preemption).
+- ``_load_best_model``: the model of the best step, from the checkpoint.
+
+Trade-off: the restore reads everything at once, before the optimizer and scheduler
+exist, so those (and the random streams, the scaler, the ``TrainerState``) go through
+`StagedState` slots that keep what was restored until the Trainer's own load point; only
+the model is loaded at once, as the Trainer itself does. The data position is not
+stored as loader state: as in the Trainer, it follows from ``global_step``, and
+accelerate's ``skip_first_batches`` skips consumed batches by drawing their indices
+only, so no consumed sample is loaded again (map-style datasets; an ``IterableDataset``
+is read past, as the Trainer does). With the default seedable sampler the permutation
+of an epoch depends on the epoch only, which makes a resumed run bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import SaveStrategy, compare_trainer_and_checkpoint_args
+
+from resumable.capture import rng_state, set_rng_state
+from resumable.commit import step_dir
+from resumable.errors import CheckpointError
+from resumable.manager import Checkpointer
+from resumable.policy import Every, Keep
+from resumable.preemption import Preemption
+
+__all__ = ["ResumableTrainer", "StagedState", "keep_for"]
+
+log = logging.getLogger(__name__)
+
+FRAMEWORK_DRIVEN = Every(steps=2**62)
+"""``persist_every`` of a Checkpointer whose persists the framework schedules: the
+Trainer calls `Checkpointer.save` when its ``save_strategy`` says so, and
+`Checkpointer.maybe_save` at every step only for memory snapshots and preemption."""
+
+
+class StagedState:
+    """A `resumable.Stateful` whose state is read from a live object at save time, and
+    whose restored state is kept until the framework's own load point calls `apply`.
+
+    ``read`` is called on the training thread at every capture (also when nothing
+    exists yet, before a restore: it then returns ``{}``); ``write`` gets the restored
+    state once, from `apply`. `discard` drops a restored state that must not be applied
+    (the optimizer of the best step, when only its model is wanted).
+    """
+
+    def __init__(
+        self, read: Callable[[], dict[str, Any]], write: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self._read = read
+        self._write = write
+        self.pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._read()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.pending = dict(state_dict)
+
+    def apply(self) -> bool:
+        """Hand the restored state to ``write``; False when nothing was restored."""
+        if self.pending is None:
+            return False
+        pending, self.pending = self.pending, None
+        self._write(pending)
+        return True
+
+    def discard(self) -> None:
+        self.pending = None
+
+
+def keep_for(args: Any) -> Keep | None:
+    """The retention the ``TrainingArguments`` ask for: ``save_total_limit`` newest
+    checkpoints (all when unset), plus the best by ``metric_for_best_model`` when
+    ``load_best_model_at_end`` (kept besides the newest, as the Trainer does)."""
+    limit = args.save_total_limit
+    if limit is None or limit <= 0:
+        return None
+    best = None
+    metric = best_metric_key(args)
+    if args.load_best_model_at_end and metric is not None:
+        best = (metric, "max" if args.greater_is_better else "min", 1)
+    return Keep(last=limit, best=best)
+
+
+def best_metric_key(args: Any) -> str | None:
+    """The evaluation metric the Trainer compares (``eval_`` prefixed, as it does)."""
+    metric = args.metric_for_best_model
+    if metric is None:
+        return None
+    return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+class ResumableTrainer(Trainer):
+    """A ``transformers.Trainer`` that checkpoints through `resumable.Checkpointer` and
+    resumes by itself on ``train()``.
+
+    Keyword arguments besides the Trainer's (all optional):
+        checkpoint_dir: the checkpoint root: a directory or ``s3://bucket/prefix``
+            (default ``<output_dir>/resumable``).
+        keep: retention; default `keep_for` the ``TrainingArguments``.
+        memory_every: cadence of memory snapshots (e.g. ``Every(steps=1)``), taken at
+            step boundaries besides the saves ``save_strategy`` asks for.
+        preemption: on SIGTERM/SIGUSR1 (or a cloud notice) an emergency checkpoint at
+            the next step boundary, then an exit with `resumable.REQUEUE_EXIT_CODE`.
+        persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`.
+            ``on_busy`` defaults to ``"wait"``: every save the Trainer asks for commits.
+
+    Not supported: DeepSpeed, FSDP and SageMaker model parallelism (their engines own
+    the model and optimizer state); constructing with them raises `CheckpointError`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        keep: Keep | str | None = "from_args",
+        memory_every: Every | None = None,
+        preemption: Preemption | None = None,
+        persist: str = "auto",
+        on_busy: str = "wait",
+        mirror: str | None = None,
+        mirror_keep: Keep | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise CheckpointError(
+                "ResumableTrainer checkpoints the model and optimizer itself; with DeepSpeed "
+                "or FSDP their engine owns that state. Use the plain Trainer there, or train "
+                "without DeepSpeed/FSDP"
+            )
+        root = (
+            checkpoint_dir
+            if checkpoint_dir is not None
+            else os.path.join(self.args.output_dir or ".", "resumable")
+        )
+        self.checkpoint_dir = os.fspath(root)
+        if keep == "from_args":
+            keep = keep_for(self.args)
+        elif isinstance(keep, str):
+            raise ValueError(f"keep must be a resumable.Keep or None, got {keep!r}")
+        self._options: dict[str, Any] = {
+            "keep": keep,
+            "memory_every": memory_every,
+            "preemption": preemption,
+            "persist": persist,
+            "on_busy": on_busy,
+            "mirror": mirror,
+            "mirror_keep": mirror_keep,
+            "storage_options": storage_options,
+        }
+        self.checkpointer: Checkpointer | None = None
+        self._marker = f"resumable:{self.checkpoint_dir}"
+        self._eval_metrics: dict[str, float] = {}
+        self._boundary: int | None = None
+        self._slots = {
+            "trainer": StagedState(self._trainer_state, lambda _: None),
+            "optimizer": StagedState(self._optimizer_state, self._load_optimizer),
+            "scheduler": StagedState(self._scheduler_state, self._load_scheduler),
+            "scaler": StagedState(self._scaler_state, self._load_scaler_state),
+            "rng": StagedState(rng_state, set_rng_state),
+        }
+
+    # ------------------------------------------------------------------ state slots
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"json": json.dumps(dataclasses.asdict(self.state), sort_keys=True)}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict() if self.optimizer is not None else {}
+
+    def _load_optimizer(self, sd: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise CheckpointError("the Trainer has no optimizer to load the checkpoint into")
+        self.optimizer.load_state_dict(sd)
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        return self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {}
+
+    def _load_scheduler(self, sd: dict[str, Any]) -> None:
+        if self.lr_scheduler is None:
+            raise CheckpointError("the Trainer has no LR scheduler to load the checkpoint into")
+        self.lr_scheduler.load_state_dict(sd)
+
+    def _scaler(self) -> Any:
+        return getattr(self.accelerator, "scaler", None)
+
+    def _scaler_state(self) -> dict[str, Any]:
+        scaler = self._scaler()
+        return dict(scaler.state_dict()) if scaler is not None else {}
+
+    def _load_scaler_state(self, sd: dict[str, Any]) -> None:
+        scaler = self._scaler()
+        if scaler is not None and sd:
+            scaler.load_state_dict(sd)
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model, **self._slots}
+
+    # ------------------------------------------------------------------ the run
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Train, resuming from the newest valid checkpoint in `checkpoint_dir` if there
+        is one. ``resume_from_checkpoint`` may be None or a bool (it resumes anyway); a
+        path to a ``checkpoint-N`` directory of the plain Trainer is refused."""
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            raise ValueError(
+                f"ResumableTrainer resumes by itself from {self.checkpoint_dir}; it does not "
+                f"read the plain Trainer's checkpoint directories ({resume_from_checkpoint!r}). "
+                "Call train() without resume_from_checkpoint"
+            )
+        return super().train(
+            resume_from_checkpoint=None, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+        )
+
+    def _inner_training_loop(
+        self,
+        batch_size: int | None = None,
+        args: Any = None,
+        resume_from_checkpoint: str | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        opts = self._options
+        self.checkpointer = Checkpointer(
+            self.checkpoint_dir,
+            state=self._state(),
+            persist_every=FRAMEWORK_DRIVEN,
+            capture_rng=False,  # the "rng" slot holds them, applied where the Trainer does
+            **opts,
+        )
+        with self.checkpointer:
+            for slot in self._slots.values():
+                slot.discard()
+            step = self.checkpointer.restore()
+            self._boundary = step if step > 0 else None
+            if step > 0:
+                log.info("resuming from step %d of %s", step, self.checkpointer.url)
+            return super()._inner_training_loop(
+                batch_size,
+                args,
+                self._marker if step > 0 else None,
+                trial,
+                ignore_keys_for_eval,
+            )
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        if resume_from_checkpoint != self._marker:
+            return super()._init_training_state(
+                max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial
+            )
+        saved = self._slots["trainer"].pending
+        self._slots["trainer"].discard()
+        if saved is None or not isinstance(saved.get("json"), str):
+            raise CheckpointError(
+                f"the checkpoint restored from {self.checkpoint_dir} holds no TrainerState; "
+                "it was not written by ResumableTrainer. Use another checkpoint_dir"
+            )
+        super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial
+        )
+        self.state = TrainerState(**json.loads(saved["json"]))
+        best = self.state.best_global_step
+        if self.state.best_model_checkpoint is not None and (
+            best is None or self.checkpointer is None or best not in self.checkpointer.steps()
+        ):
+            log.warning(
+                "the best checkpoint %s recorded in the resumed state is gone; ignoring it",
+                self.state.best_model_checkpoint,
+            )
+            self.state.best_model_checkpoint = None
+        compare_trainer_and_checkpoint_args(self.args, self.state)
+        self._load_callback_state()
+        epochs_trained = self.state.global_step // num_update_steps_per_epoch
+        steps_in_epoch = 0
+        if not self.args.ignore_data_skip:
+            steps_in_epoch = self.state.global_step % num_update_steps_per_epoch
+            steps_in_epoch *= self.args.gradient_accumulation_steps
+        self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+        return epochs_trained, steps_in_epoch
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if resume_from_checkpoint != self._marker:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # else: the model was restored in place by Checkpointer.restore
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint != self._marker:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        self._slots["optimizer"].apply()
+        self._slots["scheduler"].apply()
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint != self._marker:
+            super()._load_scaler(checkpoint)
+            return
+        self._slots["scaler"].apply()
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint != self._marker:
+            super()._load_rng_state(checkpoint)
+            return
+        self._slots["rng"].apply()
+
+    # ------------------------------------------------------------------ saving
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+        self._eval_metrics = {"step": self.state.global_step, **metrics}
+        return super()._determine_best_metric(metrics, trial)
+
+    def _metrics_now(self) -> dict[str, float]:
+        """This step's evaluation metrics (for ``Keep(best=...)``), if it evaluated."""
+        m = self._eval_metrics
+        if m.get("step") != self.state.global_step:
+            return {}
+        return {
+            k: float(v)
+            for k, v in m.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's save, as one atomic `Checkpointer.save` of the whole state."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            raise CheckpointError("ResumableTrainer saves only inside train()")
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        step = self.state.global_step
+        best = self.state.best_global_step
+        if (
+            self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+            and best
+            and (best == step or best in ckpt.steps())
+        ):
+            self.state.best_model_checkpoint = self.step_location(best)
+        stateful: Any = self.state.stateful_callbacks or {}
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, ExportableState):
+                name = cb.__class__.__name__
+                if isinstance(stateful[name], list):
+                    stateful[name].append(cb.state())
+                else:
+                    stateful[name] = cb.state()
+        ckpt.save(step, metrics=self._metrics_now())
+        self._boundary = step
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        step = self.state.global_step
+        if self.checkpointer is not None and step != self._boundary:
+            self._boundary = step
+            self.checkpointer.maybe_save(step, metrics=self._metrics_now())
+
+    def step_location(self, step: int) -> str:
+        """Where the checkpoint of ``step`` lives (recorded as ``best_model_checkpoint``)."""
+        return f"{self.checkpoint_dir.rstrip('/')}/{step_dir(step)}"
+
+    def _load_best_model(self) -> None:
+        ckpt = self.checkpointer
+        best = self.state.best_global_step
+        if ckpt is None or not best:
+            return
+        ckpt.wait()
+        log.info("loading the model of the best step %d (score %s)", best, self.state.best_metric)
+        with torch.no_grad():
+            ckpt.restore(step=best)  # the model in place; the staged slots are dropped
+        for slot in self._slots.values():
+            slot.discard()
