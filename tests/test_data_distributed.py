@@ -23,7 +23,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import data_job
 from resumable.data import ResumableSampler
-from test_distributed import torchrun
+from test_distributed import torchrun, torchrun_cmd
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -255,9 +254,8 @@ STEPS_PER_EPOCH = 320 // (2 * 8)
 def killed_after(out: Path, new_steps: int) -> int:
     """Launch the example at 2 ranks, SIGKILL torchrun and its workers (one process group)
     once rank 0 has printed ``new_steps`` steps; returns the step it resumed from."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.Popen(
-        [*cmd, str(EXAMPLE), "--dir", str(out), *EXAMPLE_ARGS],
+        torchrun_cmd(2, EXAMPLE, "--dir", out, *EXAMPLE_ARGS),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
