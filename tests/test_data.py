@@ -550,3 +550,50 @@ def test_persistent_workers_resume_exactly() -> None:
     reference = run(make, 3, [])
     for interrupts in ([1], [4, 3], [2, 2, 2]):
         assert run(make, 3, interrupts) == reference
+
+
+class AugmentedDataset(Dataset[tuple[int, float, float, float]]):
+    """Sample ``i`` with a random "augmentation" from each global RNG of the process that
+    loads it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[int, float, float, float]:
+        return index, torch.rand(()).item(), random.random(), float(np.random.rand())
+
+
+def _augmented(reseed: bool) -> Callable[[], ResumableDataLoader]:
+    return lambda: ResumableDataLoader(
+        AugmentedDataset(), 2, True, num_workers=2, seed=3, reseed_per_sample=reseed
+    )
+
+
+def _tuples(batch: Any) -> tuple[Any, ...]:
+    return tuple(tuple(t.tolist()) for t in batch)
+
+
+def _augmented_run(make: Callable[[], ResumableDataLoader], interrupt: int | None) -> list[Any]:
+    out: list[Any] = []
+    loader = make()
+    if interrupt is not None:
+        for _, batch in zip(range(interrupt), loader):
+            out.append(_tuples(batch))
+        state = _roundtrip(loader.state_dict())
+        loader = make()
+        loader.load_state_dict(state)
+    while loader.epoch < 2:
+        out += [_tuples(b) for b in loader]
+    return out
+
+
+def test_reseed_per_sample_makes_worker_augmentation_exact_mid_epoch() -> None:
+    reference = _augmented_run(_augmented(True), None)
+    for k in (1, 3, 8):
+        assert _augmented_run(_augmented(True), k) == reference, f"interrupted after {k}"
+    # Without it, a mid-epoch resume hands batches to other workers: other values.
+    assert _augmented_run(_augmented(False), 1) != _augmented_run(_augmented(False), None)
+    with pytest.raises(UnsupportedStateError, match="persistent_workers"):
+        ResumableDataLoader(
+            AugmentedDataset(), 2, num_workers=1, persistent_workers=True, reseed_per_sample=True
+        )

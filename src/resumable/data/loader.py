@@ -29,6 +29,7 @@ from resumable.data.positions import (
     refusal,
     sharded_by,
 )
+from resumable.data.seeding import PerSampleSeeding
 from resumable.data.state import check_bool, is_int
 from resumable.errors import UnsupportedStateError
 
@@ -96,6 +97,9 @@ class ResumableDataLoader(DataLoader[Any]):
     and calling ``iter`` again continues where the caller stopped. A user's sampler or
     batch sampler gets ``set_epoch(loader.epoch)`` before each pass.
 
+    ``reseed_per_sample=True`` makes random augmentations in worker processes exact at any
+    resume point (`resumable.data.seeding`).
+
     An ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` resumes from its own
     state with ``num_workers=0``; with ``replay_iterable=True`` any iterable dataset resumes by
     re-reading the consumed batches (WARNING with the count), workers or not.
@@ -135,6 +139,7 @@ class ResumableDataLoader(DataLoader[Any]):
         rank: int | None = None,
         shard_end: ShardEnd = "pad",
         replay_iterable: bool = False,
+        reseed_per_sample: bool = False,
     ) -> None:
         if generator is not None:
             raise UnsupportedStateError(
@@ -156,6 +161,20 @@ class ResumableDataLoader(DataLoader[Any]):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         check_bool("drop_last", drop_last)
         check_bool("replay_iterable", replay_iterable)
+        if check_bool("reseed_per_sample", reseed_per_sample):
+            if persistent_workers:
+                raise UnsupportedStateError(
+                    f"{WHAT} cannot combine reseed_per_sample=True with persistent_workers="
+                    "True: persistent workers keep the base seed of the epoch they started in, "
+                    "so a resumed run would seed samples differently. Use persistent_workers="
+                    "False."
+                )
+            if isinstance(dataset, IterableDataset):
+                raise UnsupportedStateError(
+                    f"{WHAT} reseeds per sample by index; an IterableDataset has no indices. "
+                    "Derive its randomness from its own position instead."
+                )
+            worker_init_fn = PerSampleSeeding(worker_init_fn)
         world_size, my_rank = world(num_replicas, rank)
         order: Order
         if isinstance(dataset, IterableDataset):
