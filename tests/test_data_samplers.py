@@ -237,3 +237,28 @@ def test_restore_at_another_world_size_in_one_process() -> None:
         drive(loader, 1, log)
         after += [i for _, b in log for i in b]
     assert sorted(before + after) == list(range(n))
+
+
+def test_sampler_state_v1_loads_and_v2_carries_the_shard_end() -> None:
+    sampler = ResumableSampler(10, seed=3, num_replicas=2, rank=1, shard_end="drop")
+    sampler.set_epoch(2)
+    sampler.start_at(4)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert state == {
+        "version": 2,
+        "epoch": 2,
+        "start": 4,
+        "seed": 3,
+        "shuffle": True,
+        "num_samples": 10,
+        "shard_end": "drop",
+    }
+    other = ResumableSampler(10, seed=3, num_replicas=3, rank=0, shard_end="drop")
+    other.load_state_dict(state)  # another world size: the position is global
+    assert (other.epoch, other.start, len(other)) == (2, 4, 2)
+    with pytest.raises(StateMismatchError, match="shard_end='drop'"):
+        ResumableSampler(10, seed=3).load_state_dict(state)
+    v1 = {k: v for k, v in state.items() if k != "shard_end"} | {"version": 1}
+    fresh = ResumableSampler(10, seed=3)
+    fresh.load_state_dict(v1)
+    assert (fresh.epoch, fresh.start) == (2, 4)
