@@ -510,6 +510,7 @@ def render(out: Result) -> str:
 
     lines += s3_section(out)
     lines += dist_section(out)
+    lines += data_section(out)
 
     problems = []
     for w, e in sorted((_get(out, "dist", "worlds") or {}).items()):
@@ -603,6 +604,41 @@ def _mib_list(values: Any) -> str:
     if not isinstance(values, list) or not values:
         return "—"
     return " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def data_section(out: Result) -> list[str]:
+    """The data position: resuming far into an epoch against re-iterating to it."""
+    d = out.get("data")
+    lines = ["", "## Data position (`resumable.data`)", ""]
+    if not isinstance(d, dict) or "median_s" not in d:
+        err = " ".join(str(_get(out, "data", "error") or "").split())
+        return [*lines, f"Not measured{': ' + err[:300] if err else ''}."]
+    med = d["median_s"]
+    lines += [
+        f"Until the first batch after sample {d['position']:,} of a {d['samples']:,}-sample "
+        f"epoch (batch size {d['batch_size']}, shuffled, no workers, one torch thread; "
+        f"medians of {d['reps']} reps, interleaved; the first batch is the same for all "
+        f"three: {'yes' if d.get('same_first_batch') else 'NO'}). `benchmarks/data_bench.py` "
+        "says what each does.",
+        "",
+    ]
+    lines += _table(
+        ["method", "median s", "÷ resume"],
+        [
+            ["`load_state_dict` + `next(iter(loader))`", _f(med["resume"], "{:.3f}"), "1"],
+            [
+                "skip the order's indices (a user's sampler)",
+                _f(med["skip_indices"], "{:.3f}"),
+                _f(d.get("skip_indices_over_resume"), "{}"),
+            ],
+            [
+                "re-iterate: load and collate every batch before it",
+                _f(med["reiterate"], "{:.3f}"),
+                _f(d.get("reiterate_over_resume"), "{}"),
+            ],
+        ],
+    )
+    return lines
 
 
 def dist_section(out: Result) -> list[str]:

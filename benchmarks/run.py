@@ -15,7 +15,8 @@ drop it, then warm), again interleaved; DLRover in its own environment; end to e
 object storage (`s3_bench.py`: a SeaweedFS server on loopback, resumable on ``s3://``
 beside a plain parallel upload and download of the same bytes by the same client);
 several ranks (`dist_bench.py`: an FSDP2 model at world sizes 1, 2 and 4 under torchrun,
-resumable beside ``dcp.save`` and ``dcp.async_save``).
+resumable beside ``dcp.save`` and ``dcp.async_save``); the data position
+(`data_bench.py`: resuming far into a large epoch against re-iterating to it).
 A method that fails is recorded with its error and left out; the run goes on.
 """
 
@@ -42,6 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import cloud_bench  # noqa: E402
+import data_bench  # noqa: E402
 import dist_bench  # noqa: E402
 import floors  # noqa: E402
 import peers  # noqa: E402
@@ -374,6 +376,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="FSDP2 model + AdamW, MiB (128; --quick: 32)",
     )
+    ap.add_argument("--no-data", action="store_true", help="skip the data position phase")
+    ap.add_argument(
+        "--data-samples",
+        type=int,
+        default=None,
+        help="samples in the data phase's epoch (20,000,000; --quick: 2,000,000)",
+    )
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -383,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.e2e_rounds = min(args.e2e_rounds, 4)
     if args.s3_size_mb is None:
         args.s3_size_mb = 64 if args.quick else 256
+    if args.data_samples is None:
+        args.data_samples = 2_000_000 if args.quick else 20_000_000
     if args.dist_size_mb is None:
         args.dist_size_mb = 32 if args.quick else 128
     if args.reps < 1:
@@ -532,6 +543,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if got is not None:
             out["dist"] = got
+
+    if args.no_data:
+        out["data"] = {"error": "skipped (--no-data)"}
+    else:
+        log("data position (resume far into an epoch vs re-iterating)")
+        got = guarded(out, "data", lambda: data_bench.run_phase(args.data_samples, args.reps, log))
+        if got is not None:
+            out["data"] = got
 
     out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
     out["wall_s"] = round(time.perf_counter() - started, 1)

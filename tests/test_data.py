@@ -161,7 +161,7 @@ def test_resume_with_worker_processes(drop_last: bool, shuffle: bool) -> None:
 
 def test_end_of_epoch_state_either_side_of_exhaustion() -> None:
     def make() -> ResumableDataLoader:
-        return ResumableDataLoader(IndexDataset(10), 4, seed=1)
+        return ResumableDataLoader(IndexDataset(10), 4, shuffle=True, seed=1)
 
     reference: list[int] = []
     loader = make()
@@ -171,10 +171,11 @@ def test_end_of_epoch_state_either_side_of_exhaustion() -> None:
     inside = make()
     first = [i for _, b in zip(range(3), inside) for i in b.tolist()]
     state_inside = _roundtrip(inside.state_dict())
-    assert (state_inside["epoch"], state_inside["batches"]) == (0, 3)
+    assert (state_inside["epoch"], state_inside["position"]) == (0, 10)
+    assert inside.batches == 3
     assert list(inside) == []
     state_after = _roundtrip(inside.state_dict())
-    assert (state_after["epoch"], state_after["batches"]) == (1, 0)
+    assert (state_after["epoch"], state_after["position"]) == (1, 0)
 
     for state in (state_inside, state_after):
         resumed = make()
@@ -186,20 +187,23 @@ def test_end_of_epoch_state_either_side_of_exhaustion() -> None:
 
 
 def test_state_dict_counts_batches_handed_out() -> None:
-    loader = ResumableDataLoader(IndexDataset(10), 3, seed=5, drop_last=True, num_workers=2)
+    loader = ResumableDataLoader(
+        IndexDataset(10), 3, shuffle=True, seed=5, drop_last=True, num_workers=2
+    )
     it = iter(loader)
     next(it)
     next(it)
     state = loader.state_dict()
     assert state == {
-        "version": 1,
+        "version": 2,
         "epoch": 0,
-        "batches": 2,
+        "position": 6,
         "seed": 5,
         "shuffle": True,
         "batch_size": 3,
         "drop_last": True,
         "dataset_len": 10,
+        "shard_end": "pad",
     }
     assert _roundtrip(state) == state
     assert (loader.epoch, loader.batches, loader.batch_size, len(loader)) == (0, 2, 3, 3)
@@ -209,20 +213,22 @@ def test_state_dict_counts_batches_handed_out() -> None:
 def test_resume_never_loads_consumed_samples() -> None:
     n, batch_size = 11, 3
     reference_log: list[Event] = []
-    drive(ResumableDataLoader(IndexDataset(n), batch_size, seed=2), 2, reference_log)
+    drive(ResumableDataLoader(IndexDataset(n), batch_size, True, seed=2), 2, reference_log)
     for drop_last in (False, True):
         for k in range(1, 7):
-            first = ResumableDataLoader(IndexDataset(n), batch_size, seed=2, drop_last=drop_last)
+            first = ResumableDataLoader(
+                IndexDataset(n), batch_size, True, seed=2, drop_last=drop_last
+            )
             state = drive(first, 2, [], stop_after=k)
             assert state is not None
             dataset = IndexDataset(n)
-            resumed = ResumableDataLoader(dataset, batch_size, seed=2, drop_last=drop_last)
+            resumed = ResumableDataLoader(dataset, batch_size, True, seed=2, drop_last=drop_last)
             resumed.load_state_dict(state)
             log: list[Event] = []
             drive(resumed, 2, log)
             yielded = [i for kind, _, batch in log if kind == "batch" for i in batch]
             assert dataset.calls == yielded
-            epoch, skip = state["epoch"], state["batches"] * batch_size
+            epoch, skip = state["epoch"], state["position"]
             consumed = set(flat_indices(reference_log, epoch)[:skip])
             assert consumed.isdisjoint(flat_indices(log, epoch))
 
@@ -422,14 +428,15 @@ def test_sampler_state_roundtrip_and_validation() -> None:
 
 
 GOOD = {
-    "version": 1,
+    "version": 2,
     "epoch": 1,
-    "batches": 2,
+    "position": 6,
     "seed": 0,
     "shuffle": True,
     "batch_size": 3,
     "drop_last": False,
     "dataset_len": 10,
+    "shard_end": "pad",
 }
 
 
@@ -437,45 +444,69 @@ GOOD = {
     ("bad", "needle"),
     [
         ([1, 2], "mapping"),
-        ({k: v for k, v in GOOD.items() if k != "batches"}, "missing"),
+        ({k: v for k, v in GOOD.items() if k != "position"}, "missing"),
         ({**GOOD, "extra": 1}, "unexpected"),
-        ({**GOOD, "version": 2}, "version"),
+        ({**GOOD, "version": 3}, "version"),
         ({**GOOD, "version": True}, "version"),
         ({**GOOD, "epoch": -1}, "epoch"),
         ({**GOOD, "epoch": 1.0}, "epoch"),
         ({**GOOD, "epoch": "1"}, "epoch"),
-        ({**GOOD, "batches": True}, "batches"),
-        ({**GOOD, "batches": -3}, "batches"),
-        ({**GOOD, "batches": 5}, "only 4 batches"),
+        ({**GOOD, "position": True}, "position"),
+        ({**GOOD, "position": -3}, "position"),
+        ({**GOOD, "position": 11}, "only 10 samples"),
         ({**GOOD, "batch_size": 4}, "batch_size=4"),
         ({**GOOD, "dataset_len": 11}, "dataset_len=11"),
         ({**GOOD, "drop_last": True}, "drop_last=True"),
         ({**GOOD, "drop_last": 0}, "drop_last"),
         ({**GOOD, "seed": 1}, "seed=1"),
         ({**GOOD, "shuffle": False}, "shuffle=False"),
+        ({**GOOD, "shard_end": "drop"}, "shard_end='drop'"),
+        ({**GOOD, "shard_end": 0}, "shard_end"),
     ],
 )
 def test_bad_state_raises_and_changes_nothing(bad: Any, needle: str) -> None:
-    loader = ResumableDataLoader(IndexDataset(10), 3)
+    loader = ResumableDataLoader(IndexDataset(10), 3, shuffle=True)
     loader.load_state_dict(GOOD)
     with pytest.raises(StateMismatchError, match=needle):
         loader.load_state_dict(bad)
     assert loader.state_dict() == GOOD
 
 
+def test_version_1_states_still_load() -> None:
+    """A state written before sharding, ``(epoch, batches)``, resumes at the same place."""
+    old = {k: v for k, v in GOOD.items() if k not in ("position", "shard_end")}
+    loader = ResumableDataLoader(IndexDataset(10), 3, shuffle=True)
+    loader.load_state_dict({**old, "version": 1, "batches": 2})
+    assert loader.state_dict() == GOOD
+    loader.load_state_dict({**old, "version": 1, "batches": 4})  # after the short last batch
+    assert loader.state_dict()["position"] == 10
+    with pytest.raises(StateMismatchError, match="only 4 batches"):
+        loader.load_state_dict({**old, "version": 1, "batches": 5})
+
+
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "needle"),
     [
-        {"sampler": [0, 1]},
-        {"batch_sampler": [[0, 1]]},
-        {"generator": torch.Generator()},
-        {"num_workers": 1, "persistent_workers": True},
-        {"num_workers": 1, "in_order": False},
-        {"batch_size": None},
+        ({"sampler": torch.utils.data.RandomSampler(range(4))}, "sampler=RandomSampler"),
+        (
+            {
+                "batch_sampler": torch.utils.data.BatchSampler(
+                    torch.utils.data.RandomSampler(range(4)), 2, False
+                )
+            },
+            "batch_sampler.sampler=RandomSampler",
+        ),
+        (
+            {"sampler": torch.utils.data.WeightedRandomSampler([1.0] * 4, 4)},
+            "WeightedRandomSampler",
+        ),
+        ({"generator": torch.Generator()}, "seed="),
+        ({"num_workers": 1, "in_order": False}, "in_order=True"),
+        ({"batch_size": None}, "batch_size=1"),
     ],
 )
-def test_unsupported_arguments_are_rejected(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(UnsupportedStateError):
+def test_unsupported_arguments_are_rejected(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(UnsupportedStateError, match=needle):
         ResumableDataLoader(IndexDataset(4), **kwargs)
 
 
@@ -486,3 +517,83 @@ def test_invalid_datasets_and_sizes_are_rejected() -> None:
         ResumableDataLoader(IndexDataset(4), 0)
     with pytest.raises(ValueError):
         ResumableSampler(4, seed=-1)
+
+
+def test_is_a_dataloader_with_dataloaders_arguments_and_defaults() -> None:
+    """Drop-in: an ``isinstance`` check passes, every DataLoader parameter is accepted under
+    the same name, position and default, and ``shuffle`` defaults to off as in DataLoader."""
+    import inspect
+
+    loader = ResumableDataLoader(IndexDataset(10), 4)
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    theirs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+    ours = inspect.signature(ResumableDataLoader.__init__).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)
+    for name, param in theirs.items():
+        assert ours[name].default == param.default, name
+        assert ours[name].kind == param.kind, name
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert (loader.batch_size, loader.drop_last, len(loader), loader.epoch) == (4, False, 3, 1)
+    positional = ResumableDataLoader(IndexDataset(10), 4, False, None, None, 0, None, False, True)
+    assert [b.tolist() for b in positional] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_persistent_workers_resume_exactly() -> None:
+    """Persistent workers are reused across epochs and restarts alike; the position, which
+    is counted in the main process, stays exact."""
+
+    def make() -> ResumableDataLoader:
+        return ResumableDataLoader(
+            IndexDataset(11), 3, True, num_workers=2, persistent_workers=True, seed=4
+        )
+
+    reference = run(make, 3, [])
+    for interrupts in ([1], [4, 3], [2, 2, 2]):
+        assert run(make, 3, interrupts) == reference
+
+
+class AugmentedDataset(Dataset[tuple[int, float, float, float]]):
+    """Sample ``i`` with a random "augmentation" from each global RNG of the process that
+    loads it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[int, float, float, float]:
+        return index, torch.rand(()).item(), random.random(), float(np.random.rand())
+
+
+def _augmented(reseed: bool) -> Callable[[], ResumableDataLoader]:
+    return lambda: ResumableDataLoader(
+        AugmentedDataset(), 2, True, num_workers=2, seed=3, reseed_per_sample=reseed
+    )
+
+
+def _tuples(batch: Any) -> tuple[Any, ...]:
+    return tuple(tuple(t.tolist()) for t in batch)
+
+
+def _augmented_run(make: Callable[[], ResumableDataLoader], interrupt: int | None) -> list[Any]:
+    out: list[Any] = []
+    loader = make()
+    if interrupt is not None:
+        for _, batch in zip(range(interrupt), loader):
+            out.append(_tuples(batch))
+        state = _roundtrip(loader.state_dict())
+        loader = make()
+        loader.load_state_dict(state)
+    while loader.epoch < 2:
+        out += [_tuples(b) for b in loader]
+    return out
+
+
+def test_reseed_per_sample_makes_worker_augmentation_exact_mid_epoch() -> None:
+    reference = _augmented_run(_augmented(True), None)
+    for k in (1, 3, 8):
+        assert _augmented_run(_augmented(True), k) == reference, f"interrupted after {k}"
+    # Without it, a mid-epoch resume hands batches to other workers: other values.
+    assert _augmented_run(_augmented(False), 1) != _augmented_run(_augmented(False), None)
+    with pytest.raises(UnsupportedStateError, match="persistent_workers"):
+        ResumableDataLoader(
+            AugmentedDataset(), 2, num_workers=1, persistent_workers=True, reseed_per_sample=True
+        )

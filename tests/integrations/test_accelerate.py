@@ -1,6 +1,7 @@
 """A user of `accelerate` with their own loop hands `Checkpointer` the prepared model,
-optimizer and scheduler and a `ResumableDataLoader` (which ``prepare`` passes through):
-a run crashed mid-epoch and resumed ends bit-identical to one never stopped."""
+optimizer and scheduler and a `ResumableDataLoader` kept out of ``prepare`` (it is a
+``DataLoader``, which ``prepare`` would replace with its own ``DataLoaderShard``, position
+and all): a run crashed mid-epoch and resumed ends bit-identical to one never stopped."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def train(root: Path, *, crash_at: int | None = None) -> dict[str, torch.Tensor]
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
     loader = ResumableDataLoader(data, batch_size=4, shuffle=True, seed=0)
-    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    model, opt, sched = acc.prepare(model, opt, sched)
     assert isinstance(opt, accelerate.optimizer.AcceleratedOptimizer)
     ckpt = resumable.Checkpointer(
         root,
@@ -64,3 +65,10 @@ def test_prepared_objects_resume_bit_identical(tmp_path: Path) -> None:
     assert reference.keys() == resumed.keys()
     for k in reference:
         assert torch.equal(reference[k], resumed[k]), k
+
+
+def test_prepare_would_replace_the_loader() -> None:
+    """Why the loader stays out of ``prepare``: it is a ``DataLoader``."""
+    data = TensorDataset(torch.arange(8.0))
+    prepared = accelerate.Accelerator(cpu=True).prepare(ResumableDataLoader(data, 2))
+    assert not isinstance(prepared, ResumableDataLoader)

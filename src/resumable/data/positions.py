@@ -1,0 +1,446 @@
+"""Positions in an epoch: one object per way an epoch's order is made.
+
+`ResumableDataLoader` counts the batches it hands out and asks its `Order` what position
+that is, how to start the next pass from a position, and what to save:
+
+- `SeededOrder` (the default, ``shuffle=``/``seed=``): the loader's own `ResumableSampler`;
+  the position counts the entries of the epoch's permutation all ranks consumed together,
+  the same on every rank and valid at any world size (`resumable.data.order`).
+- `UserOrder`: a user's sampler or batch sampler, recomputed on resume by
+  ``set_epoch(epoch)`` or by loading its ``state_dict()`` from the start of the epoch, then
+  skipped up to the position without loading data (`Skipping`); the position is the rank's
+  own.
+- `IterableOrder`: an ``IterableDataset``; its own ``state_dict()`` (no workers), or replay.
+
+Each is validated on load like any input read from disk (`resumable.data.state`).
+"""
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from typing import Any, Protocol
+
+from torch.utils.data import BatchSampler, Sampler, SequentialSampler
+
+from resumable.data.order import STATE_VERSION, ResumableSampler, consumed, shard_length
+from resumable.data.state import expect_same, is_int, validated_state
+from resumable.errors import StateMismatchError
+
+__all__ = [
+    "WHAT",
+    "IterableOrder",
+    "Order",
+    "SeededOrder",
+    "Skipping",
+    "UserOrder",
+    "has_state",
+    "refusal",
+    "sharded_by",
+]
+
+WHAT = "ResumableDataLoader"
+
+
+class Order(Protocol):
+    """How an epoch's order is made and a position in it is counted.
+
+    The loader calls `begin` before each pass (in the main process, before the DataLoader
+    iterator exists), then `replay` once, `position` after each batch it hands out,
+    `end_of_epoch` when a pass is exhausted, and `state`/`load` from its own
+    ``state_dict``/``load_state_dict``.
+    """
+
+    per_rank: bool
+
+    def begin(self, epoch: int, position: int) -> None:
+        """Make the next iteration of the DataLoader's sampler yield from ``position``."""
+
+    def position(self, start: int, batches: int) -> int:
+        """The position after this rank took ``batches`` batches of a pass begun at
+        ``start``."""
+
+    def batches_from(self, position: int) -> int | None:
+        """Batches of a pass begun at ``position`` (None when the order has no length)."""
+
+    def batches_before(self, position: int) -> int:
+        """This rank's batches that ``position`` stands for."""
+
+    def replay(self) -> int:
+        """Batches the pass `begin` prepared must re-read and throw away first (once)."""
+
+    def end_of_epoch(self) -> None: ...
+
+    def state(self, epoch: int, position: int) -> dict[str, Any]: ...
+
+    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """Check ``state`` against this order; return its ``(epoch, position)``."""
+
+
+class SeededOrder:
+    per_rank = False
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def _items(self, start: int) -> int:
+        s = self.sampler
+        return shard_length(s.num_samples, start, s.num_replicas, s.shard_end)
+
+    def begin(self, epoch: int, position: int) -> None:
+        self.sampler.set_epoch(epoch)
+        self.sampler.start_at(position)
+
+    def position(self, start: int, batches: int) -> int:
+        s = self.sampler
+        return consumed(
+            s.num_samples, start, s.num_replicas, s.shard_end, batches * self.batch_size
+        )
+
+    def batches_from(self, position: int) -> int:
+        items = self._items(position)
+        if self.drop_last:
+            return items // self.batch_size
+        return -(-items // self.batch_size)
+
+    def batches_before(self, position: int) -> int:
+        return -(-position // (self.batch_size * self.sampler.num_replicas))
+
+    def replay(self) -> int:
+        return 0
+
+    def end_of_epoch(self) -> None:
+        pass
+
+    def state(self, epoch: int, position: int) -> dict[str, Any]:
+        s = self.sampler
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": position,
+            "seed": s.seed,
+            "shuffle": s.shuffle,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "dataset_len": s.num_samples,
+            "shard_end": s.shard_end,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        common = {
+            "epoch": int,
+            "seed": int,
+            "shuffle": bool,
+            "batch_size": int,
+            "drop_last": bool,
+            "dataset_len": int,
+        }
+        s = validated_state(
+            state,
+            WHAT,
+            (1, STATE_VERSION),
+            {1: {**common, "batches": int}, 2: {**common, "position": int, "shard_end": str}},
+        )
+        n = self.sampler.num_samples
+        expect_same(WHAT, "dataset_len", s["dataset_len"], n, "Resume with the same dataset.")
+        checks: list[tuple[str, object]] = [
+            ("batch_size", self.batch_size),
+            ("drop_last", self.drop_last),
+            ("seed", self.sampler.seed),
+            ("shuffle", self.sampler.shuffle),
+        ]
+        if s["version"] == 2:
+            checks.append(("shard_end", self.sampler.shard_end))
+        for key, current in checks:
+            expect_same(WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
+        if s["version"] == 1:  # one process, (epoch, batches handed out)
+            per_epoch = self.batches_from(0) if self.sampler.num_replicas == 1 else None
+            if per_epoch is not None and s["batches"] > per_epoch:
+                raise StateMismatchError(
+                    f"{WHAT} state has batches={s['batches']} but an epoch has only "
+                    f"{per_epoch} batches; the checkpoint is damaged."
+                )
+            return s["epoch"], min(s["batches"] * self.batch_size, n)
+        if s["position"] > n:
+            raise StateMismatchError(
+                f"{WHAT} state has position={s['position']} but an epoch has only {n} "
+                "samples; the checkpoint is damaged."
+            )
+        return s["epoch"], s["position"]
+
+
+def refusal(obj: object, arg: str) -> str | None:
+    """Why the order of ``obj`` (a user's sampler or batch sampler) cannot be recomputed
+    after a restart, or None when it can."""
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        return None
+    if callable(getattr(obj, "set_epoch", None)):
+        return None
+    if isinstance(obj, (SequentialSampler, range, list, tuple)):
+        return None
+    if isinstance(obj, BatchSampler):
+        return refusal(obj.sampler, f"{arg}.sampler")
+    return (
+        f"{arg}={type(obj).__name__} has neither state_dict()/load_state_dict() nor "
+        "set_epoch(epoch), so the order it yields after a restart cannot be known to be the "
+        "one it yielded before (RandomSampler, WeightedRandomSampler and SubsetRandomSampler "
+        "draw from a generator whose state is not saved). Use shuffle=True with seed= "
+        "instead, or give the sampler a set_epoch(epoch) that seeds its own torch.Generator "
+        "from (seed, epoch), or state_dict()/load_state_dict()"
+    )
+
+
+def sharded_by(obj: object) -> tuple[int, int] | None:
+    """``(num_replicas, rank)`` of a ``DistributedSampler``-like sampler (or of the sampler
+    inside a batch sampler), None for one that does not shard."""
+    for candidate in (obj, getattr(obj, "sampler", None)):
+        size, rank = getattr(candidate, "num_replicas", None), getattr(candidate, "rank", None)
+        if is_int(size) and is_int(rank):
+            assert isinstance(size, int) and isinstance(rank, int)
+            return size, rank
+    return None
+
+
+class UserOrder:
+    """A user's sampler (``unit`` = 1 index) or batch sampler (``unit`` = 1 batch), wrapped
+    so that its next iteration starts at a position. The DataLoader iterates `Skipping`."""
+
+    per_rank = True
+
+    def __init__(
+        self, inner: Iterable[Any], kind: str, batch_size: int, world_size: int, rank: int
+    ) -> None:
+        self.inner = inner
+        self.kind = kind
+        self.batch_size = batch_size  # indices per batch; 1 for a batch sampler
+        self.world_size = world_size
+        self.rank = rank
+        self.skipping = Skipping(inner)
+        self.pass_state: Any = None
+
+    @property
+    def _epoch_target(self) -> Any:
+        if callable(getattr(self.inner, "set_epoch", None)):
+            return self.inner
+        if isinstance(self.inner, BatchSampler):
+            return (
+                self.inner.sampler
+                if callable(getattr(self.inner.sampler, "set_epoch", None))
+                else None
+            )
+        return None
+
+    @property
+    def _stateful(self) -> bool:
+        return callable(getattr(self.inner, "state_dict", None))
+
+    def begin(self, epoch: int, position: int) -> None:
+        target = self._epoch_target
+        if target is not None:
+            target.set_epoch(epoch)
+        if self.pass_state is not None:
+            self.inner.load_state_dict(self.pass_state)  # type: ignore[attr-defined]
+        elif self._stateful:
+            self.pass_state = self.inner.state_dict()  # type: ignore[attr-defined]
+        self.skipping.skip = position
+
+    def end_of_epoch(self) -> None:
+        self.pass_state = None
+
+    def batches_before(self, position: int) -> int:
+        return -(-position // self.batch_size)
+
+    def replay(self) -> int:
+        return 0
+
+    def position(self, start: int, batches: int) -> int:
+        taken = start + batches * self.batch_size
+        total = len(self.inner) if isinstance(self.inner, Sized) else None
+        return taken if total is None else min(taken, total)
+
+    def batches_from(self, position: int) -> int | None:
+        return None  # the DataLoader's own len() applies
+
+    def state(self, epoch: int, position: int) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "order": self.kind,
+            "epoch": epoch,
+            "position": position,
+            "sampler_state": self.pass_state,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        spec = {
+            "order": str,
+            "epoch": int,
+            "position": int,
+            "sampler_state": object,
+            "batch_size": int,
+            "world_size": int,
+            "rank": int,
+        }
+        s = validated_state(state, WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
+        expect_same(WHAT, "order", s["order"], self.kind, f"Pass {s['order']}= as before.")
+        expect_same(
+            WHAT, "batch_size", s["batch_size"], self.batch_size, "Use the same batch_size."
+        )
+        for key, current in (("world_size", self.world_size), ("rank", self.rank)):
+            expect_same(
+                WHAT,
+                key,
+                s[key],
+                current,
+                f"A position in a user's {self.kind} is one rank's own; it resumes only at the "
+                "same world size and rank. Use shuffle=/seed= (the loader's own sharded order) "
+                "to resume at another world size.",
+            )
+        if s["sampler_state"] is not None and not self._stateful:
+            raise StateMismatchError(
+                f"{WHAT} state holds a {self.kind} state_dict but this {self.kind} "
+                f"({type(self.inner).__name__}) has no load_state_dict; pass the same kind "
+                f"of {self.kind} as before."
+            )
+        self.pass_state = s["sampler_state"]
+        return s["epoch"], s["position"]
+
+
+def has_state(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+class IterableOrder:
+    """An ``IterableDataset``: the position is this rank's batches of the epoch.
+
+    With ``state_dict()``/``load_state_dict()`` on the dataset and no worker processes, the
+    dataset's own state is taken when the loader's is (nothing is prefetched then, so it is
+    exactly after the last batch handed out) and loaded before the next pass: nothing is
+    replayed. Otherwise, when the user opted in (``replay_iterable=True``), the pass re-reads
+    and discards the consumed batches, with a WARNING. The dataset shards itself over ranks
+    and workers (``get_worker_info``, ``split_dataset_by_node``), so the position is per rank.
+    """
+
+    per_rank = True
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        drop_last: bool,
+        replay: bool,
+        world_size: int,
+        rank: int,
+    ) -> None:
+        self.dataset = dataset
+        self.world_size = world_size
+        self.rank = rank
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.by_replay = replay
+        self.pending: Any = None  # the dataset state to load before the next pass
+        self.skip = 0  # batches to re-read and discard at the start of the next pass
+
+    def begin(self, epoch: int, position: int) -> None:
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+        if self.by_replay:
+            self.skip = position
+        elif position and self.pending is not None:
+            self.dataset.load_state_dict(self.pending)
+        self.pending = None
+
+    def position(self, start: int, batches: int) -> int:
+        return start + batches
+
+    def batches_from(self, position: int) -> int | None:
+        return None
+
+    def batches_before(self, position: int) -> int:
+        return position
+
+    def replay(self) -> int:
+        skip, self.skip = self.skip, 0
+        return skip
+
+    def end_of_epoch(self) -> None:
+        pass
+
+    def state(self, epoch: int, position: int) -> dict[str, Any]:
+        dataset_state = None
+        if not self.by_replay and position:
+            dataset_state = self.pending if self.pending is not None else self.dataset.state_dict()
+        return {
+            "version": STATE_VERSION,
+            "order": "iterable",
+            "epoch": epoch,
+            "position": position,
+            "dataset_state": dataset_state,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "replay": self.by_replay,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        spec = {
+            "order": str,
+            "epoch": int,
+            "position": int,
+            "dataset_state": object,
+            "batch_size": int,
+            "drop_last": bool,
+            "replay": bool,
+            "world_size": int,
+            "rank": int,
+        }
+        s = validated_state(state, WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
+        for key, current in (
+            ("order", "iterable"),
+            ("batch_size", self.batch_size),
+            ("drop_last", self.drop_last),
+            ("replay", self.by_replay),
+        ):
+            expect_same(WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
+        for key, current in (("world_size", self.world_size), ("rank", self.rank)):
+            expect_same(
+                WHAT,
+                key,
+                s[key],
+                current,
+                "A position in an IterableDataset is one rank's own (the dataset shards "
+                "itself); it resumes only at the same world size and rank.",
+            )
+        if not self.by_replay and s["position"] and s["dataset_state"] is None:
+            raise StateMismatchError(
+                f"{WHAT} state has position={s['position']} but no dataset_state; the "
+                "checkpoint is damaged."
+            )
+        self.pending = s["dataset_state"]
+        return s["epoch"], s["position"]
+
+
+class Skipping(Sampler[Any]):
+    """Iterates a user's order from ``skip`` on (then resets ``skip`` to 0); ``len`` is what
+    is left."""
+
+    def __init__(self, inner: Iterable[Any]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.inner), skip, None)
+
+    def __len__(self) -> int:
+        if not isinstance(self.inner, Sized):
+            raise TypeError(f"{type(self.inner).__name__} has no len()")
+        return max(len(self.inner) - self.skip, 0)
