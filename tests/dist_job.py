@@ -141,7 +141,9 @@ def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"value": value, "seconds": time.monotonic() - t0}
 
 
-def open_ck(root: Path, model: nn.Module, optim: torch.optim.Optimizer, **kw: Any) -> Checkpointer:
+def open_ck(
+    root: Path | Storage, model: nn.Module, optim: torch.optim.Optimizer, **kw: Any
+) -> Checkpointer:
     return Checkpointer(root, {"model": model, "optim": optim}, persist="sync", keep=None, **kw)
 
 
@@ -173,11 +175,9 @@ class RefusingStorage(ForwardingStorage):
         return self.inner.write(path, chunks)
 
 
-def swap_storage(ck: Checkpointer, wrap: Callable[[Storage], Storage]) -> None:
-    """Make ``ck`` write through ``wrap(storage)`` (both the handle and its writer)."""
-    wrapped = wrap(ck._runner.storage)
-    ck.storage = wrapped
-    ck._runner.storage = wrapped
+def refusing_on_rank1(root: Path, **kw: Any) -> Path | Storage:
+    """``root``, seen by rank 1 through a `RefusingStorage` of step 2 (see there)."""
+    return RefusingStorage(LocalStorage(root), 2, **kw) if rank() == 1 else root
 
 
 def listing(root: Path) -> list[str]:
@@ -197,11 +197,9 @@ def phase_save2(out: Path, report: dict[str, Any]) -> None:
 
     model, optim = build("fsdp")
     train(model, optim, [1])
-    ck = open_ck(out / "fail2", model, optim)
+    ck = open_ck(refusing_on_rank1(out / "fail2"), model, optim)
     ck.save(1)
     train(model, optim, [2])
-    if rank() == 1:
-        swap_storage(ck, lambda s: RefusingStorage(s, 2))
     report["fail_save2"] = outcome(lambda: ck.save(2))
     report["fail_listing"] = listing(out / "fail2")
     report["fail_steps"] = ck.steps()
@@ -296,11 +294,10 @@ def phase_load2(out: Path, report: dict[str, Any]) -> None:
 def phase_hang(out: Path, report: dict[str, Any]) -> None:
     model, optim = build("fsdp")
     train(model, optim, [1])
-    ck = open_ck(out / "hang", model, optim, dist_timeout_s=DIST_TIMEOUT_S)
+    hang = refusing_on_rank1(out / "hang", stall_s=HANG_S)
+    ck = open_ck(hang, model, optim, dist_timeout_s=DIST_TIMEOUT_S)
     ck.save(1)
     train(model, optim, [2])
-    if rank() == 1:
-        swap_storage(ck, lambda s: RefusingStorage(s, 2, stall_s=HANG_S))
     report["hang_save2"] = outcome(lambda: ck.save(2))
     report["hang_listing"] = listing(out / "hang")
 

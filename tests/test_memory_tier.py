@@ -179,39 +179,6 @@ def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     again.close(unlink=True)
 
 
-def test_memory_checksum_mismatch_falls_back_to_storage(
-    tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    state = make_state()
-    train_step(state)
-    ck = resumable.Checkpointer(tmp_path / "ck", state, persist="thread", shm_dir=shm_dir)
-    ck.save(1)
-    ck.wait()  # the worker stores per-tensor checksums into the slot it persisted
-    at1 = params(state)
-    train_step(state)
-    ck.snapshot(2)
-    ck.snapshot(3)  # overwrites the slot of step 1; slot of step 2 kept... then newest=3
-    newest = ck._shm.newest  # type: ignore[union-attr]
-    assert newest is not None and newest.step == 3
-    # Give the step-3 slot checksums of other data, then corrupt a byte: must be refused.
-    slot = ck._shm.slots[newest.index]  # type: ignore[union-attr]
-    assert slot is not None
-    content = slot.read()
-    assert content is not None
-    slot.write_checksums(content.seq, ["00" * 8] * len(content.slots))
-    caplog.set_level(logging.WARNING, logger="resumable")
-    fresh = make_state(seed=3)
-    ck2 = resumable.Checkpointer(tmp_path / "ck", fresh, persist="thread", shm_dir=shm_dir)
-    ck2._shm = ck._shm  # same process: hand over the arena as a relaunch would adopt it
-    ck2._adopted = True
-    assert ck2.restore() == 1
-    assert_same(params(fresh), at1)
-    assert "skipping the shared-memory snapshot of step 3" in caplog.text
-    ck2._shm = None
-    ck2.close()
-    ck.close()
-
-
 TRAINER = textwrap.dedent(
     """
     import os, sys, torch, resumable
@@ -253,6 +220,31 @@ def run_trainer(root: Path, shm_dir: Path, stop_at: int, mode: str, how: str = "
         env=env,
         check=False,
     )
+
+
+def test_memory_checksum_mismatch_falls_back_to_storage(
+    tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    killed = run_trainer(root, shm_dir, stop_at=17, mode="process")  # step 10 committed
+    assert killed.returncode == -signal.SIGKILL
+    # Give the slot of step 17 checksums of other data: its restore must be refused.
+    damaged = 0
+    for path in slot_files(shm_dir):
+        slot = shm.ShmSlot.attach(path)
+        content = slot.read()
+        if content is not None and content.step == 17:
+            slot.write_checksums(content.seq, ["00" * 8] * len(content.slots))
+            damaged += 1
+        slot.close()
+    assert damaged == 1
+    caplog.set_level(logging.INFO, logger="resumable")
+    model = nn.Linear(64, 64)
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    with resumable.Checkpointer(root, state, persist="thread", shm_dir=shm_dir) as ck:
+        assert ck.restore() == 10
+    assert "skipping the shared-memory snapshot of step 17" in caplog.text
+    assert "restored step 10 from" in caplog.text and "skipped: memory snapshot" in caplog.text
 
 
 @pytest.mark.parametrize("mode", ["process", "sync"])
@@ -339,11 +331,11 @@ def test_killed_persist_process_surfaces_and_loses_nothing(tmp_path: Path, shm_d
     ck = resumable.Checkpointer(root, state, persist="process", shm_dir=shm_dir)
     ck.save(1)
     ck.wait()
-    worker = ck._worker
-    assert worker is not None
-    os.kill(worker.pid, signal.SIGKILL)
+    pid = ck.worker_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while worker.alive and time.monotonic() < deadline:
+    while ck.worker_pid is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(PersistError, match="persist process"):
         ck.save(2)
@@ -435,7 +427,7 @@ def test_memory_and_descriptors_flat_over_1000_saves(tmp_path: Path, shm_dir: Pa
 def test_too_small_shared_memory_fails_before_training(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("resumable.manager.shm_free_bytes", lambda d: 1024)
+    monkeypatch.setattr("resumable.pipeline.memory.shm_free_bytes", lambda d: 1024)
     ck = resumable.Checkpointer(tmp_path / "ck", make_state(), persist="process", shm_dir=shm_dir)
     with pytest.raises(StorageError, match=r"need .* MiB"):
         ck.restore()
@@ -513,7 +505,7 @@ def test_overlap_mode_snapshot_equals_state_at_snapshot_time(tmp_path: Path, shm
         step()
         expected[i] = params(state)
         ck.maybe_save(i)
-        assert ck._pending is not None or i % 4 == 0  # parameters still being copied
+        assert ck.snapshot_pending or i % 4 == 0  # parameters still being copied
     step()  # forward/backward/step right after the snapshot of step 6
     assert ck.restore(tier="memory") == 6
     assert_same(params(state), expected[6])

@@ -268,7 +268,7 @@ def test_auto_interval_plans_with_the_measured_cost(tmp_path: Path) -> None:
     )
     time.sleep(0.01)
     assert ck.maybe_save(1)  # no cost measured yet: due after min_seconds
-    cost = ck._persist_cost.value
+    cost = ck.stats["persist_cost_s"]
     assert cost is not None and cost > 0
     planned = ck.persist_every.interval_seconds_for(cost)
     assert planned is not None and planned > 1.0  # Daly with a ms-scale cost and 1 h MTBF

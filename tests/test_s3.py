@@ -310,12 +310,12 @@ def test_unmirrored_local_checkpoints_are_kept_and_the_failure_is_raised(
         mirror="s3://bucket/exp",
         storage_options=opts,
         persist="thread",
+        on_busy="wait",
         alert=lambda kind, msg, details: alerts.append(kind),
     )
     for step in range(1, 4):
         ts.train()
-        ck.save(step)
-        ck._wait_worker()
+        ck.save(step)  # on_busy="wait": each waits for the previous commit
     with pytest.raises(PersistError, match="mirroring step 3 to s3://bucket/exp failed"):
         ck.close()
     assert list_committed(LocalStorage(tmp_path / "local")) == [1, 2, 3]

@@ -257,7 +257,7 @@ def build_manifest(
         "format_version": FORMAT_VERSION,
         "step": int(step),
         "created": time.time(),
-        "metrics": _json_metrics(metrics or {}),
+        "metrics": json_metrics(metrics or {}),
         "versions": versions(),
         "hostname": socket.gethostname(),
         "world_size": int(world_size),
@@ -269,7 +269,7 @@ def build_manifest(
     return m
 
 
-def _json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+def json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in metrics.items():
         if isinstance(v, torch.Tensor) and v.numel() == 1:

@@ -42,6 +42,7 @@ from resumable.audit import AuditLog
 from resumable.commit import abort_quietly, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, StorageError
 from resumable.format import encode_manifest, manifest_digest
+from resumable.pipeline.messages import Mirrored, MirrorFailed, MirrorFlushed, Report
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention
@@ -50,7 +51,7 @@ from resumable.storage.base import Storage
 
 log = logging.getLogger("resumable")
 
-Notify = Callable[[dict[str, Any]], None]
+Notify = Callable[[Report], None]
 
 
 def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
@@ -212,7 +213,7 @@ class Mirror:
             self._submitted = max(step, self._submitted if self._submitted is not None else step)
             self._cond.notify_all()
 
-    def flush(self, timeout: float | None = None) -> dict[str, Any]:
+    def flush(self, timeout: float | None = None) -> MirrorFlushed:
         """Wait until nothing is queued or uploading; report the newest step submitted
         and why it is not mirrored, if it is not."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -228,7 +229,7 @@ class Mirror:
             done = newest in self.mirrored
         if newest is not None and not done:
             error = self.failed.get(newest, f"step {newest} was not uploaded in time")
-        return {"kind": "mirror_flushed", "newest": newest, "error": error}
+        return MirrorFlushed(newest=newest, error=error)
 
     def close(self) -> None:
         with self._cond:
@@ -281,7 +282,7 @@ class Mirror:
             self.failed[step] = msg
             log.warning("%s; the local copy is kept", msg)
             self.audit.record("failure", step=step, stage="mirror", error=repr(exc)[:500])
-            self.notify({"kind": "mirror_failed", "step": step, "error": msg})
+            self.notify(MirrorFailed(step=step, error=msg))
             return
         seconds = time.perf_counter() - t0
         self._add_mirrored(step)
@@ -294,7 +295,7 @@ class Mirror:
             duration_s=round(seconds, 6),
         )
         self.remote_audit.record("commit", step=step, bytes=nbytes, source=self.local.url)
-        self.notify({"kind": "mirrored", "step": step, "bytes": nbytes, "seconds": seconds})
+        self.notify(Mirrored(step=step, bytes=nbytes, seconds=seconds))
         if self.keep is not None and not self.keep.keeps_all:
             try:
                 apply_retention(self.remote, self.keep, self.remote_audit, just_written=step)

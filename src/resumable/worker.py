@@ -47,6 +47,7 @@ code replaces the import path before its first import.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -70,6 +71,25 @@ from resumable.audit import AuditLog
 from resumable.commit import committer_for, list_committed
 from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
+from resumable.pipeline.messages import (
+    Committed,
+    Failed,
+    Job,
+    Message,
+    Mirrored,
+    MirrorFailed,
+    MirrorFlushed,
+    MirrorFlushJob,
+    PersistJob,
+    Ready,
+    Reply,
+    Report,
+    StopJob,
+    WorkerConfig,
+    decode,
+    encode,
+    with_id,
+)
 from resumable.policy import Keep
 from resumable.retention import apply_retention
 from resumable.retrying import retrying
@@ -143,47 +163,46 @@ class TrainerGone(CheckpointError):
 class JobRunner:
     """Executes jobs against one storage; lives in the worker (process or thread).
 
-    With ``config["mirror"]`` (a URL) it also runs a `Mirror` thread that uploads each
+    With ``config.mirror`` (a URL) it also runs a `Mirror` thread that uploads each
     committed checkpoint there; ``notify`` carries that thread's reports to the trainer.
     """
+
+    retries = 2  # of a transient storage error, per persist
+    mirror_retries = 2
+    mirror_backoff_s = 0.5
 
     def __init__(
         self,
         storage: Storage,
-        config: dict[str, Any],
+        config: WorkerConfig,
         *,
-        notify: Callable[[dict[str, Any]], None] | None = None,
+        notify: Callable[[Report], None] | None = None,
         mirror_storage: Storage | None = None,
     ) -> None:
         self.storage = storage
         self.committer = committer_for(storage)
-        self.keep = keep_from_json(config.get("keep"))
-        self.audit = AuditLog(
-            storage, rank=int(config.get("rank", 0)), enabled=bool(config.get("audit", True))
-        )
-        self.retries = int(config.get("retries", 2))
-        self.parent_pid = int(config.get("parent_pid", 0))
+        self.keep = keep_from_json(config.keep)
+        self.audit = AuditLog(storage, rank=config.rank, enabled=config.audit)
+        self.parent_pid = config.parent_pid
         self.slots: dict[str, ShmSlot] = {}
         self._stores: dict[tuple[str, int], Any] = {}  # coordination store clients
         self._arena = Arena()  # this rank's share of a coordinated persist
         self.metrics_cache: dict[int, Any] = {}
         self._retention_lock = threading.Lock()
         self.mirror: Mirror | None = None
-        if config.get("mirror"):
+        if config.mirror:
             from resumable.tiering import Mirror
 
-            remote = mirror_storage or open_storage(
-                config["mirror"], config.get("mirror_options") or None
-            )
+            remote = mirror_storage or open_storage(config.mirror, config.mirror_options or None)
             self.mirror = Mirror(
                 storage,
                 remote,
-                keep=keep_from_json(config.get("mirror_keep")),
+                keep=keep_from_json(config.mirror_keep),
                 audit=self.audit,
                 notify=notify or (lambda msg: None),
                 on_mirrored=lambda step: self._retain(step),
-                retries=int(config.get("mirror_retries", 2)),
-                backoff_s=float(config.get("mirror_backoff_s", 0.5)),
+                retries=self.mirror_retries,
+                backoff_s=self.mirror_backoff_s,
             )
             # Catch up: an earlier launch may have died before its newest commit was
             # uploaded (an identical remote copy is detected and not sent again).
@@ -207,37 +226,35 @@ class JobRunner:
         if self.parent_pid and os.getppid() != self.parent_pid:
             raise TrainerGone("the training process died; leaving this snapshot to its next launch")
 
-    def handle(self, job: dict[str, Any]) -> dict[str, Any]:
-        kind = job.get("kind")
+    def handle(self, job: Job) -> Reply:
+        step = job.step if isinstance(job, PersistJob) else None
         try:
-            if kind == "persist":
-                return self._persist(job)
-            if kind == "mirror_flush":
+            if isinstance(job, PersistJob):
+                return dataclasses.replace(self._persist(job), id=job.id)
+            if isinstance(job, MirrorFlushJob):
                 if self.mirror is None:
-                    return {"kind": "mirror_flushed", "id": job.get("id"), "error": None}
-                return {**self.mirror.flush(job.get("timeout")), "id": job.get("id")}
-            raise CheckpointError(f"unknown job kind {kind!r}")
+                    return MirrorFlushed(newest=None, error=None, id=job.id)
+                return dataclasses.replace(self.mirror.flush(job.timeout), id=job.id)
+            raise CheckpointError(f"the persist worker cannot do {job!r}")
         except Exception as exc:
-            step = job.get("step")
             self.audit.record("failure", step=step, error=repr(exc)[:500])
-            return {
-                "kind": "failed",
-                "id": job.get("id"),
-                "step": step,
-                "error": f"{type(exc).__name__}: {exc}",
-                "errno": getattr(exc, "errno", None),
-                "traceback": traceback.format_exc()[-4000:],
-            }
-
-    def _persist(self, job: dict[str, Any]) -> dict[str, Any]:
-        slot = self._slot(job["slot"])
-        content = slot.read()
-        if content is None or content.seq != job["seq"]:
-            raise CheckpointError(
-                f"snapshot of step {job['step']} was overwritten before it was persisted"
+            return Failed(
+                step=step,
+                error=f"{type(exc).__name__}: {exc}",
+                errno=getattr(exc, "errno", None),
+                traceback=traceback.format_exc()[-4000:],
+                id=job.id,
             )
-        if job.get("group"):
-            return {**self._persist_coordinated(slot, content, job["group"]), "id": job.get("id")}
+
+    def _persist(self, job: PersistJob) -> Committed:
+        slot = self._slot(job.slot)
+        content = slot.read()
+        if content is None or content.seq != job.seq:
+            raise CheckpointError(
+                f"snapshot of step {job.step} was overwritten before it was persisted"
+            )
+        if job.group:
+            return self._persist_coordinated(slot, content, job.group)
         reply, sums = self.persist_snapshot(
             Snapshot(content.slots, slot.data_tensor()),
             step=content.step,
@@ -248,11 +265,11 @@ class JobRunner:
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
         slot.write_checksums(content.seq, sums)
-        return {**reply, "id": job.get("id")}
+        return reply
 
     def persist_snapshot(
         self, snap: Snapshot, *, step: int, tree: Any, metrics: Any, pieces: Any = None
-    ) -> tuple[dict[str, Any], list[str]]:
+    ) -> tuple[Committed, list[str]]:
         """Write, commit (retrying transient storage errors), audit and apply retention.
         Returns the reply and the per-tensor checksums in layout order."""
         from resumable.persist import write_checkpoint
@@ -293,19 +310,18 @@ class JobRunner:
         if self.mirror is not None:
             self.mirror.submit(step)
         sums = [result.manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
-        reply = {
-            "kind": "committed",
-            "step": step,
-            "bytes": result.nbytes,
-            "seconds": seconds,
-            "replaced": result.replaced,
-            "deleted": deleted,
-        }
+        reply = Committed(
+            step=step,
+            seconds=seconds,
+            bytes=result.nbytes,
+            replaced=result.replaced,
+            deleted=deleted,
+        )
         return reply, sums
 
     def _persist_coordinated(
         self, slot: ShmSlot, content: SlotContent, where: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> Committed:
         """This rank's share of a coordinated persist, from its shared-memory snapshot:
         its tensors copied out (the slot may be rewritten once the job ends), then the
         exchanges of `write_distributed` through the coordination store."""
@@ -339,7 +355,7 @@ class JobRunner:
         tree: Any,
         pieces: Any,
         metrics: Any,
-    ) -> dict[str, Any]:
+    ) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
         from resumable.persist import write_distributed
@@ -370,7 +386,13 @@ class JobRunner:
             deleted = self._retain(step)
             if self.mirror is not None:  # rank 0's worker uploads the whole checkpoint
                 self.mirror.submit(step)
-        return {"kind": "committed", "step": step, "seconds": result.seconds, "deleted": deleted}
+        return Committed(
+            step=step,
+            seconds=result.seconds,
+            bytes=result.nbytes,
+            replaced=result.replaced,
+            deleted=deleted,
+        )
 
     def _retain(self, just_written: int) -> list[int]:
         """Apply ``keep`` locally (never to a checkpoint not mirrored yet)."""
@@ -402,8 +424,8 @@ class JobRunner:
         self._stores.clear()
 
 
-def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    data = json.dumps(msg).encode()
+def _send(sock: socket.socket, msg: Message) -> None:
+    data = json.dumps(encode(msg)).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
@@ -417,17 +439,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> dict[str, Any] | None:
+def _recv(sock: socket.socket) -> Message | None:
+    """The next message; None at end of file; `CheckpointError` if it is not one."""
     head = _recv_exact(sock, _LEN.size)
     if head is None:
         return None
     body = _recv_exact(sock, _LEN.unpack(head)[0])
     if body is None:
         return None
-    msg = json.loads(body)
-    if not isinstance(msg, dict):
-        raise ValueError("malformed worker message")
-    return msg
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        raise CheckpointError(f"malformed message from the other end: {exc}") from exc
+    return decode(obj)
 
 
 class TrainerWatch:
@@ -491,25 +515,25 @@ def worker_main(argv: list[str] | None = None) -> int:
         config = _recv(sock)
         if config is None:
             return 0
-        watch = TrainerWatch(int(config.get("parent_pid", 0)))
+        if not isinstance(config, WorkerConfig):
+            raise CheckpointError(f"expected the worker's configuration, found {config!r}")
+        watch = TrainerWatch(config.parent_pid)
         send_lock = threading.Lock()
 
-        def send(msg: dict[str, Any]) -> None:
+        def send(msg: Message) -> None:
             with send_lock:
                 _send(sock, msg)
 
-        def notify(msg: dict[str, Any]) -> None:
+        def notify(msg: Report) -> None:
             try:
                 send(msg)
             except OSError:
                 pass  # the trainer is gone
 
         runner = JobRunner(
-            open_storage(config["url"], config.get("storage_options") or None),
-            config,
-            notify=notify,
+            open_storage(config.url, config.storage_options or None), config, notify=notify
         )
-        send({"kind": "ready", "pid": os.getpid()})
+        send(Ready(pid=os.getpid()))
     except OSError:
         return 0  # the trainer is already gone
     try:
@@ -521,8 +545,10 @@ def worker_main(argv: list[str] | None = None) -> int:
                 job = _recv(sock)
             except ConnectionResetError:  # the trainer died (SIGKILL): same as its EOF
                 break
-            if job is None or job.get("kind") == "stop":
+            if job is None or isinstance(job, StopJob):
                 break
+            if not isinstance(job, (PersistJob, MirrorFlushJob)):
+                raise CheckpointError(f"expected a job from the trainer, found {job!r}")
             reply = runner.handle(job)
             try:
                 send(reply)
@@ -625,19 +651,19 @@ class PersistWorker:
         if mode not in ("process", "thread"):
             raise ValueError(f"persist mode must be 'process' or 'thread', got {mode!r}")
         self.mode = mode
-        self.outstanding: deque[dict[str, Any]] = deque()
+        self.outstanding: deque[Job] = deque()
         self._next_id = 0
         self._stopped = False
-        config = {
-            "url": url,
-            "keep": keep_to_json(keep),
-            "rank": rank,
-            "parent_pid": os.getpid(),
-            "storage_options": storage_options,
-            "mirror": mirror,
-            "mirror_keep": keep_to_json(mirror_keep),
-            "mirror_options": mirror_options,
-        }
+        config = WorkerConfig(
+            url=url,
+            keep=keep_to_json(keep),
+            rank=rank,
+            parent_pid=os.getpid(),
+            storage_options=storage_options,
+            mirror=mirror,
+            mirror_keep=keep_to_json(mirror_keep),
+            mirror_options=mirror_options,
+        )
         self.pid = os.getpid()
         if mode == "process":
             parent, child = socket.socketpair()
@@ -661,11 +687,11 @@ class PersistWorker:
         else:
             self._proc = None
             self._sock = None
-            self._jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
-            self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+            self._jobs: queue.Queue[Job | None] = queue.Queue()
+            self._replies: queue.Queue[Message] = queue.Queue()
             runner = JobRunner(
                 storage or open_storage(url, storage_options),
-                {**config, "parent_pid": 0},
+                dataclasses.replace(config, parent_pid=0),
                 notify=self._replies.put,
                 mirror_storage=mirror_storage,
             )
@@ -689,10 +715,11 @@ class PersistWorker:
     def busy(self) -> bool:
         return bool(self.outstanding)
 
-    def submit(self, job: dict[str, Any]) -> dict[str, Any]:
+    def submit(self, job: Job) -> Job:
+        """Send ``job``; returns it with the id its reply will carry."""
         self._check_alive()
         self._next_id += 1
-        job = {**job, "id": self._next_id}
+        job = with_id(job, self._next_id)
         self.outstanding.append(job)
         if self._sock is not None:
             try:
@@ -703,25 +730,32 @@ class PersistWorker:
             self._jobs.put(job)
         return job
 
-    def poll(self, timeout: float = 0.0) -> list[dict[str, Any]]:
-        """Replies that arrived (waiting up to ``timeout`` seconds for the first one)."""
-        replies: list[dict[str, Any]] = []
+    def poll(self, timeout: float = 0.0) -> list[Reply | Report]:
+        """Replies and reports that arrived (waiting up to ``timeout`` seconds for the
+        first one)."""
+        replies: list[Reply | Report] = []
         deadline = time.monotonic() + timeout
         while True:
             msg = self._receive(max(0.0, deadline - time.monotonic()) if not replies else 0.0)
             if msg is None:
                 break
-            if msg.get("kind") == "ready":
+            if isinstance(msg, Ready):
                 self._ready = True
                 continue
-            if self.outstanding and self.outstanding[0].get("id") == msg.get("id"):
+            if not isinstance(msg, (Committed, Failed, MirrorFlushed, Mirrored, MirrorFailed)):
+                raise PersistError(f"unexpected message from the persist worker: {msg!r}")
+            if (
+                self.outstanding
+                and isinstance(msg, (Committed, Failed, MirrorFlushed))
+                and self.outstanding[0].id == msg.id
+            ):
                 self.outstanding.popleft()
             replies.append(msg)
         if not replies:
             self._check_alive()
         return replies
 
-    def _receive(self, timeout: float) -> dict[str, Any] | None:
+    def _receive(self, timeout: float) -> Message | None:
         if self._sock is None:
             try:
                 return (
@@ -736,12 +770,12 @@ class PersistWorker:
             return None
         try:
             return _recv(self._sock)
-        except (OSError, ValueError):
+        except (OSError, CheckpointError):
             return None
 
-    def wait_all(self, timeout: float | None = None) -> list[dict[str, Any]]:
+    def wait_all(self, timeout: float | None = None) -> list[Reply | Report]:
         """Block until every outstanding job replied; returns the replies."""
-        replies: list[dict[str, Any]] = []
+        replies: list[Reply | Report] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.outstanding:
             left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
@@ -753,7 +787,7 @@ class PersistWorker:
     def _check_alive(self) -> None:
         if self._proc is not None and self._proc.poll() is not None and not self._stopped:
             code = self._proc.returncode
-            lost = [j.get("step") for j in self.outstanding]
+            lost = [j.step for j in self.outstanding if isinstance(j, PersistJob)]
             self.outstanding.clear()
             self._stopped = True
             raise PersistError(
@@ -780,7 +814,7 @@ class PersistWorker:
         self._stopped = True
         if self._sock is not None and self._proc is not None:
             try:
-                _send(self._sock, {"kind": "stop"})
+                _send(self._sock, StopJob())
             except OSError:
                 pass
             try:

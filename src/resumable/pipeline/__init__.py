@@ -1,0 +1,26 @@
+"""The save pipeline behind `resumable.Checkpointer`, in parts that each do one thing.
+
+`Checkpointer` (``resumable.manager``) is a facade: it checks its arguments, builds
+these parts and calls them in its public methods. The same parts serve one process and
+several ranks; what differs is the coordination object they are given
+(`resumable.distributed.Group`: with one process every exchange returns at once).
+
+- `schedule.Schedule`: when to snapshot and when to persist (cadences, clocks, a
+  persist owed after a busy worker, the measured persist cost; with several ranks,
+  rank 0 decides the clock-based ones).
+- `memory.MemoryTier`: the shared-memory snapshots: capture into the arena, overlap
+  with the next step, adopt a dead launch's slots, verify and decode one.
+- `persister.Persister`: persisting, synchronous (`SyncPersister`) or in the
+  background (`BackgroundPersister`, over `resumable.worker`) behind one interface;
+  failures come back as `PersistError` at the next call; the mirror's flush.
+- `restorer.Restorer`: the restore candidates in memory, the local root and the mirror,
+  their order and fallback; verify, decode and apply.
+- `emergency.emergency_checkpoint`: the checkpoint within a preemption's grace period.
+- `messages`: the typed messages between the trainer and its persist worker.
+
+Below them sit the layers that were always separate: `resumable.capture` (state to
+tensors and a tree), `resumable.snapshot`/`resumable.shm` (the arena),
+`resumable.persist` and `resumable.commit` (files and the atomic commit),
+`resumable.coordination` (the store several ranks' workers meet in),
+`resumable.tiering` (the mirror) and `resumable.storage`.
+"""

@@ -1,0 +1,233 @@
+"""The memory tier: snapshots of the state in this user's shared memory.
+
+A snapshot captures the state (`resumable.capture`) and copies its tensors into one of
+two shared-memory slots (`resumable.snapshot.ShmArena`); the copy is the only part of a
+checkpoint that blocks training. With ``overlap``, the tensors only ``optimizer.step()``
+changes (parameters and optimizer state) are copied in the background during the next
+forward/backward, and an optimizer step pre-hook waits for that copy first.
+
+A snapshot outlives the process: the next launch *adopts* the slots of a dead one and
+restores from them (`resumable.pipeline.restorer`), after checking them complete and,
+where the persist worker recorded them, against their checksums (`verified`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resumable import capture as capture_mod
+from resumable.audit import AuditLog
+from resumable.distributed import is_dtensor, pieces_to_json
+from resumable.errors import CorruptCheckpointError, StorageError
+from resumable.format import checksum, json_metrics
+from resumable.shm import SlotContent, remove_dead_segments, run_key_for, shm_free_bytes
+from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
+from resumable.storage import Storage
+
+log = logging.getLogger("resumable")
+
+STALE_SHM_S = 24 * 3600.0
+
+
+class MemoryTier:
+    """This rank's two shared-memory slots for the run in ``storage``."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        rank: int,
+        world_size: int,
+        shm_dir: Path | None,
+        overlap: bool,
+        audit: AuditLog,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.arena = ShmArena(
+            run_key_for(storage.location), rank=rank, shm_dir=shm_dir, root=storage.url
+        )
+        for path in remove_dead_segments(self.arena.shm_dir, older_than_s=STALE_SHM_S):
+            log.info("removed shared-memory snapshot %s left by a dead run", path)
+            audit.record("stale_removed", name=str(path))
+        self.overlap = overlap
+        self._exec = (
+            ThreadPoolExecutor(1, thread_name_prefix="resumable-overlap") if overlap else None
+        )
+        self._pending: Future[MemorySnapshot] | None = None
+        self._hooks: list[tuple[torch.optim.Optimizer, Any]] = []
+        self._adopted = False
+
+    @property
+    def newest(self) -> MemorySnapshot | None:
+        return self.arena.newest
+
+    def take(
+        self, state: Mapping[str, Any], step: int, metrics: Mapping[str, Any] | None, *, rng: bool
+    ) -> tuple[float, int]:
+        """Snapshot ``state`` as of ``step``; returns the blocking seconds and the bytes
+        left to an overlapped copy."""
+        self.adopt()
+        t0 = time.perf_counter()
+        captured = capture_mod.capture(
+            state, include_rng=rng, rank=self.rank, world_size=self.world_size
+        )
+        meta: dict[str, Any] = {
+            "step": step,
+            "tree": captured.tree,
+            "metrics": json_metrics(metrics or {}),
+            "created": time.time(),
+        }
+        if captured.pieces:  # several ranks: what a coordinated persist needs
+            meta["world_size"] = self.world_size
+            meta["pieces"] = pieces_to_json(captured.pieces)
+            meta["replicated"] = sorted(captured.replicated)
+        deferred: set[str] = set()
+        if self.overlap:
+            owned = self._optimizer_owned(state)
+            deferred = {n for n, t in captured.tensors.items() if t.data_ptr() in owned}
+        future = self.arena.snapshot(
+            step, captured.tensors, meta, deferred=deferred, executor=self._exec
+        )
+        if deferred:
+            self._pending = future  # resolved by the next optimizer.step() or `settle`
+        else:
+            future.result()
+        seconds = time.perf_counter() - t0
+        overlapped = sum(
+            captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
+        )
+        return seconds, overlapped
+
+    def settle(self) -> None:
+        """Wait for an overlapped copy; raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @property
+    def copying(self) -> bool:
+        """Whether an overlapped copy is still owed (until `settle` or the optimizer step)."""
+        return self._pending is not None
+
+    def current(self, step: int) -> MemorySnapshot | None:
+        """The newest snapshot if it is of ``step`` and its slot may be reused for a
+        persist (not locked by one already running); else None."""
+        newest = self.arena.newest
+        if newest is None or newest.step != step or newest.index in self.arena.locked:
+            return None
+        return newest
+
+    def _optimizer_owned(self, state: Mapping[str, Any]) -> set[int]:
+        """Data pointers of tensors only ``optimizer.step()`` changes (parameters and
+        optimizer state); installs the pre-hooks that wait for an overlapped copy."""
+        ptrs: set[int] = set()
+        for obj in state.values():
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            if not any(h[0] is obj for h in self._hooks):
+                ref = weakref.ref(self)
+
+                def wait_for_copy(*_: Any, ref: Callable[[], MemoryTier | None] = ref) -> None:
+                    tier = ref()
+                    if tier is not None:
+                        tier.settle()
+
+                self._hooks.append((obj, obj.register_step_pre_hook(wait_for_copy)))
+            for group in obj.param_groups:
+                ptrs.update(storage_ptr(p) for p in group["params"])
+            for st in obj.state.values():
+                ptrs.update(storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def adopt(self) -> None:
+        """Once: take over the slots left by a dead launch of this run."""
+        if self._adopted:
+            return
+        self._adopted = True
+        found = self.arena.adopt()
+        if found:
+            log.info(
+                "found a shared-memory snapshot of step %d from an earlier launch", found[0][1].step
+            )
+
+    def preflight(self, state: Mapping[str, Any], *, rng: bool) -> None:
+        """Fail before training starts if shared memory cannot hold two snapshots."""
+        captured = capture_mod.capture(state, include_rng=rng)
+        need = 2 * sum(t.numel() * t.element_size() for t in captured.tensors.values())
+        have = shm_free_bytes(self.arena.directory) + self.arena.existing_bytes()
+        if need > have:
+            raise StorageError(
+                errno.ENOSPC,
+                f"shared memory {self.arena.directory} has {have / 2**20:.0f} MiB available, "
+                f"two snapshots of this state need {need / 2**20:.0f} MiB; enlarge /dev/shm "
+                "(e.g. docker --shm-size) or use persist='sync' without memory_every",
+            )
+
+    def readable(self, snap: MemorySnapshot) -> SlotContent | None:
+        """The content of ``snap``'s slot if it still holds that snapshot, complete."""
+        content = self.arena.content(snap.index)
+        if content is None or content.seq != snap.seq:
+            return None
+        return content
+
+    def verified(self, snap: MemorySnapshot) -> tuple[SlotContent, dict[str, torch.Tensor]]:
+        """The content and tensor views of ``snap``, checked complete and (where the
+        persist worker recorded them) against its checksums."""
+        content = self.readable(snap)
+        if content is None:
+            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
+        views = self.arena.tensors(snap.index, content)
+        if content.checksums is not None:
+            data = self.data(snap).memory()
+            for sl, want in zip(content.slots, content.checksums):
+                if checksum(data[sl.begin : sl.end]) != want:
+                    raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
+        return content, views
+
+    def data(self, snap: MemorySnapshot) -> Snapshot:
+        """``snap`` as a `Snapshot` over its slot (for a persist on this thread)."""
+        content = self.readable(snap)
+        slot = self.arena.slots[snap.index]
+        if content is None or slot is None:
+            raise CorruptCheckpointError(f"memory snapshot of step {snap.step} is gone")
+        return Snapshot(content.slots, slot.data_tensor())
+
+    def path(self, snap: MemorySnapshot) -> str:
+        return str(self.arena.paths[snap.index])
+
+    def lock(self, snap: MemorySnapshot) -> None:
+        """Keep ``snap``'s slot from being rewritten until `unlock` (a persist reads it)."""
+        self.arena.locked.add(snap.index)
+
+    def unlock(self, index: int | None = None) -> None:
+        """Release one slot (``index``), or all of them."""
+        if index is None:
+            self.arena.locked.clear()
+        else:
+            self.arena.locked.discard(index)
+
+    def close(self, *, unlink: bool) -> None:
+        for _, handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._exec is not None:
+            self._exec.shutdown(wait=True)
+        self.arena.close(unlink=unlink)
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s bytes are: a DTensor's are its local shard's (the wrapper has none)."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return int(t.to_local().data_ptr())  # type: ignore[attr-defined]
+    return int(t.data_ptr())

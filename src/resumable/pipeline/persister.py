@@ -1,0 +1,431 @@
+"""Persisting: turning a snapshot into a committed checkpoint, behind one interface.
+
+Two implementations, one for each way a persist can run:
+
+- `SyncPersister` (``persist="sync"``) writes on the training thread: `persist`
+  returns after the commit is durable. Its source is a memory snapshot, or, without the
+  memory tier, an in-process copy (`persist_state`).
+- `BackgroundPersister` (``"process"``, ``"thread"``) hands each memory snapshot to the
+  persist worker (`resumable.worker`) and returns; the worker writes, commits, applies
+  retention and replies. With several ranks, the ranks' workers meet in a store that
+  rank 0's checkpointer hosts (`resumable.coordination`): the training processes take
+  part in no collective while a persist runs.
+
+Call order (the facade's): `start` once (optional: it warms a worker process up),
+then any number of `persist`, `collect` at every call of the facade, `wait` and
+`flush_mirror` when asked, `close` once. A failure, whenever it happened, is raised as
+`PersistError` by the next `collect` or `wait`: never swallowed.
+
+The same code serves one process and several ranks: the coordination given (a
+`resumable.distributed.Group`, of one process or of the job's ranks) makes the
+difference. With several ranks a synchronous persist is collective (every rank calls
+it at the same step) and a background one is coordinated by the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from resumable import capture as capture_mod
+from resumable.audit import AuditLog
+from resumable.coordination import CoordinationStore
+from resumable.distributed import DEFAULT_TIMEOUT_S, Group, owned_tensors, pieces_from_json
+from resumable.errors import PersistError
+from resumable.format import json_metrics
+from resumable.monitor import Monitor
+from resumable.pipeline.memory import MemoryTier
+from resumable.pipeline.messages import (
+    Committed,
+    Failed,
+    Mirrored,
+    MirrorFailed,
+    MirrorFlushed,
+    MirrorFlushJob,
+    PersistJob,
+    Reply,
+    Report,
+    WorkerConfig,
+)
+from resumable.policy import Keep
+from resumable.snapshot import Arena, MemorySnapshot, Snapshot
+from resumable.storage import Storage
+from resumable.worker import JobRunner, PersistWorker, keep_to_json
+
+log = logging.getLogger("resumable")
+
+
+class Persister:
+    """What the two implementations share: accounting of each persist (audit, monitor,
+    the newest committed step), the mirror's reports, and raising failures."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        coordination: Group,
+        memory: MemoryTier | None,
+        audit: AuditLog,
+        monitor: Monitor,
+        mirror: Storage | None,
+    ) -> None:
+        self.storage = storage
+        self.group = coordination
+        self.memory = memory
+        self.audit = audit
+        self.monitor = monitor
+        self.mirror = mirror
+        self.committed: int | None = None  # the newest step known committed
+        self._errors: list[str] = []
+        self._flushed: MirrorFlushed | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a persist is still running (a new one would queue behind it)."""
+        return False
+
+    def running(self) -> list[int]:
+        """Steps of the persists still running."""
+        return []
+
+    def start(self) -> None:
+        """Get ready to persist (start the worker), if that takes time."""
+
+    def persist(self, snap: MemorySnapshot, snapshot_s: float | None) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> None:
+        """Take in what finished; raise the first failure as `PersistError`."""
+        self._take([])
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every persist finished; raise a failure as `PersistError`."""
+        self._take([])
+
+    def flush_mirror(self, timeout: float | None = None, *, strict: bool = True) -> None:
+        """Wait until the newest commit is mirrored; raise `PersistError` if it could
+        not be (``strict``), or log it."""
+        if self.mirror is None:
+            return
+        self._flushed = None
+        if not self._request_flush(timeout):
+            return
+        error = self._flushed.error if self._flushed is not None else None
+        if not error:
+            return
+        if strict:
+            raise PersistError(
+                f"{error}. The checkpoint is committed in {self.storage.url}; it is not in "
+                f"{self.mirror.url}"
+            )
+        log.warning("not mirrored: %s", error)
+
+    def _request_flush(self, timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop what runs in the background (after `wait`)."""
+
+    # ------------------------------------------------------------ accounting
+
+    def _take(self, messages: list[Reply | Report]) -> list[Reply]:
+        """Account for finished persists and mirror reports; raise the first failure."""
+        replies: list[Reply] = []
+        for msg in messages:
+            if isinstance(msg, Mirrored):
+                self.monitor.mirrored(msg.step, msg.seconds)
+            elif isinstance(msg, MirrorFailed):
+                self.monitor.mirror_failed(msg.step, msg.error)
+            elif isinstance(msg, MirrorFlushed):
+                self._flushed = msg
+                replies.append(msg)
+            elif isinstance(msg, Committed):
+                self.committed = max(msg.step, self.committed or 0)
+                self.monitor.committed(msg.step, msg.seconds)
+                replies.append(msg)
+            elif isinstance(msg, Failed):
+                self._errors.append(
+                    f"persisting step {msg.step} to {self.storage.url} failed: {msg.error}"
+                )
+                self.monitor.failed(msg.step, msg.error)
+                replies.append(msg)
+        if self._errors:
+            first = self._errors[0]
+            self._errors.clear()
+            raise PersistError(first)
+        return replies
+
+    def _started(self, step: int, nbytes: int, snapshot_s: float | None) -> None:
+        self.audit.record("save_start", step=step, bytes=nbytes, snapshot_s=snapshot_s)
+        self.monitor.persist_started()
+
+
+class SyncPersister(Persister):
+    """Persists on the training thread; returns once the commit is durable."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        keep: Keep | None,
+        mirror_keep: Keep | None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(storage, **kw)
+        self._reports: list[Report] = []  # from the mirror thread, taken at `collect`
+        rank = self.group.rank
+        self.runner = JobRunner(
+            storage,
+            WorkerConfig(
+                url=storage.url,
+                keep=keep_to_json(keep),
+                rank=rank,
+                audit=rank == 0,
+                # With several ranks rank 0 commits, so it alone uploads.
+                mirror=self.mirror.url if self.mirror is not None and rank == 0 else None,
+                mirror_keep=keep_to_json(mirror_keep),
+            ),
+            notify=self._reports.append,
+            mirror_storage=self.mirror,
+        )
+        self._arena = Arena()  # this rank's share, or a snapshot without the memory tier
+
+    def collect(self, *also: Reply) -> None:
+        """Take in the mirror thread's reports (and ``also``)."""
+        reports, self._reports[:] = list(self._reports), []
+        self._take([*reports, *also])
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.collect()
+
+    def persist(self, snap: MemorySnapshot, snapshot_s: float | None) -> None:
+        assert self.memory is not None
+        content = self.memory.readable(snap)
+        if content is None:
+            raise PersistError(f"memory snapshot of step {snap.step} is gone")
+        meta = content.meta
+        data = self.memory.data(snap)
+        if self.group.world_size > 1:  # this rank's share, copied out of its slot
+            views = {s.name: data.tensor(s) for s in data.slots}
+            data = self._arena.snapshot(
+                owned_tensors(
+                    views, meta.get("replicated", []), self.group.rank, self.group.world_size
+                )
+            )
+        self._write(
+            data,
+            snap.step,
+            meta["tree"],
+            meta.get("metrics", {}),
+            pieces_from_json(meta.get("pieces")),
+            snapshot_s,
+        )
+
+    def persist_state(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        *,
+        rng: bool,
+    ) -> float:
+        """Without the memory tier: copy the state into this process's arena and persist
+        that; returns the seconds the copy took."""
+        t0 = time.perf_counter()
+        rank, world = self.group.rank, self.group.world_size
+        captured = capture_mod.capture(state, include_rng=rng, rank=rank, world_size=world)
+        tensors = owned_tensors(captured.tensors, captured.replicated, rank, world)
+        snap = self._arena.snapshot(tensors)
+        snapshot_s = time.perf_counter() - t0
+        self._write(
+            snap, step, captured.tree, json_metrics(metrics or {}), captured.pieces, snapshot_s
+        )
+        return snapshot_s
+
+    def _write(
+        self,
+        snap: Snapshot,
+        step: int,
+        tree: Any,
+        metrics: Any,
+        pieces: Any,
+        snapshot_s: float | None,
+    ) -> None:
+        self._started(step, snap.nbytes, snapshot_s)
+        persist: Callable[[], Committed]
+        if self.group.world_size > 1:
+            group = self.group
+
+            def persist() -> Committed:
+                return self.runner.persist_group(
+                    group, snap, step=step, tree=tree, pieces=pieces, metrics=metrics
+                )
+        else:
+
+            def persist() -> Committed:
+                return self.runner.persist_snapshot(
+                    snap, step=step, tree=tree, metrics=metrics, pieces=pieces
+                )[0]
+
+        try:
+            reply = persist()
+        except BaseException as exc:
+            self.audit.record("failure", step=step, error=repr(exc)[:500])
+            self.monitor.failed(step, repr(exc))
+            raise
+        self._take([reply])
+
+    def _request_flush(self, timeout: float | None) -> bool:
+        if self.runner.mirror is None:  # another rank than 0: rank 0 uploads
+            return False
+        self.collect(self.runner.mirror.flush(timeout))
+        return True
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class BackgroundPersister(Persister):
+    """Hands memory snapshots to the persist worker (a process, or a thread for
+    in-process backends) and returns."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        mode: str,
+        keep: Keep | None,
+        mirror_keep: Keep | None,
+        storage_options: dict[str, Any] | None,
+        mirror_options: dict[str, Any] | None,
+        dist_timeout_s: float | None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(storage, **kw)
+        self.mode = mode
+        self.keep = keep
+        self.mirror_keep = mirror_keep
+        self.storage_options = storage_options
+        self.mirror_options = mirror_options
+        self._worker: PersistWorker | None = None
+        self._jobs: dict[int, tuple[int, int]] = {}  # job id -> (slot index, step)
+        self._job_keys: dict[int, str] = {}  # job id -> its coordinated persist's key
+        # Several ranks: their workers meet in a store that rank 0 hosts, created now,
+        # collectively (every rank builds its Checkpointer).
+        self._store: CoordinationStore | None = (
+            CoordinationStore(self.group, dist_timeout_s or DEFAULT_TIMEOUT_S)
+            if self.group.world_size > 1
+            else None
+        )
+
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None and self._worker.busy
+
+    def running(self) -> list[int]:
+        return sorted(step for _, step in self._jobs.values())
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The pid of the persist worker process, if one runs."""
+        if self._worker is None or self._worker.mode != "process" or not self._worker.alive:
+            return None
+        return self._worker.pid
+
+    def start(self) -> None:
+        if self.mode == "process":
+            self._ensure_worker()  # its interpreter warms up while the trainer works
+
+    def _ensure_worker(self) -> PersistWorker:
+        if self._worker is None or not self._worker.alive:
+            thread = self.mode == "thread"
+            self._worker = PersistWorker(
+                url=self.storage.url,
+                mode=self.mode,
+                keep=self.keep,
+                storage=self.storage if thread else None,
+                storage_options=self.storage_options,
+                # With several ranks, rank 0's worker commits, so it alone uploads.
+                mirror=(
+                    self.mirror.url if self.mirror is not None and self.group.rank == 0 else None
+                ),
+                mirror_keep=self.mirror_keep,
+                mirror_options=self.mirror_options,
+                mirror_storage=self.mirror if thread else None,
+            )
+        return self._worker
+
+    def persist(self, snap: MemorySnapshot, snapshot_s: float | None) -> None:
+        assert self.memory is not None
+        worker = self._ensure_worker()
+        self._started(snap.step, snap.nbytes, snapshot_s)
+        self.memory.lock(snap)
+        group = self._store.next_job() if self._store is not None else None
+        job = worker.submit(
+            PersistJob(slot=self.memory.path(snap), seq=snap.seq, step=snap.step, group=group)
+        )
+        self._jobs[job.id] = (snap.index, snap.step)
+        if group is not None:
+            self._job_keys[job.id] = group["key"]
+
+    def collect(self) -> None:
+        messages: list[Reply | Report] = []
+        if self._worker is not None:
+            try:
+                messages = self._worker.poll()
+            except PersistError as exc:
+                self._lost(exc)
+        self._finish(messages)
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._worker is None:
+            return
+        try:
+            messages = self._worker.wait_all(timeout)
+        except PersistError as exc:
+            self._lost(exc)
+        self._finish(messages)
+
+    def _finish(self, messages: list[Reply | Report]) -> None:
+        """`_take`, releasing every finished job's slot (also when one failed)."""
+        try:
+            self._take(messages)
+        finally:
+            for reply in messages:
+                if not isinstance(reply, (Committed, Failed, MirrorFlushed)):
+                    continue
+                index, _ = self._jobs.pop(reply.id, (None, None))
+                self._job_keys.pop(reply.id, None)
+                if index is not None and self.memory is not None:
+                    self.memory.unlock(index)
+
+    def _lost(self, exc: PersistError) -> None:
+        """The worker is gone with its jobs: release their slots, tell the other ranks'
+        workers, waiting for this rank's part of a coordinated persist, to stop waiting,
+        and raise."""
+        if self.memory is not None:
+            self.memory.unlock()
+        self._jobs.clear()
+        if self._store is not None:
+            for key in self._job_keys.values():
+                self._store.give_up(key, str(exc))
+        self._job_keys.clear()
+        self._worker = None
+        self.monitor.failed(None, str(exc))
+        raise exc
+
+    def _request_flush(self, timeout: float | None) -> bool:
+        if self._worker is None:
+            return False  # nothing was persisted by this Checkpointer
+        self._worker.submit(MirrorFlushJob(timeout=timeout))
+        self.wait()
+        return True
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        if self._store is not None:
+            self._store.close()

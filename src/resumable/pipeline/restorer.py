@@ -1,0 +1,399 @@
+"""Restoring: find the newest valid state across the tiers and load it.
+
+The candidates, newest first: this rank's shared-memory snapshot (left by a dead launch
+of this run; used if it is newer than every committed checkpoint, or asked for), then
+each committed step, from the local root or else the mirror. A candidate is read,
+verified and decoded without touching a live object; only a candidate every rank could
+decode is applied. Corrupt candidates are skipped with a WARNING and an audit entry;
+if checkpoints exist and none is valid, `CorruptCheckpointError` (never a silent start
+from scratch).
+
+Every decision is the same on every rank: each rank offers what it found and the
+coordination (`resumable.distributed.Group`; with one process it returns at once)
+gathers the offers, so all ranks restore the same step from the same tier or fall back
+together. Model and optimizer state reshard to another world size (`GlobalLoader`);
+per-rank state (random streams, data positions) cannot, and needs an explicit opt-in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from resumable import capture as capture_mod
+from resumable.audit import AuditLog
+from resumable.commit import list_committed, step_dir
+from resumable.distributed import GlobalLoader, Group, is_dtensor, shaped_like
+from resumable.errors import CorruptCheckpointError, NoCheckpointError, StateMismatchError
+from resumable.pipeline.memory import MemoryTier
+from resumable.reader import CheckpointReader
+from resumable.snapshot import MemorySnapshot
+from resumable.storage import Storage
+
+log = logging.getLogger("resumable")
+
+TIERS = ("auto", "memory", "storage")
+
+
+@dataclass
+class Restored:
+    """What `Restorer.restore` did: the step (0: nothing to restore), where it came from
+    (``"memory"``, ``"local"``, ``"mirror"`` or ``"none"``), the memory snapshot it came
+    from, and the candidates skipped on the way, with why."""
+
+    step: int
+    tier: str
+    snapshot: MemorySnapshot | None = None
+    skipped: list[str] = field(default_factory=list)
+    newest_committed: int | None = None
+
+    def describe(self, url: str) -> str:
+        if self.tier == "none":
+            head = f"nothing to restore in {url}: starting from step 0"
+        else:
+            where = {"memory": "shared memory", "local": url, "mirror": "the mirror"}[self.tier]
+            head = f"restored step {self.step} from {where}"
+        if self.skipped:
+            head += "; skipped: " + "; ".join(self.skipped)
+        return head
+
+
+class Restorer:
+    """Loads the newest valid state into ``state``."""
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        storage: Storage,
+        *,
+        mirror: Storage | None,
+        memory: MemoryTier | None,
+        coordination: Group,
+        audit: AuditLog,
+    ) -> None:
+        self.state = state
+        self.storage = storage
+        self.mirror = mirror
+        self.memory = memory
+        self.group = coordination
+        self.rank = coordination.rank
+        self.world_size = coordination.world_size
+        self.audit = audit
+        self.reset_per_rank = False
+
+    def roots_by_step(self) -> dict[int, list[Storage]]:
+        """For each committed step, the roots holding it (the local one first)."""
+        out: dict[int, list[Storage]] = {}
+        for root in (self.storage, self.mirror):
+            if root is not None:
+                for s in list_committed(root):
+                    out.setdefault(s, []).append(root)
+        return out
+
+    def restore(
+        self, step: int | None, *, map_location: Any, tier: str, reset_per_rank: bool
+    ) -> Restored:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        self.reset_per_rank = reset_per_rank
+        roots = self.roots_by_step() if tier != "memory" else {}
+        steps = sorted(roots)
+        skipped: list[str] = []
+        newest = steps[-1] if steps else None
+        if tier != "storage" and self.memory is not None:
+            restored = self._from_memory(steps, step, map_location, tier, skipped)
+            if restored is not None:
+                restored.newest_committed = newest
+                return restored
+            if tier == "memory":
+                if step is not None:
+                    where = "on every rank" if self.world_size > 1 else f"for {self.storage.url}"
+                    raise NoCheckpointError(f"no memory snapshot of step {step} {where}")
+                return Restored(0, "none", skipped=skipped, newest_committed=newest)
+        restored = self._from_storage(roots, step, map_location, skipped)
+        restored.newest_committed = newest
+        return restored
+
+    # ------------------------------------------------------------ memory
+
+    def _from_memory(
+        self, steps: list[int], step: int | None, loc: Any, tier: str, skipped: list[str]
+    ) -> Restored | None:
+        """Every rank from its own shared-memory snapshot, if every rank has one of the
+        same step (newer than the newest checkpoint, unless asked for); otherwise None,
+        and every rank falls back to storage together."""
+        memory = self.memory
+        assert memory is not None
+        memory.adopt()
+        newest = memory.newest
+        mine = None
+        if newest is not None:
+            content = memory.readable(newest)
+            if content is None:
+                self._skip_memory(
+                    newest.step, "the snapshot is incomplete or was overwritten", skipped
+                )
+            elif content.meta.get("world_size", 1) == self.world_size:
+                mine = newest.step
+        offers = self.group.gather(mine)
+        s = offers[0]
+        if s is None or any(o != s for o in offers):
+            return None
+        wanted = (
+            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
+        )
+        if not wanted:
+            return None
+        assert newest is not None
+        t0 = time.perf_counter()
+        problem = None
+        values: dict[str, Any] = {}
+        try:
+            values = self._decode_memory(newest, loc)
+        except CorruptCheckpointError as exc:
+            problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
+        problems = [p for p in self.group.gather(problem) if p]
+        if problems:
+            self._skip_memory(s, "; ".join(problems), skipped)
+            return None
+        # Borrowed: the slot is rewritten by later snapshots, so whatever the live state
+        # would keep a reference to is copied out.
+        capture_mod.restore(self.state, values, borrowed=True)
+        self.audit.record(
+            "restore",
+            step=s,
+            tier="memory",
+            bytes=newest.nbytes,
+            ranks=self.world_size,
+            duration_s=round(time.perf_counter() - t0, 6),
+        )
+        return Restored(int(s), "memory", snapshot=newest, skipped=skipped)
+
+    def _skip_memory(self, step: int, reason: str, skipped: list[str]) -> None:
+        log.warning("skipping the shared-memory snapshot of step %d: %s", step, reason)
+        self.audit.record("skip", step=step, tier="memory", reason=reason[:500])
+        skipped.append(f"memory snapshot of step {step} ({reason})")
+
+    def _decode_memory(self, snap: MemorySnapshot, loc: Any) -> dict[str, Any]:
+        """This rank's values from its shared-memory snapshot (same world size)."""
+        assert self.memory is not None
+        content, views = self.memory.verified(snap)
+        live = self._live()
+        by_fqn = {str(f): n for n, (f, _, _) in content.meta.get("pieces", {}).items()}
+
+        def resolve(fqn: str) -> torch.Tensor:
+            target: Any = live.live.get(fqn)
+            if fqn in by_fqn:
+                local = views[by_fqn[fqn]]
+            elif target is not None and is_dtensor(target):
+                local = torch.empty_like(target.to_local())  # an empty shard
+            else:
+                raise CorruptCheckpointError(f"the snapshot has no tensor {fqn!r}")
+            if target is not None and is_dtensor(target):
+                return shaped_like(local.clone(), target)  # the slot is reused later
+            return local
+
+        return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve)
+
+    # ------------------------------------------------------------ storage
+
+    def _from_storage(
+        self, roots: dict[int, list[Storage]], step: int | None, loc: Any, skipped: list[str]
+    ) -> Restored:
+        """The newest committed step every rank can read (each from the local root, or
+        else the mirror), trying older ones in turn."""
+        steps = sorted(roots)
+        if step is not None and step not in steps:
+            raise NoCheckpointError(
+                f"no committed checkpoint for step {step} in {self.storage.url}; "
+                f"committed steps: {steps[-10:] or 'none'}"
+            )
+        candidates = [step] if step is not None else list(reversed(steps))
+        if not candidates:
+            self.audit.record("restore", step=0, fresh=True)
+            return Restored(0, "none", skipped=skipped)
+        problems: list[str] = []
+        last: CorruptCheckpointError | None = None
+        for s in candidates:
+            t0 = time.perf_counter()
+            root: Storage | None = None
+            reader: CheckpointReader | None = None
+            values: dict[str, Any] = {}
+            skip: set[str] = set()
+            problem: tuple[str, str] | None = None
+            seen: list[str] = []
+            for candidate in roots[s]:
+                try:
+                    reader = CheckpointReader(candidate, s)
+                    values, skip = self._decode(reader, loc)
+                    root = candidate
+                    break
+                except CorruptCheckpointError as exc:
+                    last = exc
+                    seen.append(f"{candidate.url}/{step_dir(s)}: {exc}")
+                    self._skip(s, candidate, exc, skipped)
+                except StateMismatchError as exc:
+                    if self.world_size == 1:
+                        raise
+                    problem = ("mismatch", f"rank {self.rank}: {exc}")
+                    break
+            if root is None and problem is None:
+                problem = ("corrupt", f"rank {self.rank}: " + "; ".join(seen))
+            verdicts = [p for p in self.group.gather(problem) if p is not None]
+            if any(kind == "mismatch" for kind, _ in verdicts):
+                raise StateMismatchError("; ".join(msg for _, msg in verdicts))
+            if verdicts:
+                problems += seen if self.world_size == 1 else [m for _, m in verdicts]
+                continue
+            assert root is not None and reader is not None
+            applied: tuple[str, str] | None = None
+            try:
+                # Raises CorruptCheckpointError or StateMismatchError only before
+                # touching a live object.
+                self._apply(values, skip, borrowed=reader.mapped)
+            except CorruptCheckpointError as exc:
+                last = exc
+                self._skip(s, root, exc, skipped)
+                applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
+            except StateMismatchError as exc:
+                if self.world_size == 1:
+                    raise
+                applied = ("mismatch", f"rank {self.rank}: {exc}")
+            failures = [f for f in self.group.gather(applied) if f is not None]
+            if any(kind == "mismatch" for kind, _ in failures):
+                raise StateMismatchError("; ".join(msg for _, msg in failures))
+            if failures:
+                problems += [m for _, m in failures]
+                continue
+            tier = "local" if root is self.storage else "mirror"
+            self.audit.record(
+                "restore",
+                step=s,
+                tier="storage" if tier == "local" else "mirror",
+                url=root.url,
+                bytes=sum(f["size"] for f in reader.manifest["files"].values()),
+                ranks=self.world_size,
+                saved_ranks=reader.manifest.get("world_size", 1),
+                duration_s=round(time.perf_counter() - t0, 6),
+            )
+            return Restored(s, tier, skipped=skipped)
+        if step is not None and last is not None and self.world_size == 1:
+            raise last
+        roots_named = " and ".join(r.url for r in (self.storage, self.mirror) if r is not None)
+        raise CorruptCheckpointError(
+            f"{len(candidates)} checkpoint(s) in {roots_named} "
+            "and none is valid (readable by every rank); refusing to start over silently. "
+            "Inspect them with `resumable verify`, or move the directory away to start "
+            "fresh. Problems: " + "; ".join(problems)
+        )
+
+    def _skip(self, step: int, root: Storage, exc: Exception, skipped: list[str]) -> None:
+        log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(step), root.url, exc)
+        self.audit.record("skip", step=step, url=root.url, reason=str(exc)[:500])
+        skipped.append(f"{step_dir(step)} in {root.url} ({exc})")
+
+    def _live(self) -> capture_mod.Captured:
+        """The live state's tensors; a fresh optimizer of DTensors gets its state first,
+        so that a restore has targets to shard into."""
+        live = capture_mod.capture(
+            self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+        )
+        if any(is_dtensor(t) for t in live.live.values()):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            for obj in self.state.values():
+                if isinstance(obj, torch.optim.Optimizer):
+                    _init_optim_state(obj)
+            live = capture_mod.capture(
+                self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+            )
+        return live
+
+    def _decode(self, reader: CheckpointReader, loc: Any) -> tuple[dict[str, Any], set[str]]:
+        """Read, verify and decode this rank's values from ``reader`` without touching a
+        live object; returns them and the state keys to leave as they are."""
+        reader.check_files()
+        m = reader.manifest  # validated: one tree per rank of world_size
+        saved_world = m["world_size"]
+        trees = [r["tree"] for r in m["ranks"]]
+        plain = saved_world == 1 and self.world_size == 1
+        if plain and not any(True for _ in capture_mod.global_refs(trees[0])):
+            live = capture_mod.capture(self.state, include_rng=False)
+            if not live.pieces:
+                tensors = reader.tensors(verify=True)
+                return capture_mod.decode(trees[0], tensors, loc), set()
+        global_keys = {k for k, v in self.state.items() if capture_mod.is_global_object(v)}
+        skip: set[str] = set()
+        if saved_world == self.world_size:
+            tree = trees[self.rank]
+        else:
+            tree = trees[0]
+            per_rank = self._per_rank_keys(reader, trees, global_keys)
+            if per_rank and not self.reset_per_rank:
+                raise StateMismatchError(
+                    f"{reader.where} was saved by {saved_world} rank(s); this job has "
+                    f"{self.world_size}. Per-rank state {sorted(per_rank)} cannot be "
+                    "resharded (each rank had its own). Model and optimizer state reshard; "
+                    "pass restore(reset_per_rank_state=True) to keep this launch's fresh "
+                    "values for the per-rank state"
+                )
+            skip = per_rank
+            tree = {"dict": [p for p in tree["dict"] if p[0] not in skip]}
+        live = self._live()
+        tree = capture_mod.globalize(tree, global_keys)
+        loader = GlobalLoader(reader, live.live)
+        loader.prepare(list(dict.fromkeys(capture_mod.global_refs(tree))))
+        names = list(dict.fromkeys(name for _, name in capture_mod.iter_tensor_refs(tree)))
+        tensors = reader.tensors(names, verify=True) if names else {}
+        return capture_mod.decode(tree, tensors, loc, resolve=loader.value), skip
+
+    def _per_rank_keys(
+        self, reader: CheckpointReader, trees: list[Any], global_keys: set[str]
+    ) -> set[str]:
+        """Top-level keys that are each rank's own: the random streams, data loaders,
+        and anything the saved ranks disagree on."""
+        index = reader.manifest["tensors"]
+
+        def by_content(node: Any) -> Any:  # tensor names replaced by their checksums
+            if isinstance(node, dict):
+                for tag in ("tensor", "ndarray", "torch_generator"):
+                    if isinstance(node.get(tag), str):
+                        return {**node, tag: index[node[tag]]["xxh3_64"]}
+                return {k: by_content(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [by_content(v) for v in node]
+            return node
+
+        def norm(node: Any) -> str:
+            return json.dumps(by_content(node), sort_keys=True)
+
+        keys: set[str] = set()
+        by_key = [dict((p[0], p[1]) for p in t.get("dict", [])) for t in trees]
+        for key in by_key[0]:
+            if key in global_keys:
+                continue
+            obj = self.state.get(key)
+            if (
+                key == capture_mod.RNG_KEY
+                or getattr(obj, "resumable_per_rank", False)
+                or len({norm(t.get(key)) for t in by_key}) > 1
+            ):
+                keys.add(key)
+        return keys
+
+    def _apply(self, values: dict[str, Any], skip: set[str], *, borrowed: bool) -> None:
+        """Restore decoded ``values`` into the live state, leaving the ``skip`` keys."""
+        if not skip:
+            capture_mod.restore(self.state, values, borrowed=borrowed)
+            return
+        log.warning("restore leaves per-rank state %s as this launch made it", sorted(skip))
+        part = {k: v for k, v in self.state.items() if k not in skip}
+        capture_mod.restore(part, values, borrowed=borrowed)
+        if isinstance(self.state, dict):
+            self.state.update(part)

@@ -1,0 +1,100 @@
+"""When to snapshot and when to persist: the two cadences of `Checkpointer.maybe_save`.
+
+A persist that falls due while the previous one still runs is *owed*: taken at the
+first step that finds the worker free, once, however many persists fell due meanwhile
+(those are *absorbed* into it and counted as skipped). The measured cost of a persist
+(its blocking time, a median of the last few) is what ``Every(auto=True)`` plans with
+(`docs/interval.md`).
+
+With several ranks every decision must be the same on every rank, or ranks would
+snapshot different steps: step-based cadences are, clock-based ones are not (clocks and
+costs differ between ranks), so for those rank 0 decides and broadcasts; whether the
+worker is free is agreed with a one-integer all-reduce. With one process the
+coordination returns at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+from resumable.distributed import Group
+from resumable.policy import CostEstimate, Every
+
+
+class Schedule:
+    """Decides, at each `maybe_save`, whether a persist or a snapshot is due.
+
+    Used from the training thread only. The facade tells it what happened
+    (`snapshotted`, `persisted`, `deferred`, `restored`, `observe_cost`)."""
+
+    def __init__(
+        self, memory_every: Every | None, persist_every: Every, coordination: Group
+    ) -> None:
+        self.memory_every = memory_every
+        self.persist_every = persist_every
+        self._group = coordination
+        self.last_persist: int | None = None
+        self.last_memory: int | None = None
+        self._persist_clock = self._memory_clock = time.monotonic()
+        self.owed = False
+        self._last_absorbed = -1
+        self._absorbed_clock = float("-inf")
+        self.cost = CostEstimate()
+        self.on_absorbed = lambda step: None  # set by the owner: count a skipped persist
+
+    def persist_due(self, step: int, *, worker_free: bool) -> bool:
+        """Whether `maybe_save(step)` persists: a policy due, or an owed persist that the
+        (now free) worker can take."""
+        now = time.monotonic()
+        if self.owed:
+            worker_free = not self._group.any(not worker_free)  # taken on all ranks at once
+        last = self.last_persist
+        if self._last_absorbed >= 0:
+            last = max(last or 0, self._last_absorbed)
+        policy_due = self.persist_every.due(
+            step,
+            last_step=last,
+            since_last_s=now - max(self._persist_clock, self._absorbed_clock),
+            cost_s=self.cost.value,
+        )
+        if _timed(self.persist_every):
+            policy_due = bool(self._group.broadcast(policy_due))  # rank 0 decides
+        if not self.owed:
+            return policy_due
+        if not worker_free and policy_due:
+            self._last_absorbed, self._absorbed_clock = step, now
+            self.on_absorbed(step)
+        return worker_free
+
+    def memory_due(self, step: int) -> bool:
+        if self.memory_every is None:
+            return False
+        return self.memory_every.due(
+            step, last_step=self.last_memory, since_last_s=time.monotonic() - self._memory_clock
+        )
+
+    def snapshotted(self, step: int) -> None:
+        self.last_memory = step
+        self._memory_clock = time.monotonic()
+
+    def persisted(self, step: int) -> None:
+        """A persist of ``step`` started (or, synchronously, committed)."""
+        self.owed = False
+        self.last_persist = step
+        self._persist_clock = time.monotonic()
+
+    def deferred(self) -> None:
+        """A persist was due but the worker was busy: owe one."""
+        self.owed = True
+
+    def restored(self, step: int) -> None:
+        self.last_persist = self.last_memory = step
+        self._persist_clock = self._memory_clock = time.monotonic()
+
+    def observe_cost(self, seconds: float) -> None:
+        self.cost.observe(seconds)
+
+
+def _timed(policy: Every) -> bool:
+    """Whether ``policy`` depends on the clock (then ranks must agree on each decision)."""
+    return policy.auto or policy.seconds is not None or policy.minutes is not None
