@@ -18,8 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from resumable.data import ResumableDataLoader
 from resumable.integrations.lightning import ResumableCheckpoint
 
-BATCHES_PER_EPOCH = 12
-
 logging.getLogger("lightning").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", module="lightning")
 

@@ -143,7 +143,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         mode: str = "min",
         save_top_k: int = 1,
         keep_last: int = 3,
-        keep: Keep | None | str = "default",
+        keep: Keep | str | None = "default",
         preemption: Preemption | None = None,
         persist: str = "auto",
         on_busy: str = "wait",
@@ -256,7 +256,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         ckpt.maybe_save(step, metrics=_metrics(trainer))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.monitor is None or trainer.sanity_checking or not trainer.training:
+        if self.monitor is None or trainer.sanity_checking or trainer.state.fn != "fit":
             return
         metrics = _metrics(trainer)
         if self.monitor not in metrics:
@@ -286,7 +286,9 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
             try:
                 ckpt.close()
             except Exception as close_exc:
-                log.error("after training raised, persisting the last snapshot failed: %s", close_exc)
+                log.error(
+                    "after training raised, persisting the last snapshot failed: %s", close_exc
+                )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         ckpt, self.checkpointer = self.checkpointer, None
