@@ -215,7 +215,7 @@ class ResumableCallback(keras.callbacks.Callback):
         metrics = _scalars(logs)
         if self.save_freq == "epoch" or (self.monitor is not None and self.monitor in metrics):
             self._save_now(self._step(), metrics)
-        elif self.loader is None:
+        if self.loader is None:  # without a loader, preemption is answered at epoch ends
             ckpt.maybe_save(self._step(), metrics=metrics)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:

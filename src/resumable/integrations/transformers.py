@@ -10,12 +10,13 @@ roots are the `Checkpointer`'s, through the keyword arguments of `ResumableTrain
 
 How it hooks in. A callback cannot move the point where the Trainer restarts, so the
 subclass overrides the methods through which the Trainer loads and saves a checkpoint
-(checked against transformers 5.23; the names have been stable through 5.x):
+(checked against transformers 5.24; the names have been stable through 5.x):
 
 - ``_inner_training_loop``: opens the `Checkpointer`, restores, and when something was
   restored hands the Trainer's own resume path a marker instead of a directory.
 - ``_init_training_state``: the ``TrainerState`` (best metric, log history, stateful
-  callbacks) from the checkpoint instead of ``trainer_state.json``.
+  callbacks) from the checkpoint instead of ``trainer_state.json``; a checkpoint at
+  ``max_steps`` runs no epoch (the Trainer would take one step more).
 - ``_load_optimizer_and_scheduler``, ``_load_scaler``: applied where the Trainer loads
   them, after accelerate prepared the optimizer and the scheduler exists.
 - ``_load_rng_state``: every random stream, at the point the Trainer puts them back
