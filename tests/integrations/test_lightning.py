@@ -78,6 +78,19 @@ def test_a_relaunch_of_a_finished_fit_trains_no_further(tmp_path: Path) -> None:
     assert digest(again, model2) == digest(first, model)
 
 
+def test_other_checkpoint_paths_go_to_lightnings_own_checkpoint_io(tmp_path: Path) -> None:
+    """The installed CheckpointIO wraps Lightning's: a plain ``.ckpt`` still saves and
+    loads; the marker is not a file to write."""
+    trainer, _, callback = fit(tmp_path / "run", steps=4, persist_every=EVERY_6)
+    plain = tmp_path / "plain.ckpt"
+    trainer.save_checkpoint(plain)
+    loaded = trainer.strategy.checkpoint_io.load_checkpoint(plain)
+    assert loaded["global_step"] == 4
+    assert callback.checkpointer is None  # closed at teardown, not reopened
+    with pytest.raises(resumable.CheckpointError, match="resumes from"):
+        trainer.save_checkpoint(callback.marker)
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(
     tmp_path: Path, reference: tuple[str, list[Any]], caplog: pytest.LogCaptureFixture
 ) -> None:

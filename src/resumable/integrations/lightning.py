@@ -83,7 +83,7 @@ class ResumableCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        if os.fspath(path) == self.owner.ckpt_path:
+        if os.fspath(path) == self.owner.marker:
             raise CheckpointError(
                 f"{path} is where ResumableCheckpoint resumes from, not a file to write; "
                 "save to another path (trainer.save_checkpoint) or let the callback save"
@@ -93,12 +93,12 @@ class ResumableCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if os.fspath(path) == self.owner.ckpt_path:
+        if os.fspath(path) == self.owner.marker:
             return self.owner.restored_checkpoint()
         return self.wrapped.load_checkpoint(path, map_location, weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        if os.fspath(path) != self.owner.ckpt_path:
+        if os.fspath(path) != self.owner.marker:
             self.wrapped.remove_checkpoint(path)
 
     def teardown(self) -> None:
@@ -190,6 +190,11 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         `Checkpointer` and restores (once per ``fit``); the marker exists only if that
         restored something."""
         self._open()
+        return self._marker
+
+    @property
+    def marker(self) -> str:
+        """The marker path itself, without opening anything."""
         return self._marker
 
     def _open(self) -> Checkpointer:
@@ -299,12 +304,6 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
             fs.rm(self._marker)
         if ckpt is not None:
             ckpt.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
 
     # ------------------------------------------------------------------ capture
 
