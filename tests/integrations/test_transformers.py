@@ -127,6 +127,20 @@ def test_save_strategy_epoch_and_no(tmp_path: Path) -> None:
     assert checkpoint_steps(tmp_path / "no") == []
 
 
+def test_a_relaunch_of_a_finished_run_trains_no_further(tmp_path: Path) -> None:
+    """A kill after the last step (during the final persist, or with the last step in
+    shared memory) leaves a checkpoint at ``max_steps``: the relaunch must not take one
+    more step, as the plain Trainer does (it starts an epoch before its flow callback
+    stops it)."""
+    first = make_trainer(tmp_path, steps=4, persist="sync")
+    first.train()
+    again = make_trainer(tmp_path, steps=4, persist="sync")
+    again.train()
+    assert again.state.global_step == 4
+    assert digest(again) == digest(first)
+    assert checkpoint_steps(tmp_path) == [3, 4]
+
+
 def test_a_plain_trainer_checkpoint_path_is_refused(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, steps=2, persist="sync")
     with pytest.raises(ValueError, match="resumes by itself"):
@@ -199,12 +213,6 @@ def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
     return run_to_end(example(directory, *extra))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, issue 13 open: after a SIGKILL with memory_every=1 a relaunch can "
-    "resume from a shared-memory snapshot one optimizer step ahead of its global_step "
-    "(the run ends at step 31); committed-checkpoint resumes are exact (tests above)",
-)
 def test_sigkilled_twice_ends_bit_identical(tmp_path: Path, example_reference: str) -> None:
     assert kill_campaign(tmp_path, 2, 13, "--memory-every", "1") == example_reference
 

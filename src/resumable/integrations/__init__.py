@@ -6,4 +6,11 @@ import the one you use, after installing its extra.
 - `resumable.integrations.transformers`: `ResumableTrainer`, a Hugging Face
   ``transformers.Trainer`` that checkpoints through `resumable.Checkpointer`
   (``pip install 'resumable-training[transformers]'``).
+- `resumable.integrations.lightning`: `ResumableCheckpoint`, a PyTorch Lightning callback
+  resumed by ``trainer.fit(..., ckpt_path="last")`` (``[lightning]``).
+- `resumable.integrations.keras`: `ResumableCallback`, a Keras 3 callback replacing
+  ``ModelCheckpoint`` and ``BackupAndRestore`` (``[keras]``; tested with
+  ``KERAS_BACKEND=torch``).
+- `resumable.integrations.staging`: `StagedState`, restored state held until a
+  framework's own load point (shared by the integrations).
 """

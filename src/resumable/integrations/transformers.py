@@ -10,12 +10,13 @@ roots are the `Checkpointer`'s, through the keyword arguments of `ResumableTrain
 
 How it hooks in. A callback cannot move the point where the Trainer restarts, so the
 subclass overrides the methods through which the Trainer loads and saves a checkpoint
-(checked against transformers 5.23; the names have been stable through 5.x):
+(checked against transformers 5.24; the names have been stable through 5.x):
 
 - ``_inner_training_loop``: opens the `Checkpointer`, restores, and when something was
   restored hands the Trainer's own resume path a marker instead of a directory.
 - ``_init_training_state``: the ``TrainerState`` (best metric, log history, stateful
-  callbacks) from the checkpoint instead of ``trainer_state.json``.
+  callbacks) from the checkpoint instead of ``trainer_state.json``; a checkpoint at
+  ``max_steps`` runs no epoch (the Trainer would take one step more).
 - ``_load_optimizer_and_scheduler``, ``_load_scaler``: applied where the Trainer loads
   them, after accelerate prepared the optimizer and the scheduler exists.
 - ``_load_rng_state``: every random stream, at the point the Trainer puts them back
@@ -42,7 +43,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from transformers.trainer_utils import SaveStrategy, compare_trainer_and_checkpo
 from resumable.capture import rng_state, set_rng_state
 from resumable.commit import step_dir
 from resumable.errors import CheckpointError
+from resumable.integrations.staging import StagedState
 from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
@@ -65,41 +67,6 @@ FRAMEWORK_DRIVEN = Every(steps=2**62)
 """``persist_every`` of a Checkpointer whose persists the framework schedules: the
 Trainer calls `Checkpointer.save` when its ``save_strategy`` says so, and
 `Checkpointer.maybe_save` at every step only for memory snapshots and preemption."""
-
-
-class StagedState:
-    """A `resumable.Stateful` whose state is read from a live object at save time, and
-    whose restored state is kept until the framework's own load point calls `apply`.
-
-    ``read`` is called on the training thread at every capture (also when nothing
-    exists yet, before a restore: it then returns ``{}``); ``write`` gets the restored
-    state once, from `apply`. `discard` drops a restored state that must not be applied
-    (the optimizer of the best step, when only its model is wanted).
-    """
-
-    def __init__(
-        self, read: Callable[[], dict[str, Any]], write: Callable[[dict[str, Any]], None]
-    ) -> None:
-        self._read = read
-        self._write = write
-        self.pending: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._read()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.pending = dict(state_dict)
-
-    def apply(self) -> bool:
-        """Hand the restored state to ``write``; False when nothing was restored."""
-        if self.pending is None:
-            return False
-        pending, self.pending = self.pending, None
-        self._write(pending)
-        return True
-
-    def discard(self) -> None:
-        self.pending = None
 
 
 def keep_for(args: Any) -> Keep | None:
@@ -325,6 +292,16 @@ class ResumableTrainer(Trainer):
             steps_in_epoch = self.state.global_step % num_update_steps_per_epoch
             steps_in_epoch *= self.args.gradient_accumulation_steps
         self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+        if self.state.global_step >= max_steps:
+            # The run had finished (or was killed after its last step, before it exited):
+            # the Trainer would still start an epoch and take one more step before its
+            # flow callback stops it. Run no epoch; train() goes straight to its end.
+            log.info(
+                "the checkpoint of step %d is at max_steps=%d: nothing left to train",
+                self.state.global_step,
+                max_steps,
+            )
+            return num_train_epochs, 0
         return epochs_trained, steps_in_epoch
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

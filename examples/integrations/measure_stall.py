@@ -1,0 +1,163 @@
+"""Training stall per checkpoint: each integration against its framework's own
+checkpointing, on the same model, in one run.
+
+For Lightning (``ModelCheckpoint`` vs `ResumableCheckpoint`) and Keras 3 on the torch
+backend (``ModelCheckpoint`` vs `ResumableCallback`), it trains an MLP of about
+4 * ``--width``**2 parameters (Adam: three times that in state) for ``--steps`` steps
+with a checkpoint every ``--every`` steps, timing every step from one batch end to the
+next. The stall per checkpoint is the time of the steps that checkpointed (mean, and
+median: the first one also starts the persist worker) minus the median time of the steps
+that did not. Prints one line per configuration.
+
+    KERAS_BACKEND=torch python examples/integrations/measure_stall.py --dir /tmp/stall
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import resumable
+from resumable.data import ResumableDataLoader
+from resumable.integrations.keras import ResumableCallback
+from resumable.integrations.lightning import ResumableCheckpoint
+
+
+def stall(times: list[float], every: int) -> tuple[float, float, float]:
+    """(median step time without a checkpoint, mean and median extra time of a checkpoint
+    step); ``times[j]`` runs from the end of step j + 1 to the end of step j + 2."""
+    plain = [t for j, t in enumerate(times, 1) if j % every]
+    saving = [t for j, t in enumerate(times, 1) if j % every == 0]
+    base = statistics.median(plain)
+    return base, statistics.mean(saving) - base, statistics.median(saving) - base
+
+
+class StepTimes(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last: float | None = None
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        # Runs before the checkpoint callbacks (Lightning orders those last): the interval
+        # ending at step i + 1 includes the checkpoint taken at the end of step i.
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def lightning_run(root: Path, width: int, steps: int, every: int, kind: str) -> list[float]:
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(steps * 8, width)), batch_size=8)
+    timer = StepTimes()
+    callbacks: list[L.Callback] = [timer]
+    if kind == "ModelCheckpoint":
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1)
+        )
+    elif kind == "ResumableCheckpoint":
+        callbacks.append(ResumableCheckpoint(root, persist_every=resumable.Every(steps=every)))
+    trainer = L.Trainer(
+        max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=kind != "none",
+        accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(MLP(width), data)
+    return timer.times
+
+
+class KerasTimes(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+        self.last: float | None = None
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+
+def keras_run(root: Path, width: int, steps: int, every: int, kind: str) -> list[float]:
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(width) for _ in range(4)]
+    model = keras.Sequential([keras.Input((width,)), *layers])
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    x = torch.randn(steps * 8, width).numpy()
+    timer = KerasTimes()  # first: the time of step i includes the checkpoint of step i - 1
+    callbacks: list[keras.callbacks.Callback] = [timer]
+    data: dict[str, Any] = {"x": x, "y": x, "batch_size": 8, "shuffle": False}
+    if kind == "ModelCheckpoint":
+        path = str(root / "ckpt-{epoch}-{batch}.keras")
+        callbacks.append(keras.callbacks.ModelCheckpoint(path, save_freq=every))
+    elif kind == "ResumableCallback":
+        loader = ResumableDataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(x)), 8)
+        callbacks.append(ResumableCallback(root, loader=loader, save_freq=every))
+        data = {"x": loader}
+    model.fit(**data, epochs=1, callbacks=callbacks, verbose=0)
+    return timer.times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", required=True, help="scratch directory (deleted between runs)")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=5)
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    mb = 4 * a.width * a.width * 4 * 3 / 2**20
+    print(f"model {4 * a.width * a.width / 1e6:.1f} M parameters, ~{mb:.0f} MiB with Adam state; "
+          f"{a.steps} steps, a checkpoint every {a.every}")  # fmt: skip
+    runs = [
+        ("lightning", lightning_run, "none"),
+        ("lightning", lightning_run, "ModelCheckpoint"),
+        ("lightning", lightning_run, "ResumableCheckpoint"),
+        ("keras", keras_run, "ModelCheckpoint"),
+        ("keras", keras_run, "ResumableCallback"),
+    ]
+    for framework, run, kind in runs:
+        root = Path(a.dir) / f"{framework}-{kind}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        times = run(root, a.width, a.steps, a.every, kind)
+        base, mean, median = (
+            stall(times, a.every) if kind != "none" else (statistics.median(times), 0.0, 0.0)
+        )
+        print(f"{framework:10s} {kind:20s} step {base * 1e3:6.1f} ms  stall per checkpoint: "
+              f"mean {mean * 1e3:6.1f} ms, median {median * 1e3:6.1f} ms", flush=True)  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

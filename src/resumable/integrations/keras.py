@@ -1,0 +1,249 @@
+"""Keras 3: a callback that checkpoints ``fit()`` through `resumable` and resumes it.
+
+One change to a script: `ResumableCallback(dirpath, ...)` in ``model.fit(callbacks=[...])``
+in place of ``ModelCheckpoint`` and ``BackupAndRestore``. When ``fit()`` starts, the
+callback restores the newest *valid* checkpoint (a torn or corrupt one is skipped with a
+WARNING) and sets the epoch ``fit`` continues from; while it runs, it saves at epoch ends
+(or every ``save_freq`` batches) as atomic, background-persisted commits, with retention
+that keeps the best by ``monitor`` as ``ModelCheckpoint(save_best_only=True)`` does.
+
+What is saved: ``model.get_state_tree()`` (trainable and non-trainable variables, the
+seed generators' states, optimizer and metric variables), the epoch, the Python, NumPy
+and torch random streams, and the position of a `resumable.data.ResumableDataLoader`
+passed as ``loader=`` (and as ``fit``'s ``x``).
+
+How a resume lands. ``BackupAndRestore`` records the batch but restores only the epoch,
+so a mid-epoch backup reruns the whole epoch. Keras has no way to start ``fit`` inside an
+epoch; what it allows is an input that knows its position: with ``x=loader`` (a
+`ResumableDataLoader`) the resumed epoch reads only its remaining batches, so a
+mid-epoch checkpoint resumes exactly (Keras warns once that the input "ran out of data":
+it expected a whole epoch). Without ``loader=`` there is no mid-epoch position to
+restore, so checkpoints are taken at epoch ends only and ``save_freq`` must be
+``"epoch"``. The restore itself happens in ``on_train_begin``, where ``BackupAndRestore``
+restores (the model and optimizer are built by then), through the backend-neutral
+state tree; the callback is tested on the torch backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+
+from resumable.data import ResumableDataLoader
+from resumable.errors import CheckpointError
+from resumable.manager import Checkpointer
+from resumable.policy import Every, Keep
+from resumable.preemption import Preemption
+
+__all__ = ["ResumableCallback"]
+
+log = logging.getLogger(__name__)
+
+FRAMEWORK_DRIVEN = Every(steps=2**62)
+"""``persist_every`` of the `Checkpointer`: the callback decides when to persist
+(``save_freq``); `Checkpointer.maybe_save` runs only for memory snapshots and preemption."""
+
+
+class ModelState:
+    """``model.get_state_tree()`` as a `resumable.Stateful` (read at capture time)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.model.get_state_tree())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        self.model.set_state_tree(state_dict)
+
+
+class ResumableCallback(keras.callbacks.Callback):
+    """Checkpoints ``model.fit`` through `resumable.Checkpointer`; the next ``fit`` with
+    the same callback arguments resumes from the newest valid checkpoint.
+
+    Args:
+        dirpath: the checkpoint root: a directory or ``s3://bucket/prefix``.
+        loader: the `ResumableDataLoader` given to ``fit`` as ``x``: its position is saved,
+            which makes mid-epoch checkpoints exact.
+        save_freq: ``"epoch"`` (default) or a number of batches (needs ``loader``).
+        monitor, mode: with ``monitor`` (a key of the epoch logs, e.g. ``"val_loss"``), the
+            best epoch-end checkpoint by it is kept besides the ``keep_last`` newest
+            (``mode="auto"``: ``max`` for names with "acc"/"auc", else ``min``).
+        keep_last: how many of the newest checkpoints retention keeps (default 2).
+        keep: a `resumable.Keep` replacing the retention above (``None``: keep all).
+        memory_every: memory snapshots at batch ends (needs ``loader``), e.g.
+            ``Every(steps=1)``: a relaunch after ``kill -9`` restores from the newest.
+        preemption: on SIGTERM/SIGUSR1 (or a cloud notice) an emergency checkpoint at the
+            next batch end (epoch end without ``loader``), then an exit with
+            `resumable.REQUEUE_EXIT_CODE`.
+        persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`
+            (``on_busy`` defaults to ``"wait"``).
+
+    Steps are the optimizer's ``iterations`` (batches trained, over all epochs).
+    Call order (Keras', on the training thread): ``on_train_begin`` (open, restore, set
+    the initial epoch), ``on_train_batch_end`` / ``on_epoch_end`` (saves),
+    ``on_train_end`` (final save, wait, close).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        *,
+        loader: ResumableDataLoader | None = None,
+        save_freq: str | int = "epoch",
+        monitor: str | None = None,
+        mode: str = "auto",
+        keep_last: int = 2,
+        keep: Keep | str | None = "default",
+        memory_every: Every | None = None,
+        preemption: Preemption | None = None,
+        persist: str = "auto",
+        on_busy: str = "wait",
+        mirror: str | None = None,
+        mirror_keep: Keep | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+            raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
+        if loader is None and (save_freq != "epoch" or memory_every is not None):
+            raise ValueError(
+                "checkpoints inside an epoch need the data position: pass the "
+                "ResumableDataLoader you give fit() as loader=..., or use save_freq='epoch' "
+                "and no memory_every"
+            )
+        if loader is not None and not isinstance(loader, ResumableDataLoader):
+            raise TypeError(
+                f"loader must be a resumable.data.ResumableDataLoader, got {type(loader)!r}"
+            )
+        if mode == "auto":
+            mode = (
+                "max" if monitor is not None and ("acc" in monitor or "auc" in monitor) else "min"
+            )
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        if keep == "default":
+            keep = Keep(last=keep_last, best=(monitor, mode, 1) if monitor else None)
+        elif isinstance(keep, str):
+            raise ValueError(f"keep must be a resumable.Keep or None, got {keep!r}")
+        self.dirpath = os.fspath(dirpath)
+        self.loader = loader
+        self.save_freq = save_freq
+        self.monitor = monitor
+        self._options: dict[str, Any] = {
+            "keep": keep,
+            "memory_every": memory_every,
+            "preemption": preemption,
+            "persist": persist,
+            "on_busy": on_busy,
+            "mirror": mirror,
+            "mirror_keep": mirror_keep,
+            "storage_options": storage_options,
+        }
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step = 0
+        self.restored_epoch = 0
+        self._epoch: dict[str, int] = {"epoch": 0}
+        self._since_save = 0
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        if self.checkpointer is not None:  # a previous fit() raised before its end
+            self._close()
+        state: dict[str, Any] = {"model": ModelState(self.model), "fit": self._epoch}
+        if self.loader is not None:
+            state["data"] = self.loader
+        ckpt = Checkpointer(
+            self.dirpath, state=state, persist_every=FRAMEWORK_DRIVEN, **self._options
+        )
+        self.checkpointer = ckpt
+        self._memory_tier = ckpt.persist_mode != "sync" or self._options["memory_every"] is not None
+        self.restored_step = ckpt.restore()
+        self.restored_epoch = self._epoch["epoch"]
+        self._since_save = 0
+        loader = self.loader
+        if self.restored_step == 0 and loader is not None and loader.batches > 0:
+            # fit() builds the model and its compiled metrics from one batch it reads from
+            # x before any callback runs; on a fresh run that batch is read again.
+            state = loader.state_dict()
+            loader.load_state_dict({**state, "position": 0})
+        if self.restored_step > 0:
+            log.info(
+                "resuming from step %d (epoch %d) of %s",
+                self.restored_step,
+                self.restored_epoch,
+                ckpt.url,
+            )
+            self.model._initial_epoch = self.restored_epoch  # as BackupAndRestore sets it
+
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        self._epoch["epoch"] = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None or self.loader is None:
+            return
+        step = self._step()
+        self._since_save += 1
+        if isinstance(self.save_freq, int) and self._since_save >= self.save_freq:
+            self._save_now(step, _scalars(logs))
+        else:
+            ckpt.maybe_save(step, metrics=_scalars(logs))
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        loader = self.loader
+        if loader is not None and loader.batches >= len(loader):
+            # Keras stops at the loader's length without asking past it; start the
+            # loader's next epoch as its StopIteration would have.
+            state = loader.state_dict()
+            loader.load_state_dict({**state, "epoch": state["epoch"] + 1, "position": 0})
+        self._epoch["epoch"] = epoch + 1
+        metrics = _scalars(logs)
+        if self.save_freq == "epoch" or (self.monitor is not None and self.monitor in metrics):
+            self._save_now(self._step(), metrics)
+        if self.loader is None:  # without a loader, preemption is answered at epoch ends
+            ckpt.maybe_save(self._step(), metrics=metrics)
+
+    def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
+        """The final state, so a relaunch of a finished ``fit`` trains no further."""
+        if self.checkpointer is not None and self._step() > 0:
+            self._save_now(self._step(), _scalars(logs))
+        self._close()
+
+    def _save_now(self, step: int, metrics: dict[str, float]) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            raise CheckpointError("ResumableCallback saves only inside fit()")
+        if self._memory_tier:
+            ckpt.snapshot(step, metrics)  # fresh: a snapshot of this step may predate it
+        ckpt.save(step, metrics)
+        self._since_save = 0
+
+    def _close(self) -> None:
+        ckpt, self.checkpointer = self.checkpointer, None
+        if ckpt is not None:
+            ckpt.close()
+
+
+def _scalars(logs: Mapping[str, Any] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in (logs or {}).items():
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out

@@ -1,0 +1,360 @@
+"""PyTorch Lightning: a ``Trainer`` callback that checkpoints through `resumable`.
+
+One change to a script: put `ResumableCheckpoint` in ``Trainer(callbacks=[...])`` (in
+place of ``ModelCheckpoint``) and call ``trainer.fit(model, ..., ckpt_path="last")``.
+``fit`` then resumes from the newest *valid* checkpoint (a torn or corrupt one is skipped
+with a WARNING), bit-identical mid-epoch: model, optimizers, LR schedulers, precision
+plugin (grad scaler), loop progress, callback states, the data position of stateful
+loaders (`resumable.data.ResumableDataLoader`) and every random stream, which Lightning's
+own checkpoints leave out.
+
+How it hooks in (checked against lightning 2.6):
+
+- The callback is an ``OnExceptionCheckpoint``: Lightning resolves ``ckpt_path="last"``
+  (and ``ckpt_path=None`` when fitting) to the newest of the ``ckpt_path`` of such
+  callbacks. Ours names a marker in fsspec's in-process ``memory://`` file system, which
+  exists only when the `Checkpointer` restored something; so a fresh run starts fresh,
+  with Lightning's usual "no last checkpoint" warning.
+- Its ``setup`` installs `ResumableCheckpointIO` as the strategy's ``checkpoint_io``: for
+  the marker, ``load_checkpoint`` returns the checkpoint dictionary the `Checkpointer`
+  restored, and Lightning itself puts each part back at its own load point. Every other
+  path goes to the ``CheckpointIO`` it wraps, so a ``ModelCheckpoint`` beside it still
+  writes its ``.ckpt`` files.
+- What is saved is the dictionary Lightning's ``trainer.save_checkpoint`` would write
+  (``trainer._checkpoint_connector.dump_checkpoint``, the one private call), read at
+  capture time only: ``maybe_save`` at each optimizer-step boundary
+  (``on_train_batch_end``) costs nothing when no snapshot is due. Random streams go into a
+  `StagedState` slot applied in ``on_train_start``, after setup hooks and the sanity check,
+  right before the first batch is fetched, as in an uninterrupted run.
+
+Trade-off: the checkpoint holds Lightning's dictionary (tensors as safetensors, the rest
+as JSON), not a ``.ckpt`` pickle, so what is not plain data (a class in
+``hyper_parameters``, a callback state holding objects) is refused with a clear error at
+the first save; ``hyper_parameters`` are kept as JSON text (not needed to resume: the
+script builds the model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import fsspec
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+from resumable.capture import rng_state, set_rng_state
+from resumable.data import ResumableDataLoader, ResumableSampler
+from resumable.errors import CheckpointError
+from resumable.integrations.staging import StagedState
+from resumable.manager import Checkpointer
+from resumable.policy import Every, Keep
+from resumable.preemption import Preemption
+
+__all__ = ["ResumableCheckpoint", "ResumableCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+"""Lightning's keys for ``save_hyperparameters()`` values: arbitrary Python objects,
+stored as JSON text (with ``str`` for what JSON lacks)."""
+HPARAMS_TYPE_KEYS = ("hparams_type", "datamodule_hparams_type")
+"""Lightning's keys holding a class (OmegaConf containers): not stored."""
+
+
+class ResumableCheckpointIO(CheckpointIO):
+    """The strategy's ``CheckpointIO`` while a `ResumableCheckpoint` is attached.
+
+    ``load_checkpoint`` of the callback's marker path hands back what the callback's
+    `Checkpointer` restored; every other call and path goes to ``wrapped`` (Lightning's
+    own ``TorchCheckpointIO`` by default), so nothing it could do is lost.
+    """
+
+    def __init__(self, owner: ResumableCheckpoint, wrapped: CheckpointIO) -> None:
+        self.owner = owner
+        self.wrapped = wrapped
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if os.fspath(path) == self.owner.marker:
+            raise CheckpointError(
+                f"{path} is where ResumableCheckpoint resumes from, not a file to write; "
+                "save to another path (trainer.save_checkpoint) or let the callback save"
+            )
+        self.wrapped.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if os.fspath(path) == self.owner.marker:
+            return self.owner.restored_checkpoint()
+        return self.wrapped.load_checkpoint(path, map_location, weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if os.fspath(path) != self.owner.marker:
+            self.wrapped.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.wrapped.teardown()
+
+
+class ResumableCheckpoint(OnExceptionCheckpoint):
+    """Checkpoints a Lightning ``Trainer`` through `resumable.Checkpointer`; with
+    ``trainer.fit(..., ckpt_path="last")`` it resumes from the newest valid checkpoint.
+
+    Args:
+        dirpath: the checkpoint root: a directory or ``s3://bucket/prefix``.
+        persist_every: cadence of persisted checkpoints, in optimizer steps (Lightning's
+            ``global_step``) or time (default ``Every(steps=100)``).
+        memory_every: cadence of memory snapshots (e.g. ``Every(steps=1)``), which a
+            relaunch after ``kill -9`` restores from.
+        monitor, mode, save_top_k: as ``ModelCheckpoint``'s: with ``monitor`` set, a
+            checkpoint is also saved at each validation end with ``trainer.callback_metrics``,
+            and the ``save_top_k`` best by ``monitor`` are kept besides the ``keep_last``
+            newest (``Keep(last=keep_last, best=(monitor, mode, save_top_k))``).
+        keep_last: how many of the newest checkpoints retention keeps (default 3).
+        keep: a `resumable.Keep` replacing the retention above (``None``: keep all).
+        preemption: on SIGTERM/SIGUSR1 (or a cloud notice) an emergency checkpoint at the
+            next step boundary, then an exit with `resumable.REQUEUE_EXIT_CODE`.
+        persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`
+            (``on_busy`` defaults to ``"wait"``: every due persist commits).
+
+    Call order (Lightning's, on the training thread): ``ckpt_path`` (while ``fit``
+    resolves ``"last"``: opens the `Checkpointer` and restores), ``setup`` (installs
+    `ResumableCheckpointIO`), Lightning's restore through it, ``on_train_start`` (random
+    streams), ``on_train_batch_end`` / ``on_validation_end`` (saves), ``on_train_end``
+    (final save), ``teardown`` (waits for the persists and closes).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        *,
+        persist_every: Every | None = None,
+        memory_every: Every | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        keep_last: int = 3,
+        keep: Keep | str | None = "default",
+        preemption: Preemption | None = None,
+        persist: str = "auto",
+        on_busy: str = "wait",
+        mirror: str | None = None,
+        mirror_keep: Keep | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        root = os.fspath(dirpath)
+        super().__init__(dirpath=root, filename="last")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if keep == "default":
+            best = (monitor, mode, save_top_k) if monitor is not None and save_top_k > 0 else None
+            keep = Keep(last=keep_last, best=best)
+        elif isinstance(keep, str):
+            raise ValueError(f"keep must be a resumable.Keep or None, got {keep!r}")
+        self.root = root
+        self.monitor = monitor
+        self._options: dict[str, Any] = {
+            "persist_every": persist_every,
+            "memory_every": memory_every,
+            "keep": keep,
+            "preemption": preemption,
+            "persist": persist,
+            "on_busy": on_busy,
+            "mirror": mirror,
+            "mirror_keep": mirror_keep,
+            "storage_options": storage_options,
+        }
+        digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
+        self._marker = f"memory://resumable-lightning/{digest}-{id(self):x}/last.ckpt"
+        self._trainer: Trainer | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step = 0
+        self._boundary: int | None = None
+        self._lightning = StagedState(self._dump, lambda _: None)
+        self._rng = StagedState(rng_state, set_rng_state)
+
+    # ------------------------------------------------------------------ resume
+
+    @property
+    def ckpt_path(self) -> str:
+        """The marker Lightning resolves ``ckpt_path="last"`` to. Reading it opens the
+        `Checkpointer` and restores (once per ``fit``); the marker exists only if that
+        restored something."""
+        self._open()
+        return self._marker
+
+    @property
+    def marker(self) -> str:
+        """The marker path itself, without opening anything."""
+        return self._marker
+
+    def _open(self) -> Checkpointer:
+        if self.checkpointer is not None:
+            return self.checkpointer
+        ckpt = Checkpointer(
+            self.root,
+            state={"lightning": self._lightning, "rng": self._rng},
+            capture_rng=False,  # the "rng" slot holds them, applied in on_train_start
+            **self._options,
+        )
+        self.checkpointer = ckpt
+        self._memory_tier = ckpt.persist_mode != "sync" or self._options["memory_every"] is not None
+        self._lightning.discard()
+        self._rng.discard()
+        self.restored_step = ckpt.restore()
+        self._boundary = self.restored_step or None
+        fs = fsspec.filesystem("memory")
+        if self.restored_step > 0:
+            log.info("resuming from step %d of %s", self.restored_step, ckpt.url)
+            fs.pipe(self._marker, b"")
+        elif fs.exists(self._marker):
+            fs.rm(self._marker)
+        return ckpt
+
+    def restored_checkpoint(self) -> dict[str, Any]:
+        """The Lightning checkpoint dictionary restored by the `Checkpointer` (called by
+        `ResumableCheckpointIO` when Lightning loads the marker)."""
+        saved = self._lightning.pending
+        self._lightning.discard()
+        if not saved or "pytorch-lightning_version" not in saved:
+            raise CheckpointError(
+                f"the checkpoint restored from {self.root} holds no Lightning state; it was "
+                "not written by ResumableCheckpoint. Use another dirpath"
+            )
+        checkpoint = dict(saved)
+        for key in HPARAMS_KEYS:
+            if isinstance(checkpoint.get(key), str):
+                checkpoint[key] = json.loads(checkpoint[key])
+        return checkpoint
+
+    # ------------------------------------------------------------------ hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        self._open()
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, ResumableCheckpointIO):
+            trainer.strategy.checkpoint_io = ResumableCheckpointIO(self, io)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._rng.apply()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        for loader in _resumable_loaders(trainer.train_dataloader):
+            _close_finished_epoch(loader)
+        step = trainer.global_step
+        ckpt = self.checkpointer
+        if ckpt is None or step == self._boundary or step == 0:
+            return  # mid gradient accumulation, or nothing trained yet
+        self._boundary = step
+        ckpt.maybe_save(step, metrics=_metrics(trainer))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.monitor is None or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        metrics = _metrics(trainer)
+        if self.monitor not in metrics:
+            return
+        self._save_now(trainer.global_step, metrics)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The final state (loops finished), so a relaunch of a finished run trains no
+        further."""
+        if trainer.global_step > 0:
+            self._save_now(trainer.global_step, _metrics(trainer))
+
+    def _save_now(self, step: int, metrics: dict[str, float]) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            raise CheckpointError("ResumableCheckpoint saves only inside fit()")
+        if self._memory_tier:
+            ckpt.snapshot(step, metrics)  # fresh: a snapshot of this step may predate it
+        ckpt.save(step, metrics)
+        self._boundary = step
+
+    def on_exception(self, trainer: Trainer, *_: Any, **__: Any) -> None:
+        """Training raised (or a preemption exits): persist the newest memory snapshot,
+        never masking the error."""
+        ckpt, self.checkpointer = self.checkpointer, None
+        if ckpt is not None:
+            try:
+                ckpt.close()
+            except Exception as close_exc:
+                log.error(
+                    "after training raised, persisting the last snapshot failed: %s", close_exc
+                )
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        ckpt, self.checkpointer = self.checkpointer, None
+        self._lightning.discard()
+        self._rng.discard()
+        fs = fsspec.filesystem("memory")
+        if fs.exists(self._marker):
+            fs.rm(self._marker)
+        if ckpt is not None:
+            ckpt.close()
+
+    # ------------------------------------------------------------------ capture
+
+    def _dump(self) -> dict[str, Any]:
+        """What ``trainer.save_checkpoint`` would write, as plain data (read at capture)."""
+        trainer = self._trainer
+        if trainer is None:
+            return {}
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for key in HPARAMS_TYPE_KEYS:
+            checkpoint.pop(key, None)
+        for key in HPARAMS_KEYS:
+            if key in checkpoint:
+                checkpoint[key] = json.dumps(dict(checkpoint[key]), default=str, sort_keys=True)
+        return checkpoint
+
+
+def _metrics(trainer: Trainer) -> dict[str, float]:
+    """``trainer.callback_metrics`` as floats (what ``Keep(best=...)`` compares)."""
+    out: dict[str, float] = {}
+    for k, v in trainer.callback_metrics.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            out[k] = float(v.item())
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
+def _resumable_loaders(loaders: Any) -> Iterator[ResumableDataLoader]:
+    if isinstance(loaders, ResumableDataLoader):
+        yield loaders
+    elif isinstance(loaders, Mapping):
+        for v in loaders.values():
+            yield from _resumable_loaders(v)
+    elif isinstance(loaders, (list, tuple)):
+        for v in loaders:
+            yield from _resumable_loaders(v)
+
+
+def _close_finished_epoch(loader: ResumableDataLoader) -> None:
+    """Move a `ResumableDataLoader` whose epoch was handed out whole to the next epoch.
+
+    The loader starts its next epoch when its iterator raises ``StopIteration``; Lightning
+    knows the length and never asks past the last batch, so its next ``iter()`` would cover
+    the (empty) rest of the finished epoch: an empty Lightning epoch, and every later
+    epoch one loader epoch behind (or, resumed, ahead). Closing the epoch here, before the
+    checkpoint of this batch is captured, keeps both runs on the loader's epochs.
+    """
+    if not isinstance(loader.sampler, ResumableSampler):
+        return  # a user's sampler: its position counts differently; left as it is
+    if loader.batches < len(loader):
+        return
+    state = loader.state_dict()
+    loader.load_state_dict({**state, "epoch": state["epoch"] + 1, "position": 0})
