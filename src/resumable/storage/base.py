@@ -112,6 +112,13 @@ class Storage(ABC):
     def sync_dir(self, path: str = "") -> None:
         """Make prior renames/creations inside ``path`` durable (no-op where meaningless)."""
 
+    def open_lock(self, path: str) -> int | None:
+        """A file descriptor of ``path`` (created if missing), opened read-write and
+        close-on-exec, that the caller may ``flock`` and must close; or None where the
+        backend has no operating-system locks (object stores, memory: `resumable.lock`
+        then uses a lease object). Only a filesystem backend returns a descriptor."""
+        return None
+
     def close(self) -> None:
         """Release connections or handles."""
 
@@ -174,6 +181,9 @@ class ForwardingStorage(Storage):
 
     def sync_dir(self, path: str = "") -> None:
         self.inner.sync_dir(path)
+
+    def open_lock(self, path: str) -> int | None:
+        return self.inner.open_lock(path)
 
     def close(self) -> None:
         self.inner.close()

@@ -42,6 +42,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _CHANGED = "changed"  # what `_refusal` is told when a name changed kind under the walk
 _MAX_TREE_DEPTH = 64  # deeper than any checkpoint; a hostile tree must not exhaust fds
 
@@ -505,6 +506,16 @@ class LocalStorage(Storage):
                 os.close(dfd)
         finally:
             os.close(sfd)
+
+    def open_lock(self, path: str) -> int:
+        """``path`` opened read-write (created, mode 0644), never through a link, and
+        close-on-exec: a descriptor to ``flock`` (see `resumable.lock`)."""
+        parts, name = self._split(path)
+        dfd = self._open_dir(path, parts, create=True, write=True)
+        try:
+            return self._open_file(dfd, path, name, _LOCK, write=True)
+        finally:
+            os.close(dfd)
 
     def sync_dir(self, path: str = "") -> None:
         parts = check_relpath(path).split("/") if path else []
