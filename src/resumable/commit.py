@@ -89,6 +89,37 @@ def list_uncommitted(storage: Storage) -> list[str]:
     ]
 
 
+def checkpoint_as_root(storage: Storage) -> tuple[str, int | None] | None:
+    """If ``storage``'s root is itself one checkpoint (it holds a manifest directly, as
+    ``step-N/`` does: what users of Transformers and Lightning point at), the URL of
+    the directory that holds it and its step (None if the name is not ``step-N``);
+    otherwise None. Our roots never hold a manifest at their top. One `exists` call."""
+    try:
+        if not storage.exists(MANIFEST):
+            return None
+    except CheckpointError:  # e.g. a link named manifest.json: not ours either way
+        return None
+    url = storage.url.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    return (parent or url), parse_step_dir(name)
+
+
+def refuse_checkpoint_as_root(storage: Storage) -> None:
+    """Raise `CheckpointError` if ``storage``'s root is one checkpoint (`checkpoint_as_root`):
+    used as a root, a new run would start at step 0 nested inside it, and ``ls`` would
+    find no checkpoints. The message names the parent to pass instead."""
+    found = checkpoint_as_root(storage)
+    if found is None:
+        return
+    parent, step = found
+    which = f"step {step}" if step is not None else "it"
+    raise CheckpointError(
+        f"{storage.url} is a checkpoint, not a checkpoint directory: pass its parent "
+        f"directory {parent} (restore() there resumes from the newest valid checkpoint; "
+        f"restore(step=...) or `resumable show --step ...` picks {which})"
+    )
+
+
 QUARANTINE_DIR = "quarantine"
 _QUARANTINE_README = (
     b"Step directories that had no manifest (not a completed commit: a deleted manifest,\n"
