@@ -5,6 +5,7 @@ show that nothing is left behind (local) or that the lease lapses and is taken o
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -134,6 +135,13 @@ def test_one_process_cannot_hold_a_root_twice(tmp_path: Path) -> None:
     first.release()  # idempotent
     with acquire_root(LocalStorage(tmp_path)) as again:
         again.check()
+    acquire_root(LocalStorage(tmp_path)).release()
+
+
+def test_a_lock_dropped_without_release_frees_the_root(tmp_path: Path) -> None:
+    lock = acquire_root(LocalStorage(tmp_path))
+    del lock
+    gc.collect()
     acquire_root(LocalStorage(tmp_path)).release()
 
 

@@ -162,8 +162,11 @@ class FileLock(RootLock):
         self.holder = holder
         self._fd: int | None = fd
 
+    def __del__(self) -> None:  # a holder dropped without release() frees the root
+        self.release()
+
     def release(self) -> None:
-        fd, self._fd = self._fd, None
+        fd, self._fd = getattr(self, "_fd", None), None
         if fd is None:
             return
         _forked_away.discard(fd)
