@@ -137,7 +137,11 @@ def test_stateful_and_np_generator_nodes() -> None:
                         ]
                     }
                 },
-            ]
+            ],
+            [
+                "__classes__",
+                {"list": [{"list": [{"list": ["m"]}, "torch.nn.modules.linear:Linear"]}]},
+            ],
         ]
     }
     gen = np.random.default_rng(5)

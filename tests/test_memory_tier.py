@@ -44,15 +44,16 @@ def slot_files(shm_dir: Path) -> list[Path]:
 
 
 def test_foreign_step_directory_is_never_overwritten(tmp_path: Path) -> None:
+    """It is moved into quarantine/ (issue 19), neither overwritten nor in the way."""
     root = tmp_path / "ck"
     (root / "step-000000000002").mkdir(parents=True)
     (root / "step-000000000002" / "notes.txt").write_text("mine")
     ck = resumable.Checkpointer(root, make_state(), persist="sync")
     ck.save(1)
-    with pytest.raises(StorageError, match="not a committed checkpoint"):
-        ck.save(2)
-    assert (root / "step-000000000002" / "notes.txt").read_text() == "mine"
-    assert ck.steps() == [1]
+    ck.save(2)
+    [moved] = (root / "quarantine").glob("step-000000000002.*")
+    assert (moved / "notes.txt").read_text() == "mine"
+    assert ck.steps() == [1, 2]
     ck.close()
 
 

@@ -15,6 +15,14 @@ loading never executes code from it.
 Random streams are captured without being asked: Python's `random`, NumPy's global
 generator, torch's CPU generator and every initialised CUDA device's generator, under
 the reserved key ``"__rng__"``.
+
+The class of every stateful object is recorded too, under the reserved key
+``"__classes__"`` (a list of ``[path, "module:qualname"]``): names only, never resolved
+to code. `restore` compares them with the live objects before touching any, so an AdamW
+checkpoint is refused by an SGD optimizer instead of crashing at its first step. It is
+an ordinary tree entry, so format version 1 readers (and checkpoints without it: the
+golden ones) keep working; only the qualified name is compared, not the module, so
+``__main__.Net`` (a script) matches ``train.Net`` (imported by a launcher).
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ import torch
 from resumable.distributed import Piece, dtensor_piece, is_dtensor, piece_name
 from resumable.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 from resumable.tree import MAX_TREE_DEPTH, RNG_KEY
+
+CLASSES_KEY = "__classes__"
+RESERVED_KEYS = (RNG_KEY, CLASSES_KEY)
 
 JSONValue = Any
 Tree = Any
@@ -92,6 +103,7 @@ class _Encoder:
         self.replicated: set[str] = set()
         self.live: dict[str, torch.Tensor] = {}
         self.in_global = False  # encoding a top-level module or optimizer
+        self.classes: list[tuple[tuple[Any, ...], str]] = []  # stateful objects met
 
     def _global(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
         """A tensor of a module or optimizer, with several ranks or as a DTensor."""
@@ -207,6 +219,7 @@ class _Encoder:
             return {"tuple": self._sequence(v, path, depth + 1)}
         if _is_stateful(v):
             v = _unwrap(v)
+            self.classes.append((path, class_name(v)))
             try:
                 sd = v.state_dict()
             except Exception as exc:  # the user's object failed; say where
@@ -245,6 +258,26 @@ def _unwrap(v: Any) -> Any:
     if cls.__name__ == "DistributedDataParallel" and cls.__module__.startswith("torch.nn"):
         return v.module
     return v
+
+
+def class_name(obj: Any) -> str:
+    """``"module:qualname"`` of ``obj``'s class as a checkpoint records it: wrappers that
+    do not change the state (DDP, ``torch.compile``) are seen through, and the classes
+    FSDP2's ``fully_shard`` makes (``FSDPNet`` from ``Net``) count as the class they wrap,
+    so a state saved with FSDP restores without it and the other way round."""
+    if type(obj).__name__ == "OptimizedModule":
+        inner = getattr(obj, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            obj = inner
+    mro = type(_unwrap(obj)).__mro__
+    cls = next(
+        (c for c in mro[:-1] if not c.__module__.startswith("torch.distributed.fsdp")), mro[0]
+    )
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _qualname(recorded: str) -> str:
+    return recorded.rsplit(":", 1)[-1]
 
 
 def is_global_object(v: Any) -> bool:
@@ -287,13 +320,17 @@ def capture(
     enc = _Encoder(rank, world_size)
     top: list[list[Any]] = []
     for key, obj in state.items():
-        if not isinstance(key, str) or key == RNG_KEY:
+        if not isinstance(key, str) or key in RESERVED_KEYS:
             raise UnsupportedStateError(
-                f"state keys must be strings other than {RNG_KEY!r}, found {key!r}"
+                f"state keys must be strings other than {RNG_KEY!r} and {CLASSES_KEY!r}, "
+                f"found {key!r}"
             )
         enc.in_global = is_global_object(obj)
         top.append([key, enc.value(obj, (key,), 2)])
         enc.in_global = False
+    if enc.classes:
+        entries = [{"list": [{"list": list(p)}, name]} for p, name in enc.classes]
+        top.append([CLASSES_KEY, {"list": entries}])
     if include_rng:
         top.append([RNG_KEY, enc.value(rng_state(), (RNG_KEY,), 2)])
     return Captured(
@@ -535,15 +572,79 @@ def restore(state: Mapping[str, Any], values: Mapping[Any, Any], *, borrowed: bo
     if missing:
         raise StateMismatchError(
             f"checkpoint has no entry for state key(s) {missing}; it holds "
-            f"{sorted(str(k) for k in values if k != RNG_KEY)}. Restore into the same "
-            "state keys it was saved with, or start a new checkpoint directory"
+            f"{sorted(str(k) for k in values if k not in RESERVED_KEYS)}. Restore into "
+            "the same state keys it was saved with, or start a new checkpoint directory"
         )
+    check_classes(state, values.get(CLASSES_KEY))
     for key, obj in state.items():
         new = _restore_into(obj, values[key], (key,), borrowed)
         if new is not obj and isinstance(state, dict):
             state[key] = new
     if RNG_KEY in values:
         set_rng_state(values[RNG_KEY])
+
+
+def recorded_classes(value: Any) -> list[tuple[tuple[Any, ...], str]]:
+    """The decoded ``__classes__`` entry as ``(path, "module:qualname")`` pairs; ``[]``
+    for a checkpoint written before classes were recorded. Malformed:
+    `CorruptCheckpointError`."""
+    if value is None:
+        return []
+    out = []
+    for entry in value if isinstance(value, list) else [None]:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], list)
+            and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in entry[0])
+            and isinstance(entry[1], str)
+        ):
+            raise CorruptCheckpointError(
+                f"malformed {CLASSES_KEY} entry in the state tree: {str(entry)[:80]}"
+            )
+        out.append((tuple(entry[0]), entry[1]))
+    return out
+
+
+def _live_at(state: Mapping[str, Any], path: tuple[Any, ...]) -> Any:
+    """The live object at ``path`` (dict keys and list indices), or None if absent."""
+    obj: Any = state
+    for k in path:
+        in_dict = isinstance(obj, Mapping) and not _is_stateful(obj) and k in obj
+        in_list = isinstance(obj, (list, tuple)) and isinstance(k, int) and 0 <= k < len(obj)
+        if not (in_dict or in_list):
+            return None
+        obj = obj[k]
+    return obj
+
+
+def check_classes(state: Mapping[str, Any], recorded: Any) -> None:
+    """Refuse, with `StateMismatchError` naming both classes, to restore a stateful object
+    saved from one class into an object of another (an AdamW state into SGD). Compares
+    qualified names only (see the module docstring); entries whose path is not in
+    ``state``, or holds no stateful object now, are left to the structural checks."""
+    wrong = []
+    for path, saved in recorded_classes(recorded):
+        if not path or path[0] not in state:
+            continue
+        obj = _live_at(state, path)
+        if obj is None or not _is_stateful(obj):
+            continue
+        live = class_name(obj)
+        if _qualname(live) != _qualname(saved):
+            wrong.append(
+                f"{_path_str(path)} was saved from a {saved.replace(':', '.')} and would be "
+                f"restored into a {live.replace(':', '.')}"
+            )
+    if wrong:
+        raise StateMismatchError(
+            "the checkpoint does not fit the state: "
+            + "; ".join(wrong)
+            + ". Their states differ (an optimizer's moments, a scheduler's position), so "
+            "loading one into the other would fail later or train with the wrong state. "
+            "Create the same classes as the run that wrote the checkpoint, or start a new "
+            "checkpoint directory for the new setup"
+        )
 
 
 def _own(value: Any) -> Any:

@@ -40,12 +40,13 @@ from rich.text import Text
 
 from resumable import __version__
 from resumable.audit import AuditLog, read_audit
-from resumable.capture import decode, iter_refs, subtree
+from resumable.capture import CLASSES_KEY, decode, iter_refs, recorded_classes, subtree
 from resumable.commit import (
     RenameCommit,
     list_committed,
     list_uncommitted,
     parse_step_dir,
+    refuse_checkpoint_as_root,
     step_dir,
 )
 from resumable.distributed import GlobalLoader, GlobalTensor, global_tensors
@@ -92,7 +93,8 @@ def _open(url: str) -> Storage:
     """The storage of ``url``; a local directory must already exist. Any other root is
     listed once here, so that an unreachable server, a missing bucket or missing
     credentials is reported against the root the user named, not against a file
-    inside it that the command happened to read first."""
+    inside it that the command happened to read first. One checkpoint given as the root
+    (``runs/x/step-000000000400``) is refused, naming the parent to pass instead."""
     storage = open_storage(url)
     if isinstance(storage, LocalStorage):
         if not storage.root.exists():
@@ -101,6 +103,7 @@ def _open(url: str) -> Storage:
             raise NoCheckpointError(f"{storage.root} is not a directory")
     else:
         storage.list_dir("")
+    refuse_checkpoint_as_root(storage)
     return storage
 
 
@@ -482,6 +485,21 @@ def _children(node: Any, depth: int, index: _Index, out: list[str]) -> None:
     _tree_lines(node, "(value)", depth, index, out)
 
 
+def _split_classes(tree: Any) -> tuple[Any, list[tuple[tuple[Any, ...], str]]]:
+    """The tree without its ``__classes__`` entry, and the classes it records (shown
+    apart: they describe the entries, they are not state)."""
+    pairs = tree.get("dict") if isinstance(tree, dict) else None
+    if not isinstance(pairs, list):
+        return tree, []
+    rest = [p for p in pairs if not (isinstance(p, list) and p[:1] == [CLASSES_KEY])]
+    node = next((p[1] for p in pairs if isinstance(p, list) and p[:1] == [CLASSES_KEY]), None)
+    try:
+        classes = recorded_classes(decode(node, {})) if node is not None else []
+    except CheckpointError:
+        return tree, []
+    return {**tree, "dict": rest}, classes
+
+
 def run_show(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     step = _newest(storage) if args.step is None else _require_step(storage, args.step)
@@ -510,7 +528,11 @@ def run_show(args: argparse.Namespace) -> int:
     for r in ranks:
         lines.append("")
         lines.append("state" if len(ranks) == 1 else f"state (rank {r.get('rank', '?')})")
-        _children(r["tree"], 1, _Index(index, global_tensors(index)), lines)
+        tree, classes = _split_classes(r["tree"])
+        _children(tree, 1, _Index(index, global_tensors(index)), lines)
+        if classes:
+            lines.append("classes")
+            lines.extend(f"  {'/'.join(map(str, p))}: {c.replace(':', '.')}" for p, c in classes)
     console = _console()
     for line in lines:
         console.print(Text(line))

@@ -11,7 +11,10 @@ A crash before step 3 leaves only a staging directory, which no listing reports 
 the next start removes (and logs). A crash after it leaves a complete checkpoint. A
 committed checkpoint of the same step (possible only after resuming from an older one
 because the newer one was corrupt) is first moved aside to ``.trash-...``, so at every
-instant the newest earlier checkpoint stays loadable.
+instant the newest earlier checkpoint stays loadable. A ``step-N`` directory without a
+manifest in the way (its manifest deleted, a copy cut short, another tool's data) is
+never deleted and never blocks the run: it is moved into ``quarantine/`` inside the
+root, with a warning, and the caller is told (``on_quarantine``) so it can audit it.
 
 Object stores have no rename: `MarkerCommit` writes data under keys unique to the
 attempt (``step-000000001200/att-<ms>-<pid>-<nonce>/rank-00000.safetensors``) and then
@@ -28,6 +31,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from resumable.errors import (
@@ -85,6 +89,89 @@ def list_uncommitted(storage: Storage) -> list[str]:
     ]
 
 
+def checkpoint_as_root(storage: Storage) -> tuple[str, int | None] | None:
+    """If ``storage``'s root is itself one checkpoint (it holds a manifest directly, as
+    ``step-N/`` does: what users of Transformers and Lightning point at), the URL of
+    the directory that holds it and its step (None if the name is not ``step-N``);
+    otherwise None. Our roots never hold a manifest at their top. One `exists` call."""
+    try:
+        if not storage.exists(MANIFEST):
+            return None
+    except CheckpointError:  # e.g. a link named manifest.json: not ours either way
+        return None
+    url = storage.url.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    return (parent or url), parse_step_dir(name)
+
+
+def refuse_checkpoint_as_root(storage: Storage) -> None:
+    """Raise `CheckpointError` if ``storage``'s root is one checkpoint (`checkpoint_as_root`):
+    used as a root, a new run would start at step 0 nested inside it, and ``ls`` would
+    find no checkpoints. The message names the parent to pass instead."""
+    found = checkpoint_as_root(storage)
+    if found is None:
+        return
+    parent, step = found
+    which = f"step {step}" if step is not None else "it"
+    raise CheckpointError(
+        f"{storage.url} is a checkpoint, not a checkpoint directory: pass its parent "
+        f"directory {parent} (restore() there resumes from the newest valid checkpoint; "
+        f"restore(step=...) or `resumable show --step ...` picks {which})"
+    )
+
+
+QUARANTINE_DIR = "quarantine"
+_QUARANTINE_README = (
+    b"Step directories that had no manifest (not a completed commit: a deleted manifest,\n"
+    b"a copy cut short, or another tool's files) and stood where resumable had to save\n"
+    b"that step. They were moved here instead of being deleted; nothing reads them.\n"
+    b"Each name is the step directory's, then the time it was moved (UTC). Inspect them,\n"
+    b"then delete them. See docs/root-safety.md.\n"
+)
+
+
+def warn_uncommitted(storage: Storage) -> list[str]:
+    """`list_uncommitted`, and a WARNING naming them if there are any: restore calls it
+    so that data directories it will not use are never passed over in silence."""
+    names = list_uncommitted(storage)
+    if names:
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        log.warning(
+            "%s holds step directories without a commit: %s. They are not restored (no "
+            "manifest: deleted, a copy cut short, or not written by resumable). If the run "
+            "saves one of these steps again, the old directory is moved into %s/ first. "
+            "Check them, then delete them or put their manifest back",
+            storage.url,
+            shown,
+            QUARANTINE_DIR,
+        )
+    return names
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A step directory without a manifest that stood in the way of a save, and where it
+    was moved (both relative to the root)."""
+
+    step: int
+    name: str
+    moved_to: str
+
+
+def quarantine(storage: Storage, name: str) -> str:
+    """Move directory ``name`` of the root into ``quarantine/`` (created with a README on
+    first use) under a name that is new; return that path. Never deletes, never leaves
+    the root. Needs a storage that renames (`Storage.rename_dir`)."""
+    readme = f"{QUARANTINE_DIR}/README.txt"
+    if not storage.exists(readme):
+        storage.write(readme, [_QUARANTINE_README])
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dst = f"{QUARANTINE_DIR}/{name}.{stamp}.{secrets.token_hex(4)}"
+    storage.rename_dir(name, dst)
+    storage.sync_dir("")
+    return dst
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One try at committing a step: data files go under ``staging``; the manifest names
@@ -134,14 +221,17 @@ def _pid_alive(pid: int) -> bool:
 class RenameCommit:
     """Commit by renaming a fully written, fsync-ed staging directory."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(
+        self, storage: Storage, *, on_quarantine: Callable[[Quarantined], None] | None = None
+    ) -> None:
         if not storage.supports_rename:
             raise TypeError(f"{type(storage).__name__} cannot rename; use a marker commit")
         self.storage = storage
+        self.on_quarantine = on_quarantine
 
     def begin(self, step: int) -> Attempt:
         final = step_dir(step)
-        self._refuse_foreign(final)
+        self._clear_uncommitted(step, final)
         staging = f".tmp-{final}.{os.getpid()}.{secrets.token_hex(4)}"
         return Attempt(step, staging, final)
 
@@ -153,8 +243,8 @@ class RenameCommit:
         s.sync_dir(attempt.staging)
         replaced = False
         trash = None
+        self._clear_uncommitted(attempt.step, attempt.final)
         if s.exists(attempt.final):
-            self._refuse_foreign(attempt.final)
             trash = f".trash-{attempt.final}.{os.getpid()}.{secrets.token_hex(4)}"
             s.rename_dir(attempt.final, trash)
             replaced = True
@@ -164,16 +254,33 @@ class RenameCommit:
             s.delete(trash)
         return replaced
 
-    def _refuse_foreign(self, final: str) -> None:
+    def _clear_uncommitted(self, step: int, final: str) -> None:
         """A ``step-N`` directory without a manifest was not made by a commit (ours never
-        leave one): it is someone else's data, and is never replaced or deleted."""
-        if self.storage.exists(final) and not self.storage.exists(f"{final}/{MANIFEST}"):
+        leave one). It is never replaced or deleted, and never stops the run: it is
+        moved into ``quarantine/``, logged, and reported to ``on_quarantine``."""
+        s = self.storage
+        if not s.exists(final) or s.exists(f"{final}/{MANIFEST}"):
+            return
+        try:
+            moved_to = quarantine(s, final)
+        except CheckpointError as exc:  # e.g. a file or a link by that name
             raise StorageError(
-                errno.EEXIST,
-                f"{self.storage.url}/{final} exists but is not a committed checkpoint "
-                "(no manifest); resumable will not overwrite it. Move it away to save "
-                "this step",
-            )
+                exc.errno if isinstance(exc, OSError) and exc.errno else errno.EEXIST,
+                f"{s.url}/{final} exists but is not a committed checkpoint (no manifest), "
+                f"and it could not be moved into {QUARANTINE_DIR}/: {exc}. Move it away "
+                "to save this step",
+            ) from exc
+        log.warning(
+            "%s/%s had no manifest (not a completed commit) and stood where step %d is "
+            "saved: moved it to %s/%s, not deleted",
+            s.url,
+            final,
+            step,
+            s.url,
+            moved_to,
+        )
+        if self.on_quarantine is not None:
+            self.on_quarantine(Quarantined(step, final, moved_to))
 
     def delete(self, step: int) -> None:
         """Remove a committed checkpoint: first renamed aside (atomically un-committed),
@@ -306,6 +413,13 @@ class MarkerCommit:
 Committer = RenameCommit | MarkerCommit
 
 
-def committer_for(storage: Storage) -> Committer:
-    """The commit strategy ``storage`` supports: rename where it can, else the marker."""
-    return RenameCommit(storage) if storage.supports_rename else MarkerCommit(storage)
+def committer_for(
+    storage: Storage, *, on_quarantine: Callable[[Quarantined], None] | None = None
+) -> Committer:
+    """The commit strategy ``storage`` supports: rename where it can, else the marker.
+    ``on_quarantine`` hears of each uncommitted step directory a rename commit moved out
+    of its way (object stores need none: each attempt writes keys of its own, and the
+    manifest-less leftovers are collected by `MarkerCommit.stale`)."""
+    if storage.supports_rename:
+        return RenameCommit(storage, on_quarantine=on_quarantine)
+    return MarkerCommit(storage)

@@ -45,3 +45,15 @@ class StateMismatchError(CheckpointError, ValueError):
 
 class PersistError(CheckpointError, RuntimeError):
     """A save that was started earlier failed; raised at the next ``save``/``wait``/``close``."""
+
+
+class RootInUseError(CheckpointError, RuntimeError):
+    """Another process holds the checkpoint root (`resumable.lock`): two jobs writing one
+    root would replace each other's checkpoints. Raised when the root is taken, and by a
+    holder that lost its lease on object storage. ``holder`` describes the other process
+    (host, pid, since when) where it is known."""
+
+    def __init__(self, message: str, *, url: str = "", holder: object = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.holder = holder

@@ -112,6 +112,23 @@ class Storage(ABC):
     def sync_dir(self, path: str = "") -> None:
         """Make prior renames/creations inside ``path`` durable (no-op where meaningless)."""
 
+    def check_root(self) -> None:
+        """Fail now, with `StorageError` saying what is wrong and what to do, if this
+        root cannot hold checkpoints; the `Checkpointer` calls it at construction, so a
+        bad root is not found at the first persist, maybe hours later. This default
+        (object stores, memory) lists the root (the bucket exists, the credentials may
+        read) and probes the create-only put commits need (they may write, and the server
+        honours it). A filesystem checks much more (`LocalStorage.check_root`)."""
+        self.list_dir("")
+        self.conditional_put_enforced()
+
+    def open_lock(self, path: str) -> int | None:
+        """A file descriptor of ``path`` (created if missing), opened read-write and
+        close-on-exec, that the caller may ``flock`` and must close; or None where the
+        backend has no operating-system locks (object stores, memory: `resumable.lock`
+        then uses a lease object). Only a filesystem backend returns a descriptor."""
+        return None
+
     def close(self) -> None:
         """Release connections or handles."""
 
@@ -174,6 +191,12 @@ class ForwardingStorage(Storage):
 
     def sync_dir(self, path: str = "") -> None:
         self.inner.sync_dir(path)
+
+    def check_root(self) -> None:
+        self.inner.check_root()
+
+    def open_lock(self, path: str) -> int | None:
+        return self.inner.open_lock(path)
 
     def close(self) -> None:
         self.inner.close()

@@ -42,6 +42,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _CHANGED = "changed"  # what `_refusal` is told when a name changed kind under the walk
 _MAX_TREE_DEPTH = 64  # deeper than any checkpoint; a hostile tree must not exhaust fds
 
@@ -54,6 +55,21 @@ def _storage_error(action: str, path: Path, exc: OSError) -> StorageError:
         hint = "; check the directory's permissions"
     err = StorageError(exc.errno, f"could not {action} {path}: {exc.strerror or exc}{hint}")
     return err
+
+
+def _why(exc: OSError) -> str:
+    """The cause of a failure to create or write in a root, and what to do, in words."""
+    text = exc.strerror or str(exc)
+    if exc.errno == errno.EROFS:
+        return f"{text} (the file system is mounted read-only): pass a writable directory"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"{text}: this user (uid {os.geteuid()}) may not write there; check the "
+            "directory's owner and mode, or pass a directory this user owns"
+        )
+    if exc.errno == errno.ENOSPC:
+        return f"{text}: the disk is full; free space or pass a directory on another volume"
+    return text
 
 
 def _kind(mode: int) -> str:
@@ -505,6 +521,68 @@ class LocalStorage(Storage):
                 os.close(dfd)
         finally:
             os.close(sfd)
+
+    def check_root(self) -> None:
+        """Create the root (and missing parents) and a probe file in it, then remove the
+        probe. Fails with `StorageError` naming the cause: the root (or a parent) is a
+        file, a parent or the root is not writable or on a read-only file system, the
+        disk is full."""
+        root = self.root
+        try:
+            st: os.stat_result | None = os.stat(root)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        except OSError as exc:
+            raise _storage_error("reach the checkpoint root", root, exc) from exc
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise StorageError(
+                errno.ENOTDIR,
+                f"the checkpoint root {root} is {_kind(st.st_mode)}, not a directory. Pass "
+                "a directory (it is created if missing), or remove the file",
+            )
+        if st is None:
+            for parent in root.parents:
+                try:
+                    pst = os.stat(parent)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                except OSError as exc:
+                    raise _storage_error("reach", parent, exc) from exc
+                if not stat.S_ISDIR(pst.st_mode):
+                    raise StorageError(
+                        errno.ENOTDIR,
+                        f"cannot create the checkpoint root {root}: {parent} is "
+                        f"{_kind(pst.st_mode)}, not a directory. Pass another path",
+                    )
+                break
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(
+                    exc.errno, f"cannot create the checkpoint root {root}: {_why(exc)}"
+                ) from exc
+        probe = f".resumable-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+            try:
+                os.close(os.open(probe, _WRITE | os.O_EXCL, 0o600, dir_fd=dfd))
+                os.unlink(probe, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise StorageError(
+                exc.errno, f"cannot write in the checkpoint root {root}: {_why(exc)}"
+            ) from exc
+
+    def open_lock(self, path: str) -> int:
+        """``path`` opened read-write (created, mode 0644), never through a link, and
+        close-on-exec: a descriptor to ``flock`` (see `resumable.lock`)."""
+        parts, name = self._split(path)
+        dfd = self._open_dir(path, parts, create=True, write=True)
+        try:
+            return self._open_file(dfd, path, name, _LOCK, write=True)
+        finally:
+            os.close(dfd)
 
     def sync_dir(self, path: str = "") -> None:
         parts = check_relpath(path).split("/") if path else []

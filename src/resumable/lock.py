@@ -1,0 +1,478 @@
+"""One writer per checkpoint root.
+
+Two jobs writing one root replace each other's committed checkpoints and share their
+shared-memory slots; an "is anyone there?" check before starting is a race both pass.
+So a job holds the root for as long as it writes it, and a second one is refused with
+`RootInUseError` naming the holder (host, pid, since when). `acquire_root` picks how:
+
+- **Filesystem roots** (`Storage.open_lock` gives a descriptor): ``flock(LOCK_EX |
+  LOCK_NB)`` on the file ``.resumable-lock`` in the root. The kernel drops the lock when
+  the holder exits, however it exits (SIGKILL, OOM kill, power loss): no expiry, no
+  clock, nothing stale to clean up. The descriptor is close-on-exec and is closed in
+  every child the holder forks (``os.register_at_fork``), so a DataLoader worker that
+  outlives its trainer does not keep the root held. The file holds a JSON line naming
+  the holder; it is rewritten by each holder and never removed (removing a lock file
+  races with the next taker). ``flock`` on NFS is mapped by Linux to NFS byte-range
+  locks, which other clients see.
+- **Object stores and memory** (no operating-system lock): a *lease*. The holder
+  writes ``.resumable-lease/lease-<generation>.json`` with `Storage.put_if_absent` (the
+  same conditional put, ``If-None-Match: *``, that commits use), saying who holds it and
+  until when; a thread renews it every third of ``ttl_s`` by writing the next
+  generation. Whoever creates generation ``n + 1`` wins generation ``n``: a renewal and
+  a takeover of the same generation cannot both succeed. A contender takes over only a
+  lease that was released, or has expired by more than ``skew_s`` (clocks of different
+  hosts differ); a holder that finds its next generation taken, or that could not renew
+  before its own expiry, has lost the root: `RootLock.check` then raises, so its next
+  save stops instead of writing beside the new holder.
+
+The trade-off of the lease: a job killed without releasing blocks the root for up to
+``ttl_s + skew_s`` (default 60 + 10 s); a smaller ``ttl_s`` costs more writes (three
+small objects a ``ttl_s``) and less tolerance to a stalled holder. See docs/root-safety.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from resumable.errors import CheckpointError, NoCheckpointError, RootInUseError
+from resumable.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".resumable-lock"
+LEASE_DIR = ".resumable-lease"
+DEFAULT_TTL_S = 60.0
+DEFAULT_SKEW_S = 10.0
+_LEASE_PREFIX = "lease-"
+_LEASE_SUFFIX = ".json"
+_KEEP_GENERATIONS = 3  # older lease objects are deleted by the holder
+_MAX_RECORD = 64 << 10
+
+_forked_away: set[int] = set()  # lock descriptors held by this process, closed in children
+
+
+def _close_in_child() -> None:
+    for fd in list(_forked_away):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _forked_away.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a root: enough for an operator to find the process."""
+
+    host: str
+    pid: int
+    since: float  # when it took the root (seconds since the epoch)
+    command: str = ""
+    token: str = ""  # tells two holders apart even on one host and pid
+    expires: float | None = None  # leases only: when it lapses unless renewed
+    released: bool = False  # leases only: given back by its holder
+
+    @staticmethod
+    def me(token: str) -> Holder:
+        return Holder(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=time.time(),
+            command=" ".join(sys.argv)[:200],
+            token=token,
+        )
+
+    def describe(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
+        text = f"pid {self.pid} on host {self.host} since {since} ({_ago(now - self.since)})"
+        if self.command:
+            text += f", running {self.command!r}"
+        return text
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode() + b"\n"
+
+    @staticmethod
+    def from_json(data: bytes) -> Holder | None:
+        """The holder recorded in ``data`` (its first JSON value), or None if it is not
+        one (empty, being rewritten, foreign): never raises."""
+        try:
+            value, _ = json.JSONDecoder().raw_decode(data[:_MAX_RECORD].decode("utf-8"))
+            expires = value.get("expires")
+            return Holder(
+                host=str(value["host"]),
+                pid=int(value["pid"]),
+                since=float(value["since"]),
+                command=str(value.get("command", "")),
+                token=str(value.get("token", "")),
+                expires=None if expires is None else float(expires),
+                released=bool(value.get("released", False)),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            return None
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+class RootLock:
+    """A held root. `check` before each write (cheap: no I/O); `release` once, at close."""
+
+    url: str
+    holder: Holder
+
+    def check(self) -> None:
+        """Raise `RootInUseError` if this process no longer holds the root."""
+
+    def release(self) -> None:
+        """Give the root back (idempotent). Never raises: a failure is logged."""
+
+    def __enter__(self) -> RootLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class FileLock(RootLock):
+    """``flock`` on ``.resumable-lock`` in a filesystem root (see the module docstring)."""
+
+    def __init__(self, storage: Storage, fd: int, holder: Holder) -> None:
+        self.url = storage.url
+        self.holder = holder
+        self._fd: int | None = fd
+
+    def __del__(self) -> None:  # a holder dropped without release() frees the root
+        self.release()
+
+    def release(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is None:
+            return
+        _forked_away.discard(fd)
+        try:
+            os.close(fd)  # drops the flock with the last reference to the description
+        except OSError as exc:
+            log.warning("could not release the lock on %s: %s", self.url, exc)
+
+
+class LeaseLock(RootLock):
+    """A renewed lease object on a storage without operating-system locks."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        generation: int,
+        holder: Holder,
+        *,
+        ttl_s: float,
+        skew_s: float,
+        clock: Callable[[], float],
+        renew: bool,
+    ) -> None:
+        self.url = storage.url
+        self.holder = holder
+        self._storage = storage
+        self._generation = generation
+        self._ttl_s = ttl_s
+        self._skew_s = skew_s
+        self._clock = clock
+        self._lost: str | None = None
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if renew:
+            self._thread = threading.Thread(
+                target=self._renew_loop, name="resumable-lease", daemon=True
+            )
+            self._thread.start()
+
+    def check(self) -> None:
+        """Also raises once the lease has lapsed without a renewal (the renewal thread
+        starved or the storage unreachable) and one more renewal fails: another job may
+        have taken the root meanwhile."""
+        if self._lost is None and self._clock() > (self.holder.expires or 0.0):
+            self.renew()
+            if self._lost is None and self._clock() > (self.holder.expires or 0.0):
+                self._lose("its lease lapsed and could not be renewed")
+        if self._lost is not None:
+            raise RootInUseError(self._lost, url=self.url)
+
+    def renew(self) -> bool:
+        """Write the next generation with a new expiry; return whether this process still
+        holds the root. Called by the renewal thread; callable directly (tests)."""
+        with self._mutex:
+            if self._lost is not None or self._stop.is_set():
+                return self._lost is None
+            now = self._clock()
+            record = Holder(**{**asdict(self.holder), "expires": now + self._ttl_s})
+            try:
+                won = self._storage.put_if_absent(
+                    _lease_path(self._generation + 1), record.to_json()
+                )
+            except (CheckpointError, OSError) as exc:
+                expires = self.holder.expires or 0.0
+                if now < expires:
+                    log.warning(
+                        "could not renew the lease on %s (retrying; it expires in %.0f s): %s",
+                        self.url,
+                        expires - now,
+                        exc,
+                    )
+                    return True
+                self._lose(f"its lease expired at {_utc(expires)} before it could be renewed")
+                return False
+            if not won:
+                taker = _read_generation(self._storage, self._generation + 1)
+                self._lose(
+                    "another process took it over"
+                    + (f": {taker.describe(now)}" if taker is not None else "")
+                )
+                return False
+            self._generation += 1
+            self.holder = record
+            _prune(self._storage, self._generation)
+            return True
+
+    def _lose(self, why: str) -> None:
+        self._lost = (
+            f"this process no longer holds the checkpoint root {self.url}: {why}. Another "
+            "job may now be writing it, so this one stops saving. Make sure only one job "
+            "uses a root; if the storage was unreachable for a while, a larger ttl_s for "
+            "the lease tolerates longer outages"
+        )
+        log.error("%s", self._lost)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self._ttl_s / 3):
+            try:
+                if not self.renew():
+                    return
+            except Exception:  # a bug must not kill the thread silently
+                log.exception("renewing the lease on %s failed", self.url)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._mutex:
+            if self._lost is not None or self.holder.released:
+                return
+            record = Holder(**{**asdict(self.holder), "released": True, "expires": self._clock()})
+            try:
+                if self._storage.put_if_absent(_lease_path(self._generation + 1), record.to_json()):
+                    self._generation += 1
+                    self.holder = record
+                    _prune(self._storage, self._generation)
+            except (CheckpointError, OSError) as exc:
+                log.warning(
+                    "could not release the lease on %s (it expires by itself at %s): %s",
+                    self.url,
+                    _utc(self.holder.expires or 0.0),
+                    exc,
+                )
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _lease_path(generation: int) -> str:
+    return f"{LEASE_DIR}/{_LEASE_PREFIX}{generation:020d}{_LEASE_SUFFIX}"
+
+
+def _generations(storage: Storage) -> list[int]:
+    out = []
+    for name in storage.list_dir(LEASE_DIR):
+        digits = name[len(_LEASE_PREFIX) : -len(_LEASE_SUFFIX)]
+        if name.startswith(_LEASE_PREFIX) and name.endswith(_LEASE_SUFFIX) and digits.isdigit():
+            out.append(int(digits))
+    return sorted(out)
+
+
+def _read_generation(storage: Storage, generation: int) -> Holder | None:
+    try:
+        return Holder.from_json(bytes(storage.read(_lease_path(generation))))
+    except NoCheckpointError:
+        return None
+
+
+def _prune(storage: Storage, current: int) -> None:
+    """Delete lease objects older than the last few (best effort)."""
+    try:
+        for g in _generations(storage):
+            if g <= current - _KEEP_GENERATIONS:
+                storage.delete(_lease_path(g))
+    except (CheckpointError, OSError) as exc:
+        log.debug("could not prune old lease objects of %s: %s", storage.url, exc)
+
+
+def _in_use(url: str, holder: Holder | None, extra: str) -> RootInUseError:
+    who = holder.describe() if holder is not None else "a process that did not say who it is"
+    return RootInUseError(
+        f"the checkpoint root {url} is in use by another job: {who}. Two jobs writing one "
+        "root would replace each other's checkpoints. Wait for that job to finish or stop "
+        f"it, or give this job another directory{extra}",
+        url=url,
+        holder=holder,
+    )
+
+
+def read_holder(storage: Storage) -> Holder | None:
+    """Who holds (or last held) ``storage``'s root, from what the holder wrote: for
+    operators and error messages. Says nothing about whether it still holds it."""
+    fd = storage.open_lock(LOCK_FILE)
+    if fd is not None:
+        try:
+            return Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
+        finally:
+            os.close(fd)
+    gens = _generations(storage)
+    return _read_generation(storage, gens[-1]) if gens else None
+
+
+def acquire_root(
+    storage: Storage,
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+    skew_s: float = DEFAULT_SKEW_S,
+    clock: Callable[[], float] = time.time,
+    renew: bool = True,
+) -> RootLock:
+    """Take ``storage``'s root for this process, or raise `RootInUseError` naming the
+    holder. Never waits: a held root is an error at once.
+
+    Called once per job, by the process that writes the root (rank 0 of a distributed
+    job), before anything is written. The caller calls `RootLock.check` before each
+    save and `RootLock.release` at close. ``ttl_s``, ``skew_s``, ``clock`` and ``renew``
+    apply to leases only (object stores); ``renew=False`` starts no renewal thread (the
+    caller then calls `LeaseLock.renew` itself). Storage failures raise `StorageError`.
+    """
+    token = secrets.token_hex(8)
+    fd = storage.open_lock(LOCK_FILE)
+    if fd is not None:
+        return _take_file(storage, fd, Holder.me(token))
+    return _take_lease(storage, token, ttl_s=ttl_s, skew_s=skew_s, clock=clock, renew=renew)
+
+
+def _take_file(storage: Storage, fd: int, me: Holder) -> FileLock:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
+        finally:
+            os.close(fd)
+        raise _in_use(
+            storage.url,
+            holder,
+            ". The lock is released by the operating system when that process exits "
+            "(it cannot be left behind by a crash)",
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    try:
+        data = me.to_json()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    except OSError as exc:  # the lock holds anyway; only the description is missing
+        log.warning("could not record the holder in %s/%s: %s", storage.url, LOCK_FILE, exc)
+    _forked_away.add(fd)
+    return FileLock(storage, fd, me)
+
+
+def _take_lease(
+    storage: Storage,
+    token: str,
+    *,
+    ttl_s: float,
+    skew_s: float,
+    clock: Callable[[], float],
+    renew: bool,
+) -> LeaseLock:
+    if ttl_s <= 0 or skew_s < 0:
+        raise ValueError(f"ttl_s must be > 0 and skew_s >= 0, got {ttl_s} and {skew_s}")
+    for _ in range(8):  # each retry follows a generation someone else just wrote
+        gens = _generations(storage)
+        newest = gens[-1] if gens else 0
+        current = _read_generation(storage, newest) if gens else None
+        if gens and current is None and storage.exists(_lease_path(newest)):
+            current = Holder("?", 0, 0.0, expires=0.0)  # unreadable record: treat as lapsed
+        now = clock()
+        if current is not None and not current.released:
+            expires = current.expires if current.expires is not None else 0.0
+            if now <= expires + skew_s:
+                raise _in_use(
+                    storage.url,
+                    current,
+                    f". Its lease runs until {_utc(expires)} and is renewed while that job "
+                    f"runs; if the job is gone, a start after {_utc(expires + skew_s)} "
+                    "takes the root over",
+                )
+        since = time.time()
+        me = Holder(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=since,
+            command=" ".join(sys.argv)[:200],
+            token=token,
+            expires=now + ttl_s,
+        )
+        if not storage.put_if_absent(_lease_path(newest + 1), me.to_json()):
+            continue
+        later = [g for g in _generations(storage) if g > newest + 1]
+        if later:  # wrote into a generation already pruned: someone is further along
+            storage.delete(_lease_path(newest + 1))
+            raise _in_use(storage.url, _read_generation(storage, later[-1]), "")
+        if current is not None and not current.released:
+            log.warning(
+                "took over the checkpoint root %s from an expired lease (%s)",
+                storage.url,
+                current.describe(now),
+            )
+        _prune(storage, newest + 1)
+        return LeaseLock(
+            storage,
+            newest + 1,
+            me,
+            ttl_s=ttl_s,
+            skew_s=skew_s,
+            clock=clock,
+            renew=renew,
+        )
+    raise _in_use(storage.url, read_holder(storage), " (the lease changed hands repeatedly)")
+
+
+__all__ = [
+    "DEFAULT_SKEW_S",
+    "DEFAULT_TTL_S",
+    "LEASE_DIR",
+    "LOCK_FILE",
+    "FileLock",
+    "Holder",
+    "LeaseLock",
+    "RootLock",
+    "acquire_root",
+    "read_holder",
+]
