@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import itertools
-import os
 import shutil
 import subprocess
 import sys
@@ -123,10 +122,9 @@ class GcsServer:
     _counter: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def filesystem(self) -> Any:
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        import gcsfs
+        from gcsfs.core import GCSFileSystem  # not the subclass; see fsspec_store._make_gcs
 
-        return gcsfs.GCSFileSystem(
+        return GCSFileSystem(
             endpoint_url=self.endpoint,
             token="anon",
             project="test",

@@ -80,11 +80,15 @@ class Flavor:
 
 
 def _make_gcs(options: dict[str, Any]) -> Any:
-    # Without this gcsfs probes for hierarchical namespaces first, and every call on an
-    # emulator stalls 60 s; a real bucket answers the same with it off.
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    # gcsfs's own `GCSFileSystem`, never the "experimental" subclass that
+    # `import gcsfs` substitutes unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false *at the
+    # time gcsfs is first imported* (by whichever library imports it first: Lightning
+    # does). That subclass first asks for the bucket's type over gRPC, which stalls each
+    # call 60 s on an emulator; the plain class answers a real bucket the same for the
+    # calls used here (no renames on object stores).
     try:
-        import gcsfs
+        import gcsfs  # noqa: F401 (the package first: a missing one raises here)
+        from gcsfs.core import GCSFileSystem
     except ImportError as exc:
         raise CheckpointError(
             "gs:// checkpoints need gcsfs, which is not installed: "
@@ -92,7 +96,7 @@ def _make_gcs(options: dict[str, Any]) -> Any:
         ) from exc
     if "endpoint_url" not in options and os.environ.get("STORAGE_EMULATOR_HOST"):
         options.setdefault("token", "anon")  # an emulator takes no credentials
-    return gcsfs.GCSFileSystem(**options)
+    return GCSFileSystem(**options)
 
 
 def _make_azure(options: dict[str, Any]) -> Any:
