@@ -36,9 +36,16 @@ from types import TracebackType
 from typing import Any, Literal
 
 from resumable.audit import AuditLog
-from resumable.commit import committer_for, step_dir
+from resumable.commit import (
+    committer_for,
+    list_committed,
+    refuse_checkpoint_as_root,
+    step_dir,
+    warn_uncommitted,
+)
 from resumable.distributed import Group, current_group
 from resumable.errors import CheckpointError, NoCheckpointError
+from resumable.lock import RootLock, acquire_root
 from resumable.monitor import AlertCallback, Monitor
 from resumable.pipeline.emergency import Emergency
 from resumable.pipeline.memory import MemoryTier
@@ -48,6 +55,7 @@ from resumable.pipeline.schedule import Schedule
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
 from resumable.retention import PINS_DIR
+from resumable.runid import ensure_run_id
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import OBJECT_SCHEMES, MemoryStorage, Storage, open_storage
 
@@ -146,86 +154,98 @@ class Checkpointer:
         )
         if self.mirror is not None and self.mirror.url == self.url:
             raise ValueError(f"mirror must be another root than {self.url}")
-        if mode == "auto":
-            # A separate process keeps the persist (hashing, syscalls, HTTP) off the
-            # trainer's GIL; in-process stores (memory://) can only be reached by a thread.
-            in_process = isinstance(self.storage, MemoryStorage) or isinstance(
-                self.mirror, MemoryStorage
-            )
-            mode = "thread" if in_process else "process"
-        if overlap and mode == "sync" and memory_every is None:
-            raise ValueError("overlap=True needs the memory tier (not persist='sync' alone)")
-        self.persist_mode = mode
-        self.state = state
-        self.keep, self.mirror_keep = keep, mirror_keep
-        self.map_location = map_location
-        self.capture_rng = capture_rng
-        self.on_busy = on_busy
-        self.overlap = overlap
-        self.should_stop = False
-        self.last_snapshot_s: float | None = None
-        self._closed = False
-        self._skip_flush = False  # close() leaves the newest snapshot in shared memory
+        self._root_lock: RootLock | None = None
+        self.run_id = self._claim_root(group)
+        try:
+            if mode == "auto":
+                # A separate process keeps the persist (hashing, syscalls, HTTP) off the
+                # trainer's GIL; in-process stores (memory://) can only be reached by a thread.
+                in_process = isinstance(self.storage, MemoryStorage) or isinstance(
+                    self.mirror, MemoryStorage
+                )
+                mode = "thread" if in_process else "process"
+            if overlap and mode == "sync" and memory_every is None:
+                raise ValueError("overlap=True needs the memory tier (not persist='sync' alone)")
+            self.persist_mode = mode
+            self.state = state
+            self.keep, self.mirror_keep = keep, mirror_keep
+            self.map_location = map_location
+            self.capture_rng = capture_rng
+            self.on_busy = on_busy
+            self.overlap = overlap
+            self.should_stop = False
+            self.last_snapshot_s: float | None = None
+            self._closed = False
+            self._skip_flush = False  # close() leaves the newest snapshot in shared memory
+            self._restore_called = False
+            self._first_save_checked = False
+            self._best_metric_seen: bool | None = None  # Keep(best=...)'s metric reported?
 
-        self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
-        self.monitor = Monitor(
-            alert=alert,
-            max_commit_age_s=max_commit_age_s,
-            prometheus_registry=prometheus_registry,
-            url=self.url,
-        )
-        self._schedule = Schedule(
-            memory_every, persist_every if persist_every is not None else Every(steps=100), group
-        )
-        self._schedule.on_absorbed = lambda step: self.monitor.skipped(
-            step, "the previous persist is still running"
-        )
-        self._memory: MemoryTier | None = None
-        if mode != "sync" or memory_every is not None:
-            self._memory = MemoryTier(
+            self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
+            self.monitor = Monitor(
+                alert=alert,
+                max_commit_age_s=max_commit_age_s,
+                prometheus_registry=prometheus_registry,
+                url=self.url,
+            )
+            self._schedule = Schedule(
+                memory_every,
+                persist_every if persist_every is not None else Every(steps=100),
+                group,
+            )
+            self._schedule.on_absorbed = lambda step: self.monitor.skipped(
+                step, "the previous persist is still running"
+            )
+            self._memory: MemoryTier | None = None
+            if mode != "sync" or memory_every is not None:
+                self._memory = MemoryTier(
+                    self.storage,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    shm_dir=Path(shm_dir) if shm_dir is not None else None,
+                    overlap=overlap,
+                    audit=self.audit,
+                    run_id=self.run_id,
+                )
+            parts: dict[str, Any] = {
+                "coordination": group,
+                "memory": self._memory,
+                "audit": self.audit,
+                "monitor": self.monitor,
+                "mirror": self.mirror,
+            }
+            self._persister: Persister = (
+                SyncPersister(self.storage, keep=keep, mirror_keep=mirror_keep, **parts)
+                if mode == "sync"
+                else BackgroundPersister(
+                    self.storage,
+                    mode=mode,
+                    keep=keep,
+                    mirror_keep=mirror_keep,
+                    storage_options=_options_for(self.url, self.storage_options),
+                    mirror_options=(
+                        _options_for(self.mirror.url, self.storage_options)
+                        if self.mirror is not None
+                        else None
+                    ),
+                    dist_timeout_s=dist_timeout_s,
+                    **parts,
+                )
+            )
+            self._restorer = Restorer(
+                state,
                 self.storage,
-                rank=self.rank,
-                world_size=self.world_size,
-                shm_dir=Path(shm_dir) if shm_dir is not None else None,
-                overlap=overlap,
+                mirror=self.mirror,
+                memory=self._memory,
+                coordination=group,
                 audit=self.audit,
             )
-        parts: dict[str, Any] = {
-            "coordination": group,
-            "memory": self._memory,
-            "audit": self.audit,
-            "monitor": self.monitor,
-            "mirror": self.mirror,
-        }
-        self._persister: Persister = (
-            SyncPersister(self.storage, keep=keep, mirror_keep=mirror_keep, **parts)
-            if mode == "sync"
-            else BackgroundPersister(
-                self.storage,
-                mode=mode,
-                keep=keep,
-                mirror_keep=mirror_keep,
-                storage_options=_options_for(self.url, self.storage_options),
-                mirror_options=(
-                    _options_for(self.mirror.url, self.storage_options)
-                    if self.mirror is not None
-                    else None
-                ),
-                dist_timeout_s=dist_timeout_s,
-                **parts,
-            )
-        )
-        self._restorer = Restorer(
-            state,
-            self.storage,
-            mirror=self.mirror,
-            memory=self._memory,
-            coordination=group,
-            audit=self.audit,
-        )
-        self._remove_stale()
-        _live.add(self)
-        self._emergency = Emergency(preemption, group) if preemption is not None else None
+            self._remove_stale()
+            _live.add(self)
+            self._emergency = Emergency(preemption, group) if preemption is not None else None
+        except BaseException:
+            self._release_root()
+            raise
 
     @property
     def memory_every(self) -> Every | None:
@@ -248,6 +268,7 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._collect()
+        self._before_first_save(step)
         if self._memory is None:
             raise CheckpointError(
                 "memory snapshots need the memory tier; create the Checkpointer with "
@@ -277,6 +298,8 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._collect()
+        self._before_first_save(step)
+        self._check_best_metric(step, metrics)
         if self._memory is None:  # sync without the memory tier: copy, then write here
             assert isinstance(self._persister, SyncPersister)
             self.last_snapshot_s = self._persister.persist_state(
@@ -307,7 +330,51 @@ class Checkpointer:
         self._persist(snap)
         return True
 
+    def _before_first_save(self, step: int) -> None:
+        """Once, at the first snapshot or save: warn if the root holds an earlier run's
+        checkpoints and `restore` was never called (this run would write its steps
+        beside them)."""
+        if self._first_save_checked:
+            return
+        self._first_save_checked = True
+        if self._restore_called or self.rank != 0:
+            return
+        committed = list_committed(self.storage)
+        if committed:
+            log.warning(
+                "%s holds checkpoints up to step %d, and restore() was not called before "
+                "saving step %d: this run writes its own steps beside them (a step saved "
+                "again replaces the earlier one). Call restore() first to continue that "
+                "run, or give this run a directory of its own",
+                self.url,
+                committed[-1],
+                step,
+            )
+
+    def _check_best_metric(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Warn once if ``Keep(best=...)`` ranks by a metric the saves do not report."""
+        best = self.keep.best if self.keep is not None else None
+        if best is None or self._best_metric_seen is not None:
+            return
+        if metrics is not None and best[0] in metrics:
+            self._best_metric_seen = True
+            return
+        self._best_metric_seen = False
+        reported = ", ".join(sorted(metrics)) if metrics else "none"
+        log.warning(
+            "Keep(best=%r) ranks checkpoints by %r, but the save of step %d reported no such "
+            "metric (metrics: %s). A checkpoint without it is never kept as best; pass "
+            "metrics={%r: ...} to save() or maybe_save() at the steps where you have it",
+            best,
+            best[0],
+            step,
+            reported,
+            best[0],
+        )
+
     def _persist(self, snap: MemorySnapshot) -> None:
+        if self._root_lock is not None:
+            self._root_lock.check()  # cheap; raises once another job may hold the root
         self._schedule.persisted(snap.step)
         self._persister.persist(snap, self.last_snapshot_s)
 
@@ -384,6 +451,7 @@ class Checkpointer:
             self._persister.close()
             if self._memory is not None:
                 self._memory.close(unlink=ok)
+            self._release_root()
             self.storage.close()
             if self._group is not None:
                 self._group.close()
@@ -464,6 +532,10 @@ class Checkpointer:
         if tier not in ("auto", "memory", "storage"):
             raise ValueError(f"tier must be 'auto', 'memory' or 'storage', got {tier!r}")
         self._collect()
+        self._restore_called = True
+        if self.rank == 0:
+            for name in warn_uncommitted(self.storage):
+                self.audit.record("uncommitted", name=name)
         if self._memory is not None:
             self._memory.preflight(self.state, rng=self.capture_rng)
         self._persister.start()
@@ -525,6 +597,35 @@ class Checkpointer:
         """Finish an overlapped copy, take in finished persists; raise the first failure."""
         self._settle()
         self._persister.collect()
+
+    def _claim_root(self, group: Group) -> str:
+        """Before anything is written: check that the root (and the mirror) can hold
+        checkpoints, take the root for this job (rank 0 holds `resumable.lock`'s lock
+        until `close`), and read or create its run id (`resumable.runid`). Every rank
+        gets rank 0's outcome, so a refused root fails every rank at construction."""
+        if group.rank != 0:
+            kind, value = group.broadcast(None, "claim-root")
+            if kind == "error":
+                raise CheckpointError(f"rank 0 could not take the checkpoint root: {value}")
+            return str(value)
+        try:
+            refuse_checkpoint_as_root(self.storage)
+            self.storage.check_root()
+            if self.mirror is not None:
+                self.mirror.check_root()
+            self._root_lock = acquire_root(self.storage)
+            run_id = ensure_run_id(self.storage)
+        except BaseException as exc:
+            self._release_root()
+            group.broadcast(("error", f"{type(exc).__name__}: {exc}"), "claim-root")
+            raise
+        group.broadcast(("ok", run_id), "claim-root")
+        return run_id
+
+    def _release_root(self) -> None:
+        lock, self._root_lock = self._root_lock, None
+        if lock is not None:
+            lock.release()
 
     def _remove_stale(self) -> None:
         if self.rank != 0:  # rank 0 owns the attempts of a coordinated save

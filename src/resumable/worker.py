@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
-from resumable.commit import committer_for, list_committed
+from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.pipeline.messages import (
@@ -171,6 +171,9 @@ class JobRunner:
     mirror_retries = 2
     mirror_backoff_s = 0.5
 
+    def _quarantined(self, q: Quarantined) -> None:
+        self.audit.record("quarantined", step=q.step, name=q.name, moved_to=q.moved_to)
+
     def __init__(
         self,
         storage: Storage,
@@ -180,9 +183,9 @@ class JobRunner:
         mirror_storage: Storage | None = None,
     ) -> None:
         self.storage = storage
-        self.committer = committer_for(storage)
-        self.keep = keep_from_json(config.keep)
         self.audit = AuditLog(storage, rank=config.rank, enabled=config.audit)
+        self.committer = committer_for(storage, on_quarantine=self._quarantined)
+        self.keep = keep_from_json(config.keep)
         self.parent_pid = config.parent_pid
         self.slots: dict[str, ShmSlot] = {}
         self._stores: dict[tuple[str, int], Any] = {}  # coordination store clients

@@ -29,7 +29,8 @@ from resumable.audit import AuditLog
 from resumable.distributed import is_dtensor, pieces_to_json
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import checksum, json_metrics
-from resumable.shm import SlotContent, remove_dead_segments, run_key_for, shm_free_bytes
+from resumable.runid import snapshot_belongs
+from resumable.shm import ROOT_KEY, SlotContent, remove_dead_segments, run_key_for, shm_free_bytes
 from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 
@@ -50,8 +51,12 @@ class MemoryTier:
         shm_dir: Path | None,
         overlap: bool,
         audit: AuditLog,
+        run_id: str | None = None,
     ) -> None:
         self.rank = rank
+        self.run_id = run_id
+        self.audit = audit
+        self.discarded: str | None = None  # why an adopted snapshot was not trusted
         self.world_size = world_size
         self.arena = ShmArena(
             run_key_for(storage.location), rank=rank, shm_dir=shm_dir, root=storage.url
@@ -87,6 +92,8 @@ class MemoryTier:
             "metrics": json_metrics(metrics or {}),
             "created": time.time(),
         }
+        if self.run_id is not None:
+            meta["run_id"] = self.run_id
         if captured.pieces:  # several ranks: what a coordinated persist needs
             meta["world_size"] = self.world_size
             meta["pieces"] = pieces_to_json(captured.pieces)
@@ -155,10 +162,23 @@ class MemoryTier:
             return
         self._adopted = True
         found = self.arena.adopt()
-        if found:
-            log.info(
-                "found a shared-memory snapshot of step %d from an earlier launch", found[0][1].step
+        if not found:
+            return
+        step, meta = found[0][1].step, found[0][1].meta
+        if self.run_id is not None and not snapshot_belongs(meta.get("run_id"), self.run_id):
+            # Taken for another run of this directory: it was deleted or replaced since.
+            self.arena.newest = None
+            self.discarded = (
+                f"taken for another run of {meta.get(ROOT_KEY, 'this directory')} (run id "
+                f"{meta.get('run_id') or 'not recorded'}, the directory's is {self.run_id}): "
+                "the directory was deleted or replaced since; the slot is reused"
             )
+            log.warning(
+                "discarding the shared-memory snapshot of step %d: %s", step, self.discarded
+            )
+            self.audit.record("skip", step=step, tier="memory", reason=self.discarded[:500])
+            return
+        log.info("found a shared-memory snapshot of step %d from an earlier launch", step)
 
     def preflight(self, state: Mapping[str, Any], *, rng: bool) -> None:
         """Fail before training starts if shared memory cannot hold two snapshots."""

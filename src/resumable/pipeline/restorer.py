@@ -131,6 +131,9 @@ class Restorer:
         memory = self.memory
         assert memory is not None
         memory.adopt()
+        if memory.discarded is not None:
+            skipped.append(f"a memory snapshot ({memory.discarded})")
+            memory.discarded = None
         newest = memory.newest
         mine = None
         if newest is not None:

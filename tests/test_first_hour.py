@@ -1,0 +1,256 @@
+"""What a new user hits in the first hour (issue 19), through the `Checkpointer` itself:
+a deleted directory starts a fresh run, a checkpoint given as the root is refused, one
+writer per root, an uncommitted step directory is reported and moved aside instead of
+failing the run, a bad root fails at construction, and misconfigurations are said
+aloud (restore() forgotten, a Keep(best=...) metric never reported, another optimizer
+class)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import resumable
+from resumable.errors import CheckpointError, RootInUseError, StateMismatchError, StorageError
+from test_memory_tier import run_trainer, slot_files
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    """A private stand-in for /dev/shm."""
+    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d)
+
+
+def make_state(opt: str = "adamw") -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optim: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if opt == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    )
+    return {"model": model, "optim": optim}
+
+
+def train(state: dict[str, Any]) -> None:
+    state["model"](torch.randn(4, 8)).sum().backward()
+    state["optim"].step()
+    state["optim"].zero_grad()
+
+
+def audit(root: Path) -> list[dict[str, Any]]:
+    path = root / "audit.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def save_steps(root: Path, steps: list[int], **kw: Any) -> None:
+    state = make_state()
+    with resumable.Checkpointer(root, state, persist="sync", **kw) as ck:
+        ck.restore()
+        for s in steps:
+            train(state)
+            ck.save(s)
+
+
+# ----------------------------------------------------------------- item 2
+
+
+def test_a_deleted_directory_starts_fresh_instead_of_restoring_its_memory_snapshot(
+    tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    killed = run_trainer(root, shm_dir, stop_at=17, mode="process")  # 10 committed, 17 in shm
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert slot_files(shm_dir), "the killed run left its snapshot in shared memory"
+    shutil.rmtree(root)  # the user starts over
+    caplog.set_level(logging.INFO, logger="resumable")
+    state = make_state()
+    state["model"] = nn.Linear(64, 64)
+    state["optim"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-2)
+    with resumable.Checkpointer(root, state, persist="thread", shm_dir=shm_dir) as ck:
+        assert ck.restore() == 0
+        assert ck.steps() == []
+    assert "discarding the shared-memory snapshot of step 17" in caplog.text
+    assert "another run" in caplog.text
+    assert not (root / "step-000000000017").exists(), "the old run's step was persisted"
+
+
+def test_the_same_directory_still_resumes_from_its_memory_snapshot(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    root = tmp_path / "ck"
+    assert run_trainer(root, shm_dir, stop_at=17, mode="process").returncode == -signal.SIGKILL
+    resumed = run_trainer(root, shm_dir, stop_at=0, mode="process")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip().splitlines()[-1].split()[1] == "17"
+
+
+# ----------------------------------------------------------------- item 3
+
+
+def test_a_checkpoint_given_as_the_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    save_steps(root, [5])
+    before = sorted(p.name for p in (root / "step-000000000005").iterdir())
+    with pytest.raises(CheckpointError, match=r"is a checkpoint.*pass its parent directory"):
+        resumable.Checkpointer(root / "step-000000000005", make_state(), persist="sync")
+    assert sorted(p.name for p in (root / "step-000000000005").iterdir()) == before
+
+
+# ----------------------------------------------------------------- item 4
+
+
+def test_a_second_checkpointer_on_an_open_root_is_refused_until_the_first_closes(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ck"
+    first = resumable.Checkpointer(root, make_state(), persist="sync")
+    try:
+        with pytest.raises(RootInUseError, match=f"pid {os.getpid()}"):
+            resumable.Checkpointer(root, make_state(), persist="sync")
+    finally:
+        first.close()
+    with resumable.Checkpointer(root, make_state(), persist="sync") as again:
+        again.save(1)
+        assert again.steps() == [1]
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, torch, resumable
+    ck = resumable.Checkpointer(sys.argv[1], {"m": torch.nn.Linear(2, 2)}, persist="sync")
+    print("holding", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_another_process_holding_the_root_is_named_and_its_death_frees_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        with pytest.raises(RootInUseError, match=f"pid {holder.pid}") as info:
+            resumable.Checkpointer(root, make_state(), persist="sync")
+        assert "in use by another job" in str(info.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    with resumable.Checkpointer(root, make_state(), persist="sync") as ck:
+        ck.save(3)
+        assert ck.steps() == [3]
+
+
+# ----------------------------------------------------------------- item 6
+
+
+def test_a_deleted_manifest_is_reported_at_restore_and_its_directory_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    save_steps(root, [10, 20])
+    (root / "step-000000000020" / "manifest.json").unlink()
+    caplog.set_level(logging.INFO, logger="resumable")
+    state = make_state()
+    with resumable.Checkpointer(root, state, persist="sync") as ck:
+        assert ck.restore() == 10
+        assert "step directories without a commit: step-000000000020" in caplog.text
+        for s in (11, 20):  # trains to the same step again: no failure, no loop
+            train(state)
+            ck.save(s)
+        assert ck.steps() == [10, 11, 20]
+    moved = list((root / "quarantine").glob("step-000000000020.*"))
+    assert len(moved) == 1 and (moved[0] / "manifest.json").exists() is False
+    events = [e["event"] for e in audit(root)]
+    assert "uncommitted" in events and "quarantined" in events
+
+
+def test_all_manifests_deleted_does_not_restart_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    save_steps(root, [10, 20])
+    for m in root.glob("step-*/manifest.json"):
+        m.unlink()
+    with resumable.Checkpointer(root, make_state(), persist="sync") as ck:
+        assert ck.restore() == 0
+    assert "step-000000000010, step-000000000020" in caplog.text
+
+
+# ----------------------------------------------------------------- item 7
+
+
+def test_forgetting_restore_in_a_directory_with_a_run_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    save_steps(root, [10])
+    with resumable.Checkpointer(root, make_state(), persist="sync") as ck:
+        ck.save(1)
+    assert "restore() was not called" in caplog.text and "up to step 10" in caplog.text
+    caplog.clear()
+    with resumable.Checkpointer(root, make_state(), persist="sync") as ck:
+        ck.restore()
+        ck.save(11)
+    assert "restore() was not called" not in caplog.text
+
+
+def test_a_best_metric_never_reported_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keep = resumable.Keep(last=1, best=("val_loss", "min", 1))
+    with resumable.Checkpointer(tmp_path / "a", make_state(), persist="sync", keep=keep) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, metrics={"loss": 1.0})
+    warnings = [r for r in caplog.records if "ranks checkpoints by 'val_loss'" in r.message]
+    assert len(warnings) == 1 and "metrics: loss" in warnings[0].message
+    caplog.clear()
+    with resumable.Checkpointer(tmp_path / "b", make_state(), persist="sync", keep=keep) as ck:
+        ck.save(1, metrics={"val_loss": 0.5})
+        ck.save(2, metrics={"loss": 1.0})
+    assert "ranks checkpoints by" not in caplog.text
+
+
+def test_restoring_adamw_state_into_sgd_is_refused_by_class(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    save_steps(root, [4])
+    state = make_state("sgd")
+    before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with (
+        resumable.Checkpointer(root, state, persist="sync") as ck,
+        pytest.raises(StateMismatchError, match=r"AdamW.*SGD|SGD.*AdamW"),
+    ):
+        ck.restore()
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(v, before[k]), "a refused restore changed the state"
+
+
+# ----------------------------------------------------------------- item 13
+
+
+def test_a_regular_file_as_root_fails_at_construction(tmp_path: Path) -> None:
+    root = tmp_path / "not-a-dir"
+    root.write_text("x")
+    with pytest.raises(StorageError):
+        resumable.Checkpointer(root, make_state(), persist="sync")
+    assert root.read_text() == "x"
