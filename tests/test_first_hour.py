@@ -254,3 +254,93 @@ def test_a_regular_file_as_root_fails_at_construction(tmp_path: Path) -> None:
     with pytest.raises(StorageError):
         resumable.Checkpointer(root, make_state(), persist="sync")
     assert root.read_text() == "x"
+
+
+# ----------------------------------------------------------------- item 1
+
+
+def params_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_a_finished_run_commits_its_last_step_at_close(tmp_path: Path, mode: str) -> None:
+    root = tmp_path / "ck"
+    state = make_state()
+    ck = resumable.Checkpointer(
+        root,
+        state,
+        persist=mode,
+        persist_every=resumable.Every(steps=50),
+        keep=None,
+        on_busy="wait",  # the worker's start may outlast 50 steps of this tiny model
+    )
+    assert ck.restore() == 0
+    for step in range(1, 121):
+        train(state)
+        ck.maybe_save(step, metrics={"loss": float(step)})
+    ck.close()
+    assert ck.steps() == [50, 100, 120]
+    final = params_of(state)
+    again = make_state()
+    with resumable.Checkpointer(root, again, persist="sync") as ck2:
+        assert ck2.restore() == 120
+    for k, v in params_of(again).items():
+        assert torch.equal(v, final[k])
+    manifest = json.loads((root / "step-000000000120" / "manifest.json").read_text())
+    assert manifest["metrics"] == {"loss": 120.0}
+
+
+def test_the_context_manager_commits_the_last_step_on_a_normal_exit(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    state = make_state()
+    with resumable.Checkpointer(root, state, persist="thread") as ck:
+        ck.restore()
+        for step in range(1, 8):
+            train(state)
+            ck.maybe_save(step)
+    assert ck.steps() == [7]
+
+
+def test_after_an_exception_no_state_ahead_of_the_newest_snapshot_is_saved(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ck"
+    state = make_state()
+    ck = resumable.Checkpointer(root, state, persist="sync")
+    with pytest.raises(RuntimeError, match="boom"), ck:
+        ck.restore()
+        for step in range(1, 8):
+            train(state)
+            ck.maybe_save(step)
+        raise RuntimeError("boom")
+    assert ck.steps() == [], "an exception must not checkpoint a state it cannot vouch for"
+
+
+def test_a_state_ahead_of_the_last_reported_step_is_not_labelled_with_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    state = make_state()
+    ck = resumable.Checkpointer(root, state, persist="sync", persist_every=resumable.Every(steps=5))
+    ck.restore()
+    for step in range(0, 7):  # saves at the top of the loop, then trains: ends ahead
+        ck.maybe_save(step)
+        train(state)
+    ck.close()
+    assert ck.steps() == [0, 5]
+    assert "an optimizer stepped after the last maybe_save()/save() (step 6)" in caplog.text
+
+
+def test_close_with_a_step_commits_that_step(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    state = make_state()
+    ck = resumable.Checkpointer(root, state, persist="process")
+    ck.restore()
+    for step in range(1, 7):
+        ck.maybe_save(step)
+        train(state)
+    ck.close(step=7, metrics={"loss": 0.25})
+    assert ck.steps() == [7]
+    with pytest.raises(ValueError, match="non-negative int"):
+        resumable.Checkpointer(tmp_path / "b", make_state(), persist="sync").close(step=-1)

@@ -35,6 +35,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+import torch
+
 from resumable.audit import AuditLog
 from resumable.commit import (
     committer_for,
@@ -180,6 +182,7 @@ class Checkpointer:
             self._restore_called = False
             self._first_save_checked = False
             self._best_metric_seen: bool | None = None  # Keep(best=...)'s metric reported?
+            self._seen = _LastStep(state)  # what close() checkpoints
 
             self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
             self.monitor = Monitor(
@@ -267,6 +270,7 @@ class Checkpointer:
         """
         self._check_open()
         _check_step(step)
+        self._seen.saw(step, metrics)
         self._collect()
         self._before_first_save(step)
         if self._memory is None:
@@ -297,6 +301,7 @@ class Checkpointer:
         """
         self._check_open()
         _check_step(step)
+        self._seen.saw(step, metrics)
         self._collect()
         self._before_first_save(step)
         self._check_best_metric(step, metrics)
@@ -385,6 +390,8 @@ class Checkpointer:
         taken at the first call that finds the worker free.
         """
         self._check_open()
+        _check_step(step)
+        self._seen.saw(step, metrics)
         if self._emergency is not None and not self.should_stop and self._emergency.requested():
             self._preempted(step, metrics)
             return True
@@ -429,23 +436,40 @@ class Checkpointer:
         self._persister.wait(timeout)
         self._persister.flush_mirror(timeout)
 
-    def close(self) -> None:
-        """Persist the newest memory snapshot if it is newer than the last commit, wait
-        for pending persists, stop the worker and remove this run's shared memory.
+    def close(self, step: int | None = None, metrics: Mapping[str, Any] | None = None) -> None:
+        """End the run's checkpointing: make its final state durable, wait for pending
+        persists, stop the worker, release the root and remove this run's shared memory.
+
+        The final state is the state as of ``step`` if given, else as of the last step
+        passed to `maybe_save`, `save` or `snapshot`, provided no optimizer in ``state``
+        has stepped since that call (then the state is that step's; otherwise it is ahead
+        of it, and a WARNING says to pass ``step``). It is checkpointed if it is newer
+        than the newest commit, so a finished run always ends with its last step
+        committed. The context manager does the same on a normal exit; after an
+        exception (and at interpreter exit) only the newest memory snapshot is made
+        durable, never a state that may be half a step ahead.
 
         Raises `PersistError` if a persist failed; the shared-memory snapshot is then
         kept so the next launch can recover it. Idempotent.
         """
+        if step is not None:
+            _check_step(step)
+        self._close(final=True, step=step, metrics=metrics)
+
+    def _close(
+        self, *, final: bool, step: int | None = None, metrics: Mapping[str, Any] | None = None
+    ) -> None:
         if self._closed:
             return
         ok = False
         try:
             if not self._skip_flush:
-                self._flush()
+                self._flush(self._final_step(step, metrics) if final else None)
             ok = not self._skip_flush
         finally:
             self._closed = True
             _live.discard(self)
+            self._seen.close()
             if self._emergency is not None:
                 self._emergency.close()
             self._persister.close()
@@ -458,14 +482,45 @@ class Checkpointer:
             if self.mirror is not None:
                 self.mirror.close()
 
-    def _flush(self) -> None:
-        """Make the newest memory snapshot durable if it is newer than the last commit."""
+    def _final_step(
+        self, step: int | None, metrics: Mapping[str, Any] | None
+    ) -> tuple[int, Mapping[str, Any] | None] | None:
+        """The step (and metrics) whose state close() checkpoints, or None."""
+        if step is not None:
+            return step, metrics
+        seen = self._seen
+        if seen.step is None:
+            return None
+        if seen.stepped:
+            log.warning(
+                "closing %s: an optimizer stepped after the last maybe_save()/save() "
+                "(step %d), so the state is ahead of that step and is not checkpointed "
+                "at close; the newest checkpoint is the last one taken. Call "
+                "maybe_save(step) after each optimizer step, or close(step=...) with the "
+                "step the state is at",
+                self.url,
+                seen.step,
+            )
+            return None
+        return seen.step, seen.metrics
+
+    def _flush(self, final: tuple[int, Mapping[str, Any] | None] | None = None) -> None:
+        """Make the final state (``final``: its step and metrics), else the newest memory
+        snapshot, durable if it is newer than the last commit."""
         self._settle()
         self._persister.wait()
+        committed = self._persister.committed
+        wanted = (
+            final[0] if final is not None and (committed is None or final[0] > committed) else None
+        )
+        # A collective save: only if every rank closes at that step.
+        offers = self._restorer.group.gather(wanted)
+        if final is not None and wanted is not None and all(o == wanted for o in offers):
+            self.save(wanted, final[1])
+            self._persister.wait()
         newest = self._memory.newest if self._memory is not None else None
         committed = self._persister.committed
         due = newest is not None and (committed is None or newest.step > committed)
-        # A collective persist: only if every rank has that step.
         offers = self._restorer.group.gather(newest.step if due and newest is not None else None)
         if due and newest is not None and all(o == offers[0] for o in offers):
             self._persist(newest)
@@ -494,7 +549,7 @@ class Checkpointer:
         if self.world_size > 1:
             self._skip_flush = True
         try:
-            self.close()
+            self._close(final=False)
         except Exception as close_exc:
             log.error("while handling %r, persisting the last snapshot failed: %s", exc, close_exc)
 
@@ -656,6 +711,37 @@ def _check_step(step: Any) -> None:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
 
 
+class _LastStep:
+    """The last step the training loop reported, and whether an optimizer of the state
+    stepped since (then the state is ahead of that step): what `Checkpointer.close`
+    may checkpoint as the final state."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.step: int | None = None
+        self.metrics: Mapping[str, Any] | None = None
+        self.stepped = False
+        ref = weakref.ref(self)
+
+        def mark(*_: Any) -> None:
+            seen = ref()
+            if seen is not None:
+                seen.stepped = True
+
+        self._handles = [
+            obj.register_step_post_hook(mark)
+            for obj in state.values()
+            if isinstance(obj, torch.optim.Optimizer)
+        ]
+
+    def saw(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        self.step, self.metrics, self.stepped = step, metrics, False
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
@@ -667,7 +753,7 @@ def _close_all_at_exit() -> None:
         if ckpt.world_size > 1:
             ckpt._skip_flush = True  # a collective persist would wait for the other ranks
         try:
-            ckpt.close()
+            ckpt._close(final=False)  # maybe after an exception: no new capture
         except Exception as exc:
             log.error("closing the checkpointer of %s at exit failed: %s", ckpt.url, exc)
 
