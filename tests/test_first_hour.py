@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,76 @@ def test_close_with_a_step_commits_that_step(tmp_path: Path) -> None:
     assert ck.steps() == [7]
     with pytest.raises(ValueError, match="non-negative int"):
         resumable.Checkpointer(tmp_path / "b", make_state(), persist="sync").close(step=-1)
+
+
+# ----------------------------------------------------------------- item 11
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import os, sys, time, torch, resumable
+    from resumable.storage import open_storage
+    from resumable.storage.base import ForwardingStorage
+    root, shm_dir, marker = sys.argv[1], sys.argv[2], sys.argv[3]
+
+    class Slow(ForwardingStorage):  # once `block` is set, each write stalls (for SIGINT)
+        block = False
+        blocked = 0
+
+        def write(self, path, chunks):
+            if Slow.block:
+                Slow.blocked += 1
+                open(f"{marker}.{Slow.blocked}", "w").close()
+                time.sleep(60)
+            return super().write(path, chunks)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = resumable.Checkpointer(Slow(open_storage(root)), {"model": model, "optim": opt},
+        persist="sync", memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=1000), shm_dir=shm_dir)
+    ck.restore()
+    for step in range(1, 4):
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step(); opt.zero_grad()
+        ck.maybe_save(step)
+    Slow.block = True
+    ck.save(4)
+    """
+)
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+    for _ in range(600):
+        if path.exists() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert path.exists(), f"never reached {path.name}: {proc.communicate()[1][-2000:]}"
+
+
+def test_ctrl_c_is_an_interrupt_not_a_failure_and_frees_the_slots(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    root, marker = tmp_path / "ck", tmp_path / "blocked"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED, str(root), str(shm_dir), str(marker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(Path(f"{marker}.1"), proc)  # save(4) is writing
+        proc.send_signal(signal.SIGINT)
+        wait_for(Path(f"{marker}.2"), proc)  # at exit, the snapshot of step 4 is persisted
+        proc.send_signal(signal.SIGINT)  # a second Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode in (-signal.SIGINT, 130), err[-3000:]
+    assert "save_failed" not in err and "failed" not in err, err[-3000:]
+    assert "atexit" not in err, "the second Ctrl-C printed a traceback at exit"
+    assert err.count("Traceback") == 1, "only the user's own KeyboardInterrupt"
+    assert "the persist of step 4 was interrupted" in err
+    events = [e["event"] for e in audit(root)]
+    assert "interrupted" in events and "failure" not in events
+    assert slot_files(shm_dir) == [], "an interrupted run left its shared memory behind"

@@ -466,6 +466,17 @@ class Checkpointer:
             if not self._skip_flush:
                 self._flush(self._final_step(step, metrics) if final else None)
             ok = not self._skip_flush
+        except KeyboardInterrupt:
+            # Ctrl-C while the last state is made durable: the user chose to stop, so
+            # its shared memory is freed too, not kept for a next launch.
+            ok = True
+            log.warning(
+                "interrupted while closing %s: the newest checkpoint is step %s; what was "
+                "not committed yet is dropped",
+                self.url,
+                self._persister.committed,
+            )
+            raise
         finally:
             self._closed = True
             _live.discard(self)
@@ -754,6 +765,8 @@ def _close_all_at_exit() -> None:
             ckpt._skip_flush = True  # a collective persist would wait for the other ranks
         try:
             ckpt._close(final=False)  # maybe after an exception: no new capture
+        except KeyboardInterrupt:  # a second Ctrl-C: said once above, no traceback
+            pass
         except Exception as exc:
             log.error("closing the checkpointer of %s at exit failed: %s", ckpt.url, exc)
 

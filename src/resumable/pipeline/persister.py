@@ -271,6 +271,10 @@ class SyncPersister(Persister):
 
         try:
             reply = persist()
+        except KeyboardInterrupt:  # the user's decision, not a failure: no alert
+            self.audit.record("interrupted", step=step)
+            log.warning("the persist of step %d was interrupted; nothing of it committed", step)
+            raise
         except BaseException as exc:
             self.audit.record("failure", step=step, error=repr(exc)[:500])
             self.monitor.failed(step, repr(exc))
