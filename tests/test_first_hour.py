@@ -418,3 +418,34 @@ def test_ctrl_c_is_an_interrupt_not_a_failure_and_frees_the_slots(
     events = [e["event"] for e in audit(root)]
     assert "interrupted" in events and "failure" not in events
     assert slot_files(shm_dir) == [], "an interrupted run left its shared memory behind"
+
+
+# ----------------------------------------------------------------- item 8
+
+
+def test_a_partial_restore_leaves_what_is_new_and_lists_both_sides(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 8))
+    saved = {"model": body, "optim": torch.optim.SGD(body.parameters(), lr=0.1)}
+    with resumable.Checkpointer(root, saved, persist="sync") as ck:
+        ck.save(3)
+    grown = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))  # a new head
+    head = {k: v.clone() for k, v in grown[1].state_dict().items()}
+    counters = {"evals": 7}
+    state = {"model": grown, "counters": counters}
+    with resumable.Checkpointer(root, state, persist="sync") as ck:
+        with pytest.raises(StateMismatchError, match="counters"):
+            ck.restore()
+        assert ck.restore(strict=False) == 3
+    assert torch.equal(grown[0].weight, body[0].weight), "the old layer restored"
+    for k, v in grown[1].state_dict().items():
+        assert torch.equal(v, head[k]), "the new head left as constructed"
+    assert counters == {"evals": 7}
+    text = caplog.text
+    assert "restored step 3" in text and "partially" in text
+    assert "['counters'] are not in the checkpoint: left as constructed" in text
+    assert "['1.bias', '1.weight'] are not in the checkpoint" in text
+    assert "checkpoint entries ['optim'] have no key in the state" in text

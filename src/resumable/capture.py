@@ -548,7 +548,13 @@ def subtree(tree: Tree, key: str) -> Tree:
 # --------------------------------------------------------------------------- restoring
 
 
-def restore(state: Mapping[str, Any], values: Mapping[Any, Any], *, borrowed: bool = False) -> None:
+def restore(
+    state: Mapping[str, Any],
+    values: Mapping[Any, Any],
+    *,
+    borrowed: bool = False,
+    strict: bool = True,
+) -> list[str]:
     """Load decoded ``values`` into the live objects of ``state``, and the RNG streams.
 
     Called on the training thread after every tensor was verified. Stateful objects get
@@ -561,6 +567,12 @@ def restore(state: Mapping[str, Any], values: Mapping[Any, Any], *, borrowed: bo
     would keep a reference (optimizers and other non-module state dicts, new container
     entries), and handed as they are where the live object copies them anyway
     (``nn.Module.load_state_dict``, in-place tensor copies): one copy either way.
+
+    ``strict=False`` (a partial restore): state keys the checkpoint lacks, and a module's
+    parameters and buffers it lacks, are left as constructed; a module's entries that
+    the state lacks are ignored. Returns what was left or ignored, one line each (also
+    the checkpoint's top-level keys the state lacks, which are ignored in either mode),
+    for the caller to report. Shapes, classes and structure must still fit.
     """
     if not isinstance(values, Mapping):
         raise CorruptCheckpointError(
@@ -568,8 +580,14 @@ def restore(state: Mapping[str, Any], values: Mapping[Any, Any], *, borrowed: bo
         )
     if RNG_KEY in values:
         check_rng_state(values[RNG_KEY])  # before any live object is touched
+    notes: list[str] = []
+    extra = sorted(str(k) for k in values if k not in RESERVED_KEYS and k not in state)
+    if extra:
+        notes.append(f"checkpoint entries {extra} have no key in the state: not restored")
     missing = [k for k in state if k not in values]
-    if missing:
+    if missing and not strict:
+        notes.append(f"state keys {missing} are not in the checkpoint: left as constructed")
+    elif missing:
         raise StateMismatchError(
             f"checkpoint has no entry for state key(s) {missing}; it holds "
             f"{sorted(str(k) for k in values if k not in RESERVED_KEYS)}. Restore into "
@@ -577,11 +595,14 @@ def restore(state: Mapping[str, Any], values: Mapping[Any, Any], *, borrowed: bo
         )
     check_classes(state, values.get(CLASSES_KEY))
     for key, obj in state.items():
-        new = _restore_into(obj, values[key], (key,), borrowed)
+        if key not in values:
+            continue
+        new = _restore_into(obj, values[key], (key,), borrowed, None if strict else notes)
         if new is not obj and isinstance(state, dict):
             state[key] = new
     if RNG_KEY in values:
         set_rng_state(values[RNG_KEY])
+    return notes
 
 
 def recorded_classes(value: Any) -> list[tuple[tuple[Any, ...], str]]:
@@ -662,8 +683,11 @@ def _own(value: Any) -> Any:
     return value
 
 
-def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -> Any:
-    """Restore ``value`` into ``obj`` in place where possible; returns the object to keep."""
+def _restore_into(
+    obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool, partial: list[str] | None
+) -> Any:
+    """Restore ``value`` into ``obj`` in place where possible; returns the object to keep.
+    ``partial``: not strict; what modules left or ignored is appended to it."""
     try:
         if isinstance(obj, torch.Generator):
             # A fresh tensor: set_state crashes on views with a storage offset.
@@ -693,7 +717,7 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -
                         del obj[k]
                 for k, v in value.items():
                     if k in obj:
-                        obj[k] = _restore_into(obj[k], v, (*path, k), borrowed)
+                        obj[k] = _restore_into(obj[k], v, (*path, k), borrowed, partial)
                     else:
                         obj[k] = _own(v) if borrowed else v
                 return obj
@@ -705,7 +729,7 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -
                 )
             if len(obj) == len(value):
                 obj[:] = [
-                    _restore_into(o, v, (*path, i), borrowed)
+                    _restore_into(o, v, (*path, i), borrowed, partial)
                     for i, (o, v) in enumerate(zip(obj, value))
                 ]
             else:
@@ -719,6 +743,20 @@ def _restore_into(obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool) -
                     f"{type(value).__name__}"
                 )
             copies = isinstance(obj, torch.nn.Module)  # it copies into its parameters
+            if copies and partial is not None:
+                result = obj.load_state_dict(value, strict=False)
+                where = _path_str(path)
+                if result.missing_keys:
+                    partial.append(
+                        f"{where}: {sorted(result.missing_keys)} are not in the checkpoint: "
+                        "left as constructed"
+                    )
+                if result.unexpected_keys:
+                    partial.append(
+                        f"{where}: checkpoint entries {sorted(result.unexpected_keys)} have "
+                        "no place in the module: not restored"
+                    )
+                return obj
             obj.load_state_dict(_own(value) if borrowed and not copies else value)
             return obj
     except StateMismatchError:

@@ -578,6 +578,7 @@ class Checkpointer:
         map_location: Any = None,
         tier: str = "auto",
         reset_per_rank_state: bool = False,
+        strict: bool = True,
     ) -> int:
         """Load the newest valid state (or ``step``) into ``state``; returns its step.
 
@@ -593,6 +594,13 @@ class Checkpointer:
         Per-rank state (random streams, data position) cannot reshard; after a world-size
         change that is an error unless ``reset_per_rank_state`` (then it keeps this
         launch's values, with a WARNING).
+
+        ``strict=False`` is a partial restore, for a state that grew or shrank since the
+        checkpoint (a new head, a new entry in ``state``): state keys and module
+        parameters the checkpoint lacks are left as constructed, checkpoint entries the
+        state lacks are ignored, and a WARNING lists both. Shapes and classes must still
+        fit (an optimizer over other parameters does not: construct it fresh and leave
+        it out of the checkpoint's keys, or start a new directory).
         """
         self._check_open()
         if tier not in ("auto", "memory", "storage"):
@@ -610,6 +618,7 @@ class Checkpointer:
             map_location=map_location or self.map_location,
             tier=tier,
             reset_per_rank=reset_per_rank_state,
+            strict=strict,
         )
         committed = done.newest_committed
         if committed is not None:
@@ -617,6 +626,10 @@ class Checkpointer:
         if done.step:
             self._schedule.restored(done.step)
         log.info("%s", done.describe(self.url))
+        if done.partial:
+            log.warning(
+                "restored step %d of %s partially: %s", done.step, self.url, "; ".join(done.partial)
+            )
         if done.snapshot is not None and (committed is None or done.step > committed):
             log.info("persisting step %d recovered from shared memory", done.step)
             self._persist(done.snapshot)

@@ -52,6 +52,7 @@ class Restored:
     snapshot: MemorySnapshot | None = None
     skipped: list[str] = field(default_factory=list)
     newest_committed: int | None = None
+    partial: list[str] = field(default_factory=list)  # what a partial restore left
 
     def describe(self, url: str) -> str:
         if self.tier == "none":
@@ -86,6 +87,8 @@ class Restorer:
         self.world_size = coordination.world_size
         self.audit = audit
         self.reset_per_rank = False
+        self.strict = True
+        self.partial: list[str] = []
 
     def roots_by_step(self) -> dict[int, list[Storage]]:
         """For each committed step, the roots holding it (the local one first)."""
@@ -97,6 +100,22 @@ class Restorer:
         return out
 
     def restore(
+        self,
+        step: int | None,
+        *,
+        map_location: Any,
+        tier: str,
+        reset_per_rank: bool,
+        strict: bool = True,
+    ) -> Restored:
+        self.strict, self.partial = strict, []
+        done = self._restore(
+            step, map_location=map_location, tier=tier, reset_per_rank=reset_per_rank
+        )
+        done.partial = self.partial
+        return done
+
+    def _restore(
         self, step: int | None, *, map_location: Any, tier: str, reset_per_rank: bool
     ) -> Restored:
         if tier not in TIERS:
@@ -167,7 +186,7 @@ class Restorer:
             return None
         # Borrowed: the slot is rewritten by later snapshots, so whatever the live state
         # would keep a reference to is copied out.
-        capture_mod.restore(self.state, values, borrowed=True)
+        self.partial += capture_mod.restore(self.state, values, borrowed=True, strict=self.strict)
         self.audit.record(
             "restore",
             step=s,
@@ -393,10 +412,13 @@ class Restorer:
     def _apply(self, values: dict[str, Any], skip: set[str], *, borrowed: bool) -> None:
         """Restore decoded ``values`` into the live state, leaving the ``skip`` keys."""
         if not skip:
-            capture_mod.restore(self.state, values, borrowed=borrowed)
+            self.partial += capture_mod.restore(
+                self.state, values, borrowed=borrowed, strict=self.strict
+            )
             return
         log.warning("restore leaves per-rank state %s as this launch made it", sorted(skip))
         part = {k: v for k, v in self.state.items() if k not in skip}
-        capture_mod.restore(part, values, borrowed=borrowed)
+        values = {k: v for k, v in values.items() if k not in skip}
+        self.partial += capture_mod.restore(part, values, borrowed=borrowed, strict=self.strict)
         if isinstance(self.state, dict):
             self.state.update(part)
