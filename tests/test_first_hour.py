@@ -117,19 +117,23 @@ def test_a_checkpoint_given_as_the_root_is_refused(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- item 4
 
 
-def test_a_second_checkpointer_on_an_open_root_is_refused_until_the_first_closes(
-    tmp_path: Path,
+def test_a_second_checkpointer_in_this_process_supersedes_the_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "ck"
-    first = resumable.Checkpointer(root, make_state(), persist="sync")
-    try:
-        with pytest.raises(RootInUseError, match=f"pid {os.getpid()}"):
-            resumable.Checkpointer(root, make_state(), persist="sync")
-    finally:
-        first.close()
-    with resumable.Checkpointer(root, make_state(), persist="sync") as again:
-        again.save(1)
-        assert again.steps() == [1]
+    state = make_state()
+    first = resumable.Checkpointer(
+        root, state, persist="thread", memory_every=resumable.Every(steps=1)
+    )
+    first.restore()
+    train(state)
+    first.maybe_save(1)  # a memory snapshot only
+    again = resumable.Checkpointer(root, make_state(), persist="sync")
+    assert "was still open in this process: closing it first" in caplog.text
+    with pytest.raises(CheckpointError, match="closed"):
+        first.save(2)
+    assert again.steps() == [1], "the earlier one's newest snapshot was made durable"
+    again.close()
 
 
 HOLDER = textwrap.dedent(

@@ -682,6 +682,7 @@ class Checkpointer:
         checkpoints, take the root for this job (rank 0 holds `resumable.lock`'s lock
         until `close`), and read or create its run id (`resumable.runid`). Every rank
         gets rank 0's outcome, so a refused root fails every rank at construction."""
+        self._supersede()
         if group.rank != 0:
             kind, value = group.broadcast(None, "claim-root")
             if kind == "error":
@@ -700,6 +701,23 @@ class Checkpointer:
             raise
         group.broadcast(("ok", run_id), "claim-root")
         return run_id
+
+    def _supersede(self) -> None:
+        """Close a Checkpointer of the same root still open in this process (a notebook
+        cell run again, a script that opens a second one to restore): one writer per
+        root, and the newer one is the one in use. Another process's is refused."""
+        for other in list(_live):
+            if other is self or other._closed or other.url != self.url:
+                continue
+            log.warning(
+                "a Checkpointer of %s was still open in this process: closing it first "
+                "(one writer per root; close() it, or use `with`, to avoid this)",
+                self.url,
+            )
+            try:
+                other._close(final=False)
+            except Exception as exc:
+                log.error("closing the earlier Checkpointer of %s failed: %s", self.url, exc)
 
     def _release_root(self) -> None:
         lock, self._root_lock = self._root_lock, None
