@@ -156,32 +156,32 @@ class Checkpointer:
         )
         if self.mirror is not None and self.mirror.url == self.url:
             raise ValueError(f"mirror must be another root than {self.url}")
+        if mode == "auto":
+            # A separate process keeps the persist (hashing, syscalls, HTTP) off the
+            # trainer's GIL; in-process stores (memory://) can only be reached by a thread.
+            in_process = isinstance(self.storage, MemoryStorage) or isinstance(
+                self.mirror, MemoryStorage
+            )
+            mode = "thread" if in_process else "process"
+        if overlap and mode == "sync" and memory_every is None:
+            raise ValueError("overlap=True needs the memory tier (not persist='sync' alone)")
+        self.persist_mode = mode
+        self.state = state
+        self.keep, self.mirror_keep = keep, mirror_keep
+        self.map_location = map_location
+        self.capture_rng = capture_rng
+        self.on_busy = on_busy
+        self.overlap = overlap
+        self.should_stop = False
+        self.last_snapshot_s: float | None = None
+        self._closed = False
+        self._skip_flush = False  # close() leaves the newest snapshot in shared memory
+        self._restore_called = False
+        self._first_save_checked = False
+        self._best_metric_seen: bool | None = None  # Keep(best=...)'s metric reported?
         self._root_lock: RootLock | None = None
         self.run_id = self._claim_root(group)
         try:
-            if mode == "auto":
-                # A separate process keeps the persist (hashing, syscalls, HTTP) off the
-                # trainer's GIL; in-process stores (memory://) can only be reached by a thread.
-                in_process = isinstance(self.storage, MemoryStorage) or isinstance(
-                    self.mirror, MemoryStorage
-                )
-                mode = "thread" if in_process else "process"
-            if overlap and mode == "sync" and memory_every is None:
-                raise ValueError("overlap=True needs the memory tier (not persist='sync' alone)")
-            self.persist_mode = mode
-            self.state = state
-            self.keep, self.mirror_keep = keep, mirror_keep
-            self.map_location = map_location
-            self.capture_rng = capture_rng
-            self.on_busy = on_busy
-            self.overlap = overlap
-            self.should_stop = False
-            self.last_snapshot_s: float | None = None
-            self._closed = False
-            self._skip_flush = False  # close() leaves the newest snapshot in shared memory
-            self._restore_called = False
-            self._first_save_checked = False
-            self._best_metric_seen: bool | None = None  # Keep(best=...)'s metric reported?
             self._seen = _LastStep(state)  # what close() checkpoints
 
             self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
