@@ -300,3 +300,30 @@ def test_s3_lease_between_processes_survives_a_sigkill(seaweedfs: Any, s3_bucket
     assert read_holder(storage).pid == os.getpid()  # type: ignore[union-attr]
     lock.release()
     acquire_root(storage).release()  # released: free at once
+
+
+def test_a_lease_of_a_dead_process_on_this_host_is_taken_at_once(
+    dead_pid: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relaunch on the machine of a SIGKILLed job need not wait for the lease to lapse:
+    its pid is gone from this host's pid namespace."""
+    storage = MemoryStorage()
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: dead_pid)
+        acquire_root(storage, ttl_s=600.0, renew=False)  # never released: "killed"
+    lock = acquire_root(storage, ttl_s=600.0, renew=False)
+    assert read_holder(storage).pid == os.getpid()  # type: ignore[union-attr]
+    assert "from a dead process on this host" in caplog.text
+    lock.release()
+
+
+def test_a_lease_of_a_process_elsewhere_is_waited_out_even_if_the_pid_is_free_here(
+    dead_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = MemoryStorage()
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: dead_pid)
+        m.setattr("socket.gethostname", lambda: "another-host")
+        acquire_root(storage, ttl_s=600.0, renew=False)
+    with pytest.raises(RootInUseError, match="another-host"):
+        acquire_root(storage, ttl_s=600.0, renew=False)

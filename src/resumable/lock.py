@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from resumable.errors import CheckpointError, NoCheckpointError, RootInUseError
 from resumable.storage.base import Storage
@@ -84,6 +84,7 @@ class Holder:
     token: str = ""  # tells two holders apart even on one host and pid
     expires: float | None = None  # leases only: when it lapses unless renewed
     released: bool = False  # leases only: given back by its holder
+    pidns: int = 0  # the holder's pid namespace (0: unknown): where ``pid`` means something
 
     @staticmethod
     def me(token: str) -> Holder:
@@ -93,7 +94,22 @@ class Holder:
             since=time.time(),
             command=" ".join(sys.argv)[:200],
             token=token,
+            pidns=_pid_namespace(),
         )
+
+    def gone(self) -> bool:
+        """Whether this holder is known dead: on this host, in this pid namespace, and
+        no process has its pid. A holder elsewhere is never known dead (its lease must
+        lapse)."""
+        if self.host != socket.gethostname() or not self.pidns or self.pidns != _pid_namespace():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # exists, another user's
+            return False
+        return False
 
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
@@ -121,9 +137,18 @@ class Holder:
                 token=str(value.get("token", "")),
                 expires=None if expires is None else float(expires),
                 released=bool(value.get("released", False)),
+                pidns=int(value.get("pidns", 0)),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             return None
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _ago(seconds: float) -> str:
@@ -422,7 +447,7 @@ def _take_lease(
         now = clock()
         if current is not None and not current.released:
             expires = current.expires if current.expires is not None else 0.0
-            if now <= expires + skew_s:
+            if now <= expires + skew_s and not current.gone():
                 raise _in_use(
                     storage.url,
                     current,
@@ -430,15 +455,7 @@ def _take_lease(
                     f"runs; if the job is gone, a start after {_utc(expires + skew_s)} "
                     "takes the root over",
                 )
-        since = time.time()
-        me = Holder(
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            since=since,
-            command=" ".join(sys.argv)[:200],
-            token=token,
-            expires=now + ttl_s,
-        )
+        me = replace(Holder.me(token), expires=now + ttl_s)
         if not storage.put_if_absent(_lease_path(newest + 1), me.to_json()):
             continue
         later = [g for g in _generations(storage) if g > newest + 1]
@@ -447,8 +464,9 @@ def _take_lease(
             raise _in_use(storage.url, _read_generation(storage, later[-1]), "")
         if current is not None and not current.released:
             log.warning(
-                "took over the checkpoint root %s from an expired lease (%s)",
+                "took over the checkpoint root %s from %s (%s)",
                 storage.url,
+                "a dead process on this host" if current.gone() else "an expired lease",
                 current.describe(now),
             )
         _prune(storage, newest + 1)
