@@ -82,11 +82,16 @@ def list_committed(storage: Storage) -> list[int]:
 def list_uncommitted(storage: Storage) -> list[str]:
     """Names of ``step-N`` directories without a manifest (not written by a completed
     commit: foreign or damaged). Listed for operators; never loaded or deleted."""
-    return [
-        n
-        for n in storage.list_dir("")
-        if parse_step_dir(n) is not None and not storage.exists(f"{n}/{MANIFEST}")
-    ]
+    names = []
+    for n in storage.list_dir(""):
+        if parse_step_dir(n) is None:
+            continue
+        try:
+            if not storage.exists(f"{n}/{MANIFEST}"):
+                names.append(n)
+        except CheckpointError:  # a link, say: refused (and reported) where it is read
+            continue
+    return names
 
 
 def checkpoint_as_root(storage: Storage) -> tuple[str, int | None] | None:

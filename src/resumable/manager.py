@@ -271,6 +271,13 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._seen.saw(step, metrics)
+        try:
+            self._snapshot(step, metrics)
+        except BaseException:
+            self._seen.forget()  # close() must not try this step again
+            raise
+
+    def _snapshot(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         self._collect()
         self._before_first_save(step)
         if self._memory is None:
@@ -302,6 +309,13 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._seen.saw(step, metrics)
+        try:
+            return self._save(step, metrics)
+        except BaseException:
+            self._seen.forget()  # close() must not try this step again
+            raise
+
+    def _save(self, step: int, metrics: Mapping[str, Any] | None) -> bool:
         self._collect()
         self._before_first_save(step)
         self._check_best_metric(step, metrics)
@@ -777,6 +791,10 @@ class _LastStep:
 
     def saw(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         self.step, self.metrics, self.stepped = step, metrics, False
+
+    def forget(self) -> None:
+        """The save or snapshot of the step seen failed: nothing to checkpoint at close."""
+        self.step, self.metrics = None, None
 
     def close(self) -> None:
         for handle in self._handles:
