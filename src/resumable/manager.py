@@ -46,7 +46,7 @@ from resumable.commit import (
     warn_uncommitted,
 )
 from resumable.distributed import Group, current_group
-from resumable.errors import CheckpointError, NoCheckpointError
+from resumable.errors import CheckpointError, NoCheckpointError, StorageError
 from resumable.lock import RootLock, acquire_root
 from resumable.monitor import AlertCallback, Monitor
 from resumable.pipeline.emergency import Emergency
@@ -706,7 +706,7 @@ class Checkpointer:
             refuse_checkpoint_as_root(self.storage)
             self.storage.check_root()
             if self.mirror is not None:
-                self.mirror.check_root()
+                self._check_mirror(self.mirror)
             self._root_lock = acquire_root(self.storage)
             run_id = ensure_run_id(self.storage)
         except BaseException as exc:
@@ -732,6 +732,19 @@ class Checkpointer:
                 other._close(final=False)
             except Exception as exc:
                 log.error("closing the earlier Checkpointer of %s failed: %s", self.url, exc)
+
+    def _check_mirror(self, mirror: Storage) -> None:
+        """A mirror that cannot be used now is said at once, but does not stop the run:
+        mirror failures never do (the local root keeps what was not uploaded)."""
+        try:
+            mirror.check_root()
+        except StorageError as exc:
+            log.warning(
+                "the mirror %s cannot be used now: %s. Training goes on; local checkpoints "
+                "are kept until they are uploaded",
+                mirror.url,
+                exc,
+            )
 
     def _release_root(self) -> None:
         lock, self._root_lock = self._root_lock, None
