@@ -453,3 +453,19 @@ def test_a_partial_restore_leaves_what_is_new_and_lists_both_sides(
     assert "['counters'] are not in the checkpoint: left as constructed" in text
     assert "['1.bias', '1.weight'] are not in the checkpoint" in text
     assert "checkpoint entries ['optim'] have no key in the state" in text
+
+
+def test_close_in_a_finally_clause_after_an_exception_saves_no_new_state(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    state = make_state()
+    ck = resumable.Checkpointer(root, state, persist="sync")
+    ck.restore()
+    with pytest.raises(RuntimeError, match="boom"):
+        try:
+            for step in range(1, 5):
+                train(state)
+                ck.maybe_save(step)
+            raise RuntimeError("boom")
+        finally:
+            ck.close()
+    assert ck.steps() == []

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Mapping
@@ -111,6 +112,9 @@ class Checkpointer:
         dist_timeout_s: with several ranks (``torch.distributed`` initialised), how long
             a rank waits for the others during a coordinated save or restore before it
             gives up with `PersistError` (default 600 s); see `resumable.distributed`.
+        save_on_close: whether `close` checkpoints the final state (default True). The
+            integrations pass False: their framework decides every save, the last one
+            included (Transformers' ``save_strategy="no"`` saves nothing).
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class Checkpointer:
         mirror: str | os.PathLike[str] | Storage | None = None,
         mirror_keep: Keep | None = None,
         dist_timeout_s: float | None = None,
+        save_on_close: bool = True,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
@@ -173,6 +178,7 @@ class Checkpointer:
         self.on_busy = on_busy
         self.overlap = overlap
         self.should_stop = False
+        self.save_on_close = save_on_close
         self.last_snapshot_s: float | None = None
         self._closed = False
         self._skip_flush = False  # close() leaves the newest snapshot in shared memory
@@ -460,15 +466,19 @@ class Checkpointer:
         of it, and a WARNING says to pass ``step``). It is checkpointed if it is newer
         than the newest commit, so a finished run always ends with its last step
         committed. The context manager does the same on a normal exit; after an
-        exception (and at interpreter exit) only the newest memory snapshot is made
-        durable, never a state that may be half a step ahead.
+        exception (the context manager's exit with one, a call from an ``except`` or
+        ``finally`` clause while one propagates, interpreter exit) only the newest
+        memory snapshot is made durable, never a state that may be half a step ahead.
 
         Raises `PersistError` if a persist failed; the shared-memory snapshot is then
         kept so the next launch can recover it. Idempotent.
         """
         if step is not None:
             _check_step(step)
-        self._close(final=True, step=step, metrics=metrics)
+        # Called while an exception propagates (an `except`/`finally` clause, a
+        # framework's exception hook): the state may be half a step ahead, as above.
+        handling = sys.exc_info()[1] is not None and step is None
+        self._close(final=not handling, step=step, metrics=metrics)
 
     def _close(
         self, *, final: bool, step: int | None = None, metrics: Mapping[str, Any] | None = None
@@ -478,6 +488,7 @@ class Checkpointer:
         ok = False
         try:
             if not self._skip_flush:
+                final = final and (self.save_on_close or step is not None)
                 self._flush(self._final_step(step, metrics) if final else None)
             ok = not self._skip_flush
         except KeyboardInterrupt:
@@ -796,11 +807,16 @@ class _LastStep:
             if seen is not None:
                 seen.stepped = True
 
-        self._handles = [
-            obj.register_step_post_hook(mark)
-            for obj in state.values()
-            if isinstance(obj, torch.optim.Optimizer)
-        ]
+        self._handles: list[Any] = []
+        for obj in state.values():
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            inner = getattr(obj, "optimizer", None)  # wrappers (accelerate, Lightning)
+            target = inner if isinstance(inner, torch.optim.Optimizer) else obj
+            try:
+                self._handles.append(target.register_step_post_hook(mark))
+            except AttributeError:  # a subclass that skipped Optimizer.__init__: not watched
+                pass
 
     def saw(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         self.step, self.metrics, self.stepped = step, metrics, False

@@ -165,7 +165,11 @@ class ResumableCallback(keras.callbacks.Callback):
         if self.loader is not None:
             state["data"] = self.loader
         ckpt = Checkpointer(
-            self.dirpath, state=state, persist_every=FRAMEWORK_DRIVEN, **self._options
+            self.dirpath,
+            state=state,
+            persist_every=FRAMEWORK_DRIVEN,
+            save_on_close=False,  # on_train_end saves the final state
+            **self._options,
         )
         self.checkpointer = ckpt
         self._memory_tier = ckpt.persist_mode != "sync" or self._options["memory_every"] is not None

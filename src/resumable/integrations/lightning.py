@@ -204,6 +204,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
             self.root,
             state={"lightning": self._lightning, "rng": self._rng},
             capture_rng=False,  # the "rng" slot holds them, applied in on_train_start
+            save_on_close=False,  # on_train_end saves the final state, as Lightning decides
             **self._options,
         )
         self.checkpointer = ckpt

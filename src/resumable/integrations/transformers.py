@@ -235,6 +235,7 @@ class ResumableTrainer(Trainer):
             state=self._state(),
             persist_every=FRAMEWORK_DRIVEN,
             capture_rng=False,  # the "rng" slot holds them, applied where the Trainer does
+            save_on_close=False,  # the Trainer's save_strategy decides every save
             **opts,
         )
         with self.checkpointer:
