@@ -469,6 +469,8 @@ class Checkpointer:
         exception (the context manager's exit with one, a call from an ``except`` or
         ``finally`` clause while one propagates, interpreter exit) only the newest
         memory snapshot is made durable, never a state that may be half a step ahead.
+        After a preemption (`should_stop` set) the emergency checkpoint stands: close
+        takes no new capture unless ``step`` is passed.
 
         Raises `PersistError` if a persist failed; the shared-memory snapshot is then
         kept so the next launch can recover it. Idempotent.
@@ -489,6 +491,9 @@ class Checkpointer:
         try:
             if not self._skip_flush:
                 final = final and (self.save_on_close or step is not None)
+                # After a preemption the emergency checkpoint already chose what fits
+                # the grace period; close() takes no new capture on top of it.
+                final = final and not (self.should_stop and step is None)
                 self._flush(self._final_step(step, metrics) if final else None)
             ok = not self._skip_flush
         except KeyboardInterrupt:
