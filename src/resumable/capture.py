@@ -85,8 +85,15 @@ def _path_str(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
 
 
+_BASE_NAMES: dict[tuple[Any, ...], str] = {}  # memo: the same paths come at every snapshot
+
+
 def _tensor_name(path: tuple[Any, ...], taken: Mapping[str, Any]) -> str:
-    base = "/".join(str(p) for p in path) or "tensor"
+    base = _BASE_NAMES.get(path)
+    if base is None:
+        if len(_BASE_NAMES) >= 1 << 16:
+            _BASE_NAMES.clear()
+        base = _BASE_NAMES[path] = "/".join(map(str, path)) or "tensor"
     name, n = base, 1
     while name in taken:
         n += 1
@@ -127,16 +134,33 @@ class _Encoder:
         return {"global": fqn, "device": str(local.device)}
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        if is_dtensor(t) or (self.in_global and self.world_size > 1):
+        # Runs once per tensor at every snapshot: the common case (a plain CPU or CUDA
+        # tensor of one process) takes as few attribute reads as it can (docs/performance.md).
+        if (self.in_global and self.world_size > 1) or (
+            type(t) not in _PLAIN_TENSORS and is_dtensor(t)
+        ):
             return self._global(t, path)
-        self._check(t, path)
+        if not (
+            type(t) in _PLAIN_TENSORS
+            and t.layout is torch.strided
+            and _plain_dtype(t.dtype)
+            and not t.is_meta
+        ):
+            self._refuse(t, path)
         name = _tensor_name(path, self.tensors)
         if self.world_size > 1:  # per-rank state: every rank saves its own
             name = _tensor_name((f"rank{self.rank}", *path), self.tensors)
-        self.tensors[name] = t.detach()
-        return {"tensor": name, "device": str(t.device)}
+        self.tensors[name] = t.detach() if t.requires_grad else t
+        return {"tensor": name, "device": "cpu" if t.is_cpu else str(t.device)}
 
     def _check(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
+        if type(t) in _PLAIN_TENSORS and t.layout is torch.strided and _plain_dtype(t.dtype):
+            if not t.is_meta:
+                return
+        self._refuse(t, path)
+
+    def _refuse(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
+        """Raise for a tensor `_check` found unusual, if it cannot be checkpointed."""
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedStateError(
                 f"{_path_str(path)}: cannot checkpoint a {t.layout} tensor; "
@@ -157,6 +181,8 @@ class _Encoder:
         """The tree node of ``v``, a node ``depth`` levels below the root (its entries are
         at depth 2). Readers refuse tagged nodes deeper than `MAX_TREE_DEPTH`, so such
         a state is refused here, at save."""
+        if type(v) in _PLAIN_TENSORS and depth <= MAX_TREE_DEPTH:  # the most common node
+            return self.tensor(v, path)
         if depth > MAX_TREE_DEPTH and not _plain_scalar(v):
             raise UnsupportedStateError(
                 f"{_path_str(path)}: the state nests containers more than "
@@ -204,7 +230,10 @@ class _Encoder:
         if isinstance(v, Mapping) and not _is_stateful(v):
             items = []
             for k, item in v.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                tk = type(k)
+                if (tk is not str and tk is not int) and (
+                    not isinstance(k, (str, int)) or isinstance(k, bool)
+                ):
                     raise UnsupportedStateError(
                         f"{_path_str(path)}: cannot checkpoint a dict key of type "
                         f"{type(k).__name__} ({k!r}); use str or int keys"
@@ -237,9 +266,23 @@ class _Encoder:
     ) -> list[Any]:
         # Fast path (same output): long runs of plain ints, such as Python's RNG state,
         # are their own encoding.
-        if all(type(x) is int or type(x) is str for x in v):
+        if set(map(type, v)) <= _INT_OR_STR:
             return list(v)
         return [self.value(x, (*path, i), depth) for i, x in enumerate(v)]
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_INT_OR_STR = frozenset((int, str))
+_PLAIN_DTYPES: dict[torch.dtype, bool] = {}
+
+
+def _plain_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` are real-valued and not quantized (memoised)."""
+    known = _PLAIN_DTYPES.get(dtype)
+    if known is None:
+        quantized = str(dtype).startswith("torch.q")  # qint8, quint8, qint32, quint4x2, ...
+        known = _PLAIN_DTYPES[dtype] = not (dtype.is_complex or quantized)
+    return known
 
 
 def _plain_scalar(v: Any) -> bool:

@@ -55,7 +55,7 @@ import stat
 import struct
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -508,9 +508,9 @@ class ShmSlot:
         self._update(state=WRITING, seq=seq)
         return seq + 1
 
-    def finish_write(self, *, step: int, meta: dict[str, Any], data_len: int) -> int:
-        """Write the metadata and publish the slot as COMPLETE; returns its seq."""
-        blob = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    def finish_write(self, *, step: int, blob: bytes, data_len: int) -> int:
+        """Write the metadata (``blob``: its JSON, from `encode_meta`) and publish the slot
+        as COMPLETE; returns its seq."""
         c = self.control()
         if len(blob) > c.meta_cap:
             raise CheckpointError("snapshot metadata outgrew its slot; the arena is re-created")
@@ -583,6 +583,24 @@ class ShmSlot:
         """True while the slot still holds snapshot ``seq``."""
         c = self.control()
         return c.seq == seq and c.state == COMPLETE
+
+
+class RawJSON(str):
+    """A value of a snapshot's metadata already encoded as JSON (by `encode_meta`'s caller,
+    which caches the parts that do not change from one snapshot to the next)."""
+
+
+def encode_meta(meta: Mapping[str, Any]) -> bytes:
+    """The JSON object of ``meta``: `RawJSON` values as they are, the rest encoded."""
+    parts = []
+    for key, value in meta.items():
+        text = value if isinstance(value, RawJSON) else _dumps(value)
+        parts.append(f"{_dumps(key)}:{text}")
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def layout_meta(slots: list[TensorSlot]) -> list[dict[str, Any]]:

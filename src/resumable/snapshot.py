@@ -37,8 +37,10 @@ from resumable.shm import (
     PREFIX,
     ROOT_KEY,
     SHM_DIR,
+    RawJSON,
     ShmSlot,
     SlotContent,
+    encode_meta,
     fallback_dir,
     layout_meta,
     own_dir,
@@ -76,28 +78,87 @@ def tensor_view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buf[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
 
 
+class CopyPlan:
+    """The layout of one state structure, and the copy of its tensors into a buffer laid out
+    by it: planned once, reused at every snapshot while the structure stays the same.
+
+    The structure is the tensors' names in order and each one's dtype, shape and whether
+    it is on CUDA; `matches` compares all of them (one list comparison), so a tensor that
+    appears (optimizer moments at the first step), disappears, is resized or changes dtype
+    makes a new plan, and a plan is never used for a state it was not made for. The layout
+    is encoded to JSON once (``layout_json``), and the destination views of each buffer
+    are made once: a snapshot of many small tensors is one ``torch._foreach_copy_`` call
+    (`copy`), not one Python-level copy per tensor. Measured in ``docs/performance.md``
+    ("Snapshots of many small tensors").
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.names = list(tensors)
+        self.specs = _specs(tensors)
+        self.slots = plan_layout(tensors)
+        self.nbytes = self.slots[-1].end if self.slots else 0
+        self.layout_json = RawJSON(
+            json.dumps(layout_meta(self.slots), separators=(",", ":"), allow_nan=False)
+        )
+        self.on_cuda = any(cuda for _, _, cuda in self.specs)
+        by_name = {s.name: s for s in self.slots}
+        self._in_order = [by_name[n] for n in self.names]  # each tensor's slot, dict order
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` has exactly the structure this plan was made for."""
+        return list(tensors) == self.names and _specs(tensors) == self.specs
+
+    def copy(
+        self,
+        buf: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """Copy ``tensors`` (of this plan's structure) into ``buf``; done on return."""
+        if self.on_cuda or (pool is not None and self.nbytes >= _PARALLEL_MIN_BYTES):
+            copy_into(buf, self.slots, tensors, pool)  # side streams, thread chunks
+            return
+        with torch.no_grad():
+            torch._foreach_copy_(self.views(buf), list(tensors.values()))
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each tensor's place in ``buf``, in the tensors' order (made once per
+        buffer; a plan serves at most the two slots of a `ShmArena`)."""
+        hit = self._views.get(id(buf))
+        if hit is None or hit[0] is not buf:
+            if len(self._views) >= 2:
+                self._views.clear()
+            hit = self._views[id(buf)] = (buf, [tensor_view(buf, s) for s in self._in_order])
+        return hit[1]
+
+    def forget(self) -> None:
+        """Drop the views (they keep a buffer, and a shared-memory mapping, alive)."""
+        self._views.clear()
+
+
+def _specs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.dtype, Any, bool]]:
+    return [(t.dtype, t.shape, t.is_cuda) for t in tensors.values()]
+
+
 class Arena:
     """A reusable host buffer for snapshots. Used from the training thread only."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
-        self._key: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] | None = None
-        self._slots: list[TensorSlot] = []
+        self._plan: CopyPlan | None = None
         self.allocations = 0
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         """Copy ``tensors`` into the arena; returns when the copy is complete."""
-        slots = plan_layout(tensors)
-        key = tuple((s.name, s.dtype, s.shape) for s in slots)
-        on_cuda = any(t.is_cuda for t in tensors.values())
-        if key != self._key or self._buffer is None:
-            total = slots[-1].end if slots else 0
-            pin = on_cuda and torch.cuda.is_available()
-            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-            self._key, self._slots = key, slots
+        plan = self._plan
+        if plan is None or self._buffer is None or not plan.matches(tensors):
+            plan = self._plan = CopyPlan(tensors)
+            pin = plan.on_cuda and torch.cuda.is_available()
+            self._buffer = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
             self.allocations += 1
-        copy_into(self._buffer, self._slots, tensors, None)
-        return Snapshot(self._slots, self._buffer)
+        plan.copy(self._buffer, tensors)
+        return Snapshot(plan.slots, self._buffer)
 
 
 # --------------------------------------------------------------------------- memory tier
@@ -203,6 +264,7 @@ class ShmArena:
             else None
         )
         self.allocations = 0
+        self._plan: CopyPlan | None = None
 
     # ---------------------------------------------------------------- adoption
 
@@ -264,26 +326,32 @@ class ShmArena:
         publishes the slot: the caller must not change those tensors until the future
         is resolved, and must resolve it before the next call. Raises `CheckpointError`
         if both slots are locked by the persist worker."""
-        layout = plan_layout(tensors)
-        meta = {**meta, "layout": layout_meta(layout)}
+        plan = self._plan
+        if plan is None or not plan.matches(tensors):
+            if plan is not None:
+                plan.forget()
+            plan = self._plan = CopyPlan(tensors)
+        layout, nbytes = plan.slots, plan.nbytes
+        meta = {**meta, "layout": plan.layout_json}
         if self.root is not None:
             meta[ROOT_KEY] = self.root
-        blob_len = len(json.dumps(meta, separators=(",", ":")))
-        nbytes = layout[-1].end if layout else 0
+        blob = encode_meta(meta)
         index = self._choose()
         slot = self.slots[index]
-        if slot is None or not slot.fits(blob_len, len(layout), nbytes):
-            slot = self._allocate(index, blob_len, len(layout), nbytes)
+        if slot is None or not slot.fits(len(blob), len(layout), nbytes):
+            slot = self._allocate(index, len(blob), len(layout), nbytes)
         slot.begin_write()
         data = slot.data_tensor()
-        later = [s for s in layout if s.name in deferred] if executor is not None else []
-        now = [s for s in layout if s.name not in deferred] if later else layout
-        copy_into(data, now, tensors, self._pool)
+        later = [s for s in layout if s.name in deferred] if deferred and executor else []
+        if later:
+            copy_into(data, [s for s in layout if s.name not in deferred], tensors, self._pool)
+        else:
+            plan.copy(data, tensors, self._pool)
 
         def publish() -> MemorySnapshot:
             if later:
                 copy_into(data, later, tensors, None)
-            seq = slot.finish_write(step=step, meta=meta, data_len=nbytes)
+            seq = slot.finish_write(step=step, blob=blob, data_len=nbytes)
             self.newest = MemorySnapshot(index, seq, step, nbytes)
             return self.newest
 
@@ -303,6 +371,8 @@ class ShmArena:
 
     def _allocate(self, index: int, meta_len: int, n_tensors: int, nbytes: int) -> ShmSlot:
         old = self.slots[index]
+        if self._plan is not None:
+            self._plan.forget()  # its views keep the old mapping alive
         if old is not None:
             old.close()
         self.slots[index] = None
@@ -347,6 +417,8 @@ class ShmArena:
         return {s.name: tensor_view(data, s) for s in content.slots}
 
     def close(self, *, unlink: bool) -> None:
+        if self._plan is not None:
+            self._plan.forget()
         for i, slot in enumerate(self.slots):
             if slot is not None:
                 if unlink:

@@ -219,6 +219,12 @@ class JobRunner:
 
     def _slot(self, path: str) -> ShmSlot:
         slot = self.slots.get(path)
+        if slot is not None and not slot.linked():
+            # The trainer replaced the slot (a larger state): the old mapping holds an
+            # older snapshot whose seq may equal the new one's.
+            slot.close()
+            del self.slots[path]
+            slot = None
         if slot is None:
             slot = ShmSlot.attach(Path(path))
             slot.set_worker(os.getpid())
@@ -252,7 +258,7 @@ class JobRunner:
     def _persist(self, job: PersistJob) -> Committed:
         slot = self._slot(job.slot)
         content = slot.read()
-        if content is None or content.seq != job.seq:
+        if content is None or content.seq != job.seq or content.step != job.step:
             raise CheckpointError(
                 f"snapshot of step {job.step} was overwritten before it was persisted"
             )

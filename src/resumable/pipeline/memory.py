@@ -14,7 +14,9 @@ where the persist worker recorded them, against their checksums (`verified`).
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import marshal
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -30,7 +32,14 @@ from resumable.distributed import is_dtensor, pieces_to_json
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import checksum, json_metrics
 from resumable.runid import snapshot_belongs
-from resumable.shm import ROOT_KEY, SlotContent, remove_dead_segments, run_key_for, shm_free_bytes
+from resumable.shm import (
+    ROOT_KEY,
+    RawJSON,
+    SlotContent,
+    remove_dead_segments,
+    run_key_for,
+    shm_free_bytes,
+)
 from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 
@@ -71,6 +80,7 @@ class MemoryTier:
         self._pending: Future[MemorySnapshot] | None = None
         self._hooks: list[tuple[torch.optim.Optimizer, Any]] = []
         self._adopted = False
+        self._tree_json = TreeJSON()
 
     @property
     def newest(self) -> MemorySnapshot | None:
@@ -88,7 +98,7 @@ class MemoryTier:
         )
         meta: dict[str, Any] = {
             "step": step,
-            "tree": captured.tree,
+            "tree": self._tree_json.encode(captured.tree),
             "metrics": json_metrics(metrics or {}),
             "created": time.time(),
         }
@@ -243,6 +253,38 @@ class MemoryTier:
         if self._exec is not None:
             self._exec.shutdown(wait=True)
         self.arena.close(unlink=unlink)
+
+
+class TreeJSON:
+    """The JSON of capture trees, one snapshot after another: a top-level entry (a model,
+    an optimizer, the random streams, ...) that is the same as at the previous snapshot
+    keeps its encoding, so a step re-encodes only what changed (an optimizer's learning
+    rate, a loader's position), not the reference to every tensor.
+
+    "The same" is decided on `marshal`'s bytes of the entry, which tell 1, 1.0 and True
+    apart (``==`` does not, and their JSON differs); they are compared in memory only and
+    never loaded."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[bytes, str]] = {}
+
+    def encode(self, tree: Any) -> RawJSON:
+        entries = tree["dict"]
+        parts, seen = [], {}
+        for key, node in entries:
+            try:
+                fingerprint = marshal.dumps(node)
+            except ValueError:  # not a plain JSON value: never cached
+                fingerprint = b""
+            hit = self._last.get(key)
+            if fingerprint and hit is not None and hit[0] == fingerprint:
+                text = hit[1]
+            else:
+                text = json.dumps([key, node], separators=(",", ":"), allow_nan=False)
+            seen[key] = (fingerprint, text)
+            parts.append(text)
+        self._last = seen
+        return RawJSON('{"dict":[' + ",".join(parts) + "]}")
 
 
 def storage_ptr(t: torch.Tensor) -> int:

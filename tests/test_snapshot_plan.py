@@ -1,0 +1,262 @@
+"""The snapshot plan (issue 20): the layout of the state, the metadata that does not change
+and the copy's destination views are made once and reused while the state's structure
+stays the same; any change of structure is re-planned, never copied through a stale plan.
+
+Every test changes the state between snapshots in one way, persists each snapshot from its
+shared-memory slot (``save`` of a step that was just snapshotted reuses the slot), and
+restores every step into fresh objects: bit-identical values and the same dtypes, shapes
+and Python types."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import resumable
+from resumable.snapshot import Arena, CopyPlan
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d)
+
+
+def snapshot_each(
+    root: Path,
+    shm_dir: Path,
+    state: dict[str, Any],
+    stages: list[Callable[[], None]],
+    mode: str = "thread",
+) -> list[dict[str, Any]]:
+    """Run each stage (a change of ``state``), snapshot and persist it as step 1, 2, ...;
+    returns a deep copy of the state's plain parts at each step."""
+    expected = []
+    ck = resumable.Checkpointer(
+        root,
+        state,
+        persist=mode,  # type: ignore[arg-type]
+        memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=10**9),
+        shm_dir=shm_dir,
+        capture_rng=False,
+        keep=None,
+    )
+    for step, stage in enumerate(stages, start=1):
+        stage()
+        ck.snapshot(step)
+        assert ck.save(step), step  # persists the slot just written
+        ck.wait()
+        expected.append(plain(state))
+    ck.close()
+    return expected
+
+
+def plain(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as plain values (module and optimizer state dicts), deep-copied."""
+    out = {}
+    for key, value in state.items():
+        out[key] = copy.deepcopy(value.state_dict() if hasattr(value, "state_dict") else value)
+    return out
+
+
+def assert_same(got: Any, want: Any, where: str = "state") -> None:
+    assert type(got) is type(want), f"{where}: {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for k in want:
+            assert_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+def restored(root: Path, step: int, fresh: dict[str, Any]) -> dict[str, Any]:
+    ck = resumable.Checkpointer(root, fresh, persist="sync", save_on_close=False)
+    assert ck.restore(step, tier="storage") == step
+    ck.close()
+    return plain(fresh)
+
+
+def like(values: dict[str, Any]) -> dict[str, Any]:
+    """Fresh plain containers of the same structure, with other values."""
+    return {
+        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else like(v))
+        if isinstance(v, (torch.Tensor, dict))
+        else v
+        for k, v in values.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_optimizer_moments_appearing_at_the_first_step_are_replanned(
+    tmp_path: Path, shm_dir: Path, mode: str
+) -> None:
+    """Also a regression test: the snapshot slot grows at step 3 (a new file at the same
+    name), and the persist worker used to read its old mapping, whose snapshot of step 1
+    had the same sequence number: it committed step 1 again and step 3 was lost."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt}
+
+    def train() -> None:
+        opt.zero_grad()
+        model(torch.randn(5, 8)).square().mean().backward()
+        opt.step()
+
+    # step 1: no moments yet; 2: moments appear (new tensors); 3, 4: same structure
+    stages = [lambda: None, train, train, train]
+    expected = snapshot_each(tmp_path / "ck", shm_dir, state, stages, mode=mode)
+    assert expected[0]["optim"]["state"] == {} and expected[1]["optim"]["state"]
+    for step, want in enumerate(expected, start=1):
+        m2 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+        assert_same(restored(tmp_path / "ck", step, {"model": m2, "optim": o2}), want)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda t: torch.randn(12), id="grown"),
+        pytest.param(lambda t: torch.randn(1), id="shrunk-to-one-element-which-would-broadcast"),
+        pytest.param(lambda t: t.reshape(2, 4).clone() + 1, id="same-bytes-other-shape"),
+        pytest.param(lambda t: t.double() + 1, id="other-dtype"),
+        pytest.param(lambda t: t.view(torch.int32).clone() + 1, id="same-bytes-other-dtype"),
+        pytest.param(lambda t: torch.empty(0), id="emptied"),
+    ],
+)
+def test_a_changed_tensor_is_replanned(
+    tmp_path: Path, shm_dir: Path, change: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    torch.manual_seed(1)
+    tensors = {"a": torch.randn(8), "w": torch.randn(8), "z": torch.randn(3)}
+    state: dict[str, Any] = {"t": tensors}
+
+    def mutate() -> None:
+        for t in tensors.values():
+            if t.is_floating_point() and t.numel():
+                t.add_(1)
+
+    def replace() -> None:
+        tensors["w"] = change(tensors["w"])
+
+    expected = snapshot_each(tmp_path / "ck", shm_dir, state, [mutate, replace, mutate, mutate])
+    for step, want in enumerate(expected, start=1):
+        assert_same(restored(tmp_path / "ck", step, {"t": like(want["t"])}), want)
+
+
+def test_new_renamed_and_removed_entries_are_replanned(tmp_path: Path, shm_dir: Path) -> None:
+    torch.manual_seed(2)
+    extra: dict[str, Any] = {"x": torch.randn(4), "n": 1}
+    state: dict[str, Any] = {"extra": extra}
+
+    def add() -> None:
+        extra["y"] = torch.randn(4)
+
+    def rename() -> None:  # same count, dtypes and shapes: only the name differs
+        extra["y2"] = extra.pop("y") + 1
+
+    def remove() -> None:
+        del extra["x"]
+
+    stages = [lambda: None, add, rename, remove]
+    expected = snapshot_each(tmp_path / "ck", shm_dir, state, stages)
+    for step, want in enumerate(expected, start=1):
+        assert_same(restored(tmp_path / "ck", step, {"extra": like(want["extra"])}), want)
+
+
+def test_changed_small_values_are_never_served_from_a_stale_encoding(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """1, 1.0 and True are equal in Python but not in a checkpoint: every step's values
+    come back with their own type."""
+    extra: dict[str, Any] = {"v": 1, "w": torch.ones(2), "nested": {"k": [1, 2]}}
+    state: dict[str, Any] = {"extra": extra}
+    values: list[Any] = [1, 1.0, True, 1, "1", 0.0, -0.0, None, [1], (1,)]
+
+    def setter(v: Any) -> Callable[[], None]:
+        def stage() -> None:
+            extra["v"] = v
+            extra["nested"]["k"][1] = v
+
+        return stage
+
+    expected = snapshot_each(tmp_path / "ck", shm_dir, state, [setter(v) for v in values])
+    for step, want in enumerate(expected, start=1):
+        fresh = {"extra": {"v": None, "w": torch.zeros(2), "nested": {"k": [0, 0]}}}
+        got = restored(tmp_path / "ck", step, fresh)
+        assert_same(got, want)
+        assert repr(got["extra"]["v"]) == repr(values[step - 1])
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ({"a": torch.zeros(4)}, {"a": torch.zeros(5)}),
+        ({"a": torch.zeros(4)}, {"a": torch.zeros(2, 2)}),
+        ({"a": torch.zeros(4)}, {"a": torch.zeros(4, dtype=torch.int32)}),
+        ({"a": torch.zeros(4)}, {"b": torch.zeros(4)}),
+        ({"a": torch.zeros(4), "b": torch.zeros(4)}, {"b": torch.zeros(4), "a": torch.zeros(4)}),
+        ({"a": torch.zeros(4)}, {"a": torch.zeros(4), "b": torch.zeros(1)}),
+        ({"a": torch.zeros(4), "b": torch.zeros(1)}, {"a": torch.zeros(4)}),
+    ],
+    ids=["grown", "reshaped", "dtype", "renamed", "reordered", "added", "removed"],
+)
+def test_a_plan_matches_only_its_own_structure(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> None:
+    plan = CopyPlan(before)
+    assert plan.matches(before)
+    assert plan.matches({k: v.clone() + 1 for k, v in before.items()})  # values do not count
+    assert not plan.matches(after)
+
+
+def test_one_plan_copies_mixed_dtypes_views_and_empty_tensors_exactly() -> None:
+    torch.manual_seed(3)
+    base = torch.randn(6, 5)
+    tensors = {
+        "f16": torch.randn(7).half(),
+        "f64": torch.randn(3, 2, dtype=torch.float64),
+        "i64": torch.arange(-5, 5),
+        "bool": torch.tensor([True, False, True]),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "bf16": torch.randn(4).bfloat16(),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "transposed": base.t(),  # not contiguous
+        "strided": base[::2, 1:4],
+    }
+    arena = Arena()
+    for round_ in range(3):
+        snap = arena.snapshot(tensors)
+        for slot in snap.slots:
+            got, want = snap.tensor(slot), tensors[slot.name]
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want), (round_, slot.name)
+        for t in tensors.values():  # new values, same structure: the plan is reused
+            if t.dtype.is_floating_point and t.numel():
+                t.mul_(-1.5)
+            elif t.dtype == torch.int64:
+                t.add_(7)
+    assert arena.allocations == 1
+    tensors["f16"] = torch.randn(8).half()  # a new structure: a new plan and buffer
+    snap = arena.snapshot(tensors)
+    assert arena.allocations == 2
+    assert torch.equal(snap.tensor(next(s for s in snap.slots if s.name == "f16")), tensors["f16"])
