@@ -13,7 +13,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from resumable.data.order import WORKER_STREAM, ResumableSampler, ShardEnd, derive_seed, world
 from resumable.data.positions import (
     WHAT,
+    BatchSizeChange,
     IterableOrder,
     Order,
     SeededOrder,
@@ -100,6 +101,14 @@ class ResumableDataLoader(DataLoader[Any]):
     ``reseed_per_sample=True`` makes random augmentations in worker processes exact at any
     resume point (`resumable.data.seeding`).
 
+    ``on_batch_size_change`` decides what ``load_state_dict`` does with a state saved at
+    another ``batch_size`` (`BatchSizeChange`): ``"error"`` (the default) refuses it;
+    ``"continue"`` resumes the saved epoch at the saved sample position, so every sample of
+    the epoch is still read once and only the batch boundaries move (the loader's own order
+    and a user's ``sampler=``; refused for an ``IterableDataset``, whose position counts
+    batches); ``"restart_epoch"`` resumes the saved epoch from its start, with a WARNING.
+    It lives on the loader so that ``Checkpointer.restore()`` applies it too.
+
     An ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` resumes from its own
     state with ``num_workers=0``; with ``replay_iterable=True`` any iterable dataset resumes by
     re-reading the consumed batches (WARNING with the count), workers or not.
@@ -140,6 +149,7 @@ class ResumableDataLoader(DataLoader[Any]):
         shard_end: ShardEnd = "pad",
         replay_iterable: bool = False,
         reseed_per_sample: bool = False,
+        on_batch_size_change: BatchSizeChange = "error",
     ) -> None:
         if generator is not None:
             raise UnsupportedStateError(
@@ -159,6 +169,11 @@ class ResumableDataLoader(DataLoader[Any]):
             )
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if on_batch_size_change not in get_args(BatchSizeChange):
+            raise ValueError(
+                "on_batch_size_change must be one of "
+                f"{list(get_args(BatchSizeChange))}, got {on_batch_size_change!r}"
+            )
         check_bool("drop_last", drop_last)
         check_bool("replay_iterable", replay_iterable)
         if check_bool("reseed_per_sample", reseed_per_sample):
@@ -248,6 +263,7 @@ class ResumableDataLoader(DataLoader[Any]):
             order = SeededOrder(own, batch_size, drop_last)
             sampler_args = {"batch_size": batch_size, "sampler": own, "drop_last": drop_last}
         self._order = order
+        self._on_batch_size_change: BatchSizeChange = on_batch_size_change
         self.resumable_per_rank = order.per_rank
         self._seed = seed
         self._shuffle = bool(shuffle)
@@ -362,9 +378,10 @@ class ResumableDataLoader(DataLoader[Any]):
         world size (which may differ from the saving one with the loader's own order).
 
         Raises `StateMismatchError`, changing nothing, if the state is malformed or was saved
-        with a different configuration. Any iterator created before the call becomes stale.
+        with a different configuration; a different ``batch_size`` is handled as
+        ``on_batch_size_change`` says. Any iterator created before the call becomes stale.
         """
-        epoch, position = self._order.load(state_dict)
+        epoch, position = self._order.load(state_dict, self._on_batch_size_change)
         self._invalidate()
         self._epoch = epoch
         self._pass_start = position

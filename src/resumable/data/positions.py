@@ -12,12 +12,17 @@ that is, how to start the next pass from a position, and what to save:
   own.
 - `IterableOrder`: an ``IterableDataset``; its own ``state_dict()`` (no workers), or replay.
 
-Each is validated on load like any input read from disk (`resumable.data.state`).
+Each is validated on load like any input read from disk (`resumable.data.state`). A state
+saved at another batch size goes through `batch_size_changed`: refused by default; with
+``"continue"`` accepted only by an order whose position counts samples (the batch size then
+changes batch boundaries, not which samples come next); with ``"restart_epoch"`` resumed at
+the start of the saved epoch, with a WARNING.
 """
 
 import itertools
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sized
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
@@ -27,17 +32,90 @@ from resumable.errors import StateMismatchError
 
 __all__ = [
     "WHAT",
+    "BatchSizeChange",
     "IterableOrder",
     "Order",
     "SeededOrder",
     "Skipping",
     "UserOrder",
+    "batch_size_changed",
     "has_state",
     "refusal",
     "sharded_by",
 ]
 
 WHAT = "ResumableDataLoader"
+
+log = logging.getLogger(__name__)
+
+BatchSizeChange = Literal["error", "continue", "restart_epoch"]
+"""What `ResumableDataLoader.load_state_dict` does with a state saved at another batch size:
+``"error"`` refuses it (`StateMismatchError`); ``"continue"`` resumes the saved epoch at the
+saved sample position, in batches of the new size (only where the position counts samples:
+the loader's own order, a user's ``sampler=``); ``"restart_epoch"`` resumes the saved epoch
+from its start, with a WARNING."""
+
+
+def batch_size_changed(
+    saved: int,
+    current: int,
+    policy: BatchSizeChange,
+    epoch: int,
+    position: int,
+    cannot_continue: str | None,
+) -> int:
+    """The position to resume epoch ``epoch`` at, for a state saved at ``position`` with
+    batch size ``saved``, in a loader with batch size ``current``.
+
+    ``cannot_continue`` is None when ``position`` counts samples (any batch size continues
+    from it exactly), else why it does not. Raises `StateMismatchError` for ``"error"``, and
+    for ``"continue"`` with a ``cannot_continue`` reason; the message names the way out.
+    """
+    if saved == current:
+        return position
+    restart = f"on_batch_size_change='restart_epoch' (epoch {epoch} again from its start)"
+    if policy == "error":
+        options = (
+            restart
+            if cannot_continue is not None
+            else (
+                f"on_batch_size_change='continue' (the rest of epoch {epoch}, in the same "
+                f"order, in batches of {current}) or {restart}"
+            )
+        )
+        raise StateMismatchError(
+            f"{WHAT} checkpoint was saved with batch_size={saved} but this {WHAT} has "
+            f"batch_size={current}; resuming would not continue the same sample sequence. "
+            f"Construct it with batch_size={saved}, or pass {options}."
+        )
+    if policy == "continue":
+        if cannot_continue is not None:
+            raise StateMismatchError(
+                f"{WHAT} cannot continue epoch {epoch} at batch_size={current} from a state "
+                f"saved at batch_size={saved}: {cannot_continue}. Construct it with "
+                f"batch_size={saved}, or pass {restart}."
+            )
+        log.info(
+            "%s continues epoch %d at sample position %d in batches of %d (saved with "
+            "batch_size=%d)",
+            WHAT,
+            epoch,
+            position,
+            current,
+            saved,
+        )
+        return position
+    log.warning(
+        "%s state was saved with batch_size=%d, this loader has batch_size=%d: "
+        "on_batch_size_change='restart_epoch' starts epoch %d over from its beginning "
+        "(the saved position %d of that epoch is discarded and its data read again)",
+        WHAT,
+        saved,
+        current,
+        epoch,
+        position,
+    )
+    return 0
 
 
 class Order(Protocol):
@@ -71,8 +149,11 @@ class Order(Protocol):
 
     def state(self, epoch: int, position: int) -> dict[str, Any]: ...
 
-    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
-        """Check ``state`` against this order; return its ``(epoch, position)``."""
+    def load(
+        self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
+    ) -> tuple[int, int]:
+        """Check ``state`` against this order; return the ``(epoch, position)`` to resume
+        at (`batch_size_changed` decides it for a state saved at another batch size)."""
 
 
 class SeededOrder:
@@ -126,7 +207,9 @@ class SeededOrder:
             "shard_end": s.shard_end,
         }
 
-    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+    def load(
+        self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
+    ) -> tuple[int, int]:
         common = {
             "epoch": int,
             "seed": int,
@@ -144,7 +227,6 @@ class SeededOrder:
         n = self.sampler.num_samples
         expect_same(WHAT, "dataset_len", s["dataset_len"], n, "Resume with the same dataset.")
         checks: list[tuple[str, object]] = [
-            ("batch_size", self.batch_size),
             ("drop_last", self.drop_last),
             ("seed", self.sampler.seed),
             ("shuffle", self.sampler.shuffle),
@@ -153,20 +235,29 @@ class SeededOrder:
             checks.append(("shard_end", self.sampler.shard_end))
         for key, current in checks:
             expect_same(WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
-        if s["version"] == 1:  # one process, (epoch, batches handed out)
-            per_epoch = self.batches_from(0) if self.sampler.num_replicas == 1 else None
-            if per_epoch is not None and s["batches"] > per_epoch:
+        saved_batch = s["batch_size"]
+        if s["version"] == 1:  # one process, (epoch, batches of the saved size handed out)
+            whole, short = divmod(n, saved_batch)
+            per_epoch = whole if self.drop_last or not short else whole + 1
+            if self.sampler.num_replicas == 1 and s["batches"] > per_epoch:
                 raise StateMismatchError(
                     f"{WHAT} state has batches={s['batches']} but an epoch has only "
                     f"{per_epoch} batches; the checkpoint is damaged."
                 )
-            return s["epoch"], min(s["batches"] * self.batch_size, n)
-        if s["position"] > n:
-            raise StateMismatchError(
-                f"{WHAT} state has position={s['position']} but an epoch has only {n} "
-                "samples; the checkpoint is damaged."
-            )
-        return s["epoch"], s["position"]
+            position = min(s["batches"] * saved_batch, n)
+        else:
+            position = s["position"]
+            if position > n:
+                raise StateMismatchError(
+                    f"{WHAT} state has position={position} but an epoch has only {n} "
+                    "samples; the checkpoint is damaged."
+                )
+        # The position is a prefix of the epoch's order in samples: any batch size goes on
+        # from it exactly.
+        position = batch_size_changed(
+            saved_batch, self.batch_size, on_batch_size_change, s["epoch"], position, None
+        )
+        return s["epoch"], position
 
 
 def refusal(obj: object, arg: str) -> str | None:
@@ -275,7 +366,9 @@ class UserOrder:
             "rank": self.rank,
         }
 
-    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+    def load(
+        self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
+    ) -> tuple[int, int]:
         spec = {
             "order": str,
             "epoch": int,
@@ -287,9 +380,6 @@ class UserOrder:
         }
         s = validated_state(state, WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
         expect_same(WHAT, "order", s["order"], self.kind, f"Pass {s['order']}= as before.")
-        expect_same(
-            WHAT, "batch_size", s["batch_size"], self.batch_size, "Use the same batch_size."
-        )
         for key, current in (("world_size", self.world_size), ("rank", self.rank)):
             expect_same(
                 WHAT,
@@ -306,8 +396,18 @@ class UserOrder:
                 f"({type(self.inner).__name__}) has no load_state_dict; pass the same kind "
                 f"of {self.kind} as before."
             )
+        # A sampler's position counts its indices, which any batch size goes on from; a
+        # batch sampler's batch size is its own (the loader's is 1 and does not change).
+        position = batch_size_changed(
+            s["batch_size"],
+            self.batch_size,
+            on_batch_size_change,
+            s["epoch"],
+            s["position"],
+            None,
+        )
         self.pass_state = s["sampler_state"]
-        return s["epoch"], s["position"]
+        return s["epoch"], position
 
 
 def has_state(obj: object) -> bool:
@@ -389,7 +489,9 @@ class IterableOrder:
             "rank": self.rank,
         }
 
-    def load(self, state: Mapping[str, Any]) -> tuple[int, int]:
+    def load(
+        self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
+    ) -> tuple[int, int]:
         spec = {
             "order": str,
             "epoch": int,
@@ -402,19 +504,19 @@ class IterableOrder:
             "rank": int,
         }
         s = validated_state(state, WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
-        for key, current in (
+        configuration: tuple[tuple[str, object], ...] = (
             ("order", "iterable"),
-            ("batch_size", self.batch_size),
             ("drop_last", self.drop_last),
             ("replay", self.by_replay),
-        ):
+        )
+        for key, current in configuration:
             expect_same(WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
-        for key, current in (("world_size", self.world_size), ("rank", self.rank)):
+        for key, rank_value in (("world_size", self.world_size), ("rank", self.rank)):
             expect_same(
                 WHAT,
                 key,
                 s[key],
-                current,
+                rank_value,
                 "A position in an IterableDataset is one rank's own (the dataset shards "
                 "itself); it resumes only at the same world size and rank.",
             )
@@ -423,8 +525,18 @@ class IterableOrder:
                 f"{WHAT} state has position={s['position']} but no dataset_state; the "
                 "checkpoint is damaged."
             )
-        self.pending = s["dataset_state"]
-        return s["epoch"], s["position"]
+        position = batch_size_changed(
+            s["batch_size"],
+            self.batch_size,
+            on_batch_size_change,
+            s["epoch"],
+            s["position"],
+            f"the position in an IterableDataset counts this rank's batches of "
+            f"{s['batch_size']}, and its samples are known only through the dataset's own "
+            f"state or by re-reading batches of that size",
+        )
+        self.pending = s["dataset_state"] if position else None
+        return s["epoch"], position
 
 
 class Skipping(Sampler[Any]):
