@@ -189,6 +189,18 @@ class _Encoder:
                 f"{MAX_TREE_DEPTH} levels deep, more than a checkpoint holds; flatten it "
                 "(e.g. store it as a JSON string)"
             )
+        # Exact built-in types first (most of a tree), without the isinstance chain below.
+        tp = type(v)
+        if tp is str or tp is bool or tp is int or v is None:
+            return v
+        if tp is float and math.isfinite(v):
+            return v
+        if tp is dict:
+            return self._mapping(v, path, depth)
+        if tp is list:
+            return {"list": self._sequence(v, path, depth + 1)}
+        if tp is tuple:
+            return {"tuple": self._sequence(v, path, depth + 1)}
         # np.generic first: np.float64 is a float subclass. bool before int: bool is an int.
         if isinstance(v, np.generic):
             return {"npscalar": v.dtype.str, "v": self.value(v.item(), path, depth + 1)}
@@ -228,18 +240,7 @@ class _Encoder:
         if isinstance(v, np.random.Generator):
             return {"np_generator": self.value(v.bit_generator.state, path, depth + 1)}
         if isinstance(v, Mapping) and not _is_stateful(v):
-            items = []
-            for k, item in v.items():
-                tk = type(k)
-                if (tk is not str and tk is not int) and (
-                    not isinstance(k, (str, int)) or isinstance(k, bool)
-                ):
-                    raise UnsupportedStateError(
-                        f"{_path_str(path)}: cannot checkpoint a dict key of type "
-                        f"{type(k).__name__} ({k!r}); use str or int keys"
-                    )
-                items.append([k, self.value(item, (*path, k), depth + 1)])
-            return {"dict": items}
+            return self._mapping(v, path, depth)
         if isinstance(v, torch.Size):
             return {"size": list(v)}
         if isinstance(v, list):
@@ -260,6 +261,40 @@ class _Encoder:
             f"{_path_str(path)}: cannot checkpoint {type(v)!r}; "
             "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
         )
+
+    def streams(self, streams: Mapping[str, Any]) -> Any:
+        """The node of `rng_state`'s streams: what `value` makes of them, but Python's
+        state (made by CPython's ``random.getstate``: 625 ints) is not checked element
+        by element."""
+        items = []
+        for key, v in streams.items():
+            path = (RNG_KEY, key)
+            if key == "python" and type(v) is tuple and len(v) == 3 and type(v[1]) is tuple:
+                node = {
+                    "tuple": [
+                        self.value(v[0], (*path, 0), 4),
+                        {"tuple": list(v[1])},
+                        self.value(v[2], (*path, 2), 4),
+                    ]
+                }
+            else:
+                node = self.value(v, path, 3)
+            items.append([key, node])
+        return {"dict": items}
+
+    def _mapping(self, v: Mapping[Any, Any], path: tuple[Any, ...], depth: int) -> Any:
+        items = []
+        for k, item in v.items():
+            tk = type(k)
+            if (tk is not str and tk is not int) and (
+                not isinstance(k, (str, int)) or isinstance(k, bool)
+            ):
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: cannot checkpoint a dict key of type "
+                    f"{type(k).__name__} ({k!r}); use str or int keys"
+                )
+            items.append([k, self.value(item, (*path, k), depth + 1)])
+        return {"dict": items}
 
     def _sequence(
         self, v: list[Any] | tuple[Any, ...], path: tuple[Any, ...], depth: int
@@ -375,7 +410,7 @@ def capture(
         entries = [{"list": [{"list": list(p)}, name]} for p, name in enc.classes]
         top.append([CLASSES_KEY, {"list": entries}])
     if include_rng:
-        top.append([RNG_KEY, enc.value(rng_state(), (RNG_KEY,), 2)])
+        top.append([RNG_KEY, enc.streams(rng_state())])
     return Captured(
         tree={"dict": top},
         tensors=enc.tensors,

@@ -592,11 +592,12 @@ class RawJSON(str):
 
 def encode_meta(meta: Mapping[str, Any]) -> bytes:
     """The JSON object of ``meta``: `RawJSON` values as they are, the rest encoded."""
-    parts = []
-    for key, value in meta.items():
-        text = value if isinstance(value, RawJSON) else _dumps(value)
-        parts.append(f"{_dumps(key)}:{text}")
-    return ("{" + ",".join(parts) + "}").encode()
+    plain = {k: v for k, v in meta.items() if not isinstance(v, RawJSON)}
+    raw = [f"{_dumps(k)}:{v}" for k, v in meta.items() if isinstance(v, RawJSON)]
+    text = _dumps(plain)
+    if raw:
+        text = text[:-1] + ("," if plain else "") + ",".join(raw) + "}"
+    return text.encode()
 
 
 def _dumps(value: Any) -> str:
