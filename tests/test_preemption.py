@@ -274,3 +274,22 @@ def test_auto_interval_plans_with_the_measured_cost(tmp_path: Path) -> None:
     assert planned is not None and planned > 1.0  # Daly with a ms-scale cost and 1 h MTBF
     assert not ck.maybe_save(2), "not due again until the planned interval has passed"
     ck.close()
+
+
+def test_persists_deferred_behind_the_worker_start_raise_no_alert(tmp_path: Path) -> None:
+    """A short run of a small model saves faster than the persist process starts (it
+    imports torch): the persists deferred behind the first one are not a slow storage."""
+    alerts: list[tuple[str, str]] = []
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        small_state(),
+        persist="process",
+        persist_every=resumable.Every(steps=1),
+        alert=lambda kind, msg, details: alerts.append((kind, msg)),
+        shm_dir=tmp_path,
+    )
+    for step in range(1, 30):
+        ck.maybe_save(step)
+    ck.close()
+    assert ck.stats["commits"] >= 1 and ck.steps()[-1] == 29
+    assert alerts == [], alerts

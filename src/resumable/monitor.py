@@ -92,6 +92,12 @@ class Monitor:
         self.consecutive_skips += 1
         if self._prom:
             self._prom.skipped()
+        if self.stats["commits"] == 0:
+            # The first persist of a launch waits for the persist process to start (an
+            # interpreter importing torch: seconds). Persists deferred behind it say
+            # nothing about the storage's speed; a worker that never comes up fails.
+            self.consecutive_skips = 0
+            return
         if self.consecutive_skips == self.skip_alert_after:
             self.alert(
                 ALERT_SKIPS,
