@@ -260,3 +260,11 @@ def test_one_plan_copies_mixed_dtypes_views_and_empty_tensors_exactly() -> None:
     snap = arena.snapshot(tensors)
     assert arena.allocations == 2
     assert torch.equal(snap.tensor(next(s for s in snap.slots if s.name == "f16")), tensors["f16"])
+
+
+def test_a_state_without_tensors_is_planned_too() -> None:
+    """A rank whose share of the tensors is empty, a state of plain values only."""
+    arena = Arena()
+    snap = arena.snapshot({})
+    assert snap.slots == [] and snap.nbytes == 0
+    assert arena.snapshot({}).nbytes == 0 and arena.allocations == 1

@@ -119,6 +119,8 @@ class CopyPlan:
         if self.on_cuda or (pool is not None and self.nbytes >= _PARALLEL_MIN_BYTES):
             copy_into(buf, self.slots, tensors, pool)  # side streams, thread chunks
             return
+        if not self.names:
+            return  # torch._foreach_copy_ refuses empty lists
         with torch.no_grad():
             torch._foreach_copy_(self.views(buf), list(tensors.values()))
 
