@@ -17,6 +17,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import small_report  # noqa: E402
 
 Result = dict[str, Any]
 
@@ -508,6 +511,7 @@ def render(out: Result) -> str:
         err = _get(out, "e2e_error", "error")
         lines += [f"Not measured{': ' + err if err else ''}."]
 
+    lines += small_section(out)
     lines += s3_section(out)
     lines += dist_section(out)
     lines += data_section(out)
@@ -604,6 +608,15 @@ def _mib_list(values: Any) -> str:
     if not isinstance(values, list) or not values:
         return "—"
     return " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def small_section(out: Result) -> list[str]:
+    """Snapshots of many small tensors: the block `small_report.render` makes of the run's
+    ``"small"`` phase, or of the standalone run `write_report` put there (``small_file``)."""
+    small = out.get("small")
+    source = f"benchmarks/results/{out.get('small_file') or out.get('file', '?')}"
+    block = small_report.render(small if isinstance(small, dict) else {}, source)
+    return ["", *block.splitlines()]
 
 
 def data_section(out: Result) -> list[str]:
@@ -760,25 +773,40 @@ def dist_section(out: Result) -> list[str]:
 
 
 def write_report(results: Path, docs: Path) -> None:
+    """Render ``docs`` from the run in ``results``. A run without the small-tensor phase
+    (``--no-small``, or from before it) shows the newest standalone one beside it
+    (``small_bench.py --docs`` writes ``small-<date>.json``), named as such."""
     out = json.loads(results.read_text())
     out.setdefault("file", results.name)
+    if not small_report.measured(out.get("small")):
+        found = newest_small(results.parent)
+        if found is not None:
+            out["small"] = json.loads(found.read_text())
+            out["small_file"] = found.name
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render(out))
 
 
 def newest(results_dir: Path) -> Path:
-    files = sorted(results_dir.glob("*.json"))
-    if not files:
-        raise FileNotFoundError(f"no results JSON in {results_dir}: run `make bench` first")
-
-    def key(p: Path) -> tuple[str, float]:
+    """The newest whole run (``make bench``) in ``results_dir``; the files one phase
+    writes alone (``data-``, ``cloud-``, ``small-``) are not runs."""
+    runs = []
+    for p in sorted(results_dir.glob("*.json")):
         try:
-            date = str(json.loads(p.read_text()).get("date", ""))
+            out = json.loads(p.read_text())
         except (OSError, ValueError):
-            date = ""
-        return date, p.stat().st_mtime
+            continue
+        if isinstance(out, dict) and "methods" in out:
+            runs.append((str(out.get("date", "")), p.stat().st_mtime, p))
+    if not runs:
+        raise FileNotFoundError(f"no results JSON in {results_dir}: run `make bench` first")
+    return max(runs)[2]
 
-    return max(files, key=key)
+
+def newest_small(results_dir: Path) -> Path | None:
+    """The newest standalone small-tensor result (``small-<date>.json``: the date sorts)."""
+    files = sorted(results_dir.glob("small-*.json"))
+    return files[-1] if files else None
 
 
 def main(argv: list[str]) -> int:

@@ -17,12 +17,16 @@ beside a plain parallel upload and download of the same bytes by the same client
 several ranks (`dist_bench.py`: an FSDP2 model at world sizes 1, 2 and 4 under torchrun,
 resumable beside ``dcp.save`` and ``dcp.async_save``); the data position
 (`data_bench.py`: resuming far into a large epoch against re-iterating to it).
+The small-tensor phase (`small_bench.py`: the fixed cost of a snapshot of 10 to 10,000
+small tensors beside the copy floors and DCP's stagers, and a snapshot every step of a
+nanoGPT-sized model) runs right after end to end.
 A method that fails is recorded with its error and left out; the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -49,6 +53,7 @@ import floors  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
 import s3_bench  # noqa: E402
+import small_bench  # noqa: E402
 import state as state_mod  # noqa: E402
 import torch  # noqa: E402
 import training  # noqa: E402
@@ -383,6 +388,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="samples in the data phase's epoch (20,000,000; --quick: 2,000,000)",
     )
+    ap.add_argument("--no-small", action="store_true", help="skip the small-tensor phase")
+    ap.add_argument(
+        "--small-reps",
+        type=int,
+        default=None,
+        help="samples per method in the small-tensor phase (150; --quick: 30)",
+    )
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -507,6 +519,17 @@ def main(argv: list[str] | None = None) -> int:
                     overlap=overlap,
                 ),
             )
+
+    if args.no_small:
+        out["small"] = {"error": "skipped (--no-small)"}
+    else:
+        log("small tensors: fixed cost per snapshot, nanoGPT with a snapshot every step")
+        settings = small_bench.Settings.quick() if args.quick else small_bench.Settings()
+        if args.small_reps is not None:
+            settings = dataclasses.replace(settings, reps=max(1, args.small_reps))
+        got = guarded(out, "small", lambda: small_bench.run_phase(work / "small", settings, log))
+        if got is not None:
+            out["small"] = got
 
     if args.no_s3:
         out["s3"] = {"error": "skipped (--no-s3)"}

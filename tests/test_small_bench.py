@@ -1,0 +1,116 @@
+"""The small-tensor benchmark phase (``benchmarks/small_bench.py``) at toy sizes: its
+results have the shape `report.py` and the docs block read, the block renders its tables,
+and ``--docs`` / `report.write_report` put the block into the page. A smoke test of the
+harness, not a timed test: no figure is checked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+import small_bench  # noqa: E402
+import small_report  # noqa: E402
+
+METHODS = {
+    "snapshot",
+    "snapshot_no_rng",
+    "capture",
+    "capture_no_rng",
+    "plan_check",
+    "copy_plan",
+    "metadata",
+    "metadata_no_rng",
+    "loop_copy",
+    "foreach_copy",
+    "flat_copy",
+    "rng_state",
+    "numpy_state",
+}
+
+
+@pytest.fixture(scope="module")
+def small_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("small")
+    settings = small_bench.Settings(
+        sizes=(3, 7), reps=2, warmup=1, models=("tiny",), rounds=1, block=1
+    )
+    return small_bench.run_phase(base / "work", settings, log=lambda _: None, shm_dir=base / "shm")
+
+
+def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -> None:
+    assert set(small_result["fixed"]) == {"3", "7"}
+    for n, entry in small_result["fixed"].items():
+        assert entry["tensors"] == int(n)
+        assert set(entry["methods"]) >= METHODS
+        for stats in entry["methods"].values():
+            assert len(stats["samples_us"]) == entry["reps"]
+            assert stats["median_us"] > 0
+        assert set(entry["parts_us"]) == {
+            "capture_walk", "rng", "plan_check", "copy", "metadata", "other", "total"
+        }  # fmt: skip
+        # DCP's stagers are measured, or the reason they cannot be is recorded
+        for key in ("dcp_default_stager", "dcp_blocking_stager"):
+            assert key in entry["methods"] or key in entry.get("errors", {})
+    tiny = small_result["models"]["tiny"]
+    assert len(tiny["iteration_off_ms"]) == len(tiny["iteration_on_ms"]) == 1
+    assert len(tiny["maybe_save_us"]) == 1
+    assert tiny["tensors"] > 50 and {"ratio", "overhead_pct", "parts_us"} <= set(tiny)
+    goals = {g["goal"]: g for g in small_result["goals"]}
+    assert len(goals) == 4  # two sizes, two models
+    assert [g["met"] for g in goals.values()][-1] is None  # 6-layer not run
+    assert json.loads(json.dumps(small_result)) == small_result
+
+
+def test_block_renders_the_tables(small_result: dict[str, Any]) -> None:
+    text = small_bench.render(small_result, "benchmarks/results/small-x.json")
+    assert text.startswith(small_report.BEGIN) and text.endswith(small_report.END)
+    assert "## Snapshots of many small tensors" in text
+    assert "| tensors | `snapshot()` | `capture_rng=False` |" in text
+    assert "| tiny (2 layers" in text
+    assert "| goal | measured | limit | result | cross-check |" in text
+    assert "not measured" in text  # the 6-layer goal
+    assert "Not measured: skipped." in small_bench.render({"error": "skipped"}, "x")
+
+
+def test_docs_block_inserted_then_replaced(small_result: dict[str, Any], tmp_path: Path) -> None:
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance\n\n## End to end\n\nx\n\n## Object storage\n\ny\n")
+    small_bench.write_docs(small_result, "first.json", page)
+    first = page.read_text()
+    assert first.index(small_report.BEGIN) < first.index("## Object storage")
+    small_bench.write_docs(small_result, "second.json", page)
+    second = page.read_text()
+    assert second.count(small_report.BEGIN) == 1 and "second.json" in second
+    assert "first.json" not in second and second.endswith("y\n")
+
+
+def test_report_renders_the_run_block_or_the_standalone_one(
+    small_result: dict[str, Any], tmp_path: Path
+) -> None:
+    committed = report.newest(BENCH / "results")
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / committed.name
+    shutil.copy(committed, run)
+    (results / "small-20990101T000000Z.json").write_text(json.dumps(small_result))
+    assert report.newest(results) == run  # a phase's own file is not a run
+    page = tmp_path / "performance.md"
+    report.write_report(run, page)  # the run has no "small": the standalone file's block
+    text = page.read_text()
+    assert "small-20990101T000000Z.json" in text and small_report.BEGIN in text
+
+    whole = json.loads(run.read_text())
+    whole["small"] = small_result
+    run.write_text(json.dumps(whole))
+    report.write_report(run, page)
+    text = page.read_text()
+    assert f"`benchmarks/results/{run.name}`" in text and text.count(small_report.BEGIN) == 1
