@@ -1,6 +1,7 @@
 """`ResumableDataLoader(on_batch_size_change=...)`: resuming a state saved at another batch
 size, refused by default, continued at the same sample position, or restarted at the start
-of the saved epoch; directly and through a `Checkpointer`."""
+of the saved epoch; directly and through a `Checkpointer`. A user's batch sampler is checked
+against its own batch size, and never continued at another."""
 
 import json
 import logging
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from resumable import Checkpointer
 from resumable.data import ResumableDataLoader, ResumableSampler
@@ -268,3 +269,172 @@ def test_continue_is_refused_for_an_iterable_dataset(caplog: pytest.LogCaptureFi
     assert "batch_size=4" in caplog.text and "batch_size=6" in caplog.text
     flat = [i for b in batches(resumed) for i in b]
     assert flat == torch.randperm(N, generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def batched(size: int, drop_last: bool = False, **kwargs: Any) -> ResumableDataLoader:
+    """A loader over a user's ``BatchSampler`` of ``size`` around a seeded, shuffling
+    ``DistributedSampler`` on one process."""
+    data = IndexDataset(N)
+    sampler: DistributedSampler[int] = DistributedSampler(data, 1, 0, shuffle=True, seed=3)
+    return ResumableDataLoader(data, batch_sampler=BatchSampler(sampler, size, drop_last), **kwargs)
+
+
+def batched_state(taken: int = 3, **kwargs: Any) -> dict[str, Any]:
+    """The JSON-roundtripped state of a batch sampler of 4 after ``taken`` batches."""
+    source = batched(SAVED, **kwargs)
+    it = iter(source)
+    for _ in range(taken):
+        next(it)
+    state: dict[str, Any] = json.loads(json.dumps(source.state_dict()))
+    return state
+
+
+def test_a_batch_samplers_state_records_its_batch_size() -> None:
+    state = batched_state(drop_last=True)
+    assert state["version"] == 3 and state["position"] == 3
+    assert state["batch_sampler"] == {"batch_size": SAVED, "drop_last": True}
+    whole = [i for b in batches(batched(SAVED, drop_last=True)) for i in b]
+    resumed = batched(SAVED, drop_last=True)
+    resumed.load_state_dict(state)
+    assert [i for b in batches(resumed) for i in b] == whole[3 * SAVED :]
+    with pytest.raises(StateMismatchError, match=r"batch_sampler\.drop_last=False"):
+        batched(SAVED).load_state_dict(state)
+
+
+def test_a_batch_samplers_new_batch_size_is_refused_by_default() -> None:
+    """Batches of 4 resumed as batches of 6 would skip samples 8-11 of the saved order."""
+    resumed = batched(NEW)
+    before = resumed.state_dict()
+    with pytest.raises(StateMismatchError) as refused:
+        resumed.load_state_dict(batched_state())
+    message = str(refused.value)
+    for needle in (
+        "batch_sampler.batch_size=4",
+        "batch_sampler.batch_size=6",
+        "on_batch_size_change='restart_epoch'",
+    ):
+        assert needle in message
+    assert "'continue'" not in message  # not offered: it is refused for a batch sampler
+    assert resumed.state_dict() == before
+
+
+def test_a_batch_sampler_restarts_the_epoch_at_its_new_size_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    resumed = batched(NEW, on_batch_size_change="restart_epoch")
+    with caplog.at_level(logging.WARNING, logger="resumable.data"):
+        resumed.load_state_dict(batched_state())
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    for needle in ("batch_size=4", "batch_size=6", "restart_epoch", "epoch 0"):
+        assert needle in warning.getMessage()
+    assert (resumed.epoch, resumed.position) == (0, 0)
+    assert batches(resumed) == batches(batched(NEW))
+    assert resumed.state_dict()["batch_sampler"] == {"batch_size": NEW, "drop_last": False}
+
+
+def test_a_batch_sampler_refuses_continue_and_names_restart_epoch() -> None:
+    """Its position counts batches: 3 of 4 end at sample 12, not a count of batches of 6
+    in general, so ``"continue"`` is refused rather than approximated."""
+    resumed = batched(NEW, on_batch_size_change="continue")
+    with pytest.raises(StateMismatchError) as refused:
+        resumed.load_state_dict(batched_state())
+    message = str(refused.value)
+    for needle in ("cannot continue", "on_batch_size_change='restart_epoch'", "sampler="):
+        assert needle in message
+    assert (resumed.epoch, resumed.position) == (0, 0)
+
+
+def test_a_version_2_batch_sampler_state_loads_unchecked_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Written before the batch size was recorded: it resumes as before (its batch size is
+    not known), and says once that it could not be checked."""
+    state = {k: v for k, v in batched_state().items() if k != "batch_sampler"}
+    state["version"] = 2
+    whole = [i for b in batches(batched(SAVED)) for i in b]
+    resumed = batched(SAVED)
+    with caplog.at_level(logging.WARNING, logger="resumable.data"):
+        resumed.load_state_dict(state)
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "version 2" in warning.getMessage() and "not checked" in warning.getMessage()
+    assert [i for b in batches(resumed) for i in b] == whole[3 * SAVED :]
+    assert resumed.state_dict()["version"] == 3
+
+
+class Buckets(Sampler[list[int]]):
+    """A batch sampler without a ``batch_size``: batches of 1, 2, 3, ... samples, the same
+    every epoch."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, size = 0, 1
+        while start < self.n:
+            yield list(range(start, min(start + size, self.n)))
+            start, size = start + size, size + 1
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def test_a_batch_sampler_without_a_batch_size_is_not_checked() -> None:
+    source = ResumableDataLoader(IndexDataset(N), batch_sampler=Buckets(N))
+    it = iter(source)
+    next(it)
+    next(it)
+    state = source.state_dict()
+    assert state["batch_sampler"] is None
+    resumed = ResumableDataLoader(IndexDataset(N), batch_sampler=Buckets(N))
+    resumed.load_state_dict(state)
+    assert batches(resumed)[0] == [3, 4, 5]
+    with pytest.raises(StateMismatchError, match=r"batch_sampler\.batch_size=None"):
+        batched(SAVED).load_state_dict(state)  # a size now, none recorded: not the same
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"batch_size": 0, "drop_last": False},
+        {"batch_size": 4},
+        {"batch_size": 4, "drop_last": 1},
+        4,
+    ],
+    ids=["zero", "no-drop-last", "int-drop-last", "not-a-mapping"],
+)
+def test_a_damaged_batch_sampler_entry_is_refused(entry: Any) -> None:
+    resumed = batched(SAVED)
+    with pytest.raises(StateMismatchError, match=r"state\['batch_sampler'\] must be"):
+        resumed.load_state_dict({**batched_state(), "batch_sampler": entry})
+    assert resumed.position == 0
+
+
+def test_a_samplers_state_stays_at_version_2() -> None:
+    data = IndexDataset(N)
+    made = ResumableDataLoader(data, SAVED, sampler=DistributedSampler(data, 1, 0, seed=3))
+    state = made.state_dict()
+    assert state["version"] == 2 and "batch_sampler" not in state
+    with pytest.raises(StateMismatchError, match="damaged"):
+        made.load_state_dict({**state, "version": 3, "batch_sampler": None})
+
+
+@pytest.mark.parametrize("policy", ["error", "continue", "restart_epoch"])
+def test_checkpointer_restore_checks_a_batch_samplers_size(tmp_path: Path, policy: str) -> None:
+    source = batched(SAVED)
+    it = iter(source)
+    for _ in range(3):
+        next(it)
+    with Checkpointer(tmp_path / "ck", {"data": source}, persist="sync") as ck:
+        ck.save(3)
+    resumed = batched(NEW, on_batch_size_change=policy)
+    with Checkpointer(tmp_path / "ck", {"data": resumed}, persist="sync") as ck:
+        if policy != "restart_epoch":
+            with pytest.raises(StateMismatchError, match=r"batch_sampler\.batch_size=4"):
+                ck.restore()
+            return
+        assert ck.restore() == 3
+    assert batches(resumed) == batches(batched(NEW))

@@ -105,9 +105,13 @@ class ResumableDataLoader(DataLoader[Any]):
     another ``batch_size`` (`BatchSizeChange`): ``"error"`` (the default) refuses it;
     ``"continue"`` resumes the saved epoch at the saved sample position, so every sample of
     the epoch is still read once and only the batch boundaries move (the loader's own order
-    and a user's ``sampler=``; refused for an ``IterableDataset``, whose position counts
-    batches); ``"restart_epoch"`` resumes the saved epoch from its start, with a WARNING.
-    It lives on the loader so that ``Checkpointer.restore()`` applies it too.
+    and a user's ``sampler=``; refused for a ``batch_sampler=`` and an ``IterableDataset``,
+    whose positions count batches); ``"restart_epoch"`` resumes the saved epoch from its
+    start, with a WARNING. With a ``batch_sampler=`` the size compared is the batch
+    sampler's own ``batch_size`` (and its ``drop_last`` must match), where it has an integer
+    one as ``torch.utils.data.BatchSampler`` has; one without (a bucketing batch sampler)
+    cannot be checked. It lives on the loader so that ``Checkpointer.restore()`` applies it
+    too.
 
     An ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` resumes from its own
     state with ``num_workers=0``; with ``replay_iterable=True`` any iterable dataset resumes by

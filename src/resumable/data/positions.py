@@ -16,7 +16,9 @@ Each is validated on load like any input read from disk (`resumable.data.state`)
 saved at another batch size goes through `batch_size_changed`: refused by default; with
 ``"continue"`` accepted only by an order whose position counts samples (the batch size then
 changes batch boundaries, not which samples come next); with ``"restart_epoch"`` resumed at
-the start of the saved epoch, with a WARNING.
+the start of the saved epoch, with a WARNING. A batch sampler's batch size is its own: the
+state records it where the batch sampler says what it is (`batch_sampler_shape`), and its
+position counts batches, so a change is never continued.
 """
 
 import itertools
@@ -27,10 +29,11 @@ from typing import Any, Literal, Protocol
 from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
 from resumable.data.order import STATE_VERSION, ResumableSampler, consumed, shard_length
-from resumable.data.state import expect_same, is_int, validated_state
+from resumable.data.state import MASK64, expect_same, is_int, validated_state
 from resumable.errors import StateMismatchError
 
 __all__ = [
+    "BATCH_SAMPLER_VERSION",
     "WHAT",
     "BatchSizeChange",
     "IterableOrder",
@@ -38,6 +41,7 @@ __all__ = [
     "SeededOrder",
     "Skipping",
     "UserOrder",
+    "batch_sampler_shape",
     "batch_size_changed",
     "has_state",
     "refusal",
@@ -46,27 +50,38 @@ __all__ = [
 
 WHAT = "ResumableDataLoader"
 
+BATCH_SAMPLER_VERSION = 3
+"""The version of a user's batch sampler state: version 2 plus ``"batch_sampler"``, what
+decides its batches (`batch_sampler_shape`). A user's sampler state stays at version 2."""
+
 log = logging.getLogger(__name__)
 
 BatchSizeChange = Literal["error", "continue", "restart_epoch"]
 """What `ResumableDataLoader.load_state_dict` does with a state saved at another batch size:
 ``"error"`` refuses it (`StateMismatchError`); ``"continue"`` resumes the saved epoch at the
 saved sample position, in batches of the new size (only where the position counts samples:
-the loader's own order, a user's ``sampler=``); ``"restart_epoch"`` resumes the saved epoch
-from its start, with a WARNING."""
+the loader's own order, a user's ``sampler=``; refused for a ``batch_sampler=`` and an
+``IterableDataset``, whose positions count batches); ``"restart_epoch"`` resumes the saved
+epoch from its start, with a WARNING. For a ``batch_sampler=`` the batch size compared is
+the batch sampler's own (`batch_sampler_shape`)."""
 
 
 def batch_size_changed(
-    saved: int,
-    current: int,
+    saved: int | None,
+    current: int | None,
     policy: BatchSizeChange,
     epoch: int,
     position: int,
     cannot_continue: str | None,
+    name: str = "batch_size",
+    keep: str | None = None,
 ) -> int:
     """The position to resume epoch ``epoch`` at, for a state saved at ``position`` with
     batch size ``saved``, in a loader with batch size ``current``.
 
+    ``name`` is what the sizes are called in messages (``"batch_sampler.batch_size"`` for a
+    user's batch sampler, where None stands for a size that was not recorded), ``keep`` the
+    sentence that says how to keep the saved size (default: construct the loader with it).
     ``cannot_continue`` is None when ``position`` counts samples (any batch size continues
     from it exactly), else why it does not. Raises `StateMismatchError` for ``"error"``, and
     for ``"continue"`` with a ``cannot_continue`` reason; the message names the way out.
@@ -74,6 +89,7 @@ def batch_size_changed(
     if saved == current:
         return position
     restart = f"on_batch_size_change='restart_epoch' (epoch {epoch} again from its start)"
+    keep = keep or f"Construct it with {name}={saved}"
     if policy == "error":
         options = (
             restart
@@ -84,38 +100,74 @@ def batch_size_changed(
             )
         )
         raise StateMismatchError(
-            f"{WHAT} checkpoint was saved with batch_size={saved} but this {WHAT} has "
-            f"batch_size={current}; resuming would not continue the same sample sequence. "
-            f"Construct it with batch_size={saved}, or pass {options}."
+            f"{WHAT} checkpoint was saved with {name}={saved} but this {WHAT} has "
+            f"{name}={current}; resuming would not continue the same sample sequence. "
+            f"{keep}, or pass {options}."
         )
     if policy == "continue":
         if cannot_continue is not None:
             raise StateMismatchError(
-                f"{WHAT} cannot continue epoch {epoch} at batch_size={current} from a state "
-                f"saved at batch_size={saved}: {cannot_continue}. Construct it with "
-                f"batch_size={saved}, or pass {restart}."
+                f"{WHAT} cannot continue epoch {epoch} at {name}={current} from a state "
+                f"saved at {name}={saved}: {cannot_continue}. {keep}, or pass {restart}."
             )
         log.info(
-            "%s continues epoch %d at sample position %d in batches of %d (saved with "
-            "batch_size=%d)",
+            "%s continues epoch %d at sample position %d in batches of %s (saved with %s=%s)",
             WHAT,
             epoch,
             position,
             current,
+            name,
             saved,
         )
         return position
     log.warning(
-        "%s state was saved with batch_size=%d, this loader has batch_size=%d: "
+        "%s state was saved with %s=%s, this loader has %s=%s: "
         "on_batch_size_change='restart_epoch' starts epoch %d over from its beginning "
         "(the saved position %d of that epoch is discarded and its data read again)",
         WHAT,
+        name,
         saved,
+        name,
         current,
         epoch,
         position,
     )
     return 0
+
+
+def batch_sampler_shape(batch_sampler: object) -> dict[str, Any] | None:
+    """What decides the batches of a batch sampler that says so, as saved in its state:
+    ``{"batch_size": int, "drop_last": bool | None}`` from its ``batch_size`` (a positive
+    int) and ``drop_last`` (a bool, else None) attributes, as ``torch.utils.data.BatchSampler``
+    has them. None for a batch sampler without an integer ``batch_size`` (a bucketing one):
+    its batches cannot be checked."""
+    size = getattr(batch_sampler, "batch_size", None)
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MASK64:
+        return None
+    drop_last = getattr(batch_sampler, "drop_last", None)
+    return {"batch_size": size, "drop_last": drop_last if isinstance(drop_last, bool) else None}
+
+
+def saved_shape(value: object) -> dict[str, Any] | None:
+    """The ``"batch_sampler"`` entry of a saved state, checked like `validated_state` checks
+    the rest."""
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, Mapping)
+        and set(value) == {"batch_size", "drop_last"}
+        and is_int(value["batch_size"])
+        and 1 <= value["batch_size"] <= MASK64
+        and (value["drop_last"] is None or isinstance(value["drop_last"], bool))
+    )
+    if not ok:
+        raise StateMismatchError(
+            f"{WHAT} state['batch_sampler'] must be None or {{'batch_size': a positive int, "
+            f"'drop_last': a bool or None}}, found {value!r}; the checkpoint is damaged or not "
+            f"a {WHAT} state."
+        )
+    assert isinstance(value, Mapping)
+    return dict(value)
 
 
 class Order(Protocol):
@@ -296,7 +348,11 @@ def sharded_by(obj: object) -> tuple[int, int] | None:
 
 class UserOrder:
     """A user's sampler (``unit`` = 1 index) or batch sampler (``unit`` = 1 batch), wrapped
-    so that its next iteration starts at a position. The DataLoader iterates `Skipping`."""
+    so that its next iteration starts at a position. The DataLoader iterates `Skipping`.
+
+    A batch sampler's state (version `BATCH_SAMPLER_VERSION`) also records
+    `batch_sampler_shape`, checked on load; version-2 states, written before it was
+    recorded, load unchecked with a WARNING."""
 
     per_rank = True
 
@@ -310,6 +366,7 @@ class UserOrder:
         self.rank = rank
         self.skipping = Skipping(inner)
         self.pass_state: Any = None
+        self.shape = batch_sampler_shape(inner) if kind == "batch_sampler" else None
 
     @property
     def _epoch_target(self) -> Any:
@@ -355,7 +412,7 @@ class UserOrder:
         return None  # the DataLoader's own len() applies
 
     def state(self, epoch: int, position: int) -> dict[str, Any]:
-        return {
+        state = {
             "version": STATE_VERSION,
             "order": self.kind,
             "epoch": epoch,
@@ -365,6 +422,10 @@ class UserOrder:
             "world_size": self.world_size,
             "rank": self.rank,
         }
+        if self.kind == "batch_sampler":
+            state["version"] = BATCH_SAMPLER_VERSION
+            state["batch_sampler"] = None if self.shape is None else dict(self.shape)
+        return state
 
     def load(
         self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
@@ -378,8 +439,18 @@ class UserOrder:
             "world_size": int,
             "rank": int,
         }
-        s = validated_state(state, WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
+        s = validated_state(
+            state,
+            WHAT,
+            (STATE_VERSION, BATCH_SAMPLER_VERSION),
+            {STATE_VERSION: spec, BATCH_SAMPLER_VERSION: {**spec, "batch_sampler": object}},
+        )
         expect_same(WHAT, "order", s["order"], self.kind, f"Pass {s['order']}= as before.")
+        if self.kind != "batch_sampler" and s["version"] == BATCH_SAMPLER_VERSION:
+            raise StateMismatchError(
+                f"{WHAT} state has version {BATCH_SAMPLER_VERSION}, which only a batch "
+                f"sampler's state has, but order={s['order']!r}; the checkpoint is damaged."
+            )
         for key, current in (("world_size", self.world_size), ("rank", self.rank)):
             expect_same(
                 WHAT,
@@ -406,8 +477,59 @@ class UserOrder:
             s["position"],
             None,
         )
+        if self.kind == "batch_sampler":
+            position = self._batches_changed(s, on_batch_size_change, position)
         self.pass_state = s["sampler_state"]
         return s["epoch"], position
+
+    def _batches_changed(
+        self, s: Mapping[str, Any], on_batch_size_change: BatchSizeChange, position: int
+    ) -> int:
+        """`batch_size_changed` for the batch sampler's own batch size. Its position counts
+        its batches, so another size never continues: the samples read end at
+        ``position * saved size``, in general inside a batch of the new size, which a count
+        of batches cannot express."""
+        current = self.shape
+        if s["version"] == STATE_VERSION:
+            if current is not None and position:
+                log.warning(
+                    "%s state (version %d) was written before a batch sampler's batch size "
+                    "was recorded: the batch_size=%d of this %s was not checked against the "
+                    "one that counted the saved %d batch(es); if it differs, the resume is not "
+                    "at the saved sample",
+                    WHAT,
+                    STATE_VERSION,
+                    current["batch_size"],
+                    type(self.inner).__name__,
+                    position,
+                )
+            return position
+        saved = saved_shape(s["batch_sampler"])
+        if saved is not None and current is not None:
+            expect_same(
+                WHAT,
+                "batch_sampler.drop_last",
+                saved["drop_last"],
+                current["drop_last"],
+                f"Construct the batch sampler with drop_last={saved['drop_last']!r}.",
+            )
+        return batch_size_changed(
+            None if saved is None else saved["batch_size"],
+            None if current is None else current["batch_size"],
+            on_batch_size_change,
+            s["epoch"],
+            position,
+            "a batch sampler's position counts its own batches, and the samples in "
+            f"{position} of them are not a whole number of batches of another size in "
+            "general (pass sampler= and batch_size= to the loader instead of a "
+            "BatchSampler: that position counts samples and continues at any batch size)",
+            name="batch_sampler.batch_size",
+            keep=(
+                "Pass the same kind of batch sampler as before"
+                if saved is None
+                else f"Give it a batch sampler with batch_size={saved['batch_size']}"
+            ),
+        )
 
 
 def has_state(obj: object) -> bool:
