@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
 
 from resumable import Checkpointer
 from resumable.data import ResumableDataLoader
@@ -75,6 +81,26 @@ class RankStream(IterableDataset[int]):
         self.resume_at = state["offset"]
 
 
+class WorkerRankStream(RankStream):
+    """`RankStream` that also shards its rank's entries over DataLoader workers; it takes
+    its rank when built, as worker processes have no process group."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        super().__init__(n, seed)
+        self.rank, self.world = rank(), dist.get_world_size()
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 100 + self.epoch)
+        mine = torch.randperm(self.n, generator=g).tolist()[self.rank :: self.world]
+        info = get_worker_info()
+        if info is not None:
+            mine = mine[info.id :: info.num_workers]
+        self.offset, self.resume_at = self.resume_at, 0
+        while self.offset < len(mine):
+            self.offset += 1
+            yield mine[self.offset - 1]
+
+
 def own(n: int, batch_size: int, **kw: Any) -> Callable[[], ResumableDataLoader]:
     return lambda: ResumableDataLoader(IndexDataset(n), batch_size, **kw)
 
@@ -104,6 +130,7 @@ CONFIGS: dict[str, Callable[[], ResumableDataLoader]] = {
     "user-sampler": user_sampler(19, 2),
     "user-batch-sampler": user_batch_sampler(19, 2),
     "iterable": lambda: ResumableDataLoader(RankStream(20, 4), 2),
+    "iterable-workers": lambda: ResumableDataLoader(WorkerRankStream(30, 6), 2, num_workers=2),
 }
 """Loaders read at every batch boundary; those whose state is per-rank ('user...',
 'iterable') carry their rank in it."""

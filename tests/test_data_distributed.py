@@ -116,7 +116,7 @@ def test_states_are_global_with_the_loaders_order_and_per_rank_with_a_users(
 ) -> None:
     result = runs.ranks("boundaries", world)[0]
     for config in data_job.CONFIGS:
-        per_rank = config.startswith("user") or config == "iterable"
+        per_rank = config.startswith(("user", "iterable"))
         assert result[config]["states_equal"] is not per_rank, config
 
 

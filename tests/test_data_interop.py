@@ -5,6 +5,7 @@ the packages are not installed: ``make test`` installs them, the ``data`` extra)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,56 @@ def test_hf_streaming_dataset_resumes_at_every_boundary_without_replay(
         drive(resumed, 2, log)
         assert log == reference, f"interrupted after batch {k}"
         assert seen == [i for _, b in log[k:] for i in b]  # nothing read twice
+
+
+class ReadLog:
+    """A ``map`` function that appends each row's ``i`` to a file of ``folder`` named after
+    the process reading it (workers included)."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir()
+        self.folder = folder
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        with (self.folder / f"{os.getpid()}.log").open("a") as out:
+            out.write(f"{int(row['i'])}\n")
+        return row
+
+    def read(self) -> list[int]:
+        return sorted(int(x) for f in self.folder.glob("*.log") for x in f.read_text().split())
+
+
+def test_hf_streaming_dataset_read_by_workers_resumes_without_replay(
+    jsonl_shards: list[str], tmp_path: Path
+) -> None:
+    datasets = pytest.importorskip("datasets")
+
+    def make(log: ReadLog) -> ResumableDataLoader:
+        ds = datasets.load_dataset("json", data_files=jsonl_shards, split="train", streaming=True)
+        # The same pipeline (map included) in every run: its state's shape follows it.
+        return ResumableDataLoader(ds.map(log).with_format("torch"), 5, num_workers=2)
+
+    reference: Log = []
+    drive(make(ReadLog(tmp_path / "reference")), 2, reference)
+    plain = torch.utils.data.DataLoader(
+        datasets.load_dataset(
+            "json", data_files=jsonl_shards, split="train", streaming=True
+        ).with_format("torch"),
+        5,
+        num_workers=2,
+    )
+    assert [b for e, b in reference if e == 0] == [b["i"].tolist() for b in plain]
+    for k in (1, 3, 5, 6, 8):
+        log: Log = []
+        state = drive(make(ReadLog(tmp_path / f"before-{k}")), 2, log, stop=k)
+        reads = ReadLog(tmp_path / f"reads-{k}")
+        resumed = make(reads)
+        resumed.load_state_dict(state)
+        drive(resumed, 2, log)
+        assert log == reference, f"interrupted after batch {k}"
+        if k < 6:  # in epoch 0: the rest of it, then all of epoch 1, read once each
+            rest = [i for e, b in log[k:] if e == 0 for i in b]
+            assert reads.read() == sorted(rest + list(range(24)))
 
 
 def test_hf_streaming_split_by_node_resumes_each_rank(jsonl_shards: list[str]) -> None:

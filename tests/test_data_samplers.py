@@ -120,6 +120,53 @@ def test_stateful_sampler_resumes_at_every_boundary() -> None:
     assert all(sorted(e) == list(range(10)) for e in epochs)
 
 
+def test_batch_sampler_around_a_stateful_sampler_saves_the_samplers_state() -> None:
+    def make() -> ResumableDataLoader:
+        batches = BatchSampler(PassCountingSampler(10, 2), 3, drop_last=False)
+        return ResumableDataLoader(IndexDataset(10), batch_sampler=batches)
+
+    reference = every_boundary(make)
+    epochs = [[i for e, b in reference if e == k for i in b] for k in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
+    state = drive(make(), 3, [], stop=5)  # in epoch 1
+    assert state["sampler_state"] == {"passes": 1}
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_state_saved_between_epochs_keeps_the_samplers_state(batched: bool) -> None:
+    def make() -> ResumableDataLoader:
+        sampler = PassCountingSampler(10, 3)
+        if batched:
+            return ResumableDataLoader(
+                IndexDataset(10), batch_sampler=BatchSampler(sampler, 4, drop_last=False)
+            )
+        return ResumableDataLoader(IndexDataset(10), 4, sampler=sampler)
+
+    reference: Log = []
+    drive(make(), 3, reference)
+    first = make()
+    log: Log = []
+    drive(first, 2, log)  # two whole epochs: the loader stands between epochs 1 and 2
+    state = json.loads(json.dumps(first.state_dict()))
+    assert (state["epoch"], state["position"], state["sampler_state"]) == (2, 0, {"passes": 2})
+    resumed = make()
+    resumed.load_state_dict(state)
+    drive(resumed, 3, log)
+    assert log == reference
+
+
+def test_a_state_without_the_samplers_state_is_refused() -> None:
+    def make() -> ResumableDataLoader:
+        batches = BatchSampler(PassCountingSampler(10, 2), 3, drop_last=False)
+        return ResumableDataLoader(IndexDataset(10), batch_sampler=batches)
+
+    state = drive(make(), 3, [], stop=5)
+    fresh = make()
+    with pytest.raises(StateMismatchError, match="holds no sampler state_dict"):
+        fresh.load_state_dict({**state, "sampler_state": None})
+    assert fresh.position == 0
+
+
 def test_bucketing_batch_sampler_resumes_at_every_boundary() -> None:
     reference = every_boundary(
         lambda: ResumableDataLoader(IndexDataset(23), batch_sampler=BucketBatchSampler(23, 8))

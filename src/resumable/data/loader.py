@@ -32,6 +32,7 @@ from resumable.data.positions import (
 )
 from resumable.data.seeding import PerSampleSeeding
 from resumable.data.state import check_bool, is_int
+from resumable.data.streams import TaggingCollate
 from resumable.errors import UnsupportedStateError
 
 __all__ = ["ResumableDataLoader"]
@@ -114,8 +115,11 @@ class ResumableDataLoader(DataLoader[Any]):
     too.
 
     An ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` resumes from its own
-    state with ``num_workers=0``; with ``replay_iterable=True`` any iterable dataset resumes by
-    re-reading the consumed batches (WARNING with the count), workers or not.
+    state, without re-reading anything: with worker processes, from each worker's state
+    (`resumable.data.streams`; ``loader.dataset`` is then a wrapper whose ``.dataset`` is
+    yours, and ``persistent_workers=True`` is refused). With ``replay_iterable=True`` any
+    iterable dataset resumes by re-reading the consumed batches (WARNING with the count),
+    workers or not.
 
     Refused with `UnsupportedStateError` (the message says what to use instead):
     ``generator`` (the loader owns it; use ``seed``), a sampler or batch sampler whose order
@@ -211,18 +215,28 @@ class ResumableDataLoader(DataLoader[Any]):
                     "datasets.IterableDataset and torchdata's nodes have), or pass "
                     "replay_iterable=True to re-read and discard them on resume."
                 )
-            if not replay_iterable and num_workers > 0:
+            if persistent_workers and num_workers > 0:
                 raise UnsupportedStateError(
-                    f"{WHAT} cannot resume {name} read by num_workers={num_workers} worker "
-                    "processes exactly: its position is in the workers' copies, out of reach. "
-                    "Use num_workers=0, or torchdata's StatefulDataLoader (put it in the "
-                    "Checkpointer's state as it is), or pass replay_iterable=True to re-read "
-                    "and discard the consumed batches on resume."
+                    f"{WHAT} cannot resume {name} read by persistent_workers=True: each "
+                    "persistent worker keeps the copy of the dataset it started with, so "
+                    "neither set_epoch() nor a resumed position reaches it. Use "
+                    "persistent_workers=False."
                 )
-            order = IterableOrder(
-                dataset, batch_size, drop_last, replay_iterable, world_size, my_rank
+            iterable = IterableOrder(
+                dataset,
+                batch_size,
+                drop_last,
+                replay_iterable,
+                world_size,
+                my_rank,
+                num_workers,
             )
+            order = iterable
             sampler_args: dict[str, Any] = {"batch_size": batch_size, "drop_last": drop_last}
+            if iterable.streams is not None:
+                # Workers read it: each reports its own state with every batch.
+                dataset = iterable.streams
+                collate_fn = TaggingCollate(collate_fn, batch_size, drop_last)
         elif batch_sampler is not None or sampler is not None:
             if shuffle:
                 raise ValueError(
@@ -331,6 +345,8 @@ class ResumableDataLoader(DataLoader[Any]):
         self._order.begin(self._epoch, self._pass_start)
         self._private_generator.manual_seed(derive_seed(self._seed, self._epoch, WORKER_STREAM))
         inner: Iterator[Any] = super().__iter__()
+        if isinstance(self._order, IterableOrder):
+            inner = self._order.merged(inner)
         replay = self._order.replay()
         if replay:
             inner = self._replayed(inner, replay)

@@ -30,10 +30,12 @@ from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
 from resumable.data.order import STATE_VERSION, ResumableSampler, consumed, shard_length
 from resumable.data.state import MASK64, expect_same, is_int, validated_state
+from resumable.data.streams import WorkerCursor, WorkerStreams
 from resumable.errors import StateMismatchError
 
 __all__ = [
     "BATCH_SAMPLER_VERSION",
+    "ITERABLE_VERSION",
     "WHAT",
     "BatchSizeChange",
     "IterableOrder",
@@ -53,6 +55,11 @@ WHAT = "ResumableDataLoader"
 BATCH_SAMPLER_VERSION = 3
 """The version of a user's batch sampler state: version 2 plus ``"batch_sampler"``, what
 decides its batches (`batch_sampler_shape`). A user's sampler state stays at version 2."""
+
+ITERABLE_VERSION = 3
+"""The version of an ``IterableDataset``'s state: version 2 plus ``"num_workers"``, with
+``"dataset_state"`` holding each worker's state when workers read the dataset
+(`resumable.data.streams`)."""
 
 log = logging.getLogger(__name__)
 
@@ -381,21 +388,37 @@ class UserOrder:
         return None
 
     @property
-    def _stateful(self) -> bool:
-        return callable(getattr(self.inner, "state_dict", None))
+    def _state_target(self) -> Any:
+        """What holds the order's state: the sampler itself, or the sampler inside a
+        ``BatchSampler`` (which has no state of its own); None for a stateless order."""
+        if has_state(self.inner):
+            return self.inner
+        if isinstance(self.inner, BatchSampler) and has_state(self.inner.sampler):
+            return self.inner.sampler
+        return None
 
     def begin(self, epoch: int, position: int) -> None:
         target = self._epoch_target
         if target is not None:
             target.set_epoch(epoch)
-        if self.pass_state is not None:
-            self.inner.load_state_dict(self.pass_state)  # type: ignore[attr-defined]
-        elif self._stateful:
-            self.pass_state = self.inner.state_dict()  # type: ignore[attr-defined]
+        stateful = self._state_target
+        if stateful is not None:
+            if self.pass_state is not None:
+                stateful.load_state_dict(self.pass_state)
+            else:
+                self.pass_state = stateful.state_dict()
         self.skipping.skip = position
 
     def end_of_epoch(self) -> None:
         self.pass_state = None
+
+    def _pass_state(self) -> Any:
+        """The sampler's state at the start of the current pass: the one taken when it
+        began, or, between passes, the state the next pass will begin from."""
+        if self.pass_state is not None:
+            return self.pass_state
+        stateful = self._state_target
+        return None if stateful is None else stateful.state_dict()
 
     def batches_before(self, position: int) -> int:
         return -(-position // self.batch_size)
@@ -417,7 +440,7 @@ class UserOrder:
             "order": self.kind,
             "epoch": epoch,
             "position": position,
-            "sampler_state": self.pass_state,
+            "sampler_state": self._pass_state(),
             "batch_size": self.batch_size,
             "world_size": self.world_size,
             "rank": self.rank,
@@ -461,11 +484,22 @@ class UserOrder:
                 "same world size and rank. Use shuffle=/seed= (the loader's own sharded order) "
                 "to resume at another world size.",
             )
-        if s["sampler_state"] is not None and not self._stateful:
+        stateful = self._state_target is not None
+        if s["sampler_state"] is not None and not stateful:
             raise StateMismatchError(
-                f"{WHAT} state holds a {self.kind} state_dict but this {self.kind} "
-                f"({type(self.inner).__name__}) has no load_state_dict; pass the same kind "
-                f"of {self.kind} as before."
+                f"{WHAT} state holds a sampler state_dict but this {self.kind} "
+                f"({type(self.inner).__name__}) has no state_dict()/load_state_dict(); pass "
+                f"the same kind of {self.kind} as before."
+            )
+        if s["sampler_state"] is None and stateful:
+            raise StateMismatchError(
+                f"{WHAT} state holds no sampler state_dict but the sampler of this "
+                f"{self.kind} ({type(self.inner).__name__}) has state_dict()/"
+                "load_state_dict(), so the order of the saved pass cannot be recomputed: "
+                "either another kind of sampler saved it, or an earlier resumable version, "
+                "which did not save the state of a sampler inside a BatchSampler, nor a "
+                "sampler's state between epochs. Pass the same kind of sampler as before, or "
+                "start the run over."
             )
         # A sampler's position counts its indices, which any batch size goes on from; a
         # batch sampler's batch size is its own (the loader's is 1 and does not change).
@@ -541,12 +575,21 @@ def has_state(obj: object) -> bool:
 class IterableOrder:
     """An ``IterableDataset``: the position is this rank's batches of the epoch.
 
-    With ``state_dict()``/``load_state_dict()`` on the dataset and no worker processes, the
-    dataset's own state is taken when the loader's is (nothing is prefetched then, so it is
-    exactly after the last batch handed out) and loaded before the next pass: nothing is
-    replayed. Otherwise, when the user opted in (``replay_iterable=True``), the pass re-reads
-    and discards the consumed batches, with a WARNING. The dataset shards itself over ranks
-    and workers (``get_worker_info``, ``split_dataset_by_node``), so the position is per rank.
+    With ``state_dict()``/``load_state_dict()`` on the dataset, nothing is replayed:
+
+    - without worker processes the dataset's own state is taken when the loader's is
+      (nothing is prefetched then, so it is exactly after the last batch handed out) and
+      loaded before the next pass;
+    - with workers, each worker's copy of the dataset reports its state with every batch,
+      and the loader keeps the state of each worker's last batch handed out, which workers'
+      streams ended and which worker is next (`resumable.data.streams`); a resumed pass
+      loads each worker's own state and goes on with the round robin where it stood.
+
+    Otherwise, when the user opted in (``replay_iterable=True``), the pass re-reads and
+    discards the consumed batches, with a WARNING. The dataset shards itself over ranks and
+    workers (``get_worker_info``, ``split_dataset_by_node``), so the position is per rank,
+    and the number of workers is checked on load (version `ITERABLE_VERSION`; version-2
+    states, written before it was recorded, load unchecked where they used workers).
     """
 
     per_rank = True
@@ -559,6 +602,7 @@ class IterableOrder:
         replay: bool,
         world_size: int,
         rank: int,
+        num_workers: int = 0,
     ) -> None:
         self.dataset = dataset
         self.world_size = world_size
@@ -566,6 +610,12 @@ class IterableOrder:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.by_replay = replay
+        self.num_workers = num_workers
+        self.streams: WorkerStreams | None = None
+        self.cursor: WorkerCursor | None = None
+        if num_workers > 0 and not replay:
+            self.streams = WorkerStreams(dataset, batch_size)
+            self.cursor = WorkerCursor(num_workers)
         self.pending: Any = None  # the dataset state to load before the next pass
         self.skip = 0  # batches to re-read and discard at the start of the next pass
 
@@ -574,9 +624,24 @@ class IterableOrder:
             self.dataset.set_epoch(epoch)
         if self.by_replay:
             self.skip = position
-        elif position and self.pending is not None:
-            self.dataset.load_state_dict(self.pending)
+        elif self.cursor is not None:
+            assert self.streams is not None
+            if not position:
+                self.cursor.reset()
+            elif self.pending is not None:
+                self.cursor.load(self.pending, WHAT)
+            self.cursor.prepare(self.streams)
+        elif position:
+            # A pass begun again mid-epoch (a loop broken out of, a state just loaded):
+            # the dataset goes on from where the batches handed out left it.
+            state = self.pending if self.pending is not None else self.dataset.state_dict()
+            self.dataset.load_state_dict(state)
         self.pending = None
+
+    def merged(self, inner: Iterator[Any]) -> Iterator[Any]:
+        """The batches of a pass, in the order a ``DataLoader`` gives them (workers' batches
+        handed out through the cursor)."""
+        return inner if self.cursor is None else self.cursor.merged(inner)
 
     def position(self, start: int, batches: int) -> int:
         return start + batches
@@ -597,9 +662,14 @@ class IterableOrder:
     def state(self, epoch: int, position: int) -> dict[str, Any]:
         dataset_state = None
         if not self.by_replay and position:
-            dataset_state = self.pending if self.pending is not None else self.dataset.state_dict()
+            if self.pending is not None:
+                dataset_state = self.pending
+            elif self.cursor is not None:
+                dataset_state = self.cursor.state()
+            else:
+                dataset_state = self.dataset.state_dict()
         return {
-            "version": STATE_VERSION,
+            "version": ITERABLE_VERSION,
             "order": "iterable",
             "epoch": epoch,
             "position": position,
@@ -607,6 +677,7 @@ class IterableOrder:
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "replay": self.by_replay,
+            "num_workers": self.num_workers,
             "world_size": self.world_size,
             "rank": self.rank,
         }
@@ -625,7 +696,12 @@ class IterableOrder:
             "world_size": int,
             "rank": int,
         }
-        s = validated_state(state, WHAT, (STATE_VERSION,), {STATE_VERSION: spec})
+        s = validated_state(
+            state,
+            WHAT,
+            (STATE_VERSION, ITERABLE_VERSION),
+            {STATE_VERSION: spec, ITERABLE_VERSION: {**spec, "num_workers": int}},
+        )
         configuration: tuple[tuple[str, object], ...] = (
             ("order", "iterable"),
             ("drop_last", self.drop_last),
@@ -633,6 +709,7 @@ class IterableOrder:
         )
         for key, current in configuration:
             expect_same(WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
+        self._check_workers(s)
         for key, rank_value in (("world_size", self.world_size), ("rank", self.rank)):
             expect_same(
                 WHAT,
@@ -647,6 +724,8 @@ class IterableOrder:
                 f"{WHAT} state has position={s['position']} but no dataset_state; the "
                 "checkpoint is damaged."
             )
+        if self.cursor is not None and s["position"]:
+            WorkerCursor(self.num_workers).load(s["dataset_state"], WHAT)  # check only
         position = batch_size_changed(
             s["batch_size"],
             self.batch_size,
@@ -659,6 +738,35 @@ class IterableOrder:
         )
         self.pending = s["dataset_state"] if position else None
         return s["epoch"], position
+
+    def _check_workers(self, s: Mapping[str, Any]) -> None:
+        """The saved number of workers against this loader's: each worker reads its own
+        shard, so both the workers' states and a replay's batch order depend on it."""
+        if s["version"] == ITERABLE_VERSION:
+            saved = s["num_workers"]
+        elif not s["replay"]:
+            saved = 0  # version 2 resumed a dataset's own state only without workers
+        else:
+            if s["position"]:
+                log.warning(
+                    "%s state (version %d) was written before the number of workers was "
+                    "recorded: num_workers=%d was not checked against the one that read the "
+                    "%d batch(es) to replay; if it differs, the replay is not the saved "
+                    "sequence",
+                    WHAT,
+                    STATE_VERSION,
+                    self.num_workers,
+                    s["position"],
+                )
+            return
+        expect_same(
+            WHAT,
+            "num_workers",
+            saved,
+            self.num_workers,
+            f"Each worker reads its own shard of the stream; construct it with "
+            f"num_workers={saved}.",
+        )
 
 
 class Skipping(Sampler[Any]):
