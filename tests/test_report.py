@@ -3,6 +3,7 @@ page rendered by a real headless Chromium, and the empty, corrupted and s3:// ro
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -106,7 +107,7 @@ def expected_from_audit(root: Path) -> list[dict[str, Any]]:
             launches[i]["reached"] = max(launches[i]["reached"], e["step"])
         if e["event"] == "restore" and launches[i]["restored"] is None:
             launches[i]["restored"] = e["step"]
-    for prev, cur in zip(launches, launches[1:], strict=False):
+    for prev, cur in itertools.pairwise(launches):
         cur["lost"] = max(0, prev["reached"] - cur["restored"])
     return launches
 
@@ -298,3 +299,38 @@ def html_escaped(text: str) -> str:
     import html
 
     return html.escape(text, quote=True)
+
+
+# ------------------------------------------------------------------ grafana
+
+
+def test_grafana_dashboard_uses_the_exported_metrics_and_alerts() -> None:
+    """examples/grafana: every metric an expression names is one Monitor exports, and
+    the alert rules are the monitor's alerts."""
+    import re
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from resumable import monitor
+
+    registry = prometheus_client.CollectorRegistry()
+    m = monitor.Monitor(prometheus_registry=registry)
+    m.snapshot(0.01)
+    m.committed(3, 0.5)
+    m.skipped(4, "busy")
+    m.failed(5, "boom")
+    exported = {s.name for fam in registry.collect() for s in fam.samples}
+    folder = REPO / "examples" / "grafana"
+    dashboard = json.loads((folder / "resumable-dashboard.json").read_text())
+    rules = json.loads((folder / "resumable-alert-rules.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [
+        d["model"]["expr"]
+        for g in rules["groups"]
+        for r in g["rules"]
+        for d in r["data"]
+        if "expr" in d["model"]
+    ]
+    named = {n for x in exprs for n in re.findall(r"resumable_[a-z_]+", x)}
+    assert named and named <= exported, named - exported
+    titles = {r["title"] for g in rules["groups"] for r in g["rules"]}
+    assert titles == {monitor.ALERT_SAVE_FAILED, monitor.ALERT_STALE, monitor.ALERT_SKIPS}

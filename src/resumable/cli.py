@@ -561,7 +561,7 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         steps = [_newest(storage)]
     results: list[dict[str, Any]] = []
-    for step in steps:
+    for step in progress_bar(steps, len(steps), "verifying"):
         try:
             nbytes = CheckpointReader(storage, step).verify()
         except CorruptCheckpointError as exc:
@@ -665,7 +665,7 @@ def _export(storage: Storage, step: int, key: str, out: Path) -> tuple[int, int]
 
     def chunks() -> Iterator[Any]:
         yield safetensors_header(slots, metadata)
-        for slot in slots:
+        for slot in progress_bar(slots, len(slots), "exporting"):
             tag, name = names[slot.name]
             if tag == "global":
                 t = loader.assemble(name)
