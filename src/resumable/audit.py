@@ -45,6 +45,7 @@ AUDIT_DIR = "audit"
 SEGMENT_BYTES = 64 * 1024  # a segment rolls over once it holds this much
 MAX_UNSENT_BYTES = 1 << 20  # lines kept for a retry while the store refuses writes
 READ_CONCURRENCY = 16
+PROGRESS_EVERY_S = 5.0  # at most one ``progress`` entry per this many seconds
 
 log = logging.getLogger("resumable")
 
@@ -153,11 +154,60 @@ class AuditLog:
                 self._warned = True
 
 
-def read_audit(storage: Storage) -> list[dict[str, Any]]:
+class ProgressNotes:
+    """Rate-limited ``progress`` entries: how far training got and what its memory
+    snapshots cost, so that a report can tell how many steps a killed launch lost and
+    what checkpointing stalled (a memory snapshot per step is too frequent for one
+    entry each).
+
+    Called on the training thread only: `saw` at every step the loop reports (one clock
+    read; an entry at the first call and then at most every ``every_s`` seconds),
+    `snapshot` after each memory snapshot, `flush` at close. An entry says ``step``
+    (the newest step seen), ``snapshots`` and ``snapshot_s`` (count and summed blocking
+    seconds of the memory snapshots since the previous entry)."""
+
+    def __init__(self, audit: AuditLog, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.audit = audit
+        self.every_s = every_s
+        self.step: int | None = None
+        self._recorded: int | None = None
+        self._last: float | None = None
+        self._snapshots = 0
+        self._snapshot_s = 0.0
+
+    def saw(self, step: int) -> None:
+        self.step = step
+        now = time.monotonic()
+        if self._last is None or now - self._last >= self.every_s:
+            self._last = now
+            self.flush()
+
+    def snapshot(self, seconds: float) -> None:
+        self._snapshots += 1
+        self._snapshot_s += seconds
+
+    def flush(self) -> None:
+        if self.step is None or (self.step == self._recorded and not self._snapshots):
+            return
+        self.audit.record(
+            "progress",
+            step=self.step,
+            snapshots=self._snapshots,
+            snapshot_s=round(self._snapshot_s, 6),
+        )
+        self._recorded = self.step
+        self._snapshots = 0
+        self._snapshot_s = 0.0
+
+
+def read_audit(storage: Storage, skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Every audit entry of ``storage``: ``audit.jsonl`` and the segments under
     ``audit/``, merged by ``time``; each writer's entries keep the order it wrote them.
-    Unparseable lines (a torn last line after a crash, a foreign file) are skipped."""
-    streams: list[list[dict[str, Any]]] = [_entries(_read_or_empty(storage, AUDIT_LOG))]
+    Unparseable lines (a torn last line after a crash, a foreign file) are skipped; with
+    ``skipped`` given, each is described there (file, line number, start of the line)."""
+    streams: list[list[dict[str, Any]]] = [
+        _entries(_read_or_empty(storage, AUDIT_LOG), AUDIT_LOG, skipped)
+    ]
     by_writer: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for name in storage.list_dir(AUDIT_DIR):
         m = _SEGMENT.match(name)
@@ -170,7 +220,7 @@ def read_audit(storage: Storage) -> list[dict[str, Any]]:
             data = dict(zip(flat, pool.map(lambda p: _read_or_empty(storage, p), flat)))
     else:
         data = {p: _read_or_empty(storage, p) for p in flat}
-    streams += [[e for p in ps for e in _entries(data[p])] for ps in paths]
+    streams += [[e for p in ps for e in _entries(data[p], p, skipped)] for ps in paths]
     return list(heapq.merge(*streams, key=_time))
 
 
@@ -181,15 +231,20 @@ def _read_or_empty(storage: Storage, path: str) -> bytes:
         return b""
 
 
-def _entries(data: bytes) -> list[dict[str, Any]]:
+def _entries(
+    data: bytes, source: str = "", skipped: list[str] | None = None
+) -> list[dict[str, Any]]:
     out = []
-    for line in data.decode("utf-8", "replace").splitlines():
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
         try:
             entry = json.loads(line)
         except ValueError:
-            continue
+            entry = None
         if isinstance(entry, dict):
             out.append(entry)
+        elif skipped is not None and line.strip():
+            shown = line if len(line) <= 80 else line[:80] + "..."
+            skipped.append(f"{source} line {number}: not a JSON object: {shown!r}")
     return out
 
 

@@ -561,7 +561,7 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         steps = [_newest(storage)]
     results: list[dict[str, Any]] = []
-    for step in steps:
+    for step in progress_bar(steps, len(steps), "verifying"):
         try:
             nbytes = CheckpointReader(storage, step).verify()
         except CorruptCheckpointError as exc:
@@ -665,7 +665,7 @@ def _export(storage: Storage, step: int, key: str, out: Path) -> tuple[int, int]
 
     def chunks() -> Iterator[Any]:
         yield safetensors_header(slots, metadata)
-        for slot in slots:
+        for slot in progress_bar(slots, len(slots), "exporting"):
             tag, name = names[slot.name]
             if tag == "global":
                 t = loader.assemble(name)
@@ -845,7 +845,69 @@ def run_log(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- report
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--out", default="report.html", help="the HTML file to write (default: report.html)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the figures as JSON instead of writing HTML"
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """One self-contained HTML page (or ``--json``) of the run's history."""
+    from resumable.report import build_report
+    from resumable.report_html import render_html
+
+    storage = _open(args.dir)
+    report = build_report(storage, progress=progress_bar)
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if args.json:
+        _print_json(report.to_json())
+        return 0
+    out = Path(args.out)
+    _write_atomic([render_html(report).encode()], out)
+    what = (
+        "nothing to report yet (no audit entries, no checkpoints)"
+        if report.empty
+        else (
+            f"{len(report.launches)} launch(es), {len(report.saves)} save(s), "
+            f"{len(report.checkpoints)} checkpoint(s)"
+        )
+    )
+    _console().print(Text(f"wrote {out}: {what}"))
+    return 0
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def progress_bar(items: Iterable[Any], total: int, what: str) -> Iterator[Any]:
+    """``items``, with a progress bar on stderr while it is a terminal and ``total`` is
+    more than one; silent otherwise (pipes, logs, tests)."""
+    if total <= 1 or not sys.stderr.isatty():
+        yield from items
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)
+
 
 # --------------------------------------------------------------------------- shm
 
@@ -1001,6 +1063,11 @@ COMMANDS: dict[str, Command] = {
     "pin": Command("exempt a checkpoint from retention", _pin_arguments, run_pin),
     "unpin": Command("let retention delete a pinned checkpoint again", _pin_arguments, run_unpin),
     "log": Command("print the audit log (JSON lines, oldest first)", _log_arguments, run_log),
+    "report": Command(
+        "write one self-contained HTML page of the run's history (or --json)",
+        _report_arguments,
+        run_report,
+    ),
     "shm": Command("list (or --clean) shared-memory snapshot segments", _shm_arguments, run_shm),
     "demo": Command(
         "train a small digits classifier that resumes by itself (the main job)",

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from resumable.audit import AuditLog
+from resumable.audit import PROGRESS_EVERY_S, AuditLog, ProgressNotes
 from resumable.commit import (
     committer_for,
     list_committed,
@@ -191,6 +191,13 @@ class Checkpointer:
             self._seen = _LastStep(state)  # what close() checkpoints
 
             self.audit = AuditLog(self.storage, rank=self.rank, enabled=self.rank == 0)
+            self.audit.record(
+                "launch",
+                persist=mode,
+                memory=mode != "sync" or memory_every is not None,
+                world_size=self.world_size,
+            )
+            self._progress = ProgressNotes(self.audit, _progress_every_s())
             self.monitor = Monitor(
                 alert=alert,
                 max_commit_age_s=max_commit_age_s,
@@ -277,6 +284,7 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._seen.saw(step, metrics)
+        self._progress.saw(step)
         try:
             self._snapshot(step, metrics)
         except BaseException:
@@ -294,6 +302,7 @@ class Checkpointer:
         seconds, overlapped = self._memory.take(self.state, step, metrics, rng=self.capture_rng)
         self.last_snapshot_s = seconds
         self.monitor.snapshot(seconds, overlapped)
+        self._progress.snapshot(seconds)
         self._schedule.snapshotted(step)
 
     @property
@@ -315,6 +324,7 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._seen.saw(step, metrics)
+        self._progress.saw(step)
         try:
             return self._save(step, metrics)
         except BaseException:
@@ -330,6 +340,7 @@ class Checkpointer:
             self.last_snapshot_s = self._persister.persist_state(
                 self.state, step, metrics, rng=self.capture_rng
             )
+            self._progress.snapshot(self.last_snapshot_s)
             self._schedule.persisted(step)
             return True
         busy = self._persister.busy
@@ -412,6 +423,7 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         self._seen.saw(step, metrics)
+        self._progress.saw(step)
         if self._emergency is not None and not self.should_stop and self._emergency.requested():
             self._preempted(step, metrics)
             return True
@@ -510,6 +522,8 @@ class Checkpointer:
         finally:
             self._closed = True
             _live.discard(self)
+            self._progress.flush()
+            self.audit.record("close", step=self._progress.step, clean=ok)
             self._seen.close()
             if self._emergency is not None:
                 self._emergency.close()
@@ -789,6 +803,21 @@ def _persist_mode(persist: str) -> PersistMode:
         if persist not in PERSIST_MODES:
             raise ValueError(f"RESUMABLE_PERSIST must be one of {PERSIST_MODES}, got {persist!r}")
     return persist
+
+
+def _progress_every_s() -> float:
+    """Seconds between ``progress`` audit entries, ``RESUMABLE_PROGRESS_EVERY_S``
+    overriding `PROGRESS_EVERY_S` (0: one at every step, for tests)."""
+    text = os.environ.get("RESUMABLE_PROGRESS_EVERY_S")
+    if text is None:
+        return PROGRESS_EVERY_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"RESUMABLE_PROGRESS_EVERY_S must be a number >= 0, got {text!r}")
+    return value
 
 
 def _check_step(step: Any) -> None:

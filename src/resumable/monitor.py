@@ -99,11 +99,14 @@ class Monitor:
             self.consecutive_skips = 0
             return
         if self.consecutive_skips == self.skip_alert_after:
+            last = self.stats["last_persist_s"]
+            took = f"the last commit took {last:.2f} s, " if last is not None else ""
             self.alert(
                 ALERT_SKIPS,
                 f"{self.consecutive_skips} persists in a row were deferred because the "
-                f"previous one was still running ({reason}); storage is too slow for "
-                "persist_every — persist less often or use faster storage",
+                f"previous one was still running ({reason}): {took}longer than the "
+                "training between two persists — persist less often (persist_every) or "
+                "use faster storage",
                 step=step,
                 consecutive=self.consecutive_skips,
             )
