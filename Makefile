@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	if command -v npm >/dev/null; then \
 		npm install -s --no-audit --no-fund --prefix $(VENV)/node $(AZURITE); \
 	else echo "npm not found: tests on az:// (Azurite) will be skipped"; fi
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		|| echo "chromium not installed: the report's browser tests will skip"
 	touch $@ $(DEMO_STAMP)
 
