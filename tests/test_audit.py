@@ -285,3 +285,46 @@ def test_checkpointer_trainer_worker_and_another_writer_share_the_s3_log(
         assert steps == list(range(1, 7)), f"{event}: {steps}"
     pids = {e["pid"] for e in entries if e["event"] in ("save_start", "commit")}
     assert len(pids) == 2, "the trainer and the worker process both wrote"
+
+
+class StalledStore(ObjectLike):
+    """An object-like store whose writes wait until ``go`` is set (a stalled object store),
+    recording the thread that wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.threads: set[str] = set()
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        self.threads.add(threading.current_thread().name)
+        assert self.go.wait(30)
+        return super().write(path, chunks)
+
+
+def test_progress_entries_on_object_storage_never_wait_on_the_training_thread() -> None:
+    from resumable.audit import ProgressNotes
+
+    store = StalledStore()
+    notes = ProgressNotes(AuditLog(store), every_s=0.0)
+    for step in range(1, 51):  # the store holds the first entry's PUT all along
+        notes.saw(step)
+        notes.snapshot(0.001)
+    assert threading.current_thread().name not in store.threads  # no step wrote, or waited
+    store.go.set()
+    notes.flush(final=True)  # close: waits for what is in flight, then writes the rest
+    entries = [e for e in read_audit(store) if e["event"] == "progress"]
+    assert (entries[0]["step"], entries[-1]["step"]) == (1, 50)
+    assert sum(e["snapshots"] for e in entries) == 50  # counts kept while one was in flight
+    assert len(entries) < 50
+
+
+def test_progress_entries_on_a_local_root_are_written_in_place(tmp_path: Path) -> None:
+    from resumable.audit import ProgressNotes
+
+    storage = LocalStorage(tmp_path)
+    notes = ProgressNotes(AuditLog(storage), every_s=0.0)
+    for step in (1, 2):
+        notes.saw(step)
+    assert [e["step"] for e in read_audit(storage)] == [1, 2]
+    notes.flush(final=True)

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from resumable.storage.base import Storage
@@ -174,6 +174,12 @@ class ProgressNotes:
         self._last: float | None = None
         self._snapshots = 0
         self._snapshot_s = 0.0
+        # On object storage an entry is a PUT (retried when the store is slow or failing):
+        # it goes out on a thread of its own, one at a time, never on the training thread.
+        self._pool: ThreadPoolExecutor | None = None
+        if audit.enabled and not audit.storage.supports_append:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="resumable-audit")
+        self._pending: Future[None] | None = None
 
     def saw(self, step: int) -> None:
         self.step = step
@@ -186,18 +192,31 @@ class ProgressNotes:
         self._snapshots += 1
         self._snapshot_s += seconds
 
-    def flush(self) -> None:
-        if self.step is None or (self.step == self._recorded and not self._snapshots):
+    def flush(self, *, final: bool = False) -> None:
+        """Record an entry if anything happened since the last one. In the background
+        (object storage) an entry still in flight makes this one wait for the next call,
+        its counts kept; ``final`` (at close) waits for both and ends the thread."""
+        pending = self._pending
+        if pending is not None and not pending.done() and not final:
             return
-        self.audit.record(
-            "progress",
-            step=self.step,
-            snapshots=self._snapshots,
-            snapshot_s=round(self._snapshot_s, 6),
-        )
-        self._recorded = self.step
-        self._snapshots = 0
-        self._snapshot_s = 0.0
+        if self.step is not None and (self.step != self._recorded or self._snapshots):
+            fields = {
+                "step": self.step,
+                "snapshots": self._snapshots,
+                "snapshot_s": round(self._snapshot_s, 6),
+            }
+            self._recorded = self.step
+            self._snapshots = 0
+            self._snapshot_s = 0.0
+            if self._pool is None:
+                self.audit.record("progress", **fields)
+            else:
+                if pending is not None:
+                    pending.result()  # in order (AuditLog.record never raises)
+                self._pending = self._pool.submit(self.audit.record, "progress", **fields)
+        if final and self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def read_audit(storage: Storage, skipped: list[str] | None = None) -> list[dict[str, Any]]:

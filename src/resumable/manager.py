@@ -522,7 +522,7 @@ class Checkpointer:
         finally:
             self._closed = True
             _live.discard(self)
-            self._progress.flush()
+            self._progress.flush(final=True)
             self.audit.record("close", step=self._progress.step, clean=ok)
             self._seen.close()
             if self._emergency is not None:
