@@ -528,3 +528,57 @@ def test_docs_list_every_command() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     for name in COMMANDS:
         assert f"resumable {name}" in text, f"docs/cli.md does not describe `{name}`"
+
+
+def _stderr_on_a_terminal(args: list[str]) -> tuple[int, str, str]:
+    """Run the command line with stderr on a pseudo-terminal; (exit code, stdout, what the
+    terminal received)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "RESUMABLE_DEBUG"}
+    env.update(COLUMNS="100", TERM="xterm")
+    with subprocess.Popen(
+        [sys.executable, "-m", "resumable.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+    ) as proc:
+        os.close(follower)
+        received = bytearray()
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            received += chunk
+        out = proc.stdout.read().decode() if proc.stdout else ""
+        code = proc.wait(timeout=120)
+    os.close(leader)
+    return code, out, received.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("command", "bar"),
+    [
+        (["prune", "{root}", "--keep-last", "1"], "deleting"),
+        (["verify", "{root}", "--all"], "verif"),
+    ],
+)
+def test_long_commands_show_progress_on_a_terminal_only(
+    run: Run, template: Run, command: list[str], bar: str
+) -> None:
+    args = [a.format(root=run.root) for a in command]
+    piped = subprocess.run(
+        [sys.executable, "-m", "resumable.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert bar not in piped.stderr and "\x1b[" not in piped.stderr  # quiet off a terminal
+    shutil.rmtree(run.root)
+    shutil.copytree(template.root, run.root)
+    code, out, terminal = _stderr_on_a_terminal(args)
+    assert code == 0, terminal
+    assert bar in terminal.lower(), terminal
+    assert out == piped.stdout  # the bar goes to stderr, the results stay the same

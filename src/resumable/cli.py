@@ -768,7 +768,11 @@ def run_prune(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     before = list_committed(storage)
     doomed = apply_retention(
-        storage, Keep(last=args.keep_last), AuditLog(storage), dry_run=args.dry_run
+        storage,
+        Keep(last=args.keep_last),
+        AuditLog(storage),
+        dry_run=args.dry_run,
+        each=lambda steps: progress_bar(steps, len(steps), "deleting"),
     )
     console = _console()
     verb = "would delete" if args.dry_run else "deleted"

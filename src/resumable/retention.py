@@ -9,7 +9,7 @@ It is called by the persist worker after every commit and by ``resumable prune``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from resumable.audit import AuditLog
@@ -37,6 +37,7 @@ def apply_retention(
     cache: dict[int, Mapping[str, Any]] | None = None,
     dry_run: bool = False,
     deletable: Callable[[int], bool] | None = None,
+    each: Callable[[list[int]], Iterable[int]] = iter,
 ) -> list[int]:
     """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
 
@@ -47,7 +48,8 @@ def apply_retention(
     (its files and headers; its checksums were computed from the bytes it was written
     from), or else, as in ``resumable prune``, one that passes a full verification. So
     retention never leaves zero valid checkpoints. ``deletable`` can hold back more
-    (the tiering keeps local checkpoints that are not mirrored yet).
+    (the tiering keeps local checkpoints that are not mirrored yet). ``each`` wraps the
+    loop over the deletions (``resumable prune`` shows a progress bar with it).
     """
     cache = cache if cache is not None else {}
     entries = []
@@ -82,7 +84,7 @@ def apply_retention(
         audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
         return []
     committer = committer_for(storage)
-    for s in doomed:
+    for s in each(doomed):
         committer.delete(s)
         cache.pop(s, None)
         audit.record("delete", step=s, reason="retention")
