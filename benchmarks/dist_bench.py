@@ -3,8 +3,11 @@
 
     python benchmarks/dist_bench.py                        # this phase alone: 128 MiB, 3 reps
     python benchmarks/dist_bench.py --size-mb 32 --reps 2 --worlds 1 2
+    python benchmarks/dist_bench.py --docs                 # ... and rewrite its section
 
-(`run.py` calls `run_phase`; alone, this prints the results JSON and writes nothing else.)
+(`run.py` calls `run_phase`; alone, this prints the results JSON and, with ``--docs``,
+writes ``benchmarks/results/dist-<date>.json`` and rewrites the "Several ranks" section
+of docs/performance.md from it with `report.dist_section`, as ``make bench`` would.)
 
 For each world size W, one ``torchrun --standalone --nproc-per-node=W`` launch of
 `dist_worker.py` builds an MLP whose parameters plus AdamW's moments take about
@@ -210,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop-steps", type=int, default=150, help="training loop steps (150)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per launch (900)")
     ap.add_argument("--bench-dir", type=Path, default=HERE.parent / "runs" / "bench-dist")
+    ap.add_argument(
+        "--docs", action="store_true", help="save the results, rewrite docs/performance.md"
+    )
     args = ap.parse_args(argv)
+    load_before = os.getloadavg()
     out = run_phase(
         args.bench_dir,
         args.size_mb,
@@ -221,7 +228,46 @@ def main(argv: list[str] | None = None) -> int:
         loop_steps=args.loop_steps,
     )
     print(json.dumps(out, indent=1))
+    if args.docs:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        path = HERE / "results" / f"dist-{stamp}.json"
+        out["load_after"] = os.getloadavg()
+        path.write_text(json.dumps({"dist": out, "load_before": load_before}, indent=1))
+        write_docs(out, load_before, f"benchmarks/results/{path.name}")
+        _print(f"wrote {path} and its section of {DOCS}")
     return 0
+
+
+DOCS = HERE.parent / "docs" / "performance.md"
+SECTION = "\n## Several ranks (FSDP2 on CPU, gloo)\n"
+
+
+def write_docs(
+    out: dict[str, Any], load_before: tuple[float, ...], source: str, docs: Path = DOCS
+) -> None:
+    """Replace the "Several ranks" section of ``docs`` (up to the next section or the end)
+    with `report.dist_section` of ``out``, saying which results file it comes from."""
+    sys.path.insert(0, str(HERE))
+    from report import dist_section
+
+    lines = dist_section({"dist": out})
+    load = " ".join(f"{x:.2f}" for x in load_before)
+    after = " ".join(f"{x:.2f}" for x in out.get("load_after", ()))
+    lines[2:2] = [
+        f"Measured by `benchmarks/dist_bench.py --docs`; figures from `{source}` "
+        f"(load average {load} → {after}).",
+        "",
+    ]
+    section = "\n".join(lines)
+    text = docs.read_text()
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n" + section + "\n"
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        rest = text[end:] if end >= 0 else "\n"
+        text = text[:start] + section + "\n" + rest
+    docs.write_text(text)
 
 
 if __name__ == "__main__":
