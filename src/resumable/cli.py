@@ -55,6 +55,7 @@ from resumable.format import (
     TensorSlot,
     byte_view,
     dtype_from_name,
+    human_bytes,
     itemsize,
     safetensors_header,
 )
@@ -108,14 +109,7 @@ def _open(url: str) -> Storage:
 
 
 def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return "?" if n is None else human_bytes(n)
 
 
 def _iso_time(created: Any) -> str | None:

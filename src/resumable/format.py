@@ -95,6 +95,16 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``"512 B"``, ``"1.5 KiB"`` ... ``"3.2 TiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
 def checksum(data: Any) -> str:
     """xxh3-64 of a buffer, as 16 hex digits (releases the GIL on large buffers)."""
     return xxhash.xxh3_64_hexdigest(data)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from resumable.format import human_bytes
 from resumable.report import LANES, Report
 
 _COLORS = {
@@ -89,14 +90,7 @@ def _secs(s: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
+    return "-" if n is None else human_bytes(n)
 
 
 def _rate(bps: float | None) -> str:
