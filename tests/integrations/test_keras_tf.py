@@ -76,7 +76,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_sigkilled_after_an_epoch_end_resumes_bit_identical(tmp_path: Path, reference: str) -> None:
     """Epoch-end checkpoints (``save_freq="epoch"``): SIGKILLed late in epoch 1 and in epoch
-    2, each relaunch resumes at the newest committed epoch end and the last one ends bit-identical."""
+    2, each relaunch resumes at the newest committed epoch end; the last ends bit-identical."""
     cmd = example(tmp_path, "--step-time", "0.05")
     for at in (22, 33):
         assert run_until(cmd, at, signal.SIGKILL) in (-signal.SIGKILL, 0)
