@@ -12,7 +12,7 @@ AZURITE := azurite@3.35.0
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck docs campaign bench bench-peers-env bench-s3fs-env clean
+.PHONY: install demo test test-tf lint typecheck docs campaign bench bench-peers-env bench-s3fs-env clean
 
 # $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
@@ -67,6 +67,15 @@ test: $(STAMP)
 
 campaign: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Keras on the TensorFlow backend, in a venv of its own (tensorflow-cpu brings its own NumPy
+# and protobuf; ~2.4 GB, ~3 min to install here): not part of `make test`.
+VENV_TF := .venv-tf
+test-tf:
+	test -x $(VENV_TF)/bin/python || $(PYTHON) -m venv $(VENV_TF)
+	$(VENV_TF)/bin/pip install -q torch==2.13.0 tensorflow-cpu keras pytest pytest-timeout
+	$(VENV_TF)/bin/pip install -q -e .
+	$(VENV_TF)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_keras_tf.py
 
 bench: $(STAMP)
 	-$(MAKE) bench-peers-env

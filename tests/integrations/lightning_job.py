@@ -64,13 +64,15 @@ def data() -> TensorDataset:
 def fit(
     root: Path | str,
     *,
-    steps: int,
+    steps: int = -1,
+    epochs: int | None = None,
     crash_at: int | None = None,
     validate: bool = False,
     **options: Any,
 ) -> tuple[L.Trainer, MLP, ResumableCheckpoint]:
-    """Fit `MLP` for ``steps`` optimizer steps with a `ResumableCheckpoint` on ``root``
-    (``options`` go to it), resuming with ``ckpt_path="last"``."""
+    """Fit `MLP` for ``steps`` optimizer steps (or ``epochs`` epochs, validated at each
+    epoch end) with a `ResumableCheckpoint` on ``root`` (``options`` go to it), resuming
+    with ``ckpt_path="last"``."""
     torch.manual_seed(0)
     model = MLP()
     train = ResumableDataLoader(data(), batch_size=4, shuffle=True, seed=0)
@@ -80,12 +82,14 @@ def fit(
     callbacks: list[L.Callback] = [callback]
     if crash_at is not None:
         callbacks.insert(0, Crash(crash_at))
+    by_epoch = epochs is not None
     trainer = L.Trainer(
         max_steps=steps,
+        max_epochs=epochs,
         callbacks=callbacks,
         val_check_interval=4 if validate else None,
         check_val_every_n_epoch=None if validate else 1,
-        limit_val_batches=None if validate else 0,
+        limit_val_batches=None if validate or by_epoch else 0,
         num_sanity_val_steps=0,
         accelerator="cpu",
         devices=1,
@@ -94,7 +98,7 @@ def fit(
         enable_model_summary=False,
         deterministic=True,
     )
-    trainer.fit(model, train, val if validate else None, ckpt_path="last")
+    trainer.fit(model, train, val if validate or by_epoch else None, ckpt_path="last")
     return trainer, model, callback
 
 

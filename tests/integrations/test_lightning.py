@@ -23,13 +23,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import resumable
-from resumable.data import ResumableDataLoader
+from resumable.data import ResumableDataLoader, ResumableSampler
 
 from .lightning_job import data, digest, fit
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "lightning_mlp.py"
 EVERY_6 = resumable.Every(steps=6)
+EVERY_1 = resumable.Every(steps=1)
 PERSIST_NEVER = ("--persist-every", "1000")
 
 
@@ -69,6 +70,45 @@ def test_a_crashed_fit_resumes_bit_identical(
     assert callback.restored_step == resumed_from
     assert digest(trainer, model) == reference[0]
     assert model.seen == [s for s in reference[1] if s[1] >= resumed_from]
+
+
+@pytest.fixture(scope="module")
+def by_epoch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Any]]:
+    trainer, model, _ = fit(tmp_path_factory.mktemp("by-epoch"), epochs=3, persist_every=EVERY_1)
+    return digest(trainer, model), model.seen
+
+
+def test_epoch_based_fit_reads_the_loader_epoch_lightning_names(
+    by_epoch: tuple[str, list[Any]],
+) -> None:
+    """``max_epochs`` training, validated at each epoch end: Lightning epoch ``e`` reads the
+    loader's permutation of epoch ``e`` whole (Lightning's own ``set_epoch(e)`` and the
+    loader's epoch agree; before the fix epoch 1 was empty and epoch 2 read loader epoch 1)."""
+    permutation = ResumableDataLoader(data(), batch_size=4, shuffle=True, seed=0).sampler
+    assert isinstance(permutation, ResumableSampler)
+    per_epoch: dict[int, list[int]] = {}
+    for epoch, _, ids in by_epoch[1]:
+        per_epoch.setdefault(epoch, []).extend(ids)
+    assert sorted(per_epoch) == [0, 1, 2]
+    for epoch, ids in per_epoch.items():
+        assert ids == permutation.permutation(epoch).tolist(), epoch
+
+
+@pytest.mark.parametrize("crash_at, resumed_from", [(13, 12), (14, 13), (25, 24)])
+def test_epoch_based_fit_resumed_at_an_epoch_boundary_is_bit_identical(
+    tmp_path: Path, by_epoch: tuple[str, list[Any]], crash_at: int, resumed_from: int
+) -> None:
+    """Checkpointed at the last batch of an epoch (steps 12 and 24, before the epoch-end
+    validation) and at the first batch after one (step 13): the resumed ``max_epochs`` fit
+    reads the same samples and ends with the same parameters and optimizer state. (The
+    crash callback runs before ours, so the newest checkpoint is the step before it.)"""
+    with pytest.raises(RuntimeError, match="crash at step"):
+        fit(tmp_path, epochs=3, crash_at=crash_at, persist_every=EVERY_1)
+    trainer, model, callback = fit(tmp_path, epochs=3, persist_every=EVERY_1)
+    assert callback.restored_step == resumed_from
+    assert trainer.global_step == 36
+    assert model.seen == [s for s in by_epoch[1] if s[1] >= resumed_from]
+    assert digest(trainer, model) == by_epoch[0]
 
 
 def test_a_relaunch_of_a_finished_fit_trains_no_further(tmp_path: Path) -> None:

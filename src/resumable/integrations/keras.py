@@ -21,7 +21,7 @@ it expected a whole epoch). Without ``loader=`` there is no mid-epoch position t
 restore, so checkpoints are taken at epoch ends only and ``save_freq`` must be
 ``"epoch"``. The restore itself happens in ``on_train_begin``, where ``BackupAndRestore``
 restores (the model and optimizer are built by then), through the backend-neutral
-state tree; the callback is tested on the torch backend.
+state tree; tested on the torch and the TensorFlow backend.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import keras
 
-from resumable.data import ResumableDataLoader
+from resumable.data import ResumableDataLoader, ResumableSampler
 from resumable.errors import CheckpointError
 from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
@@ -49,19 +49,70 @@ FRAMEWORK_DRIVEN = Every(steps=2**62)
 
 
 class ModelState:
-    """``model.get_state_tree()`` as a `resumable.Stateful` (read at capture time)."""
+    """``model.get_state_tree()`` as a `resumable.Stateful` (read at capture time).
+
+    On the torch backend the tree holds the variables' torch tensors, saved as they are;
+    on another backend (TensorFlow, JAX) it is read as NumPy arrays (a copy), which the
+    `Checkpointer` stores as tensors and gives back as arrays, and ``set_state_tree``
+    assigns back into the variables.
+    """
 
     def __init__(self, model: Any) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.model.get_state_tree())
+        if keras.backend.backend() == "torch":
+            return dict(self.model.get_state_tree())
+        return dict(self.model.get_state_tree(value_format="numpy_array"))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         self.model.set_state_tree(state_dict)
+
+
+class TrainedPosition:
+    """The position of a `ResumableDataLoader` as the batches Keras *trained on* in the
+    current epoch, for backends whose input pipeline reads ahead.
+
+    On the TensorFlow backend ``fit`` reads a torch ``DataLoader`` through
+    ``tf.data.Dataset.from_generator``, which pulls batches before they are trained on (a
+    varying number), so the loader's own count is ahead of training. This state is the
+    loader's, with ``epoch`` and ``position`` taken at the start of the epoch's pass
+    (`begin`, from ``on_epoch_begin``) plus ``batch_size`` samples per trained batch
+    (`trained`, from ``on_train_batch_end``). It needs the loader's own order on one process
+    (a position in samples); other loaders are refused for mid-epoch checkpoints there.
+    """
+
+    def __init__(self, loader: ResumableDataLoader) -> None:
+        if not isinstance(loader.sampler, ResumableSampler) or loader.sampler.num_replicas != 1:
+            raise ValueError(
+                f"on the {keras.backend.backend()} backend, fit() reads its input ahead of "
+                "training, so a mid-epoch position is counted from the trained batches: that "
+                "needs a ResumableDataLoader with its own order (no sampler=) on one process. "
+                "Use save_freq='epoch' and no memory_every, or the torch backend"
+            )
+        self.loader = loader
+        self.epoch = loader.epoch
+        self.start = loader.position
+        self.batches = 0
+
+    def begin(self) -> None:
+        """The loader's position before this epoch's pass reads anything."""
+        self.epoch, self.start, self.batches = self.loader.epoch, self.loader.position, 0
+
+    def trained(self, batches: int) -> None:
+        self.batches = batches
+
+    def state_dict(self) -> dict[str, Any]:
+        size = len(self.loader.sampler)  # type: ignore[arg-type]
+        position = min(self.start + self.batches * (self.loader.batch_size or 1), size)
+        return {**self.loader.state_dict(), "epoch": self.epoch, "position": position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)
+        self.begin()
 
 
 class ResumableCallback(keras.callbacks.Callback):
@@ -152,6 +203,8 @@ class ResumableCallback(keras.callbacks.Callback):
         self.restored_epoch = 0
         self._epoch: dict[str, int] = {"epoch": 0}
         self._since_save = 0
+        self._trained: TrainedPosition | None = None  # backends that read ahead (TF)
+        self._last_step: int | None = None
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
@@ -162,8 +215,11 @@ class ResumableCallback(keras.callbacks.Callback):
         if self.checkpointer is not None:  # a previous fit() raised before its end
             self._close()
         state: dict[str, Any] = {"model": ModelState(self.model), "fit": self._epoch}
+        self._trained = None
         if self.loader is not None:
-            state["data"] = self.loader
+            reads_ahead = keras.backend.backend() != "torch"
+            self._trained = TrainedPosition(self.loader) if reads_ahead else None
+            state["data"] = self._trained or self.loader
         ckpt = Checkpointer(
             self.dirpath,
             state=state,
@@ -193,12 +249,17 @@ class ResumableCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._epoch["epoch"] = epoch
+        if self._trained is not None:
+            self._trained.begin()
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         ckpt = self.checkpointer
         if ckpt is None or self.loader is None:
             return
         step = self._step()
+        if self._trained is not None:
+            self._trained.trained(batch + 1)
+            self._last_step = step
         self._since_save += 1
         if isinstance(self.save_freq, int) and self._since_save >= self.save_freq:
             self._save_now(step, _scalars(logs))
@@ -215,6 +276,14 @@ class ResumableCallback(keras.callbacks.Callback):
             # loader's next epoch as its StopIteration would have.
             state = loader.state_dict()
             loader.load_state_dict({**state, "epoch": state["epoch"] + 1, "position": 0})
+        if self._trained is not None:
+            self._trained.begin()  # the read-ahead pass ended the loader's epoch already
+            if self._last_step is not None and self._step() != self._last_step:
+                # A resumed epoch is shorter than Keras expects: on TensorFlow the step
+                # that finds the input exhausted still counts one optimizer iteration
+                # (no update), which would shift the step count and Adam's bias
+                # correction from an uninterrupted run's. Put the count back.
+                self.model.optimizer.iterations.assign(self._last_step)
         self._epoch["epoch"] = epoch + 1
         metrics = _scalars(logs)
         if self.save_freq == "epoch" or (self.monitor is not None and self.monitor in metrics):

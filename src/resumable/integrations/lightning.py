@@ -50,12 +50,14 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from resumable.capture import rng_state, set_rng_state
+from resumable.commit import list_committed
 from resumable.data import ResumableDataLoader, ResumableSampler
 from resumable.errors import CheckpointError
 from resumable.integrations.staging import StagedState
 from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
+from resumable.storage import open_storage
 
 __all__ = ["ResumableCheckpoint", "ResumableCheckpointIO"]
 
@@ -178,6 +180,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         self._trainer: Trainer | None = None
         self.checkpointer: Checkpointer | None = None
         self.restored_step = 0
+        self._deferred: bool | None = None  # several ranks: did ckpt_path find a checkpoint?
         self._boundary: int | None = None
         self._lightning = StagedState(self._dump, lambda _: None)
         self._rng = StagedState(rng_state, set_rng_state)
@@ -188,8 +191,24 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
     def ckpt_path(self) -> str:
         """The marker Lightning resolves ``ckpt_path="last"`` to. Reading it opens the
         `Checkpointer` and restores (once per ``fit``); the marker exists only if that
-        restored something."""
-        self._open()
+        restored something.
+
+        Several ranks: Lightning reads this before it creates the process group, which
+        the `Checkpointer` needs. When ``WORLD_SIZE`` (set by ``torchrun`` and by
+        Lightning's own launcher) says several processes and no group exists yet, the
+        marker exists if a committed checkpoint does (root or mirror, listed without
+        opening anything), and ``setup`` opens and restores, on every rank together."""
+        if self.checkpointer is None and _group_pending():
+            self._deferred = _any_committed(
+                self.root, self._options["mirror"], self._options["storage_options"]
+            )
+            fs = fsspec.filesystem("memory")
+            if self._deferred:
+                fs.pipe(self._marker, b"")
+            elif fs.exists(self._marker):
+                fs.rm(self._marker)
+        else:
+            self._open()
         return self._marker
 
     @property
@@ -211,7 +230,10 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         self._memory_tier = ckpt.persist_mode != "sync" or self._options["memory_every"] is not None
         self._lightning.discard()
         self._rng.discard()
-        self.restored_step = ckpt.restore()
+        deferred, self._deferred = self._deferred, None
+        # Deferred with no committed checkpoint, Lightning already chose a fresh start: a
+        # memory snapshot alone (a launch killed before its first persist) is not resumed.
+        self.restored_step = ckpt.restore(tier="storage" if deferred is False else "auto")
         self._boundary = self.restored_step or None
         fs = fsspec.filesystem("memory")
         if self.restored_step > 0:
@@ -241,12 +263,29 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
-        self._open()
+        ckpt = self._open()
+        if ckpt.world_size != trainer.world_size:
+            raise CheckpointError(
+                f"the Checkpointer of {self.root} runs on {ckpt.world_size} process(es) but "
+                f"the Trainer on {trainer.world_size}: it was opened before the process group "
+                "existed. Launch with torchrun or Lightning's own launcher (they set "
+                "WORLD_SIZE), or create the process group before fit()"
+            )
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, ResumableCheckpointIO):
             trainer.strategy.checkpoint_io = ResumableCheckpointIO(self, io)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for loader in _resumable_loaders(trainer.train_dataloader):
+            sampler = loader.sampler
+            if isinstance(sampler, ResumableSampler) and sampler.num_replicas != trainer.world_size:
+                raise CheckpointError(
+                    f"a ResumableDataLoader shards over {sampler.num_replicas} rank(s) but the "
+                    f"Trainer runs {trainer.world_size}: it was created before the process "
+                    "group existed. Create it in the LightningModule's or LightningDataModule's "
+                    "train_dataloader() (Lightning calls it after), with "
+                    "Trainer(use_distributed_sampler=False), or pass num_replicas= and rank="
+                )
         self._rng.apply()
 
     def on_train_batch_end(
@@ -320,6 +359,23 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
             if key in checkpoint:
                 checkpoint[key] = json.dumps(dict(checkpoint[key]), default=str, sort_keys=True)
         return checkpoint
+
+
+def _group_pending() -> bool:
+    """Several processes are launched (``WORLD_SIZE`` > 1) but their process group does
+    not exist yet (Lightning creates it after resolving ``ckpt_path``)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not initialized and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
+
+
+def _any_committed(
+    root: str, mirror: str | None, storage_options: Mapping[str, Any] | None
+) -> bool:
+    """Whether ``root`` or ``mirror`` holds a committed checkpoint (read-only listing)."""
+    for url in (root, mirror):
+        if url is not None and list_committed(open_storage(url, storage_options)):
+            return True
+    return False
 
 
 def _metrics(trainer: Trainer) -> dict[str, float]:
