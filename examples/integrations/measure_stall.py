@@ -5,7 +5,10 @@ For Lightning (``ModelCheckpoint`` vs `ResumableCheckpoint`) and Keras 3 on the 
 backend (``ModelCheckpoint`` vs `ResumableCallback`), it trains an MLP of about
 4 * ``--width``**2 parameters (Adam: three times that in state) for ``--steps`` steps
 with a checkpoint every ``--every`` steps, timing every step from one batch end to the
-next. The stall per checkpoint is the time of the steps that checkpointed (mean, and
+next. For Hugging Face Transformers (the ``Trainer``'s own ``save_steps`` checkpoints vs
+`ResumableTrainer`) it trains a GPT-2 built from a ``GPT2Config`` (``--gpt2-embd`` wide,
+4 layers, a 512-token vocabulary; nothing downloaded) the same way. The stall per
+checkpoint is the time of the steps that checkpointed (mean, and
 median: the first one also starts the persist worker) minus the median time of the steps
 that did not. Prints one line per configuration.
 
@@ -25,12 +28,14 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import keras
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from transformers import TrainerCallback
 
 import resumable
 from resumable.data import ResumableDataLoader
@@ -127,12 +132,67 @@ def keras_run(root: Path, width: int, steps: int, every: int, kind: str) -> list
     return timer.times
 
 
+class HFTimes(TrainerCallback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last: float | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer saves after on_step_end: the interval ending at step i + 1 includes
+        # the checkpoint of step i.
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int, vocab: int, seq: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def transformers_run(root: Path, embd: int, steps: int, every: int, kind: str) -> list[float]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from resumable.integrations.transformers import ResumableTrainer
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=512, n_positions=64, n_embd=embd, n_layer=4, n_head=4,
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(root), max_steps=steps, per_device_train_batch_size=8,
+        save_strategy="no" if kind == "none" else "steps", save_steps=every,
+        save_total_limit=None, logging_strategy="no", report_to="none", seed=0,
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    timer = HFTimes()
+    cls = ResumableTrainer if kind == "ResumableTrainer" else Trainer
+    trainer = cls(
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=Tokens(steps * 8, 512, 64),
+        callbacks=[timer],
+    )
+    trainer.train()
+    return timer.times
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", required=True, help="scratch directory (deleted between runs)")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=5)
+    p.add_argument("--gpt2-embd", type=int, default=256, help="GPT-2 width (256)")
+    p.add_argument("--only", choices=["lightning", "keras", "transformers"], action="append")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -145,12 +205,20 @@ def main(argv: list[str] | None = None) -> None:
         ("lightning", lightning_run, "ResumableCheckpoint"),
         ("keras", keras_run, "ModelCheckpoint"),
         ("keras", keras_run, "ResumableCallback"),
+        ("transformers", transformers_run, "none"),
+        ("transformers", transformers_run, "Trainer(save_steps)"),
+        ("transformers", transformers_run, "ResumableTrainer"),
     ]
+    gpt2 = 4 * 12 * a.gpt2_embd**2 + (512 + 64) * a.gpt2_embd
+    print(f"GPT-2: {gpt2 / 1e6:.1f} M parameters, ~{gpt2 * 12 / 2**20:.0f} MiB with AdamW state")
     for framework, run, kind in runs:
+        if a.only and framework not in a.only:
+            continue
+        size = a.gpt2_embd if framework == "transformers" else a.width
         root = Path(a.dir) / f"{framework}-{kind}"
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
-        times = run(root, a.width, a.steps, a.every, kind)
+        times = run(root, size, a.steps, a.every, kind)
         base, mean, median = (
             stall(times, a.every) if kind != "none" else (statistics.median(times), 0.0, 0.0)
         )
