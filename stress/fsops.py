@@ -11,8 +11,9 @@ for the duration of a ``with`` block. Calls on paths inside one checkpoint root 
 - listed in an order of the campaign's choosing (``listdir_order``: a directory's
   order is the file system's; ext4 hashes names), so that code which deletes "in
   listing order" is tried in more than one;
-- or skipped (``skip``: e.g. every directory ``fsync`` returns without syncing), which
-  is how the campaigns build deliberately broken save paths.
+- or skipped (``skip``: e.g. every directory ``fsync`` returns without syncing), or a
+  failed ``fsync`` swallowed or retried (``broken``), which is how the campaigns build
+  deliberately broken save paths.
 
 Calls on other paths (logging to a terminal, shared memory, the interpreter's own
 files) pass straight through. LocalStorage names everything relative to directory
@@ -88,17 +89,25 @@ class FileOps:
         skip: Callable[[str, str, bool], bool] | None = None,
         record: bool = True,
         listdir_order: str = "os",
+        broken: str | None = None,
     ) -> None:
         self.root = os.path.realpath(root)
         self.fault = fault
         self.skip = skip
         self.record = record
         self.listdir_order = listdir_order  # "os", "sorted" or "reversed"
+        if broken not in (None, "ignore-fsync-error", "retry-fsync"):
+            raise ValueError(f"unknown broken fsync {broken!r}")
+        self.broken = broken
         self.ops: list[Op] = []
         self.calls: list[tuple[str, str]] = []
         self.skipped: list[tuple[str, str]] = []
         self.fsync_failed: set[int] = set()  # descriptors whose fsync failed (injected)
         self.fsync_after_failure: list[str] = []  # a later fsync of such a descriptor
+        # Files (device, inode) whose fsync failed and that were not rewritten from
+        # scratch (created or truncated) since: their data may be gone whatever a later
+        # fsync says.
+        self.poisoned: set[tuple[int, int]] = set()
         self._fds: dict[int, tuple[str, int]] = {}  # fd -> (relative path, open flags)
         self._lock = threading.RLock()
 
@@ -177,6 +186,9 @@ class FileOps:
         fd = int(_REAL["open"](path, flags, mode, dir_fd=dir_fd))
         with self._lock:
             self._fds[fd] = (rel, flags)
+            if not existed or flags & os.O_TRUNC:
+                st = os.fstat(fd)
+                self.poisoned.discard((st.st_dev, st.st_ino))
             if not existed:
                 self._op("create", rel)
             if flags & os.O_TRUNC and existed and stat.S_ISREG(os.fstat(fd).st_mode):
@@ -206,6 +218,14 @@ class FileOps:
             self._call("fsync", rel)
         except OSError:
             self.fsync_failed.add(fd)
+            if not is_dir:
+                st = os.fstat(fd)
+                self.poisoned.add((st.st_dev, st.st_ino))
+            if self.broken == "ignore-fsync-error":
+                return
+            if self.broken == "retry-fsync":
+                self._fsync(fd)
+                return
             raise
         if self.skip is not None and self.skip("fsync", rel, is_dir):
             self.skipped.append(("fsync", rel))

@@ -38,10 +38,11 @@ from stress.workload import broken_commit, checkpointer, local, make_state, on_c
 from stress.workload import tensor_sums
 
 SIZES = {
-    "small": {"saves": 3, "variants": 2, "restore_every": 50},
-    "full": {"saves": 24, "variants": 24, "restore_every": 100},
+    "small": {"saves": 3, "variants": 4, "restore_every": 50},
+    "full": {"saves": 100, "variants": 48, "restore_every": 100},
 }
 SEED = 20261125
+WIDTH = 128  # 64 KiB of weights: 16 pages to tear
 
 
 def record(
@@ -50,7 +51,7 @@ def record(
 ) -> tuple[list[Op], dict[int, dict[str, str]]]:
     """Save steps 1..``saves`` into the empty directory ``root`` while recording; return
     the op log and the tensor checksums of every step."""
-    state = make_state()
+    state = make_state(WIDTH)
     expected: dict[int, dict[str, str]] = {}
     ops = FileOps(root, skip=skip, listdir_order=listdir_order)
     with ops.active(), on_commit(lambda step: ops.mark("committed", step)), broken_commit(commit):
@@ -97,7 +98,7 @@ def restores_newest(scratch: str, committed: set[int], deleting: set[int]) -> st
     """Restore with a fresh Checkpointer; a problem in words, or None."""
     want = max(committed - deleting, default=0)
     try:
-        ck = checkpointer(scratch, make_state(), keep=None)
+        ck = checkpointer(scratch, make_state(WIDTH), keep=None)
         try:
             got = ck.restore()
         finally:
@@ -187,32 +188,50 @@ def _show(op: Op) -> str:
 
 def run(size: str, *, skip: Callable[[str, str, bool], bool] | None = None,
         commit: str | None = None) -> dict[str, Any]:
-    """Record and replay; ``skip``/``commit`` break the save path (able-to-fail runs)."""
+    """Record and replay, once with each directory listed in name order and once in
+    reverse (deletions follow the listing); ``skip``/``commit`` break the save path
+    (the able-to-fail runs)."""
     cfg = SIZES[size]
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="powerloss-rec-") as tmp:
-        root = os.path.join(tmp, "root")
-        os.mkdir(root)
-        ops, expected = record(root, cfg["saves"], skip=skip, commit=commit)
+    totals: dict[str, Any] = {"states": 0, "generated": 0, "restores": 0, "ops": 0}
+    counts: dict[str, int] = {}
     kinds: dict[str, int] = {}
-    for op in ops:
-        kinds[op[0]] = kinds.get(op[0], 0) + 1
-    result = replay(ops, expected, variants=cfg["variants"], restore_every=cfg["restore_every"])
-    failures = sum(result["problem_counts"].values())
+    examples: list[Any] = []
+    for n, order in enumerate(("sorted", "reversed")):
+        with tempfile.TemporaryDirectory(prefix="powerloss-rec-") as tmp:
+            root = os.path.join(tmp, "root")
+            os.mkdir(root)
+            ops, expected = record(
+                root, cfg["saves"], skip=skip, commit=commit, listdir_order=order
+            )
+        for op in ops:
+            kinds[op[0]] = kinds.get(op[0], 0) + 1
+        result = replay(
+            ops, expected, variants=cfg["variants"], restore_every=cfg["restore_every"],
+            seed=SEED + n,
+        )
+        totals["states"] += result["states"]
+        totals["generated"] += result["generated"]
+        totals["restores"] += result["restores"]
+        totals["ops"] += len(ops)
+        for k, v in result["problem_counts"].items():
+            counts[k] = counts.get(k, 0) + v
+        examples += result["examples"][:3]
     return {
-        "trials": result["states"],
-        "failures": failures,
+        "trials": totals["states"],
+        "failures": sum(counts.values()),
         "seconds": round(time.perf_counter() - t0, 1),
         "details": {
-            "saves": cfg["saves"],
-            "ops_recorded": len(ops),
+            "saves_per_recording": cfg["saves"],
+            "recordings": "2 (directories listed in name order, then reversed)",
+            "ops_recorded": totals["ops"],
             "op_kinds": kinds,
-            "prefixes": len(ops) + 1,
-            "states_generated": result["generated"],
-            "distinct_states_checked": result["states"],
-            "restores_checked": result["restores"],
-            "problem_counts": result["problem_counts"],
-            "examples": result["examples"][:5],
+            "states_generated": totals["generated"],
+            "distinct_states_checked": totals["states"],
+            "random_mixes_per_prefix": cfg["variants"],
+            "restores_checked": totals["restores"],
+            "problem_counts": counts,
+            "examples": examples[:5],
             "seed": SEED,
         },
     }
