@@ -51,7 +51,9 @@ from stress.workload import checkpointer, local, make_state, set_step
 SIZES = {
     "small": {"errnos": ("EIO", "ENOSPC"), "modes": ("once", "sticky"), "stride": 7},
     "full": {"errnos": ("EIO", "ENOSPC"), "modes": ("once", "sticky"), "stride": 1},
+    "fsyncs": {"errnos": ("EIO",), "modes": ("once",), "stride": 0},  # able-to-fail runs
 }
+BROKEN = ("ignore-fsync-error", "retry-fsync")
 STEP = 3
 
 
@@ -96,8 +98,9 @@ def trial(base: str, work: str, fault: Fault | None, broken: str | None = None) 
     handler = _Records()
     logger = logging.getLogger("resumable")
     logger.addHandler(handler)
-    level = logger.level
+    level, propagate = logger.level, logger.propagate
     logger.setLevel(logging.WARNING)
+    logger.propagate = False
     raised: BaseException | None = None
     no_backoff = SimpleNamespace(sleep=lambda s: None)  # the retries, without their waits
     try:
@@ -113,6 +116,7 @@ def trial(base: str, work: str, fault: Fault | None, broken: str | None = None) 
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
     problems = []
     injected = fault.injected if fault is not None else []
     if raised is not None and not isinstance(raised, CheckpointError):
@@ -192,7 +196,7 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
             kinds[kind] = kinds.get(kind, 0) + 1
         for name in cfg["errnos"]:
             for mode in cfg["modes"]:
-                indices = set(range(0, len(calls), cfg["stride"]))
+                indices = set(range(0, len(calls), cfg["stride"])) if cfg["stride"] else set()
                 indices |= {i for i, (kind, _) in enumerate(calls) if kind == "fsync"}
                 for at in sorted(indices):
                     fault = Fault(ERRNOS[name], at, sticky=mode == "sticky")
@@ -224,8 +228,9 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
             "call_kinds": kinds,
             "errnos": list(cfg["errnos"]),
             "modes": list(cfg["modes"]),
-            "calls_tried": "every fsync, and every call" if cfg["stride"] == 1
-            else f"every fsync, and every {cfg['stride']}th call",
+            "calls_tried": "every call" if cfg["stride"] == 1
+            else f"every fsync, and every {cfg['stride']}th call" if cfg["stride"]
+            else "every fsync",
             "outcomes": outcomes,
             "failed_but_committed_whole": committed_after_failure,
             "trials_leaving_files": left_trials,
@@ -316,3 +321,12 @@ def run(size: str) -> dict[str, Any]:
         result["failures"] += len(disk["problems"])
         result["seconds"] = round(result["seconds"] + disk["seconds"], 1)
     return result
+
+
+def able_to_fail() -> dict[str, dict[str, int]]:
+    """The checks run on each broken save path (EIO once at each fsync)."""
+    out = {}
+    for kind in BROKEN:
+        r = injected("fsyncs", broken=kind)
+        out[kind] = {"trials": r["trials"], "failures": r["failures"]}
+    return out

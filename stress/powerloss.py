@@ -33,7 +33,7 @@ from resumable.commit import list_committed, parse_step_dir
 from resumable.errors import CheckpointError
 from resumable.reader import CheckpointReader
 from stress.crashstate import FsModel, fingerprint, materialise
-from stress.fsops import FileOps, Op
+from stress.fsops import FileOps, Op, no_directory_fsync, no_file_fsync
 from stress.workload import broken_commit, checkpointer, local, make_state, on_commit, set_step
 from stress.workload import tensor_sums
 
@@ -235,3 +235,19 @@ def run(size: str, *, skip: Callable[[str, str, bool], bool] | None = None,
             "seed": SEED,
         },
     }
+
+
+BROKEN: dict[str, dict[str, Any]] = {
+    "no directory fsync": {"skip": no_directory_fsync},
+    "no file fsync": {"skip": no_file_fsync},
+    "manifest written first": {"commit": "manifest-first"},
+}
+
+
+def able_to_fail() -> dict[str, dict[str, int]]:
+    """The checks run on each broken save path (small size)."""
+    out = {}
+    for name, kw in BROKEN.items():
+        r = run("small", **kw)
+        out[name] = {"trials": r["trials"], "failures": r["failures"]}
+    return out
