@@ -24,7 +24,10 @@ HERE = Path(__file__).resolve().parent.parent
 def _commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
             check=False,
         )
         return out.stdout.strip() or "unknown"
@@ -49,11 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", choices=DONE, help="a campaign (repeatable)")
     p.add_argument("--results", type=Path, default=HERE / "docs" / "reliability.json")
     p.add_argument("--doc", type=Path, default=HERE / "docs" / "reliability.md")
+    p.add_argument(
+        "--render", action="store_true", help="only rewrite the page from the stored results"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     results: dict[str, Any] = {}
     if args.results.exists():
         results = json.loads(args.results.read_text())
+    if args.render:
+        args.doc.write_text(render(args.doc.read_text(), results))
+        return 0
     bad = []
     for name in args.only or DONE:
         print(f"stress: {name} ({args.size}) ...", file=sys.stderr, flush=True)

@@ -27,9 +27,9 @@ from unittest import mock
 
 import resumable.worker
 from resumable import Every, Keep
+from resumable.commit import list_committed
 from resumable.storage.base import Buffer
 from resumable.storage.local import LocalStorage
-from resumable.commit import list_committed
 from stress.workload import checkpointer, local, make_state, set_step
 
 SIZES = {"small": {"saves": 200}, "full": {"saves": 10_000}}
@@ -141,7 +141,7 @@ def run(size: str, *, saves: int | None = None, broken: str | None = None) -> di
             for step in range(1, saves + 1):
                 set_step(state, step)
                 ck.save(step)
-                if step == warm or step == saves:
+                if step in (warm, saves):
                     ck.wait()
                     worker = ck.worker_pid
                     sample = _sample(shm, root, worker)
@@ -170,7 +170,9 @@ def run(size: str, *, saves: int | None = None, broken: str | None = None) -> di
             continue
         for key in ("fds", "threads"):
             if end[who][key] != base[who][key]:
-                problems.append(f"{who} {key}: {base[who][key]} after warm-up, {end[who][key]} at end")
+                problems.append(
+                    f"{who} {key}: {base[who][key]} after warm-up, {end[who][key]} at end"
+                )
         grew = end[who]["rss_bytes"] - base[who]["rss_bytes"]
         if grew > RSS_SLACK:
             problems.append(f"{who} resident memory grew by {grew >> 20} MiB")

@@ -62,13 +62,11 @@ _REAL = {
 @dataclass
 class Fault:
     """Fail call number ``at`` (0-based, counting every interposed call inside the
-    root) with ``errno``; with ``sticky``, every later call fails too. ``kinds``
-    restricts which calls count (default all)."""
+    root) with ``errno``; with ``sticky``, every later call fails too."""
 
     errno: int
     at: int
     sticky: bool = False
-    kinds: frozenset[str] | None = None
     injected: list[tuple[int, str, str]] = field(default_factory=list)  # (index, kind, path)
 
 
@@ -153,10 +151,7 @@ class FileOps:
             index = len(self.calls)
             self.calls.append((kind, rel))
             f = self.fault
-            if f is None or (f.kinds is not None and kind not in f.kinds):
-                return
-            counted = index if f.kinds is None else sum(1 for k, _ in self.calls if k in f.kinds) - 1
-            if counted == f.at or (f.sticky and counted > f.at):
+            if f is not None and (index == f.at or (f.sticky and index > f.at)):
                 f.injected.append((index, kind, rel))
                 raise OSError(f.errno, f"{os.strerror(f.errno)} (injected)")
 
@@ -306,7 +301,7 @@ class FileOps:
         rel = self._fd_rel_or_path(path) if isinstance(path, int) else self._rel(path, dir_fd)
         if rel is not None:
             self._call("stat", rel)
-        return _REAL["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)  # type: ignore[no-any-return]
+        return _REAL["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
 
     def _fd_rel_or_path(self, path: Any) -> str | None:
         if isinstance(path, int):

@@ -41,14 +41,13 @@ from typing import Any
 from unittest import mock
 
 import resumable.retrying
-
 from resumable.commit import list_committed
 from resumable.errors import CheckpointError, StorageError
 from resumable.reader import CheckpointReader
 from stress.fsops import ERRNOS, Fault, FileOps
 from stress.workload import checkpointer, local, make_state, set_step
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     "small": {"errnos": ("EIO", "ENOSPC"), "modes": ("once", "sticky"), "stride": 7},
     "full": {"errnos": ("EIO", "ENOSPC"), "modes": ("once", "sticky"), "stride": 1},
     "fsyncs": {"errnos": ("EIO",), "modes": ("once",), "stride": 0},  # able-to-fail runs
@@ -216,8 +215,13 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
                         if len(examples) < 5:
                             call = calls[at] if at < len(calls) else ("?", "?")
                             examples.append(
-                                {"errno": name, "mode": mode, "call": at,
-                                 "at": f"{call[0]} {call[1]}", "problems": verdict["problems"]}
+                                {
+                                    "errno": name,
+                                    "mode": mode,
+                                    "call": at,
+                                    "at": f"{call[0]} {call[1]}",
+                                    "problems": verdict["problems"],
+                                }
                             )
     return {
         "trials": trials,
@@ -228,8 +232,10 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
             "call_kinds": kinds,
             "errnos": list(cfg["errnos"]),
             "modes": list(cfg["modes"]),
-            "calls_tried": "every call" if cfg["stride"] == 1
-            else f"every fsync, and every {cfg['stride']}th call" if cfg["stride"]
+            "calls_tried": "every call"
+            if cfg["stride"] == 1
+            else f"every fsync, and every {cfg['stride']}th call"
+            if cfg["stride"]
             else "every fsync",
             "outcomes": outcomes,
             "failed_but_committed_whole": committed_after_failure,
@@ -248,7 +254,9 @@ def full_disk(mb: int = 8) -> dict[str, Any]:
     try:
         proc = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", mnt],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     except OSError as exc:
         os.rmdir(mnt)

@@ -37,9 +37,7 @@ def summary(results: dict[str, Any]) -> str:
             rows.append(f"| {title} | {status} | | | | | |")
             continue
         caught = r.get("able_to_fail", {})
-        shown = ", ".join(
-            f"{k}: {'yes' if v['failures'] else 'NO'}" for k, v in caught.items()
-        )
+        shown = ", ".join(f"{k}: {'yes' if v['failures'] else 'NO'}" for k, v in caught.items())
         rows.append(
             f"| {title} | {r['size']} | {r['trials']:,} | {r['failures']:,} | "
             f"{r['seconds']:,} | {shown} | `{r['command']}` |"

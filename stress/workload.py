@@ -100,7 +100,7 @@ def broken_commit(kind: str | None) -> Iterator[None]:
     def committer_for(storage: Storage, **kw: Any) -> Any:
         return ManifestFirstCommit(storage, **kw)
 
-    resumable.worker.committer_for = committer_for  # type: ignore[assignment]
+    resumable.worker.committer_for = committer_for
     try:
         yield
     finally:
@@ -109,4 +109,3 @@ def broken_commit(kind: str | None) -> Iterator[None]:
 
 def local(root: str | os.PathLike[str]) -> LocalStorage:
     return LocalStorage(root)
-
