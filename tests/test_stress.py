@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stress import DONE, crashstate, endurance, ioerrors, powerloss
+from stress import DONE, corruption, crashstate, endurance, ioerrors, powerloss
 from stress.__main__ import main
 from stress.fsops import Fault, FileOps
 
@@ -131,6 +131,20 @@ def test_io_error_small_campaign_passes() -> None:
 def test_io_error_checker_catches_a_broken_fsync(broken: str) -> None:
     r = ioerrors.injected("fsyncs", broken=broken)
     assert r["failures"] > 0
+
+
+# --------------------------------------------------------------------------- campaign 4
+
+
+def test_corruption_small_campaign_passes() -> None:
+    r = corruption.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    by_kind = r["details"]["mutations_by_kind"]
+    assert all(v.get("detected", 0) > 0 for v in by_kind.values())
+
+
+def test_corruption_checker_catches_a_reader_that_skips_checksums() -> None:
+    assert corruption.able_to_fail()["checksum not checked"]["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 7
