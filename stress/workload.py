@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,6 +79,7 @@ class ManifestFirstCommit(RenameCommit):
         s.write(f"{attempt.final}/{MANIFEST}", [manifest])
         s.sync_dir(attempt.final)
         s.sync_dir("")
+        time.sleep(0.02)  # a slow copy: a wider window for a kill to land in
         for name in s.list_dir(attempt.staging):
             if name != MANIFEST:
                 s.write(f"{attempt.final}/{name}", [s.read(f"{attempt.staging}/{name}")])

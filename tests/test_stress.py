@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stress import DONE, corruption, crashstate, endurance, ioerrors, powerloss
+from stress import DONE, corruption, crashstate, endurance, ioerrors, kill, powerloss
 from stress.__main__ import main
 from stress.fsops import Fault, FileOps
 
@@ -71,6 +71,19 @@ def test_fileops_fails_the_chosen_call_once(tmp_path: Path) -> None:
     assert err.value.errno == errno.EIO
     assert [op[0] for op in ops.ops] == ["create", "write"]
     assert fault.injected == [(1, "write", "f")]
+
+
+# --------------------------------------------------------------------------- campaign 1
+
+
+def test_kill_small_campaign_passes() -> None:
+    r = kill.run("small")
+    assert r["failures"] == 0, r["details"]["problems"]
+    assert r["details"]["restores"]["committed or newer"] > 0
+
+
+def test_kill_checker_catches_a_manifest_written_first() -> None:
+    assert kill.able_to_fail()["manifest written first"]["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 2
