@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stress import DONE, corruption, crashstate, endurance, ioerrors, kill, powerloss
+from stress import DONE, corruption, crashstate, endurance, hostile, ioerrors, kill, powerloss
 from stress.__main__ import main
 from stress.fsops import Fault, FileOps
 
@@ -158,6 +158,19 @@ def test_corruption_small_campaign_passes() -> None:
 
 def test_corruption_checker_catches_a_reader_that_skips_checksums() -> None:
     assert corruption.able_to_fail()["checksum not checked"]["failures"] > 0
+
+
+# --------------------------------------------------------------------------- campaign 5
+
+
+def test_hostile_small_campaign_passes() -> None:
+    r = hostile.run("small")
+    assert r["failures"] == 0, {k: v["examples"] for k, v in r["details"]["targets"].items()}
+    assert r["trials"] == sum(hostile.SIZES["small"].values())
+
+
+def test_hostile_checker_catches_broken_parsers() -> None:
+    assert all(v["failures"] > 0 for v in hostile.able_to_fail().values())
 
 
 # --------------------------------------------------------------------------- campaign 7
