@@ -106,6 +106,8 @@ class FileOps:
         # scratch (created or truncated) since: their data may be gone whatever a later
         # fsync says.
         self.poisoned: set[tuple[int, int]] = set()
+        # Names created, or renamed into place, whose directory was not synced since.
+        self.unsynced: set[str] = set()
         self._fds: dict[int, tuple[str, int]] = {}  # fd -> (relative path, open flags)
         self._lock = threading.RLock()
 
@@ -186,6 +188,7 @@ class FileOps:
                 self.poisoned.discard((st.st_dev, st.st_ino))
             if not existed:
                 self._op("create", rel)
+                self.unsynced.add(rel)
             if flags & os.O_TRUNC and existed and stat.S_ISREG(os.fstat(fd).st_mode):
                 self._op("truncate", rel)
         return fd
@@ -226,6 +229,9 @@ class FileOps:
             self.skipped.append(("fsync", rel))
             return
         _REAL["fsync"](fd)
+        if is_dir:
+            with self._lock:
+                self.unsynced = {p for p in self.unsynced if os.path.dirname(p) != rel}
         self._op("fsync", rel, is_dir)
 
     def _close(self, fd: int) -> None:
@@ -241,6 +247,8 @@ class FileOps:
         _REAL["mkdir"](path, mode, dir_fd=dir_fd)
         if rel is not None:
             self._op("mkdir", rel)
+            with self._lock:
+                self.unsynced.add(rel)
 
     def _rename(
         self, src: Any, dst: Any, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
@@ -251,6 +259,10 @@ class FileOps:
         _REAL["rename"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         if s is not None and d is not None:
             self._op("rename", s, d)
+            with self._lock:
+                moved = {p for p in self.unsynced if p == s or p.startswith(s + "/")}
+                self.unsynced -= moved
+                self.unsynced |= {d + p[len(s) :] for p in moved if p != s} | {d}
 
     def _unlink(self, path: Any, *, dir_fd: int | None = None) -> None:
         rel = self._rel(path, dir_fd)
@@ -259,6 +271,8 @@ class FileOps:
         _REAL["unlink"](path, dir_fd=dir_fd)
         if rel is not None:
             self._op("unlink", rel)
+            with self._lock:
+                self.unsynced.discard(rel)
 
     def _rmdir(self, path: Any, *, dir_fd: int | None = None) -> None:
         rel = self._rel(path, dir_fd)
@@ -267,6 +281,10 @@ class FileOps:
         _REAL["rmdir"](path, dir_fd=dir_fd)
         if rel is not None:
             self._op("rmdir", rel)
+            with self._lock:
+                self.unsynced = {
+                    p for p in self.unsynced if p != rel and not p.startswith(rel + "/")
+                }
 
     def _link(
         self,

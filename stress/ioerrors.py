@@ -10,7 +10,10 @@ call failing. Each trial is judged:
 - the save either raises a `CheckpointError` (a clean failure) or returns (a transient
   error is retried by the library, as a whole new attempt). It is a false commit if a
   listed checkpoint holds a file whose ``fsync`` failed and that was not written again
-  from scratch since, or if an ``fsync`` of a descriptor is tried again after it failed
+  from scratch since, if the save returned while a name of the new checkpoint (its
+  directory in the root, its files in it) was created or renamed into place and its
+  directory not synced since, or if an ``fsync`` of a descriptor is
+  tried again after it failed
   (a retry that reports a false success: the kernel may have dropped the dirty pages);
 - whatever the outcome, every listed checkpoint verifies (a step-3 checkpoint listed
   after a failed save must be whole), step 2 stays listed and valid, and a fresh
@@ -124,6 +127,14 @@ def trial(base: str, work: str, fault: Fault | None, broken: str | None = None) 
         problems.append(f"false commit: fsync retried after it failed on {ops.fsync_after_failure}")
     storage = local(work)
     listed = list_committed(storage)
+    final = f"step-{STEP:012d}"
+    if raised is None:
+        loose = sorted(p for p in ops.unsynced if p == final or p.startswith(final + "/"))
+        if loose:
+            problems.append(
+                f"false commit: the save returned, but the directory entries of {loose} "
+                "were never synced"
+            )
     for step in listed:
         for d, _, files in os.walk(os.path.join(work, f"step-{step:012d}")):
             for f in files:
