@@ -36,13 +36,14 @@ def _commit() -> str:
 
 
 def run_one(name: str, size: str) -> dict[str, Any]:
+    commit = _commit()  # the code that runs, not what HEAD is when it ends
     module = importlib.import_module(f"stress.{name}")
     result: dict[str, Any] = module.run(size)
     result["able_to_fail"] = module.able_to_fail()
     result["size"] = size
     result["command"] = COMMAND.format(size=size, name=name)
     result["when"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    result["commit"] = _commit()
+    result["commit"] = commit
     return result
 
 
