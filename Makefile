@@ -12,7 +12,7 @@ AZURITE := azurite@3.35.0
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-tf lint typecheck docs campaign bench bench-peers-env bench-s3fs-env clean
+.PHONY: install demo test test-tf lint typecheck docs campaign stress bench bench-peers-env bench-s3fs-env clean
 
 # $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
@@ -47,8 +47,8 @@ demo: $(DEMO_STAMP)
 	$(PY) examples/demo_kill_resume.py --dir runs/demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py
-	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py stress
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -59,8 +59,8 @@ docs: $(STAMP)
 	$(PY) docs/build_api.py --out build/api
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py
-	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py stress
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/mypy
 	$(PY) docs/build_api.py --out build/api
 	$(PY) -m pytest -q -m "not slow and not gpu"
@@ -76,6 +76,12 @@ test-tf:
 	$(VENV_TF)/bin/pip install -q torch==2.13.0 tensorflow-cpu keras pytest pytest-timeout
 	$(VENV_TF)/bin/pip install -q -e .
 	$(VENV_TF)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_keras_tf.py
+
+# The reliability campaigns of stress/ at full size (a short version of each runs in
+# `make test`): writes docs/reliability.json and the figures of docs/reliability.md.
+# STRESS_ARGS picks some: STRESS_ARGS="--only powerloss --only endurance".
+stress: $(STAMP)
+	$(PY) -m stress --size full $(STRESS_ARGS)
 
 bench: $(STAMP)
 	-$(MAKE) bench-peers-env

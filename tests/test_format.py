@@ -31,6 +31,7 @@ from resumable.format import (
     dtype_name,
     encode_manifest,
     manifest_digest,
+    parse_safetensors_header,
     plan_layout,
 )
 from resumable.reader import CheckpointReader
@@ -373,6 +374,37 @@ def test_non_standard_json_constants_are_refused(constant: bytes) -> None:
     json.loads(blob)  # Python's json would accept it ...
     with pytest.raises(CorruptCheckpointError, match="non-standard JSON constant"):
         decode_manifest(blob, where="t")  # ... the manifest reader does not
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
+def test_manifest_not_in_utf8_is_refused(encoding: str) -> None:
+    """The spec says UTF-8; json.loads alone would take UTF-16/32 bytes (and import a
+    codec module to read them). Found by stress/hostile.py."""
+    blob = encode_manifest(small_manifest()).decode().encode(encoding)
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        decode_manifest(blob, where="t")
+
+
+def _header_blob(header: dict[str, Any]) -> bytes:
+    body = json.dumps(header).encode()
+    return len(body).to_bytes(8, "little") + body
+
+
+@pytest.mark.parametrize("dtype", [{"a": 1}, ["F32"], None, 3])
+def test_safetensors_header_with_a_dtype_that_is_not_a_string_is_corrupt(dtype: Any) -> None:
+    """An unhashable dtype raised TypeError (not a project error: restore did not fall
+    back). Found by stress/hostile.py."""
+    blob = _header_blob({"t": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}})
+    with pytest.raises(CorruptCheckpointError, match="known dtype"):
+        parse_safetensors_header(blob, len(blob) + 4)
+
+
+def test_safetensors_header_not_in_utf8_is_corrupt() -> None:
+    body = json.dumps({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})
+    raw = body.encode("utf-16-le")
+    blob = len(raw).to_bytes(8, "little") + raw
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        parse_safetensors_header(blob, len(blob) + 4)
 
 
 # --------------------------------------------------------------------------- dtypes

@@ -289,9 +289,13 @@ class RenameCommit:
 
     def delete(self, step: int) -> None:
         """Remove a committed checkpoint: first renamed aside (atomically un-committed),
-        then deleted, so a crash midway never leaves a listed but damaged checkpoint."""
+        the root synced so that the rename is durable, then deleted, so a crash midway
+        never leaves a listed but damaged checkpoint. (Without the sync, a power loss
+        may keep the unlinks inside the renamed directory and lose the rename itself:
+        ``step-N`` back, with its data gone and its manifest still there.)"""
         trash = f".trash-{step_dir(step)}.{os.getpid()}.{secrets.token_hex(4)}"
         self.storage.rename_dir(step_dir(step), trash)
+        self.storage.sync_dir("")
         self.storage.delete(trash)
 
     def abort(self, attempt: Attempt) -> None:

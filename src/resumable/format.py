@@ -189,7 +189,8 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
     if n > MAX_SAFETENSORS_HEADER or 8 + n > file_size or len(prefix) < 8 + n:
         raise CorruptCheckpointError(f"safetensors header length {n} is out of bounds")
     try:
-        header = json.loads(prefix[8 : 8 + n])
+        # Decoded as UTF-8 here: json.loads would take bytes in UTF-16 or -32 as well.
+        header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
     except RecursionError:
         raise CorruptCheckpointError("safetensors header is nested too deeply") from None
     except ValueError as exc:
@@ -204,7 +205,8 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
         if name == "__metadata__":
             continue
         bad = f"safetensors header entry {name[:100]!r}"
-        if not isinstance(entry, dict) or entry.get("dtype") not in _ITEMSIZE:
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise CorruptCheckpointError(f"{bad} is not an object with a known dtype")
         offsets = entry.get("data_offsets")
         if not _shape_ok(entry.get("shape"), _ITEMSIZE[entry["dtype"]]) or not (
@@ -320,7 +322,8 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: manifest of {len(data)} bytes is too large")
     try:
-        m = json.loads(data, parse_constant=_reject_constant)
+        # Decoded as UTF-8 here: json.loads would take bytes in UTF-16 or -32 as well.
+        m = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     except RecursionError:

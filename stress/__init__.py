@@ -1,0 +1,31 @@
+"""Reliability campaigns (issue 14): evidence at scale that a save commits atomically,
+survives kills, power loss, I/O errors and corruption, and leaks nothing.
+
+One module per campaign, each with ``run(size) -> result`` (``trials``, ``failures``,
+``seconds``, ``details``; ``size`` is ``"small"``, run by `make test` through
+``tests/test_stress.py``, or ``"full"``, run by ``make stress``) and ``able_to_fail()``:
+the same checks run on deliberately broken save paths, which they must catch.
+
+``python -m stress --size full`` runs them, writes the raw results to
+``docs/reliability.json`` and rewrites the generated parts of ``docs/reliability.md``
+from it (`stress.report`); no figure in that page is typed by hand.
+
+Shared machinery: `stress.fsops` (interposes on the ``os`` calls of a local save to
+record, fail or skip them), `stress.crashstate` (what a power loss can leave),
+`stress.workload` (the job every campaign checkpoints, and broken commit strategies).
+"""
+
+from __future__ import annotations
+
+CAMPAIGNS = {
+    "kill": "1. kill -9 at random moments",
+    "powerloss": "2. Power-loss replay",
+    "ioerrors": "3. I/O errors",
+    "corruption": "4. Corruption",
+    "hostile": "5. Hostile inputs",
+    "objectstore": "6. Object storage faults",
+    "endurance": "7. Endurance",
+}
+"""Every campaign of the issue, in its order; those without a module are not done yet."""
+
+DONE = ("kill", "powerloss", "ioerrors", "corruption", "hostile", "endurance")

@@ -1,0 +1,218 @@
+"""The reliability campaigns of `stress/` (issue 14), short versions: each must pass on
+the library's save path and fail on a deliberately broken one. `make stress` runs the
+full sizes and writes docs/reliability.md."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from stress import DONE, corruption, crashstate, endurance, hostile, ioerrors, kill, powerloss
+from stress.__main__ import main
+from stress.fsops import Fault, FileOps
+
+from resumable.commit import RenameCommit, step_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------- the model
+
+
+def test_crash_model_loses_unsynced_entries_and_keeps_synced_ones() -> None:
+    model = crashstate.FsModel({})
+    for op in [
+        ("mkdir", "d"),
+        ("create", "d/f"),
+        ("write", "d/f", 0, b"x" * 5000),
+        ("fsync", "d/f", False),
+        ("fsync", "d", True),
+        ("rename", "d", "e"),
+    ]:
+        model.apply(op)
+    states = {crashstate.fingerprint(model.crash_state(c)) for c in model.choices(_rng(), 8)}
+    lost = model.crash_state(crashstate.Choice(((0, 0),), ()))
+    kept = model.crash_state(crashstate.Choice(((0, 2),), ()))
+    assert lost == {} and kept == {"e": None, "e/f": b"x" * 5000}
+    assert len(states) == 3  # nothing, only d (mkdir), e (mkdir + rename, atomically)
+
+
+def test_crash_model_tears_unsynced_bytes_at_pages() -> None:
+    model = crashstate.FsModel({"f": b"a" * 8192})
+    model.apply(("write", "f", 0, b"b" * 10000))
+    ino = model.volatile()[1][0].ino
+    f = {
+        m: model.crash_state(crashstate.Choice((), ((ino, m, 1),)))["f"]
+        for m in crashstate.FILE_MODES
+    }
+    assert f["synced"] == b"a" * 8192 and f["all"] == b"b" * 10000
+    assert f["torn"] == b"b" * 4096 + b"a" * 4096 + bytes(10000 - 8192)
+    assert f["zeros"] == b"a" * 8192 + bytes(10000 - 8192)
+
+
+def _rng() -> Any:
+    import random
+
+    return random.Random(0)
+
+
+def test_fileops_fails_the_chosen_call_once(tmp_path: Path) -> None:
+    fault = Fault(errno.EIO, at=1)
+    with FileOps(tmp_path, fault=fault).active() as ops:
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError) as err:
+            os.write(fd, b"abc")
+        os.write(fd, b"abc")
+        os.close(fd)
+    assert err.value.errno == errno.EIO
+    assert [op[0] for op in ops.ops] == ["create", "write"]
+    assert fault.injected == [(1, "write", "f")]
+
+
+# --------------------------------------------------------------------------- campaign 1
+
+
+def test_kill_small_campaign_passes() -> None:
+    r = kill.run("small")
+    assert r["failures"] == 0, r["details"]["problems"]
+    assert r["details"]["restores"]["committed or newer"] > 0
+
+
+def test_kill_checker_catches_a_manifest_written_first() -> None:
+    assert kill.able_to_fail()["manifest written first"]["failures"] > 0
+
+
+# --------------------------------------------------------------------------- campaign 2
+
+
+def test_power_loss_small_campaign_passes() -> None:
+    r = powerloss.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    assert r["trials"] > 100 and r["details"]["restores_checked"] >= 1
+
+
+@pytest.mark.parametrize("broken", list(powerloss.BROKEN))
+def test_power_loss_checker_catches_a_broken_save_path(broken: str) -> None:
+    r = powerloss.run("small", **powerloss.BROKEN[broken])
+    assert r["failures"] > 0
+
+
+def _replay_retention(tmp_path: Path) -> dict[str, Any]:
+    root = tmp_path / "root"
+    root.mkdir()
+    ops, expected = powerloss.record(str(root), 3, listdir_order="reversed")
+    assert any(op[0] == "rename" and op[1] == step_dir(1) for op in ops)  # retention ran
+    return powerloss.replay(ops, expected, variants=8, restore_every=0)
+
+
+def test_retention_delete_survives_power_loss_in_any_listing_order(tmp_path: Path) -> None:
+    """Regression: retention renamed a checkpoint aside and deleted its files without
+    syncing the root between; a power loss could keep the unlinks (data file first, in
+    this listing order) and lose the rename, listing step 1 without its data."""
+    assert _replay_retention(tmp_path)["problem_counts"] == {}
+
+
+def test_retention_delete_without_the_root_sync_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def delete_unsynced(self: RenameCommit, step: int) -> None:  # the code before the fix
+        trash = f".trash-{step_dir(step)}.{os.getpid()}.00000000"
+        self.storage.rename_dir(step_dir(step), trash)
+        self.storage.delete(trash)
+
+    monkeypatch.setattr(RenameCommit, "delete", delete_unsynced)
+    assert _replay_retention(tmp_path)["problem_counts"].get("torn", 0) > 0
+
+
+# --------------------------------------------------------------------------- campaign 3
+
+
+def test_io_error_small_campaign_passes() -> None:
+    r = ioerrors.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    assert r["details"]["outcomes"].get("StorageError", 0) > 0
+    disk = r["details"]["full_disk"]
+    if "skipped" not in disk:
+        assert disk["failed_saves"] > 0 and disk["committed"] > 0 and not disk["problems"]
+
+
+@pytest.mark.parametrize("broken", ioerrors.BROKEN)
+def test_io_error_checker_catches_a_broken_fsync(broken: str) -> None:
+    r = ioerrors.injected("fsyncs", broken=broken)
+    assert r["failures"] > 0
+
+
+# --------------------------------------------------------------------------- campaign 4
+
+
+def test_corruption_small_campaign_passes() -> None:
+    r = corruption.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    by_kind = r["details"]["mutations_by_kind"]
+    assert all(v.get("detected", 0) > 0 for v in by_kind.values())
+
+
+def test_corruption_checker_catches_a_reader_that_skips_checksums() -> None:
+    assert corruption.able_to_fail()["checksum not checked"]["failures"] > 0
+
+
+# --------------------------------------------------------------------------- campaign 5
+
+
+def test_hostile_small_campaign_passes() -> None:
+    r = hostile.run("small")
+    assert r["failures"] == 0, {k: v["examples"] for k, v in r["details"]["targets"].items()}
+    assert r["trials"] == sum(hostile.SIZES["small"].values())
+
+
+def test_hostile_checker_catches_broken_parsers() -> None:
+    assert all(v["failures"] > 0 for v in hostile.able_to_fail().values())
+
+
+# --------------------------------------------------------------------------- campaign 7
+
+
+def test_endurance_small_campaign_passes() -> None:
+    r = endurance.run("small")
+    assert r["failures"] == 0, r["details"]["problems"]
+    assert r["details"]["at_end"]["checkpoints"] == endurance.KEEP
+
+
+@pytest.mark.parametrize("broken", endurance.BROKEN)
+def test_endurance_checker_catches_a_leaking_save_path(broken: str) -> None:
+    assert endurance.run("small", saves=60, broken=broken)["failures"] > 0
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+def test_runner_writes_results_and_the_page(tmp_path: Path) -> None:
+    doc = tmp_path / "reliability.md"
+    shutil.copy(REPO / "docs" / "reliability.md", doc)
+    results = tmp_path / "results.json"
+    assert (
+        main(
+            ["--size", "small", "--only", "powerloss", "--results", str(results), "--doc", str(doc)]
+        )
+        == 0
+    )
+    r = json.loads(results.read_text())["powerloss"]
+    text = doc.read_text()
+    assert f"**{r['trials']:,} trials, 0 failures**" in text
+    assert "python -m stress --size small --only powerloss" in text
+    assert all(f"<!-- stress:{name}:begin -->" in text for name in DONE)
+
+
+def test_published_page_matches_its_results() -> None:
+    """docs/reliability.md is what `python -m stress` renders from docs/reliability.json."""
+    from stress.report import render
+
+    results = REPO / "docs" / "reliability.json"
+    if not results.exists():
+        pytest.skip("no results yet: run make stress")
+    text = (REPO / "docs" / "reliability.md").read_text()
+    assert render(text, json.loads(results.read_text())) == text
