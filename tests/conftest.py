@@ -29,6 +29,12 @@ import resumable
 
 pytest_plugins = ("s3server", "cloudservers")  # SeaweedFS (S3), fake-gcs-server, Azurite
 
+# ``progress`` audit notes come at a launch's first step, then every few seconds of wall
+# time, then at close: in tests only the first and the last (subprocesses inherit it), so
+# that a check of the audit log's events does not depend on how loaded the machine is.
+# Tests of the notes themselves set their own interval.
+os.environ.setdefault("RESUMABLE_PROGRESS_EVERY_S", "3600")
+
 DATA_FILE = "rank-00000.safetensors"
 MANIFEST_FILE = "manifest.json"
 
