@@ -130,6 +130,34 @@ def test_signal_sets_should_stop_and_restores_handlers(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
+def test_reclaim_signals_wins_over_a_later_handler_and_close_restores_the_first(
+    tmp_path: Path,
+) -> None:
+    """A framework installing its own handler after the Checkpointer (Lightning's SIGTERM
+    handler) would see the signal instead; ``reclaim_signals`` takes it back, and close
+    restores what was there before the Checkpointer, not the framework's handler."""
+    before = signal.getsignal(signal.SIGUSR1)
+    framework_saw: list[int] = []
+    state = small_state()
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        state,
+        persist="sync",
+        persist_every=resumable.Every(steps=100),
+        preemption=resumable.Preemption(signals=("SIGUSR1",), exit=False),
+    )
+    signal.signal(signal.SIGUSR1, lambda signum, frame: framework_saw.append(signum))
+    ck.reclaim_signals()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    train(state)
+    assert ck.maybe_save(1) is True and ck.should_stop and ck.steps() == [1]
+    assert framework_saw == []
+    ck.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with pytest.raises(resumable.CheckpointError):
+        ck.reclaim_signals()  # closed
+
+
 def test_exit_raises_systemexit_with_requeue_code(tmp_path: Path) -> None:
     state = small_state()
     ck = resumable.Checkpointer(

@@ -460,6 +460,16 @@ class Checkpointer:
             log.warning("exiting with code %d for requeue", config.exit_code)
             raise SystemExit(config.exit_code)
 
+    def reclaim_signals(self) -> None:
+        """Install the preemption signal handlers again, over handlers a framework
+        installed after this `Checkpointer` was opened (Lightning installs its own SIGTERM
+        handler when ``fit`` starts, and would otherwise end training with exit code 0
+        before the emergency checkpoint). `close` still restores the handlers that were
+        there before the `Checkpointer`. A no-op without ``preemption=``."""
+        self._check_open()
+        if self._emergency is not None:
+            self._emergency.reclaim_signals()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending persist committed (and, with a mirror, was
         uploaded); raise `PersistError` if one failed."""

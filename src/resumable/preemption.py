@@ -109,6 +109,14 @@ class PreemptionMonitor:
         for watcher in self.config.watchers:
             watcher.start(self.notice)
 
+    def reclaim(self) -> None:
+        """Install the handlers again over ones installed after ours (a framework's own),
+        without changing what `uninstall` restores. Main thread only; elsewhere a no-op."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self._previous:
+            signal.signal(signum, self._handle)
+
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
             try:

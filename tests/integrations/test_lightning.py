@@ -241,6 +241,42 @@ def test_sigterm_then_sigkill_end_bit_identical(tmp_path: Path, example_referenc
     assert run_to_end(cmd) == example_reference
 
 
+SIGTERM_AFTER_OUR_HOOK = """
+import os, signal, sys
+sys.path.insert(0, {examples!r})
+import lightning_mlp
+
+class Late(lightning_mlp.MLP):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # after every callback's hook of this step (ResumableCheckpoint's included) and
+        # before the loop's end-of-step check: the moment where Lightning's own SIGTERM
+        # flag used to win, ending fit with exit code 0 and no emergency checkpoint
+        if self.trainer.global_step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+lightning_mlp.MLP = Late
+lightning_mlp.main(sys.argv[1:])
+"""
+
+
+def test_sigterm_after_the_checkpoint_hook_still_requeues(
+    tmp_path: Path, example_reference: str
+) -> None:
+    """A SIGTERM landing between ResumableCheckpoint's batch-end hook and Lightning's own
+    check: the emergency checkpoint is taken at the next boundary (step 8) and the job
+    exits with the requeue code, not 0; the relaunch ends bit-identical."""
+    script = tmp_path / "late_sigterm.py"
+    script.write_text(SIGTERM_AFTER_OUR_HOOK.format(examples=str(EXAMPLE.parent)))
+    args = ["--dir", str(tmp_path / "run"), "--steps", "36", "--preempt", *PERSIST_NEVER]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                          text=True, timeout=240, check=False, env=env)  # fmt: skip
+    assert proc.returncode == resumable.REQUEUE_EXIT_CODE, proc.stderr[-3000:]
+    assert "final step" not in proc.stdout
+    assert steps_in(tmp_path / "run") == [8]
+    assert run_to_end(example(tmp_path / "run", "--preempt", *PERSIST_NEVER)) == example_reference
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_sigkilled_at_random_moments_ends_bit_identical(

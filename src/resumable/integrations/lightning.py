@@ -287,6 +287,11 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
                     "Trainer(use_distributed_sampler=False), or pass num_replicas= and rank="
                 )
         self._rng.apply()
+        if self.checkpointer is not None:
+            # Lightning installed its SIGTERM handler after the Checkpointer's: its flag
+            # would end fit (SIGTERMException, exit code 0) at the step boundary before
+            # ours, with no emergency checkpoint of that step and no requeue exit code.
+            self.checkpointer.reclaim_signals()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int

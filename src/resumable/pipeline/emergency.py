@@ -39,6 +39,9 @@ class Emergency:
     def config(self) -> Preemption:
         return self.monitor.config
 
+    def reclaim_signals(self) -> None:
+        self.monitor.reclaim()
+
     def requested(self) -> bool:
         """Whether any rank was asked to stop (the same answer on every rank)."""
         return self.group.any(self.monitor.requested)
