@@ -18,9 +18,13 @@ that did not. Prints one line per configuration.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
+import platform
+import re
 import shutil
+import sys
 import statistics
 import time
 import warnings
@@ -193,6 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--gpt2-embd", type=int, default=256, help="GPT-2 width (256)")
     p.add_argument("--only", choices=["lightning", "keras", "transformers"], action="append")
+    p.add_argument(
+        "--docs",
+        type=Path,
+        metavar="MD",
+        help="rewrite the <!-- measure_stall:begin/end --> block of this page with the table",
+    )
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -211,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     gpt2 = 4 * 12 * a.gpt2_embd**2 + (512 + 64) * a.gpt2_embd
     print(f"GPT-2: {gpt2 / 1e6:.1f} M parameters, ~{gpt2 * 12 / 2**20:.0f} MiB with AdamW state")
+    rows: list[tuple[str, str, float, float, float]] = []
+    load_before = os.getloadavg()[0]
     for framework, run, kind in runs:
         if a.only and framework not in a.only:
             continue
@@ -224,7 +236,62 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"{framework:10s} {kind:20s} step {base * 1e3:6.1f} ms  stall per checkpoint: "
               f"mean {mean * 1e3:6.1f} ms, median {median * 1e3:6.1f} ms", flush=True)  # fmt: skip
+        rows.append((framework, kind, base, mean, median))
         shutil.rmtree(root, ignore_errors=True)
+    if a.docs is not None:
+        text = a.docs.read_text()
+        block = docs_block(a, rows, load_before, os.getloadavg()[0], argv)
+        begin, end = "<!-- measure_stall:begin -->", "<!-- measure_stall:end -->"
+        pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"{a.docs} has no {begin} ... {end} block")
+        a.docs.write_text(pattern.sub(lambda _: f"{begin}\n{block}\n{end}", text))
+        print(f"rewrote the measure_stall block of {a.docs}")
+
+
+LABELS = {
+    ("lightning", "ModelCheckpoint"): "`ModelCheckpoint(every_n_train_steps={every})`",
+    ("lightning", "ResumableCheckpoint"): "`ResumableCheckpoint(persist_every=Every(steps={every}))`",
+    ("keras", "ModelCheckpoint"): "`ModelCheckpoint(save_freq={every})` (`.keras` file)",
+    ("keras", "ResumableCallback"): "`ResumableCallback(save_freq={every})`",
+    ("transformers", "Trainer(save_steps)"): "`Trainer` (`save_steps={every}`, safetensors)",
+    ("transformers", "ResumableTrainer"): "`ResumableTrainer` (`save_steps={every}`)",
+}
+NAMES = {"lightning": "Lightning", "keras": "Keras", "transformers": "Transformers"}
+
+
+def docs_block(
+    a: argparse.Namespace,
+    rows: list[tuple[str, str, float, float, float]],
+    load_before: float,
+    load_after: float,
+    argv: list[str] | None,
+) -> str:
+    """The generated part of the page: how it was run, then one row per configuration."""
+    import transformers
+
+    args = " ".join(sys.argv[1:] if argv is None else argv)
+    mib = 4 * a.width * a.width * 4 * 3 / 2**20
+    gpt2 = 4 * 12 * a.gpt2_embd**2 + (512 + 64) * a.gpt2_embd
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"Written by `python examples/integrations/measure_stall.py {args}` on {when}: "
+        f"{os.cpu_count()} CPUs ({platform.machine()}), load average {load_before:.1f} before "
+        f"and {load_after:.1f} after; torch {torch.__version__}, lightning {L.__version__}, "
+        f"keras {keras.__version__}, transformers {transformers.__version__}. MLP "
+        f"{4 * a.width * a.width / 1e6:.1f} M parameters (~{mib:.0f} MiB with Adam state), "
+        f"GPT-2 {gpt2 / 1e6:.1f} M parameters (~{gpt2 * 12 / 2**20:.0f} MiB with AdamW "
+        f"state); {a.steps} steps, a checkpoint every {a.every}. One run per row, not a "
+        "benchmark with repeats.",
+        "",
+        "| Framework | Checkpointing | Step (median) | Stall per checkpoint, mean | median |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for framework, kind, base, mean, median in rows:
+        label = LABELS.get((framework, kind), kind).format(every=a.every)
+        stall_cells = "— | —" if kind == "none" else f"{mean * 1e3:.1f} ms | {median * 1e3:.1f} ms"
+        lines.append(f"| {NAMES[framework]} | {label} | {base * 1e3:.1f} ms | {stall_cells} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

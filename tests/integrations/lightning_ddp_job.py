@@ -12,6 +12,8 @@ step, the restored step and the sha256 of its parameters and optimizer state.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,11 +36,24 @@ class DDPMLP(MLP):
     def train_dataloader(self) -> Any:
         return ResumableDataLoader(data(), batch_size=4, shuffle=True, seed=0)
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # ``PREEMPT_AT``: rank 0 alone is sent SIGTERM after every callback's hook of that
+        # step (ours included), where Lightning's own SIGTERM flag used to end fit first
+        if self.trainer.global_rank == 0 and self.trainer.global_step == PREEMPT_AT:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+PREEMPT_AT = int(os.environ.get("PREEMPT_AT", "0"))
+
 
 def main(root: str, out: str, crash_at: int | None) -> None:
     torch.manual_seed(0)
     model = DDPMLP()
-    callback = ResumableCheckpoint(root, persist="sync", persist_every=resumable.Every(steps=1))
+    preemption = resumable.Preemption(grace_seconds=60) if PREEMPT_AT else None
+    every = 1000 if PREEMPT_AT else 1  # preempted: the emergency checkpoint is the only one
+    callback = ResumableCheckpoint(
+        root, persist="sync", persist_every=resumable.Every(steps=every), preemption=preemption
+    )
     callbacks: list[L.Callback] = [callback] + ([Crash(crash_at)] if crash_at else [])
     trainer = L.Trainer(
         max_steps=STEPS,
@@ -55,19 +70,25 @@ def main(root: str, out: str, crash_at: int | None) -> None:
         deterministic=True,
     )
     error = None
+    exit_code = None
     try:
         trainer.fit(model, ckpt_path="last")
     except RuntimeError as exc:
         error = str(exc)
+    except SystemExit as exc:  # the preemption's requeue exit
+        exit_code = exc.code
     result = {
+        "exit_code": exit_code,
         "rank": trainer.global_rank,
         "error": error,
         "restored_step": callback.restored_step,
         "global_step": trainer.global_step,
         "seen": model.seen,
-        "digest": digest(trainer, model) if error is None else None,
+        "digest": digest(trainer, model) if error is None and exit_code is None else None,
     }
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if exit_code is not None:
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":

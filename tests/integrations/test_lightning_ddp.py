@@ -35,7 +35,9 @@ pytestmark = [
 ]
 
 
-def launch(root: Path, out: Path, crash_at: int | None = None) -> list[dict[str, Any]]:
+def launch(
+    root: Path, out: Path, crash_at: int | None = None, preempt_at: int | None = None
+) -> list[dict[str, Any]]:
     """Both ranks' reports of one ``torchrun --nproc-per-node=2`` launch of the job."""
     out.mkdir(parents=True)
     cmd = [
@@ -43,6 +45,8 @@ def launch(root: Path, out: Path, crash_at: int | None = None) -> list[dict[str,
         str(JOB), str(root), str(out), *([str(crash_at)] if crash_at else []),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    if preempt_at is not None:
+        env["PREEMPT_AT"] = str(preempt_at)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,
@@ -84,4 +88,23 @@ def test_an_interrupted_ddp_fit_resumes_bit_identical_on_both_ranks(
         assert run["error"] is None
         assert run["restored_step"] == resumed_from
         assert run["seen"] == [s for s in ref["seen"] if s[1] >= resumed_from]
+        assert run["digest"] == ref["digest"]
+
+
+def test_sigterm_to_one_rank_checkpoints_both_and_resumes_bit_identical(
+    tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    """SIGTERM to rank 0 alone, after every hook of step 8 (where Lightning's own handler
+    used to end fit with exit code 0): both ranks agree, checkpoint step 9 together and
+    exit with the requeue code; the relaunch (no preemption) ends bit-identical."""
+    root = tmp_path / "root"
+    preempted = launch(root, tmp_path / "preempted", preempt_at=8)
+    assert [r["exit_code"] for r in preempted] == [75, 75]
+    assert [r["global_step"] for r in preempted] == [9, 9]
+    assert sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")) == [9]
+    resumed = launch(root, tmp_path / "resumed")
+    for ref, run in zip(reference, resumed, strict=True):
+        assert run["error"] is None and run["exit_code"] is None
+        assert run["restored_step"] == 9
+        assert run["seen"] == [s for s in ref["seen"] if s[1] >= 9]
         assert run["digest"] == ref["digest"]
