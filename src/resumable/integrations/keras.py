@@ -17,11 +17,13 @@ so a mid-epoch backup reruns the whole epoch. Keras has no way to start ``fit`` 
 epoch; what it allows is an input that knows its position: with ``x=loader`` (a
 `ResumableDataLoader`) the resumed epoch reads only its remaining batches, so a
 mid-epoch checkpoint resumes exactly (Keras warns once that the input "ran out of data":
-it expected a whole epoch). Without ``loader=`` there is no mid-epoch position to
-restore, so checkpoints are taken at epoch ends only and ``save_freq`` must be
-``"epoch"``. The restore itself happens in ``on_train_begin``, where ``BackupAndRestore``
-restores (the model and optimizer are built by then), through the backend-neutral
-state tree; tested on the torch and the TensorFlow backend.
+it expected a whole epoch; on TensorFlow, the call that finds it exhausted still changes
+variables, which the callback puts back: `ResumableCallback._hold_variables`). Without
+``loader=`` there is no mid-epoch position to restore, so checkpoints are taken at epoch
+ends only and ``save_freq`` must be ``"epoch"``. The restore itself happens in
+``on_train_begin``, where ``BackupAndRestore`` restores (the model and optimizer are built
+by then), through the backend-neutral state tree; tested on the torch and the TensorFlow
+backend.
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ class ResumableCallback(keras.callbacks.Callback):
 
     Steps are the optimizer's ``iterations`` (batches trained, over all epochs).
     Call order (Keras', on the training thread): ``on_train_begin`` (open, restore, set
-    the initial epoch), ``on_train_batch_end`` / ``on_epoch_end`` (saves),
+    the initial epoch), ``on_train_batch_end`` / ``on_epoch_end`` (saves; after a resumed
+    epoch's extra step, ``on_test_begin`` or ``on_epoch_end`` puts the variables back),
     ``on_train_end`` (final save, wait, close).
     """
 
