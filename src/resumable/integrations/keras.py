@@ -17,11 +17,13 @@ so a mid-epoch backup reruns the whole epoch. Keras has no way to start ``fit`` 
 epoch; what it allows is an input that knows its position: with ``x=loader`` (a
 `ResumableDataLoader`) the resumed epoch reads only its remaining batches, so a
 mid-epoch checkpoint resumes exactly (Keras warns once that the input "ran out of data":
-it expected a whole epoch). Without ``loader=`` there is no mid-epoch position to
-restore, so checkpoints are taken at epoch ends only and ``save_freq`` must be
-``"epoch"``. The restore itself happens in ``on_train_begin``, where ``BackupAndRestore``
-restores (the model and optimizer are built by then), through the backend-neutral
-state tree; tested on the torch and the TensorFlow backend.
+it expected a whole epoch; on TensorFlow, the call that finds it exhausted still changes
+variables, which the callback puts back: `ResumableCallback._hold_variables`). Without
+``loader=`` there is no mid-epoch position to restore, so checkpoints are taken at epoch
+ends only and ``save_freq`` must be ``"epoch"``. The restore itself happens in
+``on_train_begin``, where ``BackupAndRestore`` restores (the model and optimizer are built
+by then), through the backend-neutral state tree; tested on the torch and the TensorFlow
+backend.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 from resumable.data import ResumableDataLoader, ResumableSampler
 from resumable.errors import CheckpointError
@@ -83,6 +86,10 @@ class TrainedPosition:
     (`begin`, from ``on_epoch_begin``) plus ``batch_size`` samples per trained batch
     (`trained`, from ``on_train_batch_end``). It needs the loader's own order on one process
     (a position in samples); other loaders are refused for mid-epoch checkpoints there.
+
+    A pass that starts inside the epoch (a resume) is shorter than the ``len(loader)``
+    batches Keras expects, so Keras calls its train step once more on an exhausted input;
+    `exhausted` says when the trained batches have reached that point.
     """
 
     def __init__(self, loader: ResumableDataLoader) -> None:
@@ -104,6 +111,15 @@ class TrainedPosition:
 
     def trained(self, batches: int) -> None:
         self.batches = batches
+
+    def exhausted(self) -> bool:
+        """Whether this pass started inside the epoch and has no batch left to give: Keras,
+        which counts ``len(loader)`` batches, runs one more step and finds the input empty."""
+        if self.start == 0:
+            return False
+        size, batch_size = len(self.loader.sampler), self.loader.batch_size or 1  # type: ignore[arg-type]
+        left = size - self.start - self.batches * batch_size
+        return left <= 0 or (self.loader.drop_last and left < batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         size = len(self.loader.sampler)  # type: ignore[arg-type]
@@ -139,7 +155,8 @@ class ResumableCallback(keras.callbacks.Callback):
 
     Steps are the optimizer's ``iterations`` (batches trained, over all epochs).
     Call order (Keras', on the training thread): ``on_train_begin`` (open, restore, set
-    the initial epoch), ``on_train_batch_end`` / ``on_epoch_end`` (saves),
+    the initial epoch), ``on_train_batch_end`` / ``on_epoch_end`` (saves; after a resumed
+    epoch's extra step, ``on_test_begin`` or ``on_epoch_end`` puts the variables back),
     ``on_train_end`` (final save, wait, close).
     """
 
@@ -204,7 +221,7 @@ class ResumableCallback(keras.callbacks.Callback):
         self._epoch: dict[str, int] = {"epoch": 0}
         self._since_save = 0
         self._trained: TrainedPosition | None = None  # backends that read ahead (TF)
-        self._last_step: int | None = None
+        self._held: list[tuple[Any, np.ndarray]] | None = None  # see _hold_variables
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
@@ -249,8 +266,10 @@ class ResumableCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._epoch["epoch"] = epoch
+        self._held = None
         if self._trained is not None:
             self._trained.begin()
+            self._hold_variables()  # a resume at the very end of an epoch's batches
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         ckpt = self.checkpointer
@@ -259,17 +278,21 @@ class ResumableCallback(keras.callbacks.Callback):
         step = self._step()
         if self._trained is not None:
             self._trained.trained(batch + 1)
-            self._last_step = step
+            self._hold_variables()
         self._since_save += 1
         if isinstance(self.save_freq, int) and self._since_save >= self.save_freq:
             self._save_now(step, _scalars(logs))
         else:
             ckpt.maybe_save(step, metrics=_scalars(logs))
 
+    def on_test_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        self._release_variables()  # before fit's validation reads the weights
+
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         ckpt = self.checkpointer
         if ckpt is None:
             return
+        self._release_variables()  # fit without validation data
         loader = self.loader
         if loader is not None and loader.batches >= len(loader):
             # Keras stops at the loader's length without asking past it; start the
@@ -278,12 +301,6 @@ class ResumableCallback(keras.callbacks.Callback):
             loader.load_state_dict({**state, "epoch": state["epoch"] + 1, "position": 0})
         if self._trained is not None:
             self._trained.begin()  # the read-ahead pass ended the loader's epoch already
-            if self._last_step is not None and self._step() != self._last_step:
-                # A resumed epoch is shorter than Keras expects: on TensorFlow the step
-                # that finds the input exhausted still counts one optimizer iteration
-                # (no update), which would shift the step count and Adam's bias
-                # correction from an uninterrupted run's. Put the count back.
-                self.model.optimizer.iterations.assign(self._last_step)
         self._epoch["epoch"] = epoch + 1
         metrics = _scalars(logs)
         if self.save_freq == "epoch" or (self.monitor is not None and self.monitor in metrics):
@@ -296,6 +313,31 @@ class ResumableCallback(keras.callbacks.Callback):
         if self.checkpointer is not None and self._step() > 0:
             self._save_now(self._step(), _scalars(logs))
         self._close()
+
+    def _hold_variables(self) -> None:
+        """Copy the model's and optimizer's variables when the resumed epoch's input is spent.
+
+        Keras then calls its train step once more, expecting ``len(loader)`` batches, and on
+        TensorFlow that call, although its ``iterator.get_next()`` raises
+        ``OutOfRangeError``, still runs the ops of the step that do not read the batch
+        (``tf.function`` does not order them after the failed op): the optimizer's
+        ``iterations += 1``, weight decay (``variable -= variable * wd * lr``, AdamW's
+        default ``weight_decay=0.004``), the dropout `SeedGenerator`'s state ``+= [0, 1]``.
+        An uninterrupted run never makes that call. `_release_variables` puts the copy back
+        once the call is over (before validation or at the epoch end). Once per resumed
+        epoch, on the training thread; costs one host copy of the variables.
+        """
+        if self._held is None and self._trained is not None and self._trained.exhausted():
+            variables = {id(v): v for v in [*self.model.variables, *self.model.optimizer.variables]}
+            self._held = [
+                (v, np.array(keras.ops.convert_to_numpy(v.value), copy=True))
+                for v in variables.values()
+            ]
+
+    def _release_variables(self) -> None:
+        held, self._held = self._held, None
+        for variable, value in held or ():
+            variable.assign(value)
 
     def _save_now(self, step: int, metrics: dict[str, float]) -> None:
         ckpt = self.checkpointer
