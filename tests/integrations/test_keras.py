@@ -11,8 +11,6 @@ import logging
 import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +25,22 @@ import resumable
 from resumable.data import ResumableDataLoader
 from resumable.integrations.keras import ResumableCallback
 
+from .jobs import Job, steps_in
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "keras_mlp.py"
+JOB = Job(EXAMPLE, "--epochs", "3", env={"KERAS_BACKEND": "torch"})
+example = JOB.command
+run_to_end = JOB.run_to_end
+run_until = JOB.run_until
+
+
+def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
+    return JOB.kill_campaign(
+        directory, kills, seed, *extra, last_step=35, while_killed=("--step-time", "0.05")
+    )
+
+
 PERSIST_NEVER = ("--save-freq", "1000")
 
 pytestmark = pytest.mark.skipif(
@@ -82,10 +94,6 @@ def fit(
         validation_data=(x[:16].numpy(), y[:16].numpy()),
     )  # fmt: skip
     return model, callback
-
-
-def steps_in(root: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*"))
 
 
 @pytest.fixture(scope="module")
@@ -164,49 +172,11 @@ def test_monitor_keeps_the_best_besides_the_newest(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- killed jobs
 
 
-def example(directory: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(EXAMPLE), "--dir", str(directory), "--epochs", "3", *extra]
-
-
-def run_to_end(cmd: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KERAS_BACKEND": "torch"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
-def run_until(cmd: list[str], step: int, sig: signal.Signals) -> int:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KERAS_BACKEND": "torch"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-    )
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= step:
-                proc.send_signal(sig)
-                break
-        proc.stdout.read()
-    finally:
-        proc.stdout.close()
-        rc = proc.wait(timeout=120)
-    return rc
-
-
 @pytest.fixture(scope="module")
 def example_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     line = run_to_end(example(tmp_path_factory.mktemp("example-ref")))
     assert line.startswith("final step=36 params_sha256=")
     return line
-
-
-def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
-    rng = random.Random(seed)
-    for _ in range(kills):
-        rc = run_until(example(directory, "--step-time", "0.05", *extra), rng.randint(1, 35),
-                       signal.SIGKILL)  # fmt: skip
-        assert rc in (-signal.SIGKILL, 0)
-    return run_to_end(example(directory, *extra))
 
 
 def test_sigterm_then_sigkill_end_bit_identical(tmp_path: Path, example_reference: str) -> None:

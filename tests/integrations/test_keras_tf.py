@@ -11,65 +11,30 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import resumable
 
+from .jobs import Job, steps_in
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "keras_mlp.py"
-ENV = {
-    **os.environ,
-    "PYTHONPATH": str(ROOT / "src"),
-    "KERAS_BACKEND": "tensorflow",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-}
+JOB = Job(
+    EXAMPLE, "--epochs", "3", env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+)
+example = JOB.command
+run_to_end = JOB.run_to_end
+run_until = JOB.run_until
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tensorflow") is None, reason="needs tensorflow (make test-tf)"
 )
-
-
-def example(directory: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(EXAMPLE), "--dir", str(directory), "--epochs", "3", *extra]
-
-
-def steps_in(root: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*"))
-
-
-def run_to_end(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
-def run_until(
-    cmd: list[str], step: int, sig: signal.Signals, ready: Callable[[], bool] = lambda: True
-) -> int:
-    """Start the job, send ``sig`` once it printed ``step <step>`` (or a later step) and
-    ``ready()`` holds; returns the exit code."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
-    )
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= step and ready():
-                proc.send_signal(sig)
-                break
-        proc.stdout.read()
-    finally:
-        proc.stdout.close()
-        rc = proc.wait(timeout=120)
-    return rc
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +84,7 @@ def test_a_step_on_an_exhausted_input_still_changes_variables() -> None:
     times ``1 - lr * wd`` = ``1 - 0.01 * 0.004``) and the dropout seed state ``+= [0, 1]``.
     If a Keras or TensorFlow release stops doing this, this test says so."""
     proc = subprocess.run([sys.executable, "-c", EXHAUSTED_STEP], capture_output=True,
-                          text=True, timeout=120, check=False, env=ENV)  # fmt: skip
+                          text=True, timeout=120, check=False, env=JOB.env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["raised"]

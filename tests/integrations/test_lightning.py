@@ -25,17 +25,26 @@ from torch.utils.data import TensorDataset
 import resumable
 from resumable.data import ResumableDataLoader, ResumableSampler
 
+from .jobs import Job, steps_in
 from .lightning_job import data, digest, fit
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "lightning_mlp.py"
+JOB = Job(EXAMPLE, "--steps", "36")
+example = JOB.command
+run_to_end = JOB.run_to_end
+run_until = JOB.run_until
+
+
+def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
+    return JOB.kill_campaign(
+        directory, kills, seed, *extra, last_step=35, while_killed=("--step-time", "0.05")
+    )
+
+
 EVERY_6 = resumable.Every(steps=6)
 EVERY_1 = resumable.Every(steps=1)
 PERSIST_NEVER = ("--persist-every", "1000")
-
-
-def steps_in(root: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*"))
 
 
 @pytest.fixture(scope="module")
@@ -181,50 +190,11 @@ def test_on_object_storage(s3_env: Any, reference: tuple[str, list[Any]]) -> Non
 # --------------------------------------------------------------------------- killed jobs
 
 
-def example(directory: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(EXAMPLE), "--dir", str(directory), "--steps", "36", *extra]
-
-
-def run_to_end(cmd: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
-def run_until(cmd: list[str], step: int, sig: signal.Signals) -> int:
-    """Start the job, send ``sig`` once it printed ``step <step>``; returns the exit code."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-    )
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= step:
-                proc.send_signal(sig)
-                break
-        proc.stdout.read()
-    finally:
-        proc.stdout.close()
-        rc = proc.wait(timeout=120)
-    return rc
-
-
 @pytest.fixture(scope="module")
 def example_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     line = run_to_end(example(tmp_path_factory.mktemp("example-ref")))
     assert line.startswith("final step=36 params_sha256=")
     return line
-
-
-def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
-    rng = random.Random(seed)
-    for _ in range(kills):
-        rc = run_until(example(directory, "--step-time", "0.05", *extra), rng.randint(1, 35),
-                       signal.SIGKILL)  # fmt: skip
-        assert rc in (-signal.SIGKILL, 0)
-    return run_to_end(example(directory, *extra))
 
 
 def test_sigterm_then_sigkill_end_bit_identical(tmp_path: Path, example_reference: str) -> None:
@@ -268,9 +238,8 @@ def test_sigterm_after_the_checkpoint_hook_still_requeues(
     script = tmp_path / "late_sigterm.py"
     script.write_text(SIGTERM_AFTER_OUR_HOOK.format(examples=str(EXAMPLE.parent)))
     args = ["--dir", str(tmp_path / "run"), "--steps", "36", "--preempt", *PERSIST_NEVER]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True,
-                          text=True, timeout=240, check=False, env=env)  # fmt: skip
+                          text=True, timeout=240, check=False, env=JOB.env)  # fmt: skip
     assert proc.returncode == resumable.REQUEUE_EXIT_CODE, proc.stderr[-3000:]
     assert "final step" not in proc.stdout
     assert steps_in(tmp_path / "run") == [8]

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +22,18 @@ import resumable
 from resumable.commit import step_dir
 
 from .hf_job import digest, make_trainer, tiny_gpt2
+from .jobs import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "transformers_gpt2.py"
+JOB = Job(EXAMPLE, "--steps", "30")
+example = JOB.command
+run_to_end = JOB.run_to_end
+run_until = JOB.run_until
+
+
+def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
+    return JOB.kill_campaign(directory, kills, seed, *extra, last_step=29, max_pause=0.3)
 
 
 class Crash(TrainerCallback):
@@ -166,51 +173,11 @@ def test_export_writes_what_from_pretrained_loads(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- killed jobs
 
 
-def example(directory: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(EXAMPLE), "--dir", str(directory), "--steps", "30", *extra]
-
-
-def run_to_end(cmd: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
-def run_until(cmd: list[str], step: int, sig: signal.Signals, pause: float = 0.0) -> int:
-    """Start the job, send ``sig`` once it printed ``step <step>``; returns the exit code."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-    )
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= step:
-                time.sleep(pause)
-                proc.send_signal(sig)
-                break
-        proc.stdout.read()
-    finally:
-        proc.stdout.close()
-        rc = proc.wait(timeout=120)
-    return rc
-
-
 @pytest.fixture(scope="module")
 def example_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     line = run_to_end(example(tmp_path_factory.mktemp("example-ref")))
     assert line.startswith("final step=30 params_sha256=")
     return line
-
-
-def kill_campaign(directory: Path, kills: int, seed: int, *extra: str) -> str:
-    rng = random.Random(seed)
-    for _ in range(kills):
-        rc = run_until(example(directory, *extra), rng.randint(1, 29), signal.SIGKILL,
-                       pause=rng.uniform(0.0, 0.3))  # fmt: skip
-        assert rc in (-signal.SIGKILL, 0)
-    return run_to_end(example(directory, *extra))
 
 
 def test_sigkilled_twice_ends_bit_identical(tmp_path: Path, example_reference: str) -> None:
