@@ -28,4 +28,4 @@ CAMPAIGNS = {
 }
 """Every campaign of the issue, in its order; those without a module are not done yet."""
 
-DONE = ("kill", "powerloss", "ioerrors", "corruption", "hostile", "endurance")
+DONE = ("kill", "powerloss", "ioerrors", "corruption", "hostile", "objectstore", "endurance")

@@ -257,6 +257,37 @@ def test_holder_that_cannot_renew_before_expiry_stops(caplog: pytest.LogCaptureF
         lock.check()
 
 
+class LostAnswer(MemoryStorage):
+    """With ``lose`` set, the next put that creates its object answers False, as the
+    retry of a put whose answer was lost does (412: the first try had landed)."""
+
+    lose = False
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        created = super().put_if_absent(path, data)
+        if created and self.lose:
+            self.lose = False
+            return False
+        return created
+
+
+def test_a_lease_put_whose_answer_was_lost_still_takes_and_renews() -> None:
+    """Regression (found by campaign 6, stress/objectstore.py): a lost answer to the
+    lease put made a writer refuse the root as held by itself, and a lost answer to a
+    renewal made the holder believe another process took the root, and stop saving."""
+    storage, clock = LostAnswer(), Clock()
+    storage.lose = True
+    lock = lease(storage, clock)
+    storage.lose = True
+    clock.now += 20
+    assert lock.renew()
+    lock.check()
+    clock.now += 50  # past the first record's expiry: the renewal's own record counts
+    lock.check()
+    with pytest.raises(RootInUseError):
+        lease(storage, clock)
+
+
 def test_garbage_lease_object_counts_as_lapsed() -> None:
     storage, clock = MemoryStorage(), Clock()
     storage.write(f"{LEASE_DIR}/lease-00000000000000000007.json", [b"{nonsense"])

@@ -356,6 +356,29 @@ def test_lost_response_to_the_manifest_put_still_commits(
     assert mismatches(restored, job.tensors()) == []
 
 
+def test_commit_failing_after_its_manifest_landed_keeps_the_data(
+    seaweedfs: S3Server, s3_bucket: str, proxy: FaultProxy
+) -> None:
+    """Regression: the manifest PUT landed but its answer was lost, and the retry
+    failed, so the commit raised; the abort then deleted the data that the landed
+    manifest names, and a torn checkpoint was listed."""
+    url = f"s3://{s3_bucket}/run"
+    storage = S3Storage(url, **s3_options(proxy.endpoint, seaweedfs, max_attempts=2))
+    proxy.set_faults(lost_response_rate=1.0, match=once(is_manifest_put))
+
+    def fail_the_retry(index: int, method: str, path: str) -> None:
+        if is_manifest_put(method, path):
+            proxy.on_request(None)
+            proxy.schedule({index + 1: 500})
+
+    proxy.on_request(fail_the_retry)
+    with pytest.raises(StorageError):
+        save_with_marker(storage, 1, content(0, 1))
+    puts = [r for r in proxy.requests if is_manifest_put(r.method, r.path)]
+    assert [r.action for r in puts] == ["lost_response", "error"]
+    assert verify_all(direct(seaweedfs, url)) == [1]  # committed after all, and whole
+
+
 MULTIPART_REQUESTS: dict[str, Callable[[str, str], bool]] = {
     "create": lambda method, path: method == "POST" and path.split("?", 1)[-1] == "uploads",
     "part": lambda method, path: method == "PUT" and "partNumber=" in path,

@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stress import DONE, corruption, crashstate, endurance, hostile, ioerrors, kill, powerloss
+from stress import (
+    DONE,
+    corruption,
+    crashstate,
+    endurance,
+    hostile,
+    ioerrors,
+    kill,
+    objectstore,
+    powerloss,
+)
 from stress.__main__ import main
 from stress.fsops import Fault, FileOps
 
@@ -171,6 +181,34 @@ def test_hostile_small_campaign_passes() -> None:
 
 def test_hostile_checker_catches_broken_parsers() -> None:
     assert all(v["failures"] > 0 for v in hostile.able_to_fail().values())
+
+
+# --------------------------------------------------------------------------- campaign 6
+
+
+def _objectstore(**kw: Any) -> dict[str, Any]:
+    try:
+        return objectstore.run(**kw)
+    except objectstore.SeaweedUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_object_storage_small_campaign_passes() -> None:
+    r = _objectstore(size="small")
+    assert r["failures"] == 0, r["details"]["problems"]
+    shapes = r["details"]["kill_sweep"]["shapes"]
+    assert len(shapes) == len(objectstore.SHAPES)
+    assert all(s["kills"].get("dropped", 0) > 0 for s in shapes.values()), shapes
+    rates = r["details"]["fault_sweep"]["rates"]
+    assert all(v["outcomes"].get("committed", 0) > 0 for v in rates.values()), rates
+    assert sum(v["injected"].get("error", 0) for v in rates.values()) > 0, rates
+
+
+@pytest.mark.parametrize("broken", list(objectstore.BROKEN))
+def test_object_storage_checker_catches_a_broken_commit(broken: str) -> None:
+    shape = objectstore.SHAPES[objectstore.BROKEN[broken]]
+    r = _objectstore(size="able", broken=broken, shapes=(shape,))
+    assert r["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 7

@@ -318,7 +318,8 @@ class MarkerCommit:
     - Two writers of one step: both write their own data; exactly one manifest put
       succeeds. The other gets `StorageError` (``EEXIST``) and its data is removed.
     - A put whose response was lost and was retried finds its own manifest there: the
-      bytes are compared, so it still counts as committed.
+      bytes are compared, so it still counts as committed. If the retries fail instead,
+      the commit raises, but `abort` keeps the data of an attempt whose manifest landed.
     - Re-saving a committed step (after resuming from an older one) first deletes the
       old marker, which un-commits it, then puts the new one and removes the old data.
     - Objects of abandoned attempts (a killed writer, a lost race) are not referenced by
@@ -332,6 +333,7 @@ class MarkerCommit:
     def __init__(self, storage: Storage, *, gc_grace_s: float = 3600.0) -> None:
         self.storage = storage
         self.gc_grace_s = gc_grace_s
+        self._marker_sent: set[str] = set()  # attempts whose manifest put was sent
 
     def begin(self, step: int) -> Attempt:
         self.storage.conditional_put_enforced()
@@ -355,6 +357,7 @@ class MarkerCommit:
                 raise self._lost(attempt)
             s.delete(marker)  # un-commit the older checkpoint of this step, seen at begin()
             replaced = True
+        self._marker_sent.add(attempt.staging)
         if not s.put_if_absent(marker, manifest):
             try:
                 existing: bytes | None = bytes(s.read(marker))
@@ -366,6 +369,7 @@ class MarkerCommit:
             for name in s.list_dir(attempt.final):
                 if _ATTEMPT.match(name) and name != attempt.subdir:
                     s.delete(f"{attempt.final}/{name}")
+        self._marker_sent.discard(attempt.staging)
         return replaced
 
     def _lost(self, attempt: Attempt) -> StorageError:
@@ -383,6 +387,33 @@ class MarkerCommit:
         self.storage.delete(final)
 
     def abort(self, attempt: Attempt) -> None:
+        """Delete the attempt's data, unless its manifest may be committed: a put whose
+        answer was lost and whose retries failed raises, yet the manifest is there and
+        names this data. Then (or if the marker cannot be read) the data stays, and
+        `stale` collects it once no manifest references it."""
+        if attempt.staging in self._marker_sent:
+            self._marker_sent.discard(attempt.staging)
+            try:
+                files = self._manifest_files(attempt.final)
+            except NoCheckpointError:
+                files = []
+            except (CheckpointError, OSError) as exc:
+                log.warning(
+                    "kept the data of the failed attempt %s: its manifest may have been "
+                    "committed and could not be read (%s)",
+                    attempt.staging,
+                    exc,
+                )
+                return
+            if any(f.split("/", 1)[0] == attempt.subdir for f in files):
+                log.warning(
+                    "the commit of step %d failed, but its manifest did land: %s/%s is "
+                    "committed, and its data is kept",
+                    attempt.step,
+                    self.storage.url,
+                    attempt.final,
+                )
+                return
         self.storage.delete(attempt.staging)
 
     def stale(self) -> list[str]:

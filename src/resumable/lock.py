@@ -255,6 +255,10 @@ class LeaseLock(RootLock):
                 won = self._storage.put_if_absent(
                     _lease_path(self._generation + 1), record.to_json()
                 )
+                if not won:  # a put whose answer was lost, retried, finds its own record
+                    mine = _read_generation(self._storage, self._generation + 1)
+                    if mine is not None and mine.token == self.holder.token:
+                        won, record = True, mine
             except (CheckpointError, OSError) as exc:
                 expires = self.holder.expires or 0.0
                 if now < expires:
@@ -457,7 +461,11 @@ def _take_lease(
                 )
         me = replace(Holder.me(token), expires=now + ttl_s)
         if not storage.put_if_absent(_lease_path(newest + 1), me.to_json()):
-            continue
+            # Taken by another, or by this very put: its answer lost, the retry refused.
+            mine = _read_generation(storage, newest + 1)
+            if mine is None or mine.token != token:
+                continue
+            me = mine
         later = [g for g in _generations(storage) if g > newest + 1]
         if later:  # wrote into a generation already pruned: someone is further along
             storage.delete(_lease_path(newest + 1))

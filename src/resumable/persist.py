@@ -58,8 +58,9 @@ def write_checkpoint(
 ) -> PersistResult:
     """Write ``snapshot`` and ``tree`` as the checkpoint of ``step`` and commit it.
 
-    Returns after the commit is durable. On failure the attempt is removed and the
-    exception propagates; earlier checkpoints are untouched.
+    Returns after the commit is durable. On failure the attempt is removed (unless its
+    manifest landed all the same: `MarkerCommit.abort`) and the exception propagates;
+    earlier checkpoints are untouched.
     """
     t0 = time.perf_counter()
     attempt = committer.begin(step)
