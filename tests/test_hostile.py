@@ -1404,3 +1404,19 @@ def test_fifo_in_the_root_never_blocks_the_cli(
     assert proc.returncode == status, proc.stdout + proc.stderr
     if args != ["show", "--step", "2"]:
         assert "FIFO (named pipe), not a regular file" in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- found by fuzzing
+# Each case below was found by campaign 5 (stress/hostile.py).
+
+
+def test_audit_line_nested_too_deeply_is_skipped() -> None:
+    """A line of ``[`` a hundred thousand deep made `read_audit` raise RecursionError
+    (so ``resumable log``, ``report`` and ``ls`` crashed); it is skipped like any
+    line that is not a JSON object."""
+    storage = MemoryStorage("memory://deep-audit")
+    good = json.dumps({"time": 1.0, "event": "commit", "step": 1}).encode()
+    storage.write("audit.jsonl", [good + b"\n" + b"[" * 100_000 + b"\n" + good + b"\n"])
+    skipped: list[str] = []
+    assert [e["event"] for e in read_audit(storage, skipped)] == ["commit", "commit"]
+    assert len(skipped) == 1 and "line 2" in skipped[0]

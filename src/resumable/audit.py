@@ -257,7 +257,7 @@ def _entries(
     for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             entry = None
         if isinstance(entry, dict):
             out.append(entry)
