@@ -1420,3 +1420,15 @@ def test_audit_line_nested_too_deeply_is_skipped() -> None:
     skipped: list[str] = []
     assert [e["event"] for e in read_audit(storage, skipped)] == ["commit", "commit"]
     assert len(skipped) == 1 and "line 2" in skipped[0]
+
+
+def test_run_id_file_nested_too_deeply_gets_a_derived_id() -> None:
+    """A run-id file of nested arrays (within its 4 KiB) made `read_run_id` raise
+    RecursionError, so no Checkpointer could open the root; it is treated like any
+    other file that is not a run id: an id derived from its bytes, with a WARNING."""
+    from resumable.runid import RUN_ID_FILE, read_run_id
+
+    storage = MemoryStorage("memory://deep-run-id")
+    storage.write(RUN_ID_FILE, [b'{"run_id": ' + b"[" * 4000])
+    run_id = read_run_id(storage)
+    assert run_id is not None and re.fullmatch("[0-9a-f]{32}", run_id)
