@@ -1432,3 +1432,20 @@ def test_run_id_file_nested_too_deeply_gets_a_derived_id() -> None:
     storage.write(RUN_ID_FILE, [b'{"run_id": ' + b"[" * 4000])
     run_id = read_run_id(storage)
     assert run_id is not None and re.fullmatch("[0-9a-f]{32}", run_id)
+
+
+def test_integers_beyond_float_range_are_not_numbers_to_readers() -> None:
+    """JSON integers have no size limit; ``math.isfinite(10**400)`` raises OverflowError.
+    An audit entry with such a ``time`` crashed `read_audit`'s merge and the report, and
+    a (re-signed) manifest metric of that size crashed retention by best metric."""
+    from resumable.policy import Entry
+    from resumable.report import build_report
+
+    storage = MemoryStorage("memory://huge-time")
+    lines = [{"time": 10**400, "event": "launch"}, {"time": 2.0, "event": "commit", "step": 1}]
+    storage.write("audit/1795730904000-w1-000001.jsonl", [json.dumps(lines[0]).encode() + b"\n"])
+    storage.write("audit.jsonl", [json.dumps(lines[1]).encode() + b"\n"])
+    assert len(read_audit(storage)) == 2
+    build_report(storage)  # the entry without a usable time is left out
+    entries = [Entry(1, {"loss": 10**400}), Entry(2, {"loss": 0.5}), Entry(3, {"loss": 9.0})]
+    assert Keep(last=1, best=("loss", "min", 1)).retained(entries) == {2, 3}

@@ -270,6 +270,9 @@ def _entries(
 def _time(entry: dict[str, Any]) -> float:
     """The merge key: the entry's ``time``, or 0 (then it keeps its writer's order)."""
     t = entry.get("time")
-    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
-        return float(t)
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        try:
+            return float(t) if math.isfinite(t) else 0.0
+        except OverflowError:  # an integer beyond the range of floats
+            return 0.0
     return 0.0

@@ -53,7 +53,10 @@ def _num(entry: Entry, key: str) -> float | None:
     value = entry.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        return float(value) if math.isfinite(value) else None
+    except OverflowError:  # an integer beyond the range of floats
+        return None
 
 
 def _int(entry: Entry, key: str) -> int | None:
