@@ -1449,3 +1449,55 @@ def test_integers_beyond_float_range_are_not_numbers_to_readers() -> None:
     build_report(storage)  # the entry without a usable time is left out
     entries = [Entry(1, {"loss": 10**400}), Entry(2, {"loss": 0.5}), Entry(3, {"loss": 9.0})]
     assert Keep(last=1, best=("loss", "min", 1)).retained(entries) == {2, 3}
+
+
+def _layout_entry(**change: Any) -> dict[str, Any]:
+    return {"name": "w", "dtype": "F32", "shape": [4], "begin": 0, "end": 16, **change}
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b'{"tree": {}, "layout": ' + b"[" * 100_000,
+        json.dumps({"tree": {}, "layout": [_layout_entry(end=1e400)]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(begin=0, end=0)]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(shape=[4.0])]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(name={"w": 1})]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(begin=2, end=18)]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(), _layout_entry()]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(shape=[1 << 40])]}).encode(),
+        json.dumps({"layout": [_layout_entry()]}).encode(),
+        json.dumps([{"layout": []}]).encode(),
+    ],
+    ids=[
+        "nested",
+        "end-inf",
+        "short",
+        "float-dim",
+        "dict-name",
+        "misaligned",
+        "same-name",
+        "past-region",
+        "no-tree",
+        "not-object",
+    ],
+)
+def test_snapshot_slot_with_unfitting_metadata_is_not_used(tmp_path: Path, blob: bytes) -> None:
+    """Slot metadata whose checksum holds but that `layout_meta` could not have written
+    (nested too deeply, offsets of infinity or the wrong length, a dict as name, ...)
+    made `ShmSlot.read` raise RecursionError, OverflowError or TypeError, or the tensor
+    views raise RuntimeError, so a restore crashed; the slot is now not used (read
+    returns None), as one cut short is."""
+    from resumable import shm
+
+    slot = shm.ShmSlot.create(tmp_path / "slot", meta_cap=1 << 20, sums_cap=4096, data_cap=64)
+    try:
+        slot.begin_write()
+        good = json.dumps({"tree": {}, "layout": [_layout_entry()]}).encode()
+        slot.finish_write(step=1, blob=good, data_len=16)
+        assert slot.read() is not None
+        slot.begin_write()
+        slot.finish_write(step=2, blob=blob, data_len=16)
+        assert slot.read() is None
+    finally:
+        slot.close()
