@@ -1501,3 +1501,33 @@ def test_snapshot_slot_with_unfitting_metadata_is_not_used(tmp_path: Path, blob:
         assert slot.read() is None
     finally:
         slot.close()
+
+
+def test_report_of_numbers_at_the_edge_of_floats(planter: Planter) -> None:
+    """Audit times of +-1e308 (their difference is infinite), steps of 10**30, a save of
+    44565 bytes in 1e-320 s (an infinite rate), and a
+    (re-signed) manifest whose ``created`` is 10**400 or 1e400 made `build_report` raise
+    OverflowError or `render_html` ValueError (``resumable report`` printed a traceback
+    or no page); numbers beyond any a run writes are left out of the report."""
+    from resumable.report import build_report
+    from resumable.report_html import render_html
+
+    entries = [
+        {"time": -1e308, "event": "launch", "persist": "sync"},
+        {"time": -1e308, "event": "progress", "step": 1},
+        {"time": 1e308, "event": "progress", "step": 10**30},
+        {"time": 1e308, "event": "save_start", "step": 10**30},
+        {"time": 1e308, "event": "commit", "step": 10**30, "duration_s": 1e308},
+        {"time": 2.0, "event": "save_start", "step": 2},
+        {"time": 3.0, "event": "commit", "step": 2, "bytes": 44565, "duration_s": 1e-320},
+    ]
+    with open(planter.root / "audit.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in entries)
+    m = planter.manifest()
+    m["created"] = 10**400
+    planter.plant(m)
+    render_html(build_report(LocalStorage(planter.root)))
+    m["created"] = float("inf")
+    planter.plant(json.dumps(planter.sign(m)).replace("Infinity", "1e400").encode())
+    assert "Infinity" not in json.dumps(build_report(LocalStorage(planter.root)).to_json())
+    render_html(build_report(LocalStorage(planter.root)))
