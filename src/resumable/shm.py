@@ -59,7 +59,7 @@ import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import xxhash
@@ -258,6 +258,16 @@ class Control:
     worker_pid: int
     created: float
     updated: float
+
+    SIZE: ClassVar[int] = _SIZE
+
+    @classmethod
+    def unpack(cls, buf: Any) -> Control:
+        """The control block at the start of ``buf`` (at least `SIZE` bytes)."""
+        return cls(*struct.unpack_from(_FMT, buf, 0))
+
+    def pack(self) -> bytes:
+        return struct.pack(_FMT, *self.__dict__.values())
 
 
 @dataclass(frozen=True)
@@ -459,10 +469,10 @@ class ShmSlot:
         return self._mm
 
     def control(self) -> Control:
-        return Control(*struct.unpack_from(_FMT, self.mm, 0))
+        return Control.unpack(self.mm)
 
     def _write_control(self, c: Control) -> None:
-        struct.pack_into(_FMT, self.mm, 0, *c.__dict__.values())
+        self.mm[: Control.SIZE] = c.pack()
 
     def _update(self, **fields: Any) -> Control:
         c = self.control()
@@ -778,7 +788,7 @@ def _remove_if_dead(path: Path, cutoff: float) -> bool:
             return False
         head = os.pread(fd, _SIZE, 0)
         if len(head) == _SIZE and head[:8] == MAGIC:
-            updated = Control(*struct.unpack(_FMT, head)).updated
+            updated = Control.unpack(head).updated
         else:
             updated = os.fstat(fd).st_mtime
         if updated > cutoff:
