@@ -558,7 +558,12 @@ class Sandbox:
             after=after,
             cwd=self.cwd,
             context=self._cli_context,
-            warm=[self._confine(argv) for argv in seeds],
+            # Output with a tab, other scripts, undecodable bytes: rich loads its table of
+            # character widths on first use.
+            warm=[
+                self._confine(argv)
+                for argv in [*seeds, ["report", "root", "--out", "out/r\udcb8\x0e\tステ.html"]]
+            ],
             exit_status=True,
         )
 
