@@ -84,15 +84,21 @@ def _train(state: dict[str, Any], step: int) -> None:
     state["sched"].step()
 
 
+def save_root(root: str) -> None:
+    """Train the job and commit checkpoints of steps 1..4 into the local root ``root``
+    (with its audit log and run id)."""
+    state = _job()
+    ck = checkpointer(root, state, keep=None, capture_rng=True)
+    for step in STEPS:
+        _train(state, step)
+        ck.save(step)
+    ck.close()
+
+
 def saved_files() -> dict[str, bytes]:
     """The files of the committed checkpoints of steps 1..4, by path."""
     with tempfile.TemporaryDirectory(prefix="corruption-") as tmp:
-        state = _job()
-        ck = checkpointer(tmp, state, keep=None, capture_rng=True)
-        for step in STEPS:
-            _train(state, step)
-            ck.save(step)
-        ck.close()
+        save_root(tmp)
         files = {}
         for step in STEPS:
             for name in (DATA, MANIFEST):

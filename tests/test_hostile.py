@@ -1404,3 +1404,130 @@ def test_fifo_in_the_root_never_blocks_the_cli(
     assert proc.returncode == status, proc.stdout + proc.stderr
     if args != ["show", "--step", "2"]:
         assert "FIFO (named pipe), not a regular file" in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- found by fuzzing
+# Each case below was found by campaign 5 (stress/hostile.py).
+
+
+def test_audit_line_nested_too_deeply_is_skipped() -> None:
+    """A line of ``[`` a hundred thousand deep made `read_audit` raise RecursionError
+    (so ``resumable log``, ``report`` and ``ls`` crashed); it is skipped like any
+    line that is not a JSON object."""
+    storage = MemoryStorage("memory://deep-audit")
+    good = json.dumps({"time": 1.0, "event": "commit", "step": 1}).encode()
+    storage.write("audit.jsonl", [good + b"\n" + b"[" * 100_000 + b"\n" + good + b"\n"])
+    skipped: list[str] = []
+    assert [e["event"] for e in read_audit(storage, skipped)] == ["commit", "commit"]
+    assert len(skipped) == 1 and "line 2" in skipped[0]
+
+
+def test_run_id_file_nested_too_deeply_gets_a_derived_id() -> None:
+    """A run-id file of nested arrays (within its 4 KiB) made `read_run_id` raise
+    RecursionError, so no Checkpointer could open the root; it is treated like any
+    other file that is not a run id: an id derived from its bytes, with a WARNING."""
+    from resumable.runid import RUN_ID_FILE, read_run_id
+
+    storage = MemoryStorage("memory://deep-run-id")
+    storage.write(RUN_ID_FILE, [b'{"run_id": ' + b"[" * 4000])
+    run_id = read_run_id(storage)
+    assert run_id is not None and re.fullmatch("[0-9a-f]{32}", run_id)
+
+
+def test_integers_beyond_float_range_are_not_numbers_to_readers() -> None:
+    """JSON integers have no size limit; ``math.isfinite(10**400)`` raises OverflowError.
+    An audit entry with such a ``time`` crashed `read_audit`'s merge and the report, and
+    a (re-signed) manifest metric of that size crashed retention by best metric."""
+    from resumable.policy import Entry
+    from resumable.report import build_report
+
+    storage = MemoryStorage("memory://huge-time")
+    lines = [{"time": 10**400, "event": "launch"}, {"time": 2.0, "event": "commit", "step": 1}]
+    storage.write("audit/1795730904000-w1-000001.jsonl", [json.dumps(lines[0]).encode() + b"\n"])
+    storage.write("audit.jsonl", [json.dumps(lines[1]).encode() + b"\n"])
+    assert len(read_audit(storage)) == 2
+    build_report(storage)  # the entry without a usable time is left out
+    entries = [Entry(1, {"loss": 10**400}), Entry(2, {"loss": 0.5}), Entry(3, {"loss": 9.0})]
+    assert Keep(last=1, best=("loss", "min", 1)).retained(entries) == {2, 3}
+
+
+def _layout_entry(**change: Any) -> dict[str, Any]:
+    return {"name": "w", "dtype": "F32", "shape": [4], "begin": 0, "end": 16, **change}
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b'{"tree": {}, "layout": ' + b"[" * 100_000,
+        json.dumps({"tree": {}, "layout": [_layout_entry(end=1e400)]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(begin=0, end=0)]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(shape=[4.0])]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(name={"w": 1})]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(begin=2, end=18)]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(), _layout_entry()]}).encode(),
+        json.dumps({"tree": {}, "layout": [_layout_entry(shape=[1 << 40])]}).encode(),
+        json.dumps({"layout": [_layout_entry()]}).encode(),
+        json.dumps([{"layout": []}]).encode(),
+    ],
+    ids=[
+        "nested",
+        "end-inf",
+        "short",
+        "float-dim",
+        "dict-name",
+        "misaligned",
+        "same-name",
+        "past-region",
+        "no-tree",
+        "not-object",
+    ],
+)
+def test_snapshot_slot_with_unfitting_metadata_is_not_used(tmp_path: Path, blob: bytes) -> None:
+    """Slot metadata whose checksum holds but that `layout_meta` could not have written
+    (nested too deeply, offsets of infinity or the wrong length, a dict as name, ...)
+    made `ShmSlot.read` raise RecursionError, OverflowError or TypeError, or the tensor
+    views raise RuntimeError, so a restore crashed; the slot is now not used (read
+    returns None), as one cut short is."""
+    from resumable import shm
+
+    slot = shm.ShmSlot.create(tmp_path / "slot", meta_cap=1 << 20, sums_cap=4096, data_cap=64)
+    try:
+        slot.begin_write()
+        good = json.dumps({"tree": {}, "layout": [_layout_entry()]}).encode()
+        slot.finish_write(step=1, blob=good, data_len=16)
+        assert slot.read() is not None
+        slot.begin_write()
+        slot.finish_write(step=2, blob=blob, data_len=16)
+        assert slot.read() is None
+    finally:
+        slot.close()
+
+
+def test_report_of_numbers_at_the_edge_of_floats(planter: Planter) -> None:
+    """Audit times of +-1e308 (their difference is infinite), steps of 10**30, a save of
+    44565 bytes in 1e-320 s (an infinite rate), and a
+    (re-signed) manifest whose ``created`` is 10**400 or 1e400 made `build_report` raise
+    OverflowError or `render_html` ValueError (``resumable report`` printed a traceback
+    or no page); numbers beyond any a run writes are left out of the report."""
+    from resumable.report import build_report
+    from resumable.report_html import render_html
+
+    entries = [
+        {"time": -1e308, "event": "launch", "persist": "sync"},
+        {"time": -1e308, "event": "progress", "step": 1},
+        {"time": 1e308, "event": "progress", "step": 10**30},
+        {"time": 1e308, "event": "save_start", "step": 10**30},
+        {"time": 1e308, "event": "commit", "step": 10**30, "duration_s": 1e308},
+        {"time": 2.0, "event": "save_start", "step": 2},
+        {"time": 3.0, "event": "commit", "step": 2, "bytes": 44565, "duration_s": 1e-320},
+    ]
+    with open(planter.root / "audit.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in entries)
+    m = planter.manifest()
+    m["created"] = 10**400
+    planter.plant(m)
+    render_html(build_report(LocalStorage(planter.root)))
+    m["created"] = float("inf")
+    planter.plant(json.dumps(planter.sign(m)).replace("Infinity", "1e400").encode())
+    assert "Infinity" not in json.dumps(build_report(LocalStorage(planter.root)).to_json())
+    render_html(build_report(LocalStorage(planter.root)))

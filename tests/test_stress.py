@@ -5,9 +5,12 @@ full sizes and writes docs/reliability.md."""
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from stress import (
 )
 from stress.__main__ import main
 from stress.fsops import Fault, FileOps
+from stress.hostile_targets import Target
 
 from resumable.commit import RenameCommit, step_dir
 
@@ -209,6 +213,41 @@ def test_object_storage_checker_catches_a_broken_commit(broken: str) -> None:
     shape = objectstore.SHAPES[objectstore.BROKEN[broken]]
     r = _objectstore(size="able", broken=broken, shapes=(shape,))
     assert r["failures"] > 0
+
+
+def test_hostile_counts_slow_and_stuck_executions_as_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(hostile, "HANG_S", 0.05)
+    monkeypatch.setattr(hostile, "WATCHDOG_S", 0.2)
+    slow = hostile.fuzz("slow", Target(lambda _: 0.1, time.sleep), 2)
+    assert slow["outcomes"] == {"hang": 2} and slow["slowest_s"] >= 0.1
+    t = time.perf_counter()
+    stuck = hostile.fuzz("stuck", Target(lambda _: 60.0, time.sleep), 1)
+    assert stuck["failures"] == 1 and time.perf_counter() - t < 5
+
+
+def test_hostile_counts_opens_outside_the_roots_and_imports(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "inside").write_bytes(b"x")
+    (tmp_path / "outside").write_bytes(b"x")
+
+    def reads(path: Path) -> Target:
+        return Target(lambda _: path, Path.read_bytes, roots=lambda _: (str(root),))
+
+    inside = hostile.fuzz("inside", reads(root / "inside"), 1)
+    outside = hostile.fuzz("outside", reads(tmp_path / "outside"), 1)
+    dotdot = hostile.fuzz("dotdot", reads(root / ".." / "outside"), 1)
+
+    def fresh_import(name: str) -> None:
+        sys.modules.pop(name, None)
+        importlib.import_module(name)
+
+    imports = hostile.fuzz("import", Target(lambda _: "json.tool", fresh_import), 1)
+    assert inside["outcomes"] == {"ok": 1}
+    assert outside["outcomes"] == dotdot["outcomes"] == {"audit events": 1}
+    assert imports["outcomes"] == {"audit events": 1}
 
 
 # --------------------------------------------------------------------------- campaign 7

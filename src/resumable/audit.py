@@ -257,7 +257,7 @@ def _entries(
     for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             entry = None
         if isinstance(entry, dict):
             out.append(entry)
@@ -270,6 +270,9 @@ def _entries(
 def _time(entry: dict[str, Any]) -> float:
     """The merge key: the entry's ``time``, or 0 (then it keeps its writer's order)."""
     t = entry.get("time")
-    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
-        return float(t)
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        try:
+            return float(t) if math.isfinite(t) else 0.0
+        except OverflowError:  # an integer beyond the range of floats
+            return 0.0
     return 0.0

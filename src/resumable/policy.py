@@ -296,4 +296,11 @@ class Keep:
 
 
 def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """Whether ``v`` is a number with a finite float value (an integer beyond the range
+    of floats is not: ``float()`` of it raises)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False

@@ -49,16 +49,36 @@ _REACHED = ("progress", "save_start", "skip", "commit", "preempt", "close")
 _LANE_OF = {kind: lane for lane, kinds in LANES.items() for kind in kinds}
 
 
-def _num(entry: Entry, key: str) -> float | None:
-    value = entry.get(key)
+_NUM_LIMIT = 1e18
+"""Beyond this no time (a Unix time, a duration in seconds), byte count or step is one a
+run writes; sums, differences and products of numbers within it stay finite floats."""
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float if it is a number within `_NUM_LIMIT`, else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    if not -_NUM_LIMIT <= value <= _NUM_LIMIT:  # also NaN, and ints beyond float range
+        return None
+    return float(value)
+
+
+def _num(entry: Entry, key: str) -> float | None:
+    return _number(entry.get(key))
+
+
+def _rate(nbytes: int | None, seconds: float | None) -> float | None:
+    """Bytes per second, if both are known and the quotient is finite (a duration of
+    1e-320 s is a number, but no rate)."""
+    if not nbytes or not seconds:
+        return None
+    rate = nbytes / seconds
+    return rate if math.isfinite(rate) else None
 
 
 def _int(entry: Entry, key: str) -> int | None:
     value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _NUM_LIMIT:
         return None
     return value
 
@@ -345,8 +365,7 @@ def _saves(entries: list[Entry], launches: list[Launch]) -> list[Save]:
             save.persist_s = _num(e, "duration_s")
             save.bytes = _int(e, "bytes") if _int(e, "bytes") is not None else save.bytes
             save.ranks = max(1, _int(e, "ranks") or 1)
-            if save.bytes and save.persist_s:
-                save.throughput_bps = save.bytes / save.persist_s
+            save.throughput_bps = _rate(save.bytes, save.persist_s)
         elif kind in ("failure", "interrupted") and e.get("stage") is None:
             found = open_.pop(step, None)
             if found is not None:
@@ -369,7 +388,7 @@ def _mirror(entries: list[Entry]) -> list[dict[str, Any]]:
                     "url": _text(e, "url"),
                     "bytes": nbytes,
                     "duration_s": seconds,
-                    "throughput_bps": nbytes / seconds if nbytes and seconds else None,
+                    "throughput_bps": _rate(nbytes, seconds),
                     "error": _text(e, "error"),
                 }
             )
@@ -440,8 +459,7 @@ def _checkpoints(
         try:
             manifest = CheckpointReader(storage, step).manifest
             row.bytes = sum(int(f["size"]) for f in manifest["files"].values())
-            created = manifest.get("created")
-            row.created = float(created) if isinstance(created, (int, float)) else None
+            row.created = _number(manifest.get("created"))
         except CorruptCheckpointError as exc:
             row.status, row.error = "corrupt", str(exc)[:500]
             warnings.append(f"checkpoint {row.name} is corrupt: {row.error}")

@@ -47,7 +47,7 @@ def read_run_id(storage: Storage) -> str | None:
         run_id = value["run_id"]
         if isinstance(run_id, str) and _RUN_ID.match(run_id) and size <= _MAX_BYTES:
             return run_id
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
         pass
     derived = hashlib.sha256(data).hexdigest()[:32]
     log.warning(

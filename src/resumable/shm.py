@@ -48,6 +48,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -58,13 +59,13 @@ import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import xxhash
 
 from resumable.errors import CheckpointError, StorageError
-from resumable.format import TensorSlot, dtype_from_name, dtype_name
+from resumable.format import TensorSlot, dtype_from_name, dtype_name, itemsize
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,16 @@ class Control:
     worker_pid: int
     created: float
     updated: float
+
+    SIZE: ClassVar[int] = _SIZE
+
+    @classmethod
+    def unpack(cls, buf: Any) -> Control:
+        """The control block at the start of ``buf`` (at least `SIZE` bytes)."""
+        return cls(*struct.unpack_from(_FMT, buf, 0))
+
+    def pack(self) -> bytes:
+        return struct.pack(_FMT, *self.__dict__.values())
 
 
 @dataclass(frozen=True)
@@ -458,10 +469,10 @@ class ShmSlot:
         return self._mm
 
     def control(self) -> Control:
-        return Control(*struct.unpack_from(_FMT, self.mm, 0))
+        return Control.unpack(self.mm)
 
     def _write_control(self, c: Control) -> None:
-        struct.pack_into(_FMT, self.mm, 0, *c.__dict__.values())
+        self.mm[: Control.SIZE] = c.pack()
 
     def _update(self, **fields: Any) -> Control:
         c = self.control()
@@ -556,19 +567,12 @@ class ShmSlot:
             return None
         try:
             meta = json.loads(blob)
-            slots = [
-                TensorSlot(
-                    t["name"],
-                    dtype_from_name(t["dtype"]),
-                    tuple(t["shape"]),
-                    int(t["begin"]),
-                    int(t["end"]),
-                )
-                for t in meta["layout"]
-            ]
-        except (ValueError, KeyError, TypeError, CheckpointError):
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             return None
-        if slots and slots[-1].end > c.data_cap:
+        if not isinstance(meta, dict) or "tree" not in meta:
+            return None
+        slots = _layout(meta.get("layout"), c.data_cap)
+        if slots is None:
             return None
         sums = None
         if c.sums_seq == c.seq:
@@ -583,6 +587,43 @@ class ShmSlot:
         """True while the slot still holds snapshot ``seq``."""
         c = self.control()
         return c.seq == seq and c.state == COMPLETE
+
+
+def _layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
+    """The tensor slots of a snapshot's ``layout`` metadata if it is one `layout_meta`
+    writes for a `plan_layout`: distinct names, known dtypes, shapes of non-negative
+    integers, each tensor's bytes right after the previous one's, aligned to its element
+    size, as long as its shape needs, inside the data region; else None. (A slot whose
+    metadata checksum holds was written by this user, but a restore must not crash on
+    it either.)"""
+    if not isinstance(layout, list):
+        return None
+    slots: list[TensorSlot] = []
+    names: set[str] = set()
+    offset = 0
+    for t in layout:
+        if not isinstance(t, dict):
+            return None
+        name, dtype, shape, begin, end = (
+            t.get(k) for k in ("name", "dtype", "shape", "begin", "end")
+        )
+        if not isinstance(name, str) or name in names:
+            return None
+        try:
+            torch_dtype = dtype_from_name(dtype)
+        except CheckpointError:
+            return None
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+            return None
+        size = itemsize(dtype_name(torch_dtype))
+        if type(begin) is not int or type(end) is not int or begin != offset or begin % size:
+            return None
+        if end != begin + math.prod(shape) * size or end > data_cap:
+            return None
+        names.add(name)
+        slots.append(TensorSlot(name, torch_dtype, tuple(shape), begin, end))
+        offset = end
+    return slots
 
 
 class RawJSON(str):
@@ -747,7 +788,7 @@ def _remove_if_dead(path: Path, cutoff: float) -> bool:
             return False
         head = os.pread(fd, _SIZE, 0)
         if len(head) == _SIZE and head[:8] == MAGIC:
-            updated = Control(*struct.unpack(_FMT, head)).updated
+            updated = Control.unpack(head).updated
         else:
             updated = os.fstat(fd).st_mtime
         if updated > cutoff:
