@@ -61,6 +61,7 @@ from resumable.retention import PINS_DIR
 from resumable.runid import ensure_run_id
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import OBJECT_SCHEMES, MemoryStorage, Storage, open_storage
+from resumable.worker import worker_nice
 
 log = logging.getLogger("resumable")
 
@@ -146,6 +147,7 @@ class Checkpointer:
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         mode = _persist_mode(persist)
+        worker_nice()  # RESUMABLE_WORKER_NICE checked before the root is touched
         # What every part agrees through: the ranks' group, or one process alone (whose
         # exchanges return at once): the same code serves both.
         self._group = current_group(dist_timeout_s)

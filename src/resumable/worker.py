@@ -25,6 +25,14 @@ Two ways to run it, same job code (`JobRunner`):
   once-a-second look at ``getppid()``. The worker's stdout is ``/dev/null`` (it never
   prints), so a wrapper reading the trainer's stdout sees EOF when the trainer exits;
   stderr stays shared, so the worker's warnings reach the job's log.
+  Once started, the worker process runs at a lower CPU priority than the trainer:
+  ``nice`` +10 by default (`WORKER_NICE_ENV`; ``0`` keeps the trainer's; its start-up,
+  which the first save may wait for, runs at the trainer's). It is background work by
+  design, and where the training step uses every core, an equal-priority worker takes
+  CPU time from the step that follows a save (on 2 cores, most of the Transformers
+  Trainer's stall per checkpoint in `examples/integrations/measure_stall.py`); at a
+  lower priority it runs on what the trainer leaves, which includes every moment the
+  trainer waits for it (``on_busy="wait"``, ``wait()``, ``close()``, a preemption).
 - ``thread``: a thread in the trainer, for backends that only live in this process
   (``memory://``).
 
@@ -102,6 +110,29 @@ if TYPE_CHECKING:
     from resumable.tiering import Mirror
 
 log = logging.getLogger("resumable")
+
+WORKER_NICE_ENV = "RESUMABLE_WORKER_NICE"
+"""How much lower than the trainer's the persist worker process's CPU priority is
+(added to its ``nice`` value; 0 to 19, default 10)."""
+DEFAULT_WORKER_NICE = 10
+
+
+def worker_nice() -> int:
+    """The niceness increment of the persist worker process (`WORKER_NICE_ENV`)."""
+    text = os.environ.get(WORKER_NICE_ENV, "").strip()
+    if not text:
+        return DEFAULT_WORKER_NICE
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(
+            f"{WORKER_NICE_ENV} must be an integer from 0 (the trainer's priority) to 19 "
+            f"(the lowest), got {text!r}; unset it for the default, {DEFAULT_WORKER_NICE}"
+        )
+    return value
+
 
 _LEN = struct.Struct(">I")
 # argv: the socket's fd, the resumable package's directory, then the import path. The path
@@ -545,6 +576,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         send(Ready(pid=os.getpid()))
     except OSError:
         return 0  # the trainer is already gone
+    if config.nice:  # after the start-up, which the trainer's first save may wait for
+        _lower_priority(config.nice)
     try:
         while True:
             if not watch.wait(sock):
@@ -591,6 +624,14 @@ def _worker_command(fd: int) -> tuple[list[str], dict[str, str]]:
         package_dir,
         *_worker_import_path(),
     ], env
+
+
+def _lower_priority(nice: int) -> None:
+    """Add ``nice`` to this process's niceness (a failure only costs speed)."""
+    try:
+        os.nice(nice)
+    except OSError as exc:
+        log.debug("could not lower the persist worker's CPU priority: %s", exc)
 
 
 def _worker_import_path() -> list[str]:
@@ -672,6 +713,7 @@ class PersistWorker:
             mirror=mirror,
             mirror_keep=keep_to_json(mirror_keep),
             mirror_options=mirror_options,
+            nice=worker_nice() if mode == "process" else 0,  # a bad value: refused here
         )
         self.pid = os.getpid()
         if mode == "process":
