@@ -82,6 +82,9 @@ DIST_TIMEOUT_S = 5.0
 collectives."""
 SURVIVOR_TIMEOUT_S = 3 * DIST_TIMEOUT_S
 """How long a rank whose peer was killed may take to end by itself."""
+JOIN_TIMEOUT_S = DIST_TIMEOUT_S + 3.0
+"""How long such a rank may stay in ``init_process_group`` (its timeout, and a margin)
+before it is killed (not counted as a failure: no code of the library's runs there)."""
 VICTIMS = ((0,), (1,), (0, 1))
 
 
@@ -232,21 +235,29 @@ def _rest(fd: int) -> str:
     return data.decode()
 
 
-def _wait(pid: int, timeout_s: float) -> tuple[int | None, float]:
-    """``(wait status, seconds)``, or ``(None, timeout_s)`` if ``pid`` still runs."""
+def _wait(rank: Rank, limit_s: float, join_limit_s: float) -> None:
+    """Wait for ``rank`` to end, reading what it says meanwhile; give up after
+    ``limit_s``, or after ``join_limit_s`` if it has not joined the group by then."""
     t0 = time.perf_counter()
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(rank.pid, os.WNOHANG)
         if done:
-            return status, time.perf_counter() - t0
-        if time.perf_counter() - t0 > timeout_s:
-            return None, timeout_s
-        time.sleep(0.01)
+            rank.status = status
+            return
+        waited = time.perf_counter() - t0
+        joined = "joined" in rank.said.splitlines()
+        if waited > limit_s or (waited > join_limit_s and not joined):
+            return
+        if select.select([rank.fd], [], [], 0.01)[0]:
+            rank.said += os.read(rank.fd, 4096).decode()
 
 
-def _end(ranks: list[Rank], victim: tuple[int, ...], limit_s: float, logs: str) -> None:
-    """Kill the ``victim`` ranks, give the others ``limit_s`` to end by themselves (then
-    kill them, keeping their stacks), and collect what every rank said."""
+def _end(
+    ranks: list[Rank], victim: tuple[int, ...], limit_s: float, join_limit_s: float, logs: str
+) -> None:
+    """Kill the ``victim`` ranks, give the others ``limit_s`` to end by themselves
+    (``join_limit_s`` while still joining the group), then kill them, keeping their
+    stacks; collect what every rank said."""
     for r in victim:
         os.kill(ranks[r].pid, signal.SIGKILL)
     t0 = time.perf_counter()
@@ -254,7 +265,8 @@ def _end(ranks: list[Rank], victim: tuple[int, ...], limit_s: float, logs: str) 
         if r in victim:
             _, rank.status = os.waitpid(rank.pid, 0)
             continue
-        rank.status, _ = _wait(rank.pid, max(0.0, limit_s - (time.perf_counter() - t0)))
+        spent = time.perf_counter() - t0
+        _wait(rank, max(0.0, limit_s - spent), max(0.0, join_limit_s - spent))
         rank.took_s = time.perf_counter() - t0
         if rank.status is None:
             os.kill(rank.pid, signal.SIGUSR1)
@@ -354,7 +366,10 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
                         for rank in ranks:
                             rank.said = _until_restored(rank.fd, deadline)
                     time.sleep(delay)
-                    _end(ranks, victim, LAUNCH_TIMEOUT_S if last else SURVIVOR_TIMEOUT_S, tmp)
+                    limits = (
+                        (LAUNCH_TIMEOUT_S,) * 2 if last else (SURVIVOR_TIMEOUT_S, JOIN_TIMEOUT_S)
+                    )
+                    _end(ranks, victim, *limits, tmp)
                     if victim:
                         kills += 1
                         victims["both" if len(victim) == WORLD else f"rank {victim[0]}"] += 1
