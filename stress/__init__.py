@@ -19,6 +19,7 @@ from __future__ import annotations
 
 CAMPAIGNS = {
     "kill": "1. kill -9 at random moments",
+    "killranks": "1b. kill -9 at two ranks",
     "powerloss": "2. Power-loss replay",
     "ioerrors": "3. I/O errors",
     "corruption": "4. Corruption",
@@ -28,4 +29,13 @@ CAMPAIGNS = {
 }
 """Every campaign of the issue, in its order; those without a module are not done yet."""
 
-DONE = ("kill", "powerloss", "ioerrors", "corruption", "hostile", "objectstore", "endurance")
+DONE = (
+    "kill",
+    "killranks",
+    "powerloss",
+    "ioerrors",
+    "corruption",
+    "hostile",
+    "objectstore",
+    "endurance",
+)

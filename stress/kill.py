@@ -32,11 +32,14 @@ from typing import Any
 import torch
 
 from resumable import Every, Keep
-from resumable.audit import read_audit
-from resumable.commit import list_committed
-from resumable.errors import CheckpointError
-from resumable.reader import CheckpointReader
-from stress.workload import broken_commit, checkpointer, local, make_state, set_step
+from stress.workload import (
+    broken_commit,
+    checkpointer,
+    make_state,
+    newest_commit,
+    set_step,
+    torn,
+)
 
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"chains": 3, "kills_per_chain": 5, "window_s": 1.5},
@@ -107,22 +110,6 @@ def _first_line(fd: int) -> str:
     return data.decode().strip()
 
 
-def _committed(root: str) -> int:
-    steps = [e["step"] for e in read_audit(local(root)) if e.get("event") == "commit"]
-    return max(steps, default=0)
-
-
-def _torn(root: str) -> list[str]:
-    storage = local(root)
-    bad = []
-    for step in list_committed(storage):
-        try:
-            CheckpointReader(storage, step).verify()
-        except CheckpointError as exc:
-            bad.append(f"step {step} of {root} listed but does not verify: {exc}")
-    return bad
-
-
 def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
     """``commit="manifest-first"`` breaks the save path (the able-to-fail run)."""
     cfg = SIZES[size]
@@ -182,10 +169,10 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
                             f"chain {chain} launch {k}: no restore within {LAUNCH_TIMEOUT_S}s"
                         )
                     if os.path.isdir(root):
-                        want = max(want, _committed(root))
-                        problems += _torn(root)
+                        want = max(want, newest_commit(root))
+                        problems += torn(root)
                     if os.path.isdir(mirror):
-                        problems += _torn(mirror)
+                        problems += torn(mirror)
                 leftovers = [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]
                 if leftovers:
                     problems.append(f"chain {chain}: {leftovers} left after a clean launch")

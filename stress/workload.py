@@ -14,7 +14,9 @@ from torch import nn
 
 import resumable.worker
 from resumable import Checkpointer, Keep
-from resumable.commit import Attempt, RenameCommit
+from resumable.audit import read_audit
+from resumable.commit import Attempt, RenameCommit, list_committed
+from resumable.errors import CheckpointError
 from resumable.format import CHECKSUM, MANIFEST
 from resumable.reader import CheckpointReader
 from resumable.storage import Storage
@@ -107,6 +109,24 @@ def broken_commit(kind: str | None) -> Iterator[None]:
         yield
     finally:
         resumable.worker.committer_for = original
+
+
+def newest_commit(root: str | os.PathLike[str]) -> int:
+    """The newest step whose commit the audit log of ``root`` recorded (0 if none)."""
+    steps = [e["step"] for e in read_audit(local(root)) if e.get("event") == "commit"]
+    return max(steps, default=0)
+
+
+def torn(root: str | os.PathLike[str]) -> list[str]:
+    """Problems: each checkpoint ``root`` lists that does not verify."""
+    storage = local(root)
+    bad = []
+    for step in list_committed(storage):
+        try:
+            CheckpointReader(storage, step).verify()
+        except CheckpointError as exc:
+            bad.append(f"step {step} of {root} listed but does not verify: {exc}")
+    return bad
 
 
 def local(root: str | os.PathLike[str]) -> LocalStorage:

@@ -23,6 +23,7 @@ from stress import (
     hostile,
     ioerrors,
     kill,
+    killranks,
     objectstore,
     powerloss,
 )
@@ -98,6 +99,17 @@ def test_kill_small_campaign_passes() -> None:
 
 def test_kill_checker_catches_a_manifest_written_first() -> None:
     assert kill.able_to_fail()["manifest written first"]["failures"] > 0
+
+
+def test_kill_at_two_ranks_small_campaign_passes() -> None:
+    r = killranks.run("small")
+    assert r["failures"] == 0, r["details"]["problems"]
+    assert r["details"]["restores"]["committed or newer"] > 0
+    assert all(r["details"]["killed"].values())  # rank 0, rank 1 and both were killed
+
+
+def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
+    assert killranks.able_to_fail()["manifest written first"]["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 2
