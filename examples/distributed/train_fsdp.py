@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 from datetime import timedelta
 
 import torch
@@ -172,6 +173,14 @@ def main() -> None:
     if rank == 0:
         print(f"final step={args.steps} params_sha256={digest}", flush=True)
     dist.destroy_process_group()
+    # FSDP2 on gloo: DTensor's caches keep the process group, and so gloo's worker
+    # threads, alive past destroy_process_group; one of them finishing a collective
+    # while the interpreter shuts down aborts the process (SIGABRT, "terminate called
+    # without an active exception"; pytorch/pytorch#190489), which torchrun reports as a
+    # failure. Everything is committed and closed here, so leave without shutting down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
