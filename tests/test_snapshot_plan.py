@@ -268,3 +268,40 @@ def test_a_state_without_tensors_is_planned_too() -> None:
     snap = arena.snapshot({})
     assert snap.slots == [] and snap.nbytes == 0
     assert arena.snapshot({}).nbytes == 0 and arena.allocations == 1
+
+
+def test_the_random_streams_json_is_what_json_dumps_makes_at_every_step() -> None:
+    """The random streams' entry is encoded per stream, Python's words reused while they
+    stay the same (issue 20): at every step, whichever streams moved (Python's position
+    only, its words after a twist, NumPy's cached Gaussian, torch's generator), the text
+    is exactly ``json.dumps`` of the tree."""
+    import json
+    import random
+
+    import numpy as np
+
+    from resumable.capture import RNG_KEY, capture
+    from resumable.pipeline.memory import TreeJSON
+
+    state = {"w": torch.zeros(3), "x": {"a": 1}}
+    draws = [
+        lambda: random.random(),
+        lambda: [random.random() for _ in range(400)],  # past 624 words: a twist
+        lambda: np.random.rand(),
+        lambda: np.random.randn(),  # a pair: one cached
+        lambda: np.random.randn(),  # the cached one: NumPy's position stays
+        lambda: torch.rand(1),
+        lambda: None,
+        lambda: random.seed(7),
+    ]
+    tree_json = TreeJSON()
+    for i in range(3 * len(draws)):
+        draws[i % len(draws)]()
+        tree = capture(state).tree
+        assert tree["dict"][-1][0] == RNG_KEY
+        assert str(tree_json.encode(tree)) == json.dumps(
+            tree, separators=(",", ":"), allow_nan=False
+        ), i
+    # A streams entry of another shape is encoded the general way.
+    odd = {"dict": [["x", 1], [RNG_KEY, {"dict": [["python", {"tuple": [3, "?", None]}]]}]]}
+    assert str(TreeJSON().encode(odd)) == json.dumps(odd, separators=(",", ":"))

@@ -267,24 +267,104 @@ class TreeJSON:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[bytes, str]] = {}
+        self._streams = _StreamsJSON()
 
     def encode(self, tree: Any) -> RawJSON:
         entries = tree["dict"]
         parts, seen = [], {}
         for key, node in entries:
-            try:
-                fingerprint = marshal.dumps(node)
-            except ValueError:  # not a plain JSON value: never cached
-                fingerprint = b""
-            hit = self._last.get(key)
-            if fingerprint and hit is not None and hit[0] == fingerprint:
-                text = hit[1]
-            else:
-                text = json.dumps([key, node], separators=(",", ":"), allow_nan=False)
-            seen[key] = (fingerprint, text)
-            parts.append(text)
+            if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
+                parts.append(self._streams.encode(node))
+                continue
+            parts.append(self._entry(self._last, seen, key, node))
         self._last = seen
         return RawJSON('{"dict":[' + ",".join(parts) + "]}")
+
+    @staticmethod
+    def _entry(
+        last: Mapping[Any, tuple[bytes, str]],
+        seen: dict[Any, tuple[bytes, str]],
+        key: Any,
+        node: Any,
+    ) -> str:
+        """``[key, node]``'s JSON, reused from ``last`` if ``node`` is the same."""
+        try:
+            fingerprint = marshal.dumps(node)
+        except ValueError:  # not a plain JSON value: never cached
+            fingerprint = b""
+        hit = last.get(key)
+        if fingerprint and hit is not None and hit[0] == fingerprint:
+            text = hit[1]
+        else:
+            text = _dumps([key, node])
+        seen[key] = (fingerprint, text)
+        return text
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+class _StreamsJSON:
+    """The JSON of the random streams' entry, the same text ``json.dumps`` makes.
+
+    Each stream is cached on its own (a step that draws from torch's generator only
+    leaves Python's and NumPy's encodings as they were), and Python's state, 624 words
+    of Mersenne Twister and a position, is compared as integers rather than marshalled
+    (25 µs): its words change once in 624 draws, so the text of the words is usually
+    reused and only the position is new. Python's words are ints by construction
+    (`capture.rng_state` takes them from ``random.getstate()``), for which ``==`` and
+    JSON agree."""
+
+    def __init__(self) -> None:
+        self._last: dict[Any, tuple[bytes, str]] = {}
+        self._words: list[int] | None = None
+        self._words_text = ""
+
+    def encode(self, node: Any) -> str:
+        items = node.get("dict") if type(node) is dict and len(node) == 1 else None
+        if type(items) is not list:
+            return _dumps([capture_mod.RNG_KEY, node])
+        parts, seen = [], {}
+        for item in items:
+            stream, sub = item
+            text = self._python(sub) if stream == "python" else None
+            if text is None:
+                text = TreeJSON._entry(self._last, seen, stream, sub)
+            else:
+                text = '["python",' + text + "]"
+            parts.append(text)
+        self._last = seen
+        return "[" + _dumps(capture_mod.RNG_KEY) + ',{"dict":[' + ",".join(parts) + "]}]"
+
+    def _python(self, sub: Any) -> str | None:
+        """``{"tuple": [version, {"tuple": [words..., position]}, gauss]}``'s JSON, or
+        None for any other shape (encoded the general way)."""
+        if type(sub) is not dict or len(sub) != 1:
+            return None
+        t = sub.get("tuple")
+        if type(t) is not list or len(t) != 3 or type(t[1]) is not dict or len(t[1]) != 1:
+            return None
+        key = t[1].get("tuple")
+        if type(key) is not list or not key or type(t[0]) is not int:
+            return None
+        if self._words is None or len(key) != len(self._words) + 1 or key[:-1] != self._words:
+            words = key[:-1]
+            if not all(type(w) is int for w in words):
+                return None
+            self._words, self._words_text = words, ",".join(map(str, words))
+        sep = "," if self._words else ""
+        return (
+            '{"tuple":['
+            + str(t[0])
+            + ',{"tuple":['
+            + self._words_text
+            + sep
+            + _dumps(key[-1])
+            + "]},"
+            + _dumps(t[2])
+            + "]}"
+        )
 
 
 def storage_ptr(t: torch.Tensor) -> int:
