@@ -271,7 +271,8 @@ class TreeJSON:
 
     def encode(self, tree: Any) -> RawJSON:
         entries = tree["dict"]
-        parts, seen = [], {}
+        parts: list[str] = []
+        seen: dict[Any, tuple[bytes, str]] = {}
         for key, node in entries:
             if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
                 parts.append(self._streams.encode(node))
@@ -325,7 +326,8 @@ class _StreamsJSON:
         items = node.get("dict") if type(node) is dict and len(node) == 1 else None
         if type(items) is not list:
             return _dumps([capture_mod.RNG_KEY, node])
-        parts, seen = [], {}
+        parts: list[str] = []
+        seen: dict[Any, tuple[bytes, str]] = {}
         for item in items:
             stream, sub = item
             text = self._python(sub) if stream == "python" else None
