@@ -5,7 +5,9 @@ self-attention through ``scaled_dot_product_attention``, LayerNorm, a 4x MLP wit
 a final LayerNorm and an ``lm_head`` tied to the token embedding; nanoGPT's
 initialisation (normal 0.02, residual projections scaled by ``1/sqrt(2 n_layer)``) and its
 AdamW parameter groups (weight decay on the matrices and embeddings, none on biases and
-LayerNorm weights). `step` is one training iteration on a random batch.
+LayerNorm weights). `step` is one training iteration on a random batch, at the learning
+rate nanoGPT's ``train.py`` sets in every group before each iteration (`get_lr`: linear
+warm-up, then cosine decay; the ``shakespeare_char`` config's values).
 """
 
 from __future__ import annotations
@@ -124,10 +126,33 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95))
 
 
-def step(
-    model: GPT, optim: torch.optim.Optimizer, batch: int, gen: torch.Generator | None = None
+def get_lr(
+    it: int,
+    learning_rate: float = 1e-3,
+    warmup_iters: int = 100,
+    lr_decay_iters: int = 5000,
+    min_lr: float = 1e-4,
 ) -> float:
-    """One training iteration on a batch of random tokens; returns the loss."""
+    """nanoGPT's learning-rate schedule: linear warm-up, cosine decay, then ``min_lr``."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def step(
+    model: GPT,
+    optim: torch.optim.Optimizer,
+    batch: int,
+    gen: torch.Generator | None = None,
+    it: int = 0,
+) -> float:
+    """One training iteration (number ``it``) on a batch of random tokens, at
+    ``get_lr(it)``; returns the loss."""
+    for group in optim.param_groups:
+        group["lr"] = get_lr(it)
     cfg = model.config
     data = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen)
     loss = model(data[:, :-1].contiguous(), data[:, 1:].contiguous())

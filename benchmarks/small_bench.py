@@ -32,7 +32,8 @@ before each call as a training step would), after warm-up rounds:
 
 **nanoGPT.** `nanogpt.GPT` (tiny: 2 layers, 4 heads, 64 wide; 6-layer: 6 layers, 6
 heads, 384 wide; block size 64, vocabulary 65, batch 12, AdamW in nanoGPT's parameter
-groups), one torch thread. After warm-up iterations, rounds of ``block`` iterations
+groups, the learning rate of nanoGPT's schedule set before each iteration), one torch
+thread. After warm-up iterations, rounds of ``block`` iterations
 without checkpoints and ``block`` with ``ck.maybe_save(step)`` after each (a memory
 snapshot every step, no persist), in ABBA order; each iteration is timed from the batch
 to the end of ``maybe_save``. Reported: medians of both, their ratio and difference, the
@@ -387,8 +388,8 @@ def model_overhead(
     state = {"model": model, "optim": optim}
     block = settings.block or spec.block
     rounds = settings.rounds or spec.rounds
-    for _ in range(max(1, settings.warmup)):
-        nanogpt.step(model, optim, spec.batch)  # creates AdamW's moments
+    for it in range(max(1, settings.warmup)):
+        nanogpt.step(model, optim, spec.batch, it=it)  # creates AdamW's moments
     captured = capture_mod.capture(state)
     tensors = list(captured.tensors.values())
     iters: dict[str, list[float]] = {"off": [], "on": []}
@@ -408,7 +409,7 @@ def model_overhead(
                 for _ in range(block):
                     step += 1
                     t0 = time.perf_counter()
-                    nanogpt.step(model, optim, spec.batch)
+                    nanogpt.step(model, optim, spec.batch, it=step)
                     t1 = time.perf_counter()
                     if mode == "on":
                         ck.maybe_save(step)

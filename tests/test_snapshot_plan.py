@@ -305,3 +305,37 @@ def test_the_random_streams_json_is_what_json_dumps_makes_at_every_step() -> Non
     # A streams entry of another shape is encoded the general way.
     odd = {"dict": [["x", 1], [RNG_KEY, {"dict": [["python", {"tuple": [3, "?", None]}]]}]]}
     assert str(TreeJSON().encode(odd)) == json.dumps(odd, separators=(",", ":"))
+
+
+def test_an_entry_of_a_few_parts_is_cached_per_part_and_stays_exact() -> None:
+    """An optimizer's entry ("state", "param_groups") is cached per part: a learning rate
+    changed at every step, a moment appearing, a group added, and values equal in
+    Python but not in JSON (1, 1.0, True) all come out exactly as ``json.dumps``."""
+    import json
+
+    from resumable.capture import capture
+    from resumable.pipeline.memory import TreeJSON
+
+    model = nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    extra: dict[str, Any] = {"a": 1, "b": [1, 2]}
+    state = {"model": model, "optim": optim, "extra": extra}
+    tree_json = TreeJSON()
+    changes: list[Callable[[], None]] = [
+        lambda: None,
+        lambda: model(torch.ones(1, 3)).sum().backward(),
+        optim.step,  # the moments appear
+        lambda: optim.param_groups[0].__setitem__("lr", 5e-4),
+        lambda: optim.param_groups[0].__setitem__("lr", 5e-4),
+        lambda: optim.add_param_group({"params": [nn.Parameter(torch.ones(2))]}),
+        lambda: extra.__setitem__("a", 1.0),
+        lambda: extra.__setitem__("a", True),
+        lambda: extra.__setitem__("a", 1),
+        lambda: extra.__setitem__("c", {"d": 1}),
+        lambda: extra.pop("b"),
+    ]
+    for i, change in enumerate(changes):
+        change()
+        tree = capture(state, include_rng=False).tree
+        want = json.dumps(tree, separators=(",", ":"), allow_nan=False)
+        assert str(tree_json.encode(tree)) == want, i

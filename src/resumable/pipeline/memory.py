@@ -267,18 +267,30 @@ class TreeJSON:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[bytes, str]] = {}
+        self._kids: dict[str, dict[Any, tuple[bytes, str]]] = {}
         self._streams = _StreamsJSON()
 
     def encode(self, tree: Any) -> RawJSON:
         entries = tree["dict"]
         parts: list[str] = []
         seen: dict[Any, tuple[bytes, str]] = {}
+        kids: dict[str, dict[Any, tuple[bytes, str]]] = {}
         for key, node in entries:
             if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
                 parts.append(self._streams.encode(node))
                 continue
-            parts.append(self._entry(self._last, seen, key, node))
-        self._last = seen
+            split = _few_entries(node)
+            if split is None:
+                parts.append(self._entry(self._last, seen, key, node))
+                continue
+            # An entry of a few parts (an optimizer: "state" and "param_groups") is
+            # cached per part: a scheduler changing the learning rate at every step
+            # re-encodes the groups, not the reference to every moment.
+            head, items, tail = split
+            last, mine = self._kids.get(key, {}), kids.setdefault(key, {})
+            texts = [self._entry(last, mine, k, n) for k, n in items]
+            parts.append("[" + _dumps(key) + "," + head + ",".join(texts) + tail + "]")
+        self._last, self._kids = seen, kids
         return RawJSON('{"dict":[' + ",".join(parts) + "]}")
 
     @staticmethod
@@ -300,6 +312,30 @@ class TreeJSON:
             text = _dumps([key, node])
         seen[key] = (fingerprint, text)
         return text
+
+
+_FEW = 8  # at most this many parts: more (a model's tensors) are cached as one
+
+
+def _few_entries(node: Any) -> tuple[str, list[list[Any]], str] | None:
+    """``(head, entries, tail)`` of a ``{"stateful": {"dict": entries}}`` or ``{"dict":
+    entries}`` node of 2 to `_FEW` ``[key, node]`` entries, whose JSON is ``head``, the
+    entries' JSON joined by commas, and ``tail``; None for any other node."""
+    if type(node) is not dict or len(node) != 1:
+        return None
+    head, tail = '{"dict":[', "]}"
+    inner = node.get("stateful")
+    if inner is not None:
+        if type(inner) is not dict or len(inner) != 1:
+            return None
+        node, head, tail = inner, '{"stateful":{"dict":[', "]}}"
+    items = node.get("dict")
+    if type(items) is not list or not 2 <= len(items) <= _FEW:
+        return None
+    for item in items:
+        if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+            return None
+    return head, items, tail
 
 
 def _dumps(value: Any) -> str:
