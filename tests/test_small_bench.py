@@ -62,10 +62,13 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
             assert key in entry["methods"] or key in entry.get("errors", {})
     tiny = small_result["models"]["tiny"]
     assert len(tiny["iteration_off_ms"]) == len(tiny["iteration_on_ms"]) == 1
-    assert len(tiny["maybe_save_us"]) == 1
+    assert len(tiny["iteration_overlap_ms"]) == 1
+    assert len(tiny["maybe_save_us"]) == len(tiny["maybe_save_overlap_us"]) == 1
     assert tiny["tensors"] > 50 and {"ratio", "overhead_pct", "parts_us"} <= set(tiny)
+    assert {"overlap_ratio", "overlap_overhead_pct"} <= set(tiny)
     goals = {g["goal"]: g for g in small_result["goals"]}
-    assert len(goals) == 4  # two sizes, two models
+    assert len(goals) == 5  # two sizes, two models, tiny with overlap=True
+    assert goals["the same with `overlap=True`, tiny nanoGPT"]["met"] is not None
     assert [g["met"] for g in goals.values()][-1] is None  # 6-layer not run
     assert json.loads(json.dumps(small_result)) == small_result
 
