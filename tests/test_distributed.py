@@ -512,9 +512,13 @@ def trainer_pids(agent: int) -> list[int]:
 
 def killed_at_random(out: Path, kills: int, seed: int) -> str:
     """The example under ``torchrun --max-restarts``: in each of its first ``kills``
-    attempts, once both ranks have restored, one rank is SIGKILLed after a random
-    0.1-1.5 s (in a training step, a snapshot, a background persist or its commit);
-    returns the output."""
+    attempts, once both ranks have restored and rank 0 has reported 1-4 more saves
+    (every 5 steps), one rank is SIGKILLed after a further random 0-0.3 s (in a training
+    step, a snapshot, a background persist or its commit); returns the output.
+
+    Counting saves rather than seconds keeps every kill inside the run whatever the
+    machine's speed: a fixed 0.1-1.5 s let an unloaded machine finish the 400 steps
+    after 4 of 12 kills."""
     import random
     import threading
     import time
@@ -546,7 +550,12 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
                 if proc.poll() is not None:
                     return
                 time.sleep(0.02)
-            time.sleep(rng.uniform(0.1, 1.5))
+            resumed, saves = len(lines), rng.randint(1, 4)
+            while sum(x.startswith("step ") for x in lines[resumed:]) < saves:
+                if proc.poll() is not None:
+                    return
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
             pids = trainer_pids(proc.pid)
             if not pids:
                 return
