@@ -20,8 +20,9 @@ prefix of rank 0's log and a prefix of rank 1's, consistent with happens-before:
   (an all-gather or all-reduce: both ways; a broadcast: rank 0 to rank 1 only); so a
   cut with rank 0 past a commit includes rank 1's data file of that step (rank 0
   commits after the gather of the reports);
-- an operation inside a directory the other rank created comes after that ``mkdir``
-  (the ranks race to create the staging directory of each step).
+- an operation on a file or directory the other rank created, or inside such a
+  directory, comes after that creation (the ranks race to create the staging
+  directory of each step).
 
 Every consistent cut is enumerated (none sampled): the ranks' operations merged in the
 order of their times (which respects happens-before: both ranks read one clock), every
@@ -75,7 +76,7 @@ from stress.workload import (
 
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"saves": 3, "variants": 4, "restore_every": 50},
-    "full": {"saves": 40, "variants": 24, "restore_every": 100},
+    "full": {"saves": 50, "variants": 32, "restore_every": 100},
 }
 SEED = 20261127
 WORLD = 2
@@ -269,9 +270,13 @@ def record(
 # --------------------------------------------------------------------------- the cuts
 
 
-def requirements(ops: list[list[Op]], times: list[list[int]]) -> list[list[int]]:
+def requirements(
+    ops: list[list[Op]], times: list[list[int]], *, rank0_waits: bool = True
+) -> list[list[int]]:
     """``req[r][i]``: how many of the other rank's first operations a cut that holds
-    operation ``i`` of rank ``r`` must hold too (non-decreasing in ``i``)."""
+    operation ``i`` of rank ``r`` must hold too (non-decreasing in ``i``). Without
+    ``rank0_waits``, rank 0 depends on nothing of rank 1's (a broken commit that does
+    not wait for the reports)."""
     enter = [{op[2]: i for i, op in enumerate(log) if op[:2] == ("mark", "enter")} for log in ops]
     # Who created each directory, and when: (rank, index) in the merged order.
     merged = merge(times)
@@ -285,16 +290,22 @@ def requirements(ops: list[list[Op]], times: list[list[int]]) -> list[list[int]]
         need = 0
         for path in paths:
             parts = path.split("/")
-            for depth in range(1, len(parts)):
+            for depth in range(1, len(parts) + 1):
                 maker = created.get("/".join(parts[:depth]))
                 if maker is not None and maker[0] != r:
                     need = max(need, maker[1] + 1)
         if need:
             fs_need[r][i] = need
-        if op[0] == "mkdir":
+        if op[0] in ("mkdir", "create"):
             created[op[1]] = (r, i)
-        elif op[0] == "rename" and op[1] in created:
-            created[op[2]] = created.pop(op[1])
+        elif op[0] == "link":
+            created[op[2]] = (r, i)
+        elif op[0] in ("unlink", "rmdir"):
+            created.pop(op[1], None)
+        elif op[0] == "rename":
+            src, dst = op[1], op[2]
+            for path in [p for p in created if p == src or p.startswith(src + "/")]:
+                created[dst + path[len(src) :]] = created.pop(path)
     req: list[list[int]] = []
     for r, log in enumerate(ops):
         other = 1 - r
@@ -303,7 +314,7 @@ def requirements(ops: list[list[Op]], times: list[list[int]]) -> list[list[int]]
         for i, op in enumerate(log):
             if op[:2] == ("mark", "leave"):
                 n, kind = op[2]
-                if kind == "all" or (kind == "from0" and r == 1):
+                if (kind == "all" and (r == 1 or rank0_waits)) or (kind == "from0" and r == 1):
                     need = max(need, enter[other][n] + 1)
             need = max(need, fs_need[r].get(i, 0))
             row.append(need)
@@ -353,12 +364,12 @@ def _clone(model: FsModel) -> FsModel:
 
 
 def cuts(
-    ops: list[list[Op]], times: list[list[int]]
+    ops: list[list[Op]], times: list[list[int]], *, rank0_waits: bool = True
 ) -> Iterator[tuple[tuple[int, int], FsModel]]:
     """Every consistent cut ``(i, j)`` (rank 0's first ``i`` operations, rank 1's
     first ``j``) once, with a model of the file system after its operations. The model
     is shared between successive cuts: use it before asking for the next."""
-    req = requirements(ops, times)
+    req = requirements(ops, times, rank0_waits=rank0_waits)
     merged = merge(times)
     counts = [0, 0]
     for r, i in merged:  # the merged order must respect happens-before
@@ -444,8 +455,10 @@ def replay(
     variants: int,
     restore_every: int,
     seed: int = SEED,
+    rank0_waits: bool = True,
 ) -> dict[str, Any]:
-    """Check every distinct crash state of every consistent cut of the two logs."""
+    """Check every distinct crash state of every consistent cut of the two logs
+    (``rank0_waits``: see `requirements`)."""
     rng = random.Random(seed)
     # rank 0's commits and retention's renames, by position in its log
     commits = [(i, op[2]) for i, op in enumerate(ops[0]) if op[:2] == ("mark", "committed")]
@@ -466,7 +479,7 @@ def replay(
     try:
         with tempfile.TemporaryDirectory(prefix="powerlossranks-") as tmp:
             scratch = os.path.join(tmp, "root")
-            for (i, j), model in cuts(ops, times):
+            for (i, j), model in cuts(ops, times, rank0_waits=rank0_waits):
                 n_cuts += 1
                 committed = {s for _, s in commits[: bisect.bisect_left(commit_at, i)]}
                 deleting = {s or 0 for _, s in deletes[: bisect.bisect_left(delete_at, i)]}
@@ -519,9 +532,11 @@ def run(
     *,
     skip: Callable[[int], Callable[[str, str, bool], bool] | None] | None = None,
     commit: str | None = None,
+    rank0_waits: bool = True,
 ) -> dict[str, Any]:
     """Record and replay, once with each directory listed in name order and once in
-    reverse; ``skip``/``commit`` break the save path (the able-to-fail runs)."""
+    reverse; ``skip``/``commit``/``rank0_waits`` break the save path (the able-to-fail
+    runs)."""
     cfg = SIZES[size]
     t0 = time.perf_counter()
     totals = {"states": 0, "generated": 0, "restores": 0, "cuts": 0, "linear": 0}
@@ -552,6 +567,7 @@ def run(
             variants=cfg["variants"],
             restore_every=cfg["restore_every"],
             seed=SEED + n,
+            rank0_waits=rank0_waits,
         )
         for key in ("states", "generated", "restores", "cuts"):
             totals[key] += result[key]
@@ -575,6 +591,7 @@ def run(
             "states_generated": totals["generated"],
             "distinct_states_checked": totals["states"],
             "random_mixes_per_cut": cfg["variants"],
+            "restore_every_nth_state": cfg["restore_every"],
             "restores_checked": totals["restores"],
             "problem_counts": counts,
             "examples": examples[:5],
@@ -599,6 +616,9 @@ BROKEN: dict[str, dict[str, Any]] = {
     "rank 1's data file not fsynced": {"skip": _rank1_no_file_fsync},
     "no directory fsync on rank 0": {"skip": _rank0_no_directory_fsync},
     "manifest written first": {"commit": "manifest-first"},
+    # modelled: the recorded operations, with rank 0's wait for the reports taken out
+    # of happens-before (a commit that does not wait for rank 1's data file)
+    "rank 0 commits without waiting for rank 1": {"rank0_waits": False},
 }
 
 
