@@ -26,6 +26,7 @@ from stress import (
     killranks,
     objectstore,
     powerloss,
+    powerlossranks,
 )
 from stress.__main__ import main
 from stress.fsops import Fault, FileOps
@@ -125,6 +126,80 @@ def test_power_loss_small_campaign_passes() -> None:
 def test_power_loss_checker_catches_a_broken_save_path(broken: str) -> None:
     r = powerloss.run("small", **powerloss.BROKEN[broken])
     assert r["failures"] > 0
+
+
+def test_power_loss_at_two_ranks_small_campaign_passes() -> None:
+    r = powerlossranks.run("small")
+    d = r["details"]
+    assert r["failures"] == 0, d["examples"]
+    assert r["trials"] > 100 and d["restores_checked"] >= 1
+    assert d["cuts_beyond_the_recorded_order"] > 0  # one rank ahead of the recorded times
+    assert d["ops_recorded_per_rank"][1] > 0 and d["op_kinds"]["rename"] > 0
+
+
+@pytest.mark.parametrize("broken", list(powerlossranks.BROKEN))
+def test_power_loss_at_two_ranks_checker_catches_a_broken_save_path(broken: str) -> None:
+    r = powerlossranks.run("small", **powerlossranks.BROKEN[broken])
+    assert r["failures"] > 0
+
+
+# Two ranks' logs of one coordinated save: rank 0 opens the staging directory and
+# broadcasts it, rank 1 writes its file and both gather the reports, then rank 0 commits.
+_RANK0: list[Any] = [
+    ("mkdir", "d"),
+    ("mark", "enter", 1),
+    ("mark", "leave", (1, "from0")),
+    ("create", "d/a"),
+    ("mark", "enter", 2),
+    ("mark", "leave", (2, "all")),
+    ("create", "d/m"),
+    ("rename", "d", "s"),
+    ("mark", "committed", 1),
+]
+_RANK1: list[Any] = [
+    ("mark", "enter", 1),
+    ("mark", "leave", (1, "from0")),
+    ("create", "d/f"),
+    ("write", "d/f", 0, b"x"),
+    ("fsync", "d/f", False),
+    ("mark", "enter", 2),
+    ("mark", "leave", (2, "all")),
+]
+_TIMES = [[1, 2, 5, 6, 9, 12, 13, 14, 15], [3, 4, 7, 8, 9, 10, 11]]
+
+
+def _consistent(req: list[list[int]], i: int, j: int) -> bool:
+    return (i == 0 or req[0][i - 1] <= j) and (j == 0 or req[1][j - 1] <= i)
+
+
+@pytest.mark.parametrize("rank0_waits", [True, False])
+def test_two_rank_cuts_are_every_consistent_pair_once(rank0_waits: bool) -> None:
+    logs = [_RANK0, _RANK1]
+    req = powerlossranks.requirements(logs, _TIMES, rank0_waits=rank0_waits)
+    got = [ij for ij, _ in powerlossranks.cuts(logs, _TIMES, rank0_waits=rank0_waits)]
+    pairs = range(len(_RANK0) + 1), range(len(_RANK1) + 1)
+    want = {(i, j) for i in pairs[0] for j in pairs[1] if _consistent(req, i, j)}
+    assert len(got) == len(set(got)) and set(got) == want
+    # rank 1 writes into the directory rank 0 made: never without it
+    assert all(i >= 1 for i, j in got if j >= 3)
+    # a cut past rank 0's commit holds rank 1's synced file, unless rank 0 does not wait
+    late = {j for i, j in got if i == len(_RANK0)}
+    assert (min(late) >= 5) == rank0_waits
+
+
+def test_two_rank_cuts_model_the_file_system_of_each_cut() -> None:
+    logs = [_RANK0, _RANK1]
+    for (i, j), model in powerlossranks.cuts(logs, _TIMES):
+        live = model.crash_state(crashstate.Choice((), ()))  # only what was synced
+        kept = model.crash_state(
+            crashstate.Choice(
+                tuple((d.ino, len(d.pending)) for d in model.volatile()[0]),
+                tuple((f.ino, "all", 0) for f in model.volatile()[1]),
+            )
+        )
+        assert live == {}  # nothing of these logs syncs a directory
+        assert ("d/f" in kept or "s/f" in kept) == (j >= 3)
+        assert ("s" in kept) == (i >= 8)
 
 
 def _replay_retention(tmp_path: Path) -> dict[str, Any]:
