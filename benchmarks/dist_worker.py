@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -245,6 +247,12 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+    # FSDP2 keeps the gloo group alive past destroy_process_group; a gloo thread ending a
+    # collective during interpreter shutdown can abort the rank (pytorch/pytorch#190489,
+    # docs/distributed.md). The results are written: leave without shutting down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
