@@ -27,6 +27,7 @@ CAMPAIGNS = {
     "hostile": "5. Hostile inputs",
     "objectstore": "6. Object storage faults",
     "endurance": "7. Endurance",
+    "enduranceranks": "7b. Endurance at two ranks",
 }
 """Every campaign of the issue, in its order; those without a module are not done yet."""
 
@@ -40,4 +41,5 @@ DONE = (
     "hostile",
     "objectstore",
     "endurance",
+    "enduranceranks",
 )

@@ -20,6 +20,7 @@ from stress import (
     corruption,
     crashstate,
     endurance,
+    enduranceranks,
     hostile,
     ioerrors,
     kill,
@@ -380,3 +381,17 @@ def test_published_page_matches_its_results() -> None:
         pytest.skip("no results yet: run make stress")
     text = (REPO / "docs" / "reliability.md").read_text()
     assert render(text, json.loads(results.read_text())) == text
+
+
+def test_endurance_at_two_ranks_small_campaign_passes() -> None:
+    """Two ranks, persist workers coordinating through rank 0's store: nothing grows."""
+    r = enduranceranks.run("small")
+    assert r["failures"] == 0, r["details"]["problems"]
+    assert r["details"]["restored_steps"] == [r["trials"]] * 2
+    end = r["details"]["samples"][0]["end"]
+    assert end["checkpoints"] == enduranceranks.KEEP and "worker" in end
+
+
+@pytest.mark.parametrize("broken", enduranceranks.BROKEN)
+def test_endurance_at_two_ranks_catches_a_leaking_save_path(broken: str) -> None:
+    assert enduranceranks.run("small", saves=60, broken=broken)["failures"] > 0
