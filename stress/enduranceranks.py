@@ -117,7 +117,7 @@ def _job(rank: int, port: int, root: str, shm: str, out: int, saves: int, persis
 
 
 def _fork(port: int, root: str, shm: str, saves: int, persist: str) -> list[tuple[int, int]]:
-    ranks = []
+    ranks: list[tuple[int, int]] = []
     for rank in range(WORLD):
         r, w = os.pipe()
         pid = os.fork()
