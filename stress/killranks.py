@@ -30,14 +30,22 @@ step, on both ranks the same step, with exactly the values saved at that step. C
 of ``kills_per_chain`` kills share a root; each chain ends with a launch that is not
 killed, saves three steps, closes, and must leave no staging or trash directory.
 
-The persists run on a thread (``persist="thread"``) so that the broken commit of the
-able-to-fail run (`stress.workload.broken_commit`, patched in this process and so in
-every forked rank) is the one the coordinated commit uses; a worker process would
-start a fresh interpreter with the library's own.
+Chains alternate between the two background pipelines: persists on a thread of each
+rank (``persist="thread"``) and in each rank's persist worker process
+(``persist="process"``: the workers coordinate each commit through a store that rank
+0's trainer hosts, so a kill of rank 0 takes the store with it). With worker processes,
+a worker whose trainer was killed must end by itself (it watches its trainer through a
+pidfd): every worker of a launch, found by a tag in its environment, must be gone
+`ORPHAN_TIMEOUT_S` after its ranks ended, or it is counted as a failure (and killed).
+The able-to-fail run uses threads only, so that its broken commit
+(`stress.workload.broken_commit`, patched in this process and so in every forked rank)
+is the one the coordinated commit uses; a worker process would start a fresh
+interpreter with the library's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -86,6 +94,12 @@ JOIN_TIMEOUT_S = DIST_TIMEOUT_S + 3.0
 """How long such a rank may stay in ``init_process_group`` (its timeout, and a margin)
 before it is killed (not counted as a failure: no code of the library's runs there)."""
 VICTIMS = ((0,), (1,), (0, 1))
+ORPHAN_TIMEOUT_S = 3 * DIST_TIMEOUT_S
+"""How long a persist worker may outlive its ranks: it notices its trainer's death at
+once (a pidfd) unless it is inside a wait of the coordinated commit, which ends at
+``dist_timeout_s`` at the latest."""
+TAG = "RESUMABLE_STRESS_LAUNCH"
+"""The environment variable that marks the persist workers of one launch."""
 
 
 def _set(state: dict[str, Any], step: int, rank: int) -> None:
@@ -109,7 +123,14 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _job(
-    rank: int, port: int, launch: int, root: str, shm: str, out: int, steps: int | None
+    rank: int,
+    port: int,
+    launch: int,
+    root: str,
+    shm: str,
+    out: int,
+    steps: int | None,
+    persist: str = "thread",
 ) -> None:
     """One rank: join the group, restore, report, then save until killed (or ``steps``
     more, then close)."""
@@ -124,11 +145,12 @@ def _job(
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
     os.write(out, b"joined\n")
+    os.environ[TAG] = _tag(launch)  # inherited by the persist worker
     state = _state()
     ck = checkpointer(
         root,
         state,
-        persist="thread",
+        persist=persist,
         memory_every=Every(steps=1),
         keep=Keep(last=2),
         shm_dir=shm,
@@ -148,8 +170,51 @@ def _job(
     ck.close()
 
 
+_PARENT = os.getpid()  # the campaign's process (forked ranks inherit the value)
+
+
+def _tag(launch: int) -> str:
+    return f"{_PARENT}-{launch}"
+
+
+def _workers_of(launch: int) -> list[int]:
+    """The live processes (persist workers) whose environment carries ``launch``'s tag."""
+    want = f"{TAG}={_tag(launch)}".encode() + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read() + b"\0":
+                    with open(f"/proc/{entry}/stat", "rb") as st:
+                        if st.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _orphans(launch: int, limit_s: float) -> tuple[list[int], float]:
+    """Wait up to ``limit_s`` for ``launch``'s persist workers to end; returns those
+    still running (then killed) and the seconds waited."""
+    t0 = time.perf_counter()
+    while (left := _workers_of(launch)) and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.05)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left, time.perf_counter() - t0
+
+
 def _launch(
-    port: int, launch: int, root: str, shm: str, logs: str, steps: int | None
+    port: int,
+    launch: int,
+    root: str,
+    shm: str,
+    logs: str,
+    steps: int | None,
+    persist: str = "thread",
 ) -> list[tuple[int, int]]:
     """Fork the ranks; returns ``(pid, read end of its pipe)`` per rank. Each rank's
     stderr goes to ``logs/rank<r>.log`` (c10d warns there at every dead peer), where
@@ -167,7 +232,7 @@ def _launch(
                 log = os.path.join(logs, f"rank{rank}.log")
                 os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
                 faulthandler.register(signal.SIGUSR1, all_threads=True)
-                _job(rank, port, launch, root, shm, w, steps)
+                _job(rank, port, launch, root, shm, w, steps, persist)
             except BaseException as exc:
                 code = 1
                 os.write(w, f"error {type(exc).__name__}\n".encode())
@@ -341,17 +406,22 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
     victims: dict[str, int] = {"rank 0": 0, "rank 1": 0, "both": 0}
     survivors: dict[str, list[float]] = {}  # how a survivor ended: seconds after the kill
     restored_from: dict[str, int] = {"start (nothing committed)": 0, "committed or newer": 0}
+    pipelines: dict[str, int] = {"thread": 0, "process": 0}  # kills per persist mode
+    orphans_ended: list[float] = []  # seconds for a killed launch's workers to end
     store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="killranks-") as tmp, broken_commit(commit):
         shm = tempfile.mkdtemp(prefix="killranks-", dir="/dev/shm")
         try:
             for chain in range(cfg["chains"]):
                 root = os.path.join(tmp, f"chain{chain}", "root")
+                persist = "process" if commit is None and chain % 2 else "thread"
                 want = 0
                 for k in range(cfg["kills_per_chain"] + 1):
                     where = f"chain {chain} launch {k}"
                     last = k == cfg["kills_per_chain"]
-                    forked = _launch(store.port, launches, root, shm, tmp, 3 if last else None)
+                    forked = _launch(
+                        store.port, launches, root, shm, tmp, 3 if last else None, persist
+                    )
                     ranks = [Rank(pid, fd) for pid, fd in forked]
                     launches += 1
                     early_kill = not last and rng.random() < 0.2
@@ -370,8 +440,18 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
                         (LAUNCH_TIMEOUT_S,) * 2 if last else (SURVIVOR_TIMEOUT_S, JOIN_TIMEOUT_S)
                     )
                     _end(ranks, victim, *limits, tmp)
+                    if persist == "process":
+                        left, waited = _orphans(launches - 1, ORPHAN_TIMEOUT_S)
+                        if left:
+                            problems.append(
+                                f"{where}: {len(left)} persist worker(s) still ran "
+                                f"{ORPHAN_TIMEOUT_S}s after their ranks ended"
+                            )
+                        elif victim:
+                            orphans_ended.append(waited)
                     if victim:
                         kills += 1
+                        pipelines[persist] += 1
                         victims["both" if len(victim) == WORLD else f"rank {victim[0]}"] += 1
                     for r, rank in enumerate(ranks):
                         if r in victim:
@@ -431,6 +511,8 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
             "dist_timeout_s": DIST_TIMEOUT_S,
             "survivors_ended": {k: _spread(v) for k, v in sorted(survivors.items())},
             "restores": restored_from,
+            "kills_by_pipeline": pipelines,
+            "workers_gone_after_their_ranks": _spread(orphans_ended) if orphans_ended else None,
             "problems": problems[:10],
             "seed": SEED,
         },

@@ -108,6 +108,9 @@ def test_kill_at_two_ranks_small_campaign_passes() -> None:
     assert r["failures"] == 0, r["details"]["problems"]
     assert r["details"]["restores"]["committed or newer"] > 0
     assert all(r["details"]["killed"].values())  # rank 0, rank 1 and both were killed
+    # both background pipelines were killed, and the killed trainers' workers ended
+    assert all(r["details"]["kills_by_pipeline"].values())
+    assert r["details"]["workers_gone_after_their_ranks"]["count"] > 0
 
 
 def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
