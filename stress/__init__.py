@@ -26,6 +26,7 @@ CAMPAIGNS = {
     "corruption": "4. Corruption",
     "hostile": "5. Hostile inputs",
     "objectstore": "6. Object storage faults",
+    "objectstoreranks": "6b. Object storage faults at two ranks",
     "endurance": "7. Endurance",
     "enduranceranks": "7b. Endurance at two ranks",
 }
@@ -40,6 +41,7 @@ DONE = (
     "corruption",
     "hostile",
     "objectstore",
+    "objectstoreranks",
     "endurance",
     "enduranceranks",
 )

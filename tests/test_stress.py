@@ -26,6 +26,7 @@ from stress import (
     kill,
     killranks,
     objectstore,
+    objectstoreranks,
     powerloss,
     powerlossranks,
 )
@@ -297,6 +298,28 @@ def test_object_storage_small_campaign_passes() -> None:
     rates = r["details"]["fault_sweep"]["rates"]
     assert all(v["outcomes"].get("committed", 0) > 0 for v in rates.values()), rates
     assert sum(v["injected"].get("error", 0) for v in rates.values()) > 0, rates
+
+
+def test_object_storage_at_two_ranks_small_campaign_passes() -> None:
+    """Two ranks on SeaweedFS through the fault proxy: kills of either or both ranks in
+    a save, and a 10% request failure rate; nothing torn or half-ranked listed."""
+    try:
+        r = objectstoreranks.run("small")
+    except objectstore.SeaweedUnavailable as exc:
+        pytest.skip(str(exc))
+    assert r["failures"] == 0, r["details"]["problems"]
+    kills = next(iter(r["details"]["kill_sweep"].values()))
+    assert sum(kills["killed"].values()) == objectstoreranks.SIZES["small"]["launches"]
+    faults = next(iter(r["details"]["fault_sweep"].values()))
+    assert faults["outcomes"].get("committed", 0) > 0 and faults["injected"], faults
+
+
+def test_object_storage_at_two_ranks_catches_a_manifest_written_first() -> None:
+    try:
+        caught = objectstoreranks.able_to_fail()
+    except objectstore.SeaweedUnavailable as exc:
+        pytest.skip(str(exc))
+    assert caught["manifest written first"]["failures"] > 0
 
 
 @pytest.mark.parametrize("broken", list(objectstore.BROKEN))
