@@ -22,6 +22,7 @@ from stress import (
     endurance,
     hostile,
     ioerrors,
+    ioranks,
     kill,
     killranks,
     objectstore,
@@ -170,6 +171,44 @@ def test_io_error_small_campaign_passes() -> None:
 def test_io_error_checker_catches_a_broken_fsync(broken: str) -> None:
     r = ioerrors.injected("fsyncs", broken=broken)
     assert r["failures"] > 0
+
+
+def test_io_error_at_two_ranks_small_campaign_passes() -> None:
+    r = ioranks.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    by_rank = r["details"]["outcomes_by_faulted_rank"]
+    assert by_rank["rank 1"].get("PersistError/PersistError", 0) > 0
+    assert by_rank["rank 0"].get("returned/returned", 0) > 0  # e.g. in retention
+
+
+@pytest.mark.parametrize("broken", ioranks.BROKEN)
+def test_io_error_at_two_ranks_checker_catches_a_broken_save_path(broken: str) -> None:
+    r = ioranks.injected("able", broken=broken)
+    assert r["trials"] > 0 and r["failures"] > 0
+
+
+def test_a_listing_error_before_a_two_rank_save_fails_no_rank_alone(tmp_path: Path) -> None:
+    """Regression: before its first save (when restore() was not called) rank 0 alone
+    lists the root, for a warning; an I/O error there was raised out of its save before
+    the coordinated persist, and rank 1 waited for it until the group's timeout."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, ioranks.WORLD, is_master=True, wait_for_workers=False)
+    pair = ioranks.Pair(store.port)
+    try:
+        base = str(tmp_path / "base")
+        calls = ioranks.prepare(pair, base)
+        at = [kind for kind, _ in calls[0]].index("listdir")
+        work = str(tmp_path / "work")
+        shutil.copytree(base, work)
+        key = ioranks.call_key(calls[0], at)
+        cmd = {"op": "save", "root": work, "rank": 0, "errno": errno.EIO, "key": key}
+        saves, _, problems = ioranks.trial(pair, work, {**cmd, "sticky": False, "broken": None})
+    finally:
+        pair.close(kill=True)
+    assert saves is not None and saves[0]["injected"], saves
+    assert problems == [], problems
+    assert [s["outcome"] for s in saves] == ["returned", "returned"]
 
 
 # --------------------------------------------------------------------------- campaign 4
