@@ -123,10 +123,11 @@ def _ck(root: str, state: dict[str, Any]) -> Any:
     return checkpointer(root, state, dist_timeout_s=DIST_TIMEOUT_S)
 
 
-def _base(rank: int, root: str) -> dict[str, Any]:
+def _base(rank: int, root: str, steps: list[int] | None = None) -> dict[str, Any]:
+    """Save ``steps`` (1 and 2 by default) into ``root``; with ``steps``, keep them all."""
     state = _state(rank)
-    ck = _ck(root, state)
-    for step in (1, 2):
+    ck = _ck(root, state) if steps is None else checkpointer(root, state, keep=None)
+    for step in steps or (1, 2):
         _set(state, step, rank)
         ck.save(step)
     ck.close()
@@ -281,7 +282,7 @@ def _serve(rank: int, port: int, prefix: str, cmd_fd: int, out_fd: int) -> None:
             elif cmd["op"] == "restore":
                 reply = _restore(rank, cmd)
             else:
-                reply = _base(rank, cmd["root"])
+                reply = _base(rank, cmd["root"], cmd.get("steps"))
         except BaseException as exc:
             reply = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
         os.write(out_fd, json.dumps(reply).encode() + b"\n")

@@ -18,6 +18,7 @@ import pytest
 from stress import (
     DONE,
     corruption,
+    corruptranks,
     crashstate,
     endurance,
     hostile,
@@ -223,6 +224,19 @@ def test_corruption_small_campaign_passes() -> None:
 
 def test_corruption_checker_catches_a_reader_that_skips_checksums() -> None:
     assert corruption.able_to_fail()["checksum not checked"]["failures"] > 0
+
+
+def test_corruption_at_two_ranks_small_campaign_passes() -> None:
+    r = corruptranks.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    by_kind = r["details"]["mutations_by_kind"]
+    assert set(by_kind) == set(corruptranks.KINDS)
+    assert all(v.get("detected", 0) > 0 for v in by_kind.values())
+    assert r["details"]["restores_checked"] >= 2 * len(corruptranks.KINDS)
+
+
+def test_corruption_at_two_ranks_checker_catches_a_reader_that_skips_checksums() -> None:
+    assert corruptranks.able_to_fail()["checksum not checked"]["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 5
