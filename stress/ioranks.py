@@ -9,11 +9,15 @@ root holding committed steps 1 and 2 of the two-rank job (``Keep(last=2)``, so s
 step 3 also runs retention on rank 0) into a fresh directory; both ranks build a
 `Checkpointer` on it (``persist="sync"``: the coordinated commit runs on the training
 thread, over the checkpointer's side gloo group) and save step 3, one of them with the
-`stress.fsops` interposer failing one of its file-system calls: call ``at`` of that
-rank's save, with ``EIO`` or ``ENOSPC``, once or from then on. Rank 1's calls are those
-of its own data file; rank 0's, its data file, the commit (manifest, renames, syncs),
-the audit log and retention. A clean save is counted first, on each rank, and every
-call index of the chosen rank is tried.
+`stress.fsops` interposer failing one of its file-system calls, with ``EIO`` or
+``ENOSPC``, once or from then on. Rank 1's calls are those of its own data file; rank
+0's, the listing before its first save (`restore` is not called), its data file, the
+commit (manifest, renames, syncs), the audit log and retention. Clean saves are counted
+first (`COUNTS` of them), and every call any of them made on the chosen rank is tried,
+named by its kind, its path without the attempt's random suffix and how many such calls
+came before it: the ranks race to create the attempt's directory, so the calls, and
+their indices, vary from one save to the next (a call a trial's save never makes is
+counted as not reached).
 
 Each trial is judged here, on what both ranks report and what the root holds:
 
@@ -36,6 +40,12 @@ Each trial is judged here, on what both ranks report and what the root holds:
 A rank that has not answered within `TRIAL_TIMEOUT_S` is a hang (a failure): both are
 killed and a fresh pair is forked for the next trial.
 
+Full disk (`full_disk`): an 8 MiB tmpfs is mounted (root only; skipped with the reason
+otherwise) and both ranks save 18 steps of a wider model into it, past full; every save
+must end alike on both ranks, each failed one with a `CheckpointError` naming
+``ENOSPC``, within the group's timeout, leaving no staging directory; the last
+committed step must be listed, whole, and restored by both ranks exactly.
+
 The broken save paths (``broken``), which the same checks must catch:
 ``"ignore-fsync-error"`` and ``"retry-fsync"`` (rank 1 swallows, or retries once, a
 failed fsync of its data file) and ``"commit-despite-error"`` (rank 0 drops the error
@@ -44,6 +54,7 @@ reports of the other ranks and commits with the files it has).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -51,10 +62,11 @@ import re
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
@@ -93,6 +105,8 @@ WORLD = 2
 STEP = 3
 DIST_TIMEOUT_S = 10.0
 TRIAL_TIMEOUT_S = 60.0
+COUNTS = 6
+"""Clean saves counted: the union of their calls is tried."""
 WAITED_OUT = 0.8
 """A save that took this share of ``DIST_TIMEOUT_S`` waited for a peer that had left."""
 
@@ -100,8 +114,8 @@ WAITED_OUT = 0.8
 # --------------------------------------------------------------------------- the ranks
 
 
-def _state(rank: int) -> dict[str, Any]:
-    state = make_state()
+def _state(rank: int, width: int = 64) -> dict[str, Any]:
+    state = make_state(width)
     state["mine"] = torch.zeros(1024)
     return state
 
@@ -138,15 +152,33 @@ NOT_YET = sys.maxsize  # the index of a keyed fault's call, until it is met
 _ATTEMPT_SUFFIX = re.compile(r"\.\d+\.[0-9a-f]{8}")
 
 
-def call_key(calls: list[list[str]], at: int) -> list[Any]:
-    """Call ``at`` of a save, named so that another save can find it again: its kind,
-    its path without the attempt's random suffix, and how many calls of that kind on
-    that path came before it. (Indices alone do not carry over: the two ranks race to
+def call_keys(calls: list[list[str]]) -> list[list[Any]]:
+    """The calls of a save, each named so that another save can find it again: its
+    kind, its path without the attempt's random suffix, and how many calls of that kind
+    on that path came before it. (Indices alone do not carry over: the two ranks race to
     create the attempt's directory, so which rank makes the ``mkdir`` varies.)"""
-    kind, path = calls[at]
-    key = [kind, _ATTEMPT_SUFFIX.sub(".*", path)]
-    nth = sum(1 for k, p in calls[:at] if [k, _ATTEMPT_SUFFIX.sub(".*", p)] == key)
-    return [*key, nth]
+    seen: dict[tuple[str, str], int] = {}
+    keys = []
+    for kind, path in calls:
+        name = (kind, _ATTEMPT_SUFFIX.sub(".*", path))
+        keys.append([*name, seen.get(name, 0)])
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
+
+def merged(runs: list[list[list[Any]]]) -> list[list[Any]]:
+    """The union of the calls of several saves (`call_keys`), each call placed after
+    the one that came before it in the first save that made it."""
+    out: list[list[Any]] = []
+    for keys in runs:
+        after = -1
+        for key in keys:
+            if key in out:
+                after = out.index(key)
+            else:
+                after += 1
+                out.insert(after, key)
+    return out
 
 
 class KeyedFault(Fault):
@@ -230,13 +262,48 @@ def _save(rank: int, cmd: dict[str, Any], records: _Records) -> dict[str, Any]:
 
 
 def _restore(rank: int, cmd: dict[str, Any]) -> dict[str, Any]:
-    state = _state(rank)
+    width = cmd.get("width", 64)
+    state = _state(rank, width)
     ck = _ck(cmd["root"], state)
     got = ck.restore()
     ck.close()
-    expected = _state(rank)
+    expected = _state(rank, width)
     _set(expected, got, rank)
     return {"restored": got, "same": got == 0 or _same(state, expected)}
+
+
+def _fill(rank: int, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Save steps 1.. ``cmd["steps"]`` of a wider model into ``cmd["root"]`` (a small
+    file system, which fills up), whatever each save's outcome; after each, what it ended
+    with and (rank 0) the staging and trash directories in the root."""
+    root = cmd["root"]
+    state = _state(rank, cmd["width"])
+    ck = checkpointer(root, state, keep=None, dist_timeout_s=DIST_TIMEOUT_S)
+    saves = []
+    for step in range(1, cmd["steps"] + 1):
+        _set(state, step, rank)
+        t0 = time.perf_counter()
+        try:
+            ck.save(step)
+            saves.append({"step": step, "outcome": "returned"})
+        except BaseException as exc:
+            saves.append(
+                {
+                    "step": step,
+                    "outcome": type(exc).__name__,
+                    "clean": isinstance(exc, CheckpointError),
+                    "errno": getattr(exc, "errno", None),
+                    "error": str(exc)[:300],
+                }
+            )
+        saves[-1]["save_s"] = round(time.perf_counter() - t0, 3)
+        if rank == 0:
+            saves[-1]["left"] = _leftovers(root)
+    try:
+        ck.close()
+    except CheckpointError:
+        pass
+    return {"saves": saves}
 
 
 def _serve(rank: int, port: int, prefix: str, cmd_fd: int, out_fd: int) -> None:
@@ -281,6 +348,8 @@ def _serve(rank: int, port: int, prefix: str, cmd_fd: int, out_fd: int) -> None:
                 reply = _save(rank, cmd, records)
             elif cmd["op"] == "restore":
                 reply = _restore(rank, cmd)
+            elif cmd["op"] == "fill":
+                reply = _fill(rank, cmd)
             else:
                 reply = _base(rank, cmd["root"], cmd.get("steps"))
         except BaseException as exc:
@@ -383,6 +452,39 @@ def _loose(r0: dict[str, Any], r1: dict[str, Any]) -> list[str]:
     return sorted(p for p in pending if p == final or p.startswith(final + "/"))
 
 
+def judge_root(root: str, poisoned: Collection[tuple[Any, ...]] = ()) -> dict[str, Any]:
+    """Problems with the checkpoints ``root`` lists: one that does not verify, that
+    lacks a rank's data file or lists another world size, or that holds a file whose
+    fsync failed (``poisoned``: device and inode)."""
+    storage = local(root)
+    listed = list_committed(storage)
+    problems = []
+    for step in listed:
+        d = os.path.join(root, step_dir(step))
+        for f in os.listdir(d):
+            st = os.stat(os.path.join(d, f))
+            if (st.st_dev, st.st_ino) in poisoned:
+                problems.append(
+                    f"false commit: step {step} lists {f}, whose fsync failed and which was "
+                    "not written again since"
+                )
+        try:
+            reader = CheckpointReader(storage, step)
+            reader.verify()
+            manifest = reader.manifest
+        except CheckpointError as exc:
+            problems.append(f"torn: step {step} listed but does not verify: {exc}")
+            continue
+        files = sorted(manifest.get("files", {}))
+        ranks = {r for r in range(WORLD) for f in files if f.startswith(f"rank-{r:05d}")}
+        if manifest.get("world_size") != WORLD or len(ranks) != WORLD:
+            problems.append(
+                f"torn: step {step} listed with world size {manifest.get('world_size')} "
+                f"and the files {files}"
+            )
+    return {"problems": problems, "listed": listed}
+
+
 def judge(work: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
     """Problems with the root and the ranks' reports after a trial's saves."""
     problems: list[str] = []
@@ -416,29 +518,7 @@ def judge(work: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
         if loose:
             problems.append(f"false commit: the saves returned, but {loose} were never synced")
     poisoned = {tuple(p) for rep in saves for p in rep["poisoned"]}
-    for step in listed:
-        d = os.path.join(work, step_dir(step))
-        for f in os.listdir(d):
-            st = os.stat(os.path.join(d, f))
-            if (st.st_dev, st.st_ino) in poisoned:
-                problems.append(
-                    f"false commit: step {step} lists {f}, whose fsync failed and which was "
-                    "not written again since"
-                )
-        try:
-            reader = CheckpointReader(storage, step)
-            reader.verify()
-            manifest = reader.manifest
-        except CheckpointError as exc:
-            problems.append(f"torn: step {step} listed but does not verify: {exc}")
-            continue
-        files = sorted(manifest.get("files", {}))
-        ranks = {r for r in range(WORLD) for f in files if f.startswith(f"rank-{r:05d}")}
-        if manifest.get("world_size") != WORLD or len(ranks) != WORLD:
-            problems.append(
-                f"torn: step {step} listed with world size {manifest.get('world_size')} "
-                f"and the files {files}"
-            )
+    problems += judge_root(work, poisoned)["problems"]
     if 2 not in listed:
         problems.append("lost: the previous checkpoint (step 2) is not listed")
     if any(returned) and STEP not in listed:
@@ -454,22 +534,30 @@ def judge(work: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the campaign
 
 
-def prepare(pair: Pair, base: str) -> dict[int, list[list[str]]]:
-    """Save steps 1 and 2 of the two-rank job into ``base``; then a clean save of step 3
-    into a copy, judged; the interposed calls of each rank's save."""
+def prepare(pair: Pair, base: str, counts: int = COUNTS) -> dict[str, Any]:
+    """Save steps 1 and 2 of the two-rank job into ``base``; then ``counts`` clean saves
+    of step 3 into copies, each judged. Returns ``calls``: per rank, the union of the
+    interposed calls of its saves (`merged`), and ``per_save``: how many each made."""
     got = pair.ask([{"op": "base", "root": base}] * WORLD, TRIAL_TIMEOUT_S)
     if got is None or any("failed" in a for a in got):
         raise RuntimeError(f"the two-rank job could not save steps 1 and 2: {got}")
-    work = base + "-count"
-    shutil.copytree(base, work)
-    got = pair.ask([{"op": "save", "root": work, "count": True}] * WORLD, TRIAL_TIMEOUT_S)
-    if got is None or any("failed" in a or a["outcome"] != "returned" for a in got):
-        raise RuntimeError(f"a clean save of step 3 failed: {got}")
-    clean = judge(work, got)
-    if clean["problems"]:
-        raise RuntimeError(f"a clean save of step 3 was judged bad: {clean['problems']}")
-    shutil.rmtree(work)
-    return {r: got[r]["calls"] for r in range(WORLD)}
+    runs: dict[int, list[list[list[Any]]]] = {r: [] for r in range(WORLD)}
+    for _ in range(counts):
+        work = base + "-count"
+        shutil.copytree(base, work)
+        got = pair.ask([{"op": "save", "root": work, "count": True}] * WORLD, TRIAL_TIMEOUT_S)
+        if got is None or any("failed" in a or a["outcome"] != "returned" for a in got):
+            raise RuntimeError(f"a clean save of step 3 failed: {got}")
+        clean = judge(work, got)
+        if clean["problems"]:
+            raise RuntimeError(f"a clean save of step 3 was judged bad: {clean['problems']}")
+        shutil.rmtree(work)
+        for r in range(WORLD):
+            runs[r].append(call_keys(got[r]["calls"]))
+    return {
+        "calls": {r: merged(runs[r]) for r in range(WORLD)},
+        "per_save": {r: sorted({len(k) for k in runs[r]}) for r in range(WORLD)},
+    }
 
 
 def trial(
@@ -522,9 +610,9 @@ def _broken(kind: str | None) -> Iterator[str | None]:
         resumable.distributed.Group.gather = original  # type: ignore[method-assign]
 
 
-def _indices(calls: list[list[str]], stride: int) -> list[int]:
+def _indices(calls: list[list[Any]], stride: int) -> list[int]:
     chosen = set(range(0, len(calls), stride)) if stride else set()
-    chosen |= {i for i, (kind, _) in enumerate(calls) if kind in ("fsync",)}
+    chosen |= {i for i, c in enumerate(calls) if c[0] == "fsync"}
     return sorted(chosen)
 
 
@@ -539,7 +627,8 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
     per_rank: dict[str, dict[str, int]] = {}
     left_bytes = left_trials = committed_after_failure = restores = 0
     examples: list[Any] = []
-    calls: dict[int, list[list[str]]] = {}
+    calls: dict[int, list[list[Any]]] = {}
+    counted: dict[str, Any] = {"per_save": {}}
     trial_s: list[float] = []
     store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ioranks-") as tmp, _broken(broken) as fs_broken:
@@ -547,7 +636,8 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
         pair = Pair(store.port)
         launches += 1
         try:
-            calls = prepare(pair, base)
+            counted = prepare(pair, base)
+            calls = counted["calls"]
             n = 0
             for rank in cfg["ranks"]:
                 for name in cfg["errnos"]:
@@ -561,7 +651,7 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
                                 "root": work,
                                 "rank": rank,
                                 "errno": ERRNOS[name],
-                                "key": call_key(calls[rank], at),
+                                "key": calls[rank][at],
                                 "sticky": mode == "sticky",
                                 "broken": fs_broken,
                             }
@@ -592,14 +682,14 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
                             if problems:
                                 failures += 1
                                 if len(examples) < 5:
-                                    c = calls[rank][at] if at < len(calls[rank]) else ("?", "?")
+                                    c = calls[rank][at]
                                     examples.append(
                                         {
                                             "rank": rank,
                                             "errno": name,
                                             "mode": mode,
                                             "call": at,
-                                            "at": f"{c[0]} {c[1]}",
+                                            "at": f"{c[0]} {c[1]} (#{c[2]})",
                                             "problems": problems[:4],
                                         }
                                     )
@@ -618,7 +708,11 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - t0, 1),
         "details": {
             "ranks": WORLD,
-            "calls_per_save": {f"rank {r}": len(calls.get(r, [])) for r in range(WORLD)},
+            "clean_saves_counted": COUNTS,
+            "calls_per_save": {f"rank {r}": counted["per_save"][r] for r in range(WORLD)},
+            "calls_tried_per_errno_and_mode": {
+                f"rank {r}": len(_indices(calls[r], cfg["stride"])) for r in cfg["ranks"]
+            },
             "call_kinds": kinds,
             "faulted_ranks": list(cfg["ranks"]),
             "errnos": list(cfg["errnos"]),
@@ -644,16 +738,111 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
     }
 
 
-def _kinds(calls: dict[int, list[list[str]]], r: int) -> list[str]:
+def _kinds(calls: dict[int, list[list[Any]]], r: int) -> list[str]:
     seen: list[str] = []
-    for kind, _ in calls.get(r, []):
+    for kind, *_ in calls.get(r, []):
         if kind not in seen:
             seen.append(kind)
     return seen
 
 
+def full_disk(mb: int = 8, width: int = 400, steps: int = 18) -> dict[str, Any]:
+    """Both ranks save into a real ``mb`` MiB tmpfs (root only) until well past full:
+    every save must end alike on both ranks, each failed one cleanly, with ``ENOSPC``
+    named, in bounded time, leaving no staging directory; the newest committed step
+    must be listed, whole, and restored by both ranks exactly."""
+    from torch.distributed import TCPStore
+
+    t0 = time.perf_counter()
+    mnt = tempfile.mkdtemp(prefix="fulldisk2-")
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", mnt],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError as exc:
+        os.rmdir(mnt)
+        return {"skipped": f"mount could not run: {exc}"}
+    if proc.returncode != 0:
+        os.rmdir(mnt)
+        return {"skipped": f"mount -t tmpfs refused: {proc.stderr.strip()}"}
+    problems: list[str] = []
+    outcomes: dict[str, int] = {}
+    last_ok = 0
+    left: dict[str, int] = {}
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    pair = Pair(store.port)
+    try:
+        root = os.path.join(mnt, "root")
+        cmd = {"op": "fill", "root": root, "width": width, "steps": steps}
+        got = pair.ask([cmd] * WORLD, TRIAL_TIMEOUT_S * 2)
+        if got is None or any("failed" in g for g in got):
+            problems.append(f"the ranks did not finish their saves: {got}")
+            got = None
+        for i in range(steps if got else 0):
+            s0, s1 = got[0]["saves"][i], got[1]["saves"][i]  # type: ignore[index]
+            key = f"{s0['outcome']}/{s1['outcome']}"
+            outcomes[key] = outcomes.get(key, 0) + 1
+            step = s0["step"]
+            left.update(s0["left"])
+            if s0["outcome"] == s1["outcome"] == "returned":
+                last_ok = step
+                continue
+            if (s0["outcome"] == "returned") != (s1["outcome"] == "returned"):
+                problems.append(f"step {step}: the ranks disagree: {key}")
+            for r, sv in enumerate((s0, s1)):
+                if sv["outcome"] != "returned" and not sv["clean"]:
+                    problems.append(f"step {step}: rank {r} unclean: {key}: {sv['error']}")
+                if sv["save_s"] >= WAITED_OUT * DIST_TIMEOUT_S:
+                    problems.append(f"step {step}: rank {r} waited {sv['save_s']}s")
+            said = " ".join(sv.get("error") or "" for sv in (s0, s1))
+            errnos = {sv.get("errno") for sv in (s0, s1)}
+            if errno.ENOSPC not in errnos and os.strerror(errno.ENOSPC) not in said:
+                problems.append(f"step {step}: failed without naming ENOSPC: {said}")
+        if left:
+            problems.append(f"staging left behind after failed saves: {sorted(left)}")
+        if got:
+            verdict = judge_root(root)
+            problems += verdict["problems"]
+            listed = verdict["listed"]
+            if not last_ok or max(listed, default=0) != last_ok:
+                problems.append(f"newest listed {listed[-1:]} is not the last saved {last_ok}")
+            back = pair.ask([{"op": "restore", "root": root, "width": width}] * WORLD, 60)
+            if back is None:
+                problems.append("a rank did not answer its restore")
+            else:
+                for r, b in enumerate(back):
+                    if "failed" in b or b["restored"] != last_ok or not b["same"]:
+                        problems.append(f"rank {r} restore: {b}, not step {last_ok}")
+        used = shutil.disk_usage(mnt).used
+    finally:
+        pair.close(kill=True)
+        del store
+        subprocess.run(["umount", mnt], check=False)
+        os.rmdir(mnt)
+    return {
+        "tmpfs_mib": mb,
+        "saves": steps,
+        "outcomes_rank0_rank1": outcomes,
+        "committed": last_ok,
+        "disk_used_bytes_at_end": used,
+        "problems": problems[:10],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 def run(size: str) -> dict[str, Any]:
-    return injected(size)
+    result = injected(size)
+    disk = full_disk()
+    result["details"]["full_disk"] = disk
+    if "skipped" not in disk:
+        result["trials"] += disk["saves"]
+        result["failures"] += len(disk["problems"])
+        result["seconds"] = round(result["seconds"] + disk["seconds"], 1)
+    return result
 
 
 def able_to_fail() -> dict[str, dict[str, int]]:

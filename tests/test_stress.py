@@ -180,6 +180,10 @@ def test_io_error_at_two_ranks_small_campaign_passes() -> None:
     by_rank = r["details"]["outcomes_by_faulted_rank"]
     assert by_rank["rank 1"].get("PersistError/PersistError", 0) > 0
     assert by_rank["rank 0"].get("returned/returned", 0) > 0  # e.g. in retention
+    disk = r["details"]["full_disk"]
+    if "skipped" not in disk:
+        assert disk["committed"] > 0 and not disk["problems"]
+        assert disk["outcomes_rank0_rank1"].get("PersistError/PersistError", 0) > 0
 
 
 @pytest.mark.parametrize("broken", ioranks.BROKEN)
@@ -198,11 +202,10 @@ def test_a_listing_error_before_a_two_rank_save_fails_no_rank_alone(tmp_path: Pa
     pair = ioranks.Pair(store.port)
     try:
         base = str(tmp_path / "base")
-        calls = ioranks.prepare(pair, base)
-        at = [kind for kind, _ in calls[0]].index("listdir")
+        calls = ioranks.prepare(pair, base, counts=1)["calls"]
+        key = next(c for c in calls[0] if c[0] == "listdir")
         work = str(tmp_path / "work")
         shutil.copytree(base, work)
-        key = ioranks.call_key(calls[0], at)
         cmd = {"op": "save", "root": work, "rank": 0, "errno": errno.EIO, "key": key}
         saves, _, problems = ioranks.trial(pair, work, {**cmd, "sticky": False, "broken": None})
     finally:
