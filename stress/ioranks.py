@@ -16,8 +16,10 @@ commit (manifest, renames, syncs), the audit log and retention. Clean saves are 
 first (`COUNTS` of them), and every call any of them made on the chosen rank is tried,
 named by its kind, its path without the attempt's random suffix and how many such calls
 came before it: the ranks race to create the attempt's directory, so the calls, and
-their indices, vary from one save to the next (a call a trial's save never makes is
-counted as not reached).
+their indices, vary from one save to the next. A trial whose save never made its call
+is run once more with the other rank waiting `LAG_S` before its first call in the
+attempt (so that it loses the race), then, if the call is still not made, counted as
+not reached.
 
 Each trial is judged here, on what both ranks report and what the root holds:
 
@@ -105,6 +107,9 @@ WORLD = 2
 STEP = 3
 DIST_TIMEOUT_S = 10.0
 TRIAL_TIMEOUT_S = 60.0
+LAG_S = 0.05
+"""How long a rank waits before its first call in an attempt, to lose the race to create
+the attempt's directory (a retry, when the call a trial targets was not made)."""
 COUNTS = 6
 """Clean saves counted: the union of their calls is tried."""
 WAITED_OUT = 0.8
@@ -193,7 +198,12 @@ class KeyedFault(Fault):
 class _KeyedOps(FileOps):
     """`FileOps` failing the call a `KeyedFault` names (once, or from then on)."""
 
+    lag_s = 0.0  # how long to wait before this rank's first call in an attempt
+
     def _call(self, kind: str, rel: str) -> None:
+        if self.lag_s and rel.startswith(".tmp-"):
+            time.sleep(self.lag_s)  # let the other rank create the attempt's directory
+            self.lag_s = 0.0
         f = self.fault
         if isinstance(f, KeyedFault) and f.at == NOT_YET:
             with self._lock:
@@ -221,6 +231,8 @@ def _save(rank: int, cmd: dict[str, Any], records: _Records) -> dict[str, Any]:
     mine = cmd.get("rank") == rank
     fault = KeyedFault(cmd["errno"], cmd["key"], sticky=cmd["sticky"]) if mine else None
     ops = _KeyedOps(root, fault=fault, record=True, broken=cmd.get("broken") if mine else None)
+    if cmd.get("lag") == rank:
+        ops.lag_s = LAG_S
     records.messages.clear()
     raised: BaseException | None = None
     no_backoff = SimpleNamespace(sleep=lambda s: None)
@@ -622,7 +634,7 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
     cfg = SIZES[size]
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # nothing of OpenMP's running when this process forks
-    trials = failures = not_reached = hangs = launches = 0
+    trials = failures = not_reached = hangs = launches = lagged = 0
     outcomes: dict[str, int] = {}
     per_rank: dict[str, dict[str, int]] = {}
     left_bytes = left_trials = committed_after_failure = restores = 0
@@ -657,6 +669,15 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
                             }
                             t1 = time.perf_counter()
                             saves, verdict, problems = trial(pair, work, cmd)
+                            if saves is not None and not saves[rank].get("injected", [None]):
+                                # the call belongs to the other outcome of the ranks' race
+                                # to create the attempt's directory: once more, the other
+                                # rank lagging
+                                shutil.rmtree(work)
+                                shutil.copytree(base, work)
+                                cmd["lag"] = 1 - rank
+                                saves, verdict, problems = trial(pair, work, cmd)
+                                lagged += 1
                             if saves is not None and not saves[rank].get("injected", [None]):
                                 not_reached += 1
                                 shutil.rmtree(work, ignore_errors=True)
@@ -728,6 +749,7 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
             "trials_leaving_files": left_trials,
             "bytes_left_behind": left_bytes,
             "restores_checked": restores,
+            "retried_with_the_other_rank_lagging": lagged,
             "not_reached": not_reached,
             "hangs": hangs,
             "launches": launches,
