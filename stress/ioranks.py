@@ -50,8 +50,10 @@ committed step must be listed, whole, and restored by both ranks exactly.
 
 The broken save paths (``broken``), which the same checks must catch:
 ``"ignore-fsync-error"`` and ``"retry-fsync"`` (rank 1 swallows, or retries once, a
-failed fsync of its data file) and ``"commit-despite-error"`` (rank 0 drops the error
-reports of the other ranks and commits with the files it has).
+failed fsync of its data file), ``"commit-despite-error"`` (rank 0 drops the error
+reports of the other ranks and commits with the files it has) and
+``"no-directory-fsync"`` (no rank syncs a directory: rank 1's file, in the staging
+directory, and step 3's name in the root are never made durable).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ import resumable.retrying
 from resumable.commit import list_committed, step_dir
 from resumable.errors import CheckpointError
 from resumable.reader import CheckpointReader
-from stress.fsops import ERRNOS, Fault, FileOps
+from stress.fsops import ERRNOS, Fault, FileOps, no_directory_fsync
 from stress.ioerrors import _leftovers, _Records
 from stress.workload import checkpointer, local, make_state, set_step
 
@@ -101,8 +103,16 @@ SIZES: dict[str, dict[str, Any]] = {
     },
     # the able-to-fail runs: EIO once at each call of rank 1's save
     "able": {"errnos": ("EIO",), "modes": ("once",), "stride": 1, "ranks": (1,)},
+    # and EIO once at every 16th call of rank 0's: errors that the saves survive
+    "able0": {"errnos": ("EIO",), "modes": ("once",), "stride": 16, "ranks": (0,)},
 }
-BROKEN = ("ignore-fsync-error", "retry-fsync", "commit-despite-error")
+BROKEN = {
+    "ignore-fsync-error": "able",
+    "retry-fsync": "able",
+    "commit-despite-error": "able",
+    "no-directory-fsync": "able0",
+}
+"""The broken save paths, and the size of the run that must catch each."""
 WORLD = 2
 STEP = 3
 DIST_TIMEOUT_S = 10.0
@@ -230,7 +240,13 @@ def _save(rank: int, cmd: dict[str, Any], records: _Records) -> dict[str, Any]:
     ck = _ck(root, state)
     mine = cmd.get("rank") == rank
     fault = KeyedFault(cmd["errno"], cmd["key"], sticky=cmd["sticky"]) if mine else None
-    ops = _KeyedOps(root, fault=fault, record=True, broken=cmd.get("broken") if mine else None)
+    ops = _KeyedOps(
+        root,
+        fault=fault,
+        record=True,
+        broken=cmd.get("broken") if mine else None,
+        skip=no_directory_fsync if cmd.get("skip_dir_fsync") else None,
+    )
     if cmd.get("lag") == rank:
         ops.lag_s = LAG_S
     records.messages.clear()
@@ -339,7 +355,7 @@ def _serve(rank: int, port: int, prefix: str, cmd_fd: int, out_fd: int) -> None:
 
     def gather(self: Any, obj: Any, name: str = "") -> list[Any]:
         out = original(self, obj, name)
-        if _Gathered.ops is not None:
+        if _Gathered.ops is not None and name == "reports":  # `write_distributed`'s
             _Gathered.ops.mark("gathered")
         return out
 
@@ -601,12 +617,20 @@ def trial(
 
 
 @contextmanager
-def _broken(kind: str | None) -> Iterator[str | None]:
+def _broken(kind: str | None) -> Iterator[dict[str, Any]]:
     """Within the block (and in ranks forked in it), the broken save path ``kind``;
-    yields the ``broken`` argument of the faulted rank's `FileOps`."""
-    if kind != "commit-despite-error":
-        yield kind
+    yields what the trials' commands must add for it."""
+    if kind in ("ignore-fsync-error", "retry-fsync"):
+        yield {"broken": kind}  # the faulted rank's `FileOps`
         return
+    if kind == "no-directory-fsync":
+        yield {"skip_dir_fsync": True}  # every rank's `FileOps`
+        return
+    if kind is None:
+        yield {}
+        return
+    if kind != "commit-despite-error":
+        raise ValueError(f"unknown broken save path {kind!r}")
     original = resumable.distributed.Group.gather
 
     def gather(self: Any, obj: Any, name: str = "") -> list[Any]:
@@ -617,7 +641,7 @@ def _broken(kind: str | None) -> Iterator[str | None]:
 
     resumable.distributed.Group.gather = gather  # type: ignore[method-assign]
     try:
-        yield None
+        yield {}
     finally:
         resumable.distributed.Group.gather = original  # type: ignore[method-assign]
 
@@ -643,7 +667,7 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
     counted: dict[str, Any] = {"per_save": {}}
     trial_s: list[float] = []
     store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="ioranks-") as tmp, _broken(broken) as fs_broken:
+    with tempfile.TemporaryDirectory(prefix="ioranks-") as tmp, _broken(broken) as extra:
         base = os.path.join(tmp, "base")
         pair = Pair(store.port)
         launches += 1
@@ -665,7 +689,7 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
                                 "errno": ERRNOS[name],
                                 "key": calls[rank][at],
                                 "sticky": mode == "sticky",
-                                "broken": fs_broken,
+                                **extra,
                             }
                             t1 = time.perf_counter()
                             saves, verdict, problems = trial(pair, work, cmd)
@@ -870,7 +894,7 @@ def run(size: str) -> dict[str, Any]:
 def able_to_fail() -> dict[str, dict[str, int]]:
     """The checks on each broken save path (EIO once at each call of rank 1's save)."""
     out = {}
-    for kind in BROKEN:
-        r = injected("able", broken=kind)
+    for kind, size in BROKEN.items():
+        r = injected(size, broken=kind)
         out[kind] = {"trials": r["trials"], "failures": r["failures"]}
     return out

@@ -186,9 +186,9 @@ def test_io_error_at_two_ranks_small_campaign_passes() -> None:
         assert disk["outcomes_rank0_rank1"].get("PersistError/PersistError", 0) > 0
 
 
-@pytest.mark.parametrize("broken", ioranks.BROKEN)
+@pytest.mark.parametrize("broken", list(ioranks.BROKEN))
 def test_io_error_at_two_ranks_checker_catches_a_broken_save_path(broken: str) -> None:
-    r = ioranks.injected("able", broken=broken)
+    r = ioranks.injected(ioranks.BROKEN[broken], broken=broken)
     assert r["trials"] > 0 and r["failures"] > 0
 
 
