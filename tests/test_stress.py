@@ -18,11 +18,13 @@ import pytest
 from stress import (
     DONE,
     corruption,
+    corruptranks,
     crashstate,
     endurance,
     enduranceranks,
     hostile,
     ioerrors,
+    ioranks,
     kill,
     killranks,
     objectstore,
@@ -252,6 +254,47 @@ def test_io_error_checker_catches_a_broken_fsync(broken: str) -> None:
     assert r["failures"] > 0
 
 
+def test_io_error_at_two_ranks_small_campaign_passes() -> None:
+    r = ioranks.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    by_rank = r["details"]["outcomes_by_faulted_rank"]
+    assert by_rank["rank 1"].get("PersistError/PersistError", 0) > 0
+    assert by_rank["rank 0"].get("returned/returned", 0) > 0  # e.g. in retention
+    disk = r["details"]["full_disk"]
+    if "skipped" not in disk:
+        assert disk["committed"] > 0 and not disk["problems"]
+        assert disk["outcomes_rank0_rank1"].get("PersistError/PersistError", 0) > 0
+
+
+@pytest.mark.parametrize("broken", list(ioranks.BROKEN))
+def test_io_error_at_two_ranks_checker_catches_a_broken_save_path(broken: str) -> None:
+    r = ioranks.injected(ioranks.BROKEN[broken], broken=broken)
+    assert r["trials"] > 0 and r["failures"] > 0
+
+
+def test_a_listing_error_before_a_two_rank_save_fails_no_rank_alone(tmp_path: Path) -> None:
+    """Regression: before its first save (when restore() was not called) rank 0 alone
+    lists the root, for a warning; an I/O error there was raised out of its save before
+    the coordinated persist, and rank 1 waited for it until the group's timeout."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, ioranks.WORLD, is_master=True, wait_for_workers=False)
+    pair = ioranks.Pair(store.port)
+    try:
+        base = str(tmp_path / "base")
+        calls = ioranks.prepare(pair, base, counts=1)["calls"]
+        key = next(c for c in calls[0] if c[0] == "listdir")
+        work = str(tmp_path / "work")
+        shutil.copytree(base, work)
+        cmd = {"op": "save", "root": work, "rank": 0, "errno": errno.EIO, "key": key}
+        saves, _, problems = ioranks.trial(pair, work, {**cmd, "sticky": False, "broken": None})
+    finally:
+        pair.close(kill=True)
+    assert saves is not None and saves[0]["injected"], saves
+    assert problems == [], problems
+    assert [s["outcome"] for s in saves] == ["returned", "returned"]
+
+
 # --------------------------------------------------------------------------- campaign 4
 
 
@@ -264,6 +307,19 @@ def test_corruption_small_campaign_passes() -> None:
 
 def test_corruption_checker_catches_a_reader_that_skips_checksums() -> None:
     assert corruption.able_to_fail()["checksum not checked"]["failures"] > 0
+
+
+def test_corruption_at_two_ranks_small_campaign_passes() -> None:
+    r = corruptranks.run("small")
+    assert r["failures"] == 0, r["details"]["examples"]
+    by_kind = r["details"]["mutations_by_kind"]
+    assert set(by_kind) == set(corruptranks.KINDS)
+    assert all(v.get("detected", 0) > 0 for v in by_kind.values())
+    assert r["details"]["restores_checked"] >= 2 * len(corruptranks.KINDS)
+
+
+def test_corruption_at_two_ranks_checker_catches_a_reader_that_skips_checksums() -> None:
+    assert corruptranks.able_to_fail()["checksum not checked"]["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 5

@@ -377,7 +377,15 @@ class Checkpointer:
         self._first_save_checked = True
         if self._restore_called or self.rank != 0:
             return
-        committed = list_committed(self.storage)
+        try:
+            committed = list_committed(self.storage)
+        except CheckpointError as exc:
+            # Only a warning hangs on this listing, and only rank 0 makes it: raising
+            # here would leave this rank's save before the coordinated persist, and the
+            # other ranks waiting for it until the group's timeout. The persist meets
+            # the storage again, on every rank.
+            log.warning("could not list the checkpoints of %s before saving: %s", self.url, exc)
+            return
         if committed:
             log.warning(
                 "%s holds checkpoints up to step %d, and restore() was not called before "
