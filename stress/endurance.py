@@ -111,6 +111,25 @@ def broken_save(kind: str | None) -> Iterator[None]:
             os.close(fd)
 
 
+def flat(base: dict[str, Any], end: dict[str, Any], who_prefix: str = "") -> list[str]:
+    """Problems: the trainer's or the worker's descriptors or threads changed between the
+    samples ``base`` and ``end``, or its resident memory grew by more than `RSS_SLACK`."""
+    problems = []
+    for who in ("trainer", "worker"):
+        if who not in base or who not in end:
+            continue
+        for key in ("fds", "threads"):
+            if end[who][key] != base[who][key]:
+                problems.append(
+                    f"{who_prefix}{who} {key}: {base[who][key]} after warm-up, "
+                    f"{end[who][key]} at end"
+                )
+        grew = end[who]["rss_bytes"] - base[who]["rss_bytes"]
+        if grew > RSS_SLACK:
+            problems.append(f"{who_prefix}{who} resident memory grew by {grew >> 20} MiB")
+    return problems
+
+
 def run(size: str, *, saves: int | None = None, broken: str | None = None) -> dict[str, Any]:
     """``broken`` (with ``persist="thread"``, so the patch reaches the persist) is for
     showing that the checks fail on a leaking save path."""
@@ -165,17 +184,7 @@ def run(size: str, *, saves: int | None = None, broken: str | None = None) -> di
             shutil.rmtree(shm, ignore_errors=True)
     if got != saves:
         problems.append(f"restore came back at {got}, not {saves}")
-    for who in ("trainer", "worker"):
-        if who not in base:
-            continue
-        for key in ("fds", "threads"):
-            if end[who][key] != base[who][key]:
-                problems.append(
-                    f"{who} {key}: {base[who][key]} after warm-up, {end[who][key]} at end"
-                )
-        grew = end[who]["rss_bytes"] - base[who]["rss_bytes"]
-        if grew > RSS_SLACK:
-            problems.append(f"{who} resident memory grew by {grew >> 20} MiB")
+    problems += flat(base, end)
     if end["shm_segments"] != base["shm_segments"]:
         problems.append(f"shm segments: {base['shm_segments']} -> {end['shm_segments']}")
     bound = (KEEP + 1) * max_ckpt

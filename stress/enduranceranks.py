@@ -39,7 +39,7 @@ from typing import Any
 
 from resumable import Every, Keep
 from resumable.commit import list_committed
-from stress.endurance import KEEP, RSS_SLACK, _proc, _tree_bytes, broken_save
+from stress.endurance import KEEP, _proc, _tree_bytes, broken_save, flat
 from stress.killranks import WORLD, _same, _set, _state
 from stress.workload import checkpointer, local
 
@@ -177,18 +177,7 @@ def _problems(reports: list[dict[str, Any]], saves: int) -> list[str]:
                 f"not step {saves}"
             )
         base, end = rep["samples"]["warm"], rep["samples"]["end"]
-        for who in ("trainer", "worker"):
-            if who not in base or who not in end:
-                continue
-            for key in ("fds", "threads"):
-                if end[who][key] != base[who][key]:
-                    problems.append(
-                        f"rank {r} {who} {key}: {base[who][key]} after warm-up, "
-                        f"{end[who][key]} at end"
-                    )
-            grew = end[who]["rss_bytes"] - base[who]["rss_bytes"]
-            if grew > RSS_SLACK:
-                problems.append(f"rank {r} {who} resident memory grew by {grew >> 20} MiB")
+        problems += flat(base, end, f"rank {r} ")
         if end["shm"] != base["shm"]:
             problems.append(f"rank {r}: shm segments {base['shm']} -> {end['shm']}")
         if r == 0:

@@ -52,11 +52,12 @@ from typing import Any
 import torch
 
 from resumable import Checkpointer
-from resumable.commit import list_committed
+from resumable.commit import step_dir
 from resumable.errors import CheckpointError
-from resumable.format import MANIFEST
+from resumable.format import MANIFEST, checksum
 from resumable.reader import CheckpointReader
 from resumable.storage.s3 import S3Storage
+from stress import objectstore
 from stress.objectstore import (
     FAULT_OPTIONS,
     RATES,
@@ -240,37 +241,17 @@ class Job:
 # --------------------------------------------------------------------------- the checks
 
 
-class Checker:
-    """The listed steps of a root, straight at the server: each one verified once per
-    manifest (both ranks' files, sizes, checksums) and holding both ranks' files."""
+class Checker(objectstore.Checker):
+    """Campaign 6's checker of the listed steps, straight at the server, where a step's
+    full check is: verify (both ranks' files, sizes, checksums) and hold world size 2
+    and both ranks' files."""
 
     def __init__(self, storage: S3Storage) -> None:
-        self.storage = storage
-        self.checked: dict[int, bytes] = {}
-        self.reported: set[tuple[int, str]] = set()
+        super().__init__(storage, SHAPES[0])
 
-    def listed(self, where: str, problems: list[str]) -> list[int]:
-        steps = list_committed(self.storage)
-        for step in steps:
-            why = ""
-            try:
-                self._check(step)
-            except CheckpointError as exc:
-                why = f"torn: {exc}"
-            except AssertionError as exc:
-                why = str(exc)
-            if why:
-                self.checked.pop(step, None)
-                if (step, why) not in self.reported:
-                    self.reported.add((step, why))
-                    problems.append(f"{where}: step {step} is listed but {why}"[:500])
-        return steps
-
-    def _check(self, step: int) -> None:
-        from resumable.commit import step_dir
-
-        raw = self.storage.read(f"{step_dir(step)}/{MANIFEST}")
-        if self.checked.get(step) == raw:
+    def check(self, step: int) -> None:
+        sum_ = checksum(self.storage.read(f"{step_dir(step)}/{MANIFEST}"))
+        if self.checked.get(step) == sum_:
             return
         reader = CheckpointReader(self.storage, step)
         reader.verify()
@@ -279,7 +260,8 @@ class Checker:
         ranks = {r for r in range(WORLD) for f in names if f.startswith(f"rank-{r:05d}")}
         if reader.manifest.get("world_size") != WORLD or len(ranks) != WORLD:
             raise AssertionError(f"world {reader.manifest.get('world_size')}, files {files}")
-        self.checked[step] = raw
+        self.checked[step] = sum_
+        self.full_checks += 1
 
 
 def _outcome(reply: tuple[Any, ...] | None) -> str:
