@@ -511,8 +511,9 @@ def trainer_pids(agent: int) -> list[int]:
 
 
 def killed_at_random(out: Path, kills: int, seed: int) -> str:
-    """The example under ``torchrun --max-restarts``: in each of its first ``kills``
-    attempts, once both ranks have restored and rank 0 has reported 1-4 more saves
+    """The example under ``torchrun --max-restarts``: in ``kills`` of its attempts (the
+    newest one each time; an attempt that ends by itself is not killed), once both ranks
+    have restored and rank 0 has reported 1-4 more saves
     (every 5 steps), one rank is SIGKILLed after a further random 0-0.3 s (in a training
     step, a snapshot, a background persist or its commit); returns the output.
 
@@ -524,7 +525,7 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
     import time
 
     rng = random.Random(seed)
-    cmd = torchrun_cmd(2, EXAMPLE, "--dir", out, *CAMPAIGN_ARGS, restarts=kills + 2)
+    cmd = torchrun_cmd(2, EXAMPLE, "--dir", out, *CAMPAIGN_ARGS, restarts=kills + 4)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd,
@@ -543,15 +544,29 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
         for line in proc.stdout:
             lines.append(line)
 
+    resumed_line = re.compile(r"rank (\d) attempt (\d+): resumed")
+    step_line = re.compile(r"step \d+ loss")
+
+    def newest_attempt_resumed() -> int:
+        """The newest attempt both ranks have resumed in (-1: none yet)."""
+        seen: dict[int, set[str]] = {}
+        for x in lines:  # two ranks' prints can share a line
+            for m in resumed_line.finditer(x):
+                seen.setdefault(int(m.group(2)), set()).add(m.group(1))
+        return max((a for a, ranks in seen.items() if len(ranks) == 2), default=-1)
+
     def killer() -> None:
-        for attempt in range(kills):
-            want = {f"rank {r} attempt {attempt}: resumed" for r in (0, 1)}
-            while not all(any(w in x for x in lines) for w in want):
+        # Each kill goes to the newest attempt once both its ranks resumed: an attempt
+        # that ends by itself (torchrun restarts the group) does not stall the killer.
+        last = -1
+        while len(done) < kills:
+            while (attempt := newest_attempt_resumed()) <= last:
                 if proc.poll() is not None:
                     return
                 time.sleep(0.02)
+            last = attempt
             resumed, saves = len(lines), rng.randint(1, 4)
-            while sum(x.startswith("step ") for x in lines[resumed:]) < saves:
+            while sum(len(step_line.findall(x)) for x in lines[resumed:]) < saves:
                 if proc.poll() is not None:
                     return
                 time.sleep(0.01)
@@ -574,6 +589,7 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
     for t in threads:
         t.join(timeout=10)
     output = "".join(lines)
+    (out.parent / f"{out.name}-output.log").write_text(output)  # kept with tmp_path
     assert proc.returncode == 0, output[-6000:]
     assert len(done) == kills, f"{len(done)} of {kills} kills landed:\n{output[-3000:]}"
     return output
