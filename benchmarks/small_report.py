@@ -300,6 +300,15 @@ def _verdict(out: dict[str, Any]) -> list[str]:
         parts_txt = ", ".join(f"{LABELS[k]} {p[k]:,.0f}" for k in ranked)
         floor = e["methods"]["foreach_copy"]["median_us"]
         what = f"{int(key):,} tensors" if kind == "fixed" else f"{key} nanoGPT"
+        if "overlap" in g["goal"]:
+            lines.append(
+                f"- Not met, {what} with `overlap=True`: `maybe_save` itself took "
+                f"{e['median_maybe_save_overlap_us']:,.0f} µs (median), the rest of the "
+                f"{e['overlap_overhead_us']:+,.0f} µs per iteration is the copy in a "
+                "second thread competing with the step for the machine's memory "
+                "bandwidth and cores, and the next `optimizer.step()` waiting for it."
+            )
+            continue
         share = ""
         if kind == "models":
             share = f", {floor / (e['median_off_ms'] * 10):.2f} % of the median iteration"
