@@ -53,12 +53,10 @@ from typing import Any
 
 import torch
 
-from resumable.commit import list_committed, step_dir
-from resumable.errors import CheckpointError
+from resumable.commit import step_dir
 from resumable.format import manifest_digest
 from resumable.reader import CheckpointReader
-from resumable.storage.memory import MemoryStorage
-from stress.corruption import _edit
+from stress.corruption import _edit, _loaded, _storage, judge
 from stress.ioranks import TRIAL_TIMEOUT_S, WORLD, Pair
 
 SIZES = {
@@ -210,38 +208,6 @@ def mutate(files: dict[str, bytes], kind: str, rng: random.Random) -> tuple[dict
         data = bytearray(json.dumps(doc, indent=1).encode())
     out[path] = bytes(data)
     return out, what
-
-
-def _storage(files: dict[str, bytes]) -> MemoryStorage:
-    storage = MemoryStorage("memory://corruptranks")
-    for path, data in files.items():
-        storage.write(path, [data])
-    return storage
-
-
-def _loaded(storage: MemoryStorage) -> tuple[dict[str, bytes], Any]:
-    reader = CheckpointReader(storage, NEWEST)
-    tensors = {
-        k: bytes(v.contiguous().reshape(-1).view(torch.uint8).numpy())
-        for k, v in reader.tensors().items()
-    }
-    return tensors, reader.manifest["ranks"]
-
-
-def judge(files: dict[str, bytes], reference: tuple[dict[str, bytes], Any]) -> str:
-    """``detected``, ``harmless``, or what went wrong."""
-    storage = _storage(files)
-    try:
-        if NEWEST not in list_committed(storage):
-            return "detected"
-        CheckpointReader(storage, NEWEST).verify()
-        if _loaded(storage) == reference:
-            return "harmless"
-        return "undetected: it verifies but loads other values"
-    except CheckpointError:
-        return "detected"
-    except Exception as exc:  # the point: anything else is a failure
-        return f"unclean: {type(exc).__name__}: {exc}"
 
 
 def restores_older(pair: Pair, root: str, files: dict[str, bytes], verdict: str) -> str | None:
