@@ -16,6 +16,17 @@ fp32 master weights and optimizer moments of each ZeRO partition, scheduler, cou
 a run killed and restarted any number of times prints the same line as one never killed.
 
 The model is built from a ``GPT2Config`` (nothing is downloaded); dropout is off.
+
+``--import-deepspeed DIR`` starts from a checkpoint in DeepSpeed's own layout (made by
+``engine.save_checkpoint`` or by `resumable.integrations.deepspeed.export_deepspeed`):
+``engine.load_checkpoint`` reads it and the first `Checkpointer.save` commits it, when
+the `Checkpointer` has no checkpoint of its own yet.
+
+Environment, for the tests: ``KILL_AT_STEP=N`` makes rank ``KILL_RANK`` (default 1)
+SIGKILL itself right after ``maybe_save`` of step N, on torchrun's first attempt only;
+with ``KILL_AFTER_COMMIT=1`` it first waits for the persist in flight to commit (on this
+2-core machine a first persist, which starts the worker process, can take longer than
+the whole run).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 from datetime import timedelta
 from typing import Any
@@ -147,10 +159,14 @@ def main() -> None:
     )
     p.add_argument("--persist", default="auto", help="the Checkpointer's persist= mode")
     p.add_argument("--timeout", type=float, default=60.0, help="process group timeout (s)")
+    p.add_argument("--import-deepspeed", help="start from this DeepSpeed checkpoint directory")
     args = p.parse_args()
 
     rank = init_distributed(args.timeout)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
+    kill_rank = int(os.environ.get("KILL_RANK", "1"))
+    kill_after_commit = os.environ.get("KILL_AFTER_COMMIT") == "1"
     engine = build(args.stage, args.bf16, args.micro_batch, args.seed)
 
     ck = resumable.Checkpointer(
@@ -164,6 +180,10 @@ def main() -> None:
     )
     with ck:
         start = ck.restore()
+        if start == 0 and args.import_deepspeed:
+            engine.load_checkpoint(args.import_deepspeed)  # DeepSpeed's own reader
+            start = engine.global_steps
+            ck.save(start)  # from here on, resumable's checkpoints
         print(f"rank {rank} attempt {attempt}: resumed from step {start}", flush=True)
         for step in range(start + 1, args.steps + 1):
             ids = batch(args.seed, step, rank, args.micro_batch)
@@ -173,6 +193,13 @@ def main() -> None:
             ck.maybe_save(step)
             if rank == 0:
                 print(f"step {step} loss {loss.float().item():.4f}", flush=True)
+            if step == kill_at and attempt == 0:
+                if kill_after_commit:
+                    ck.wait()  # every rank: the coordinated persist needs them all
+                if rank != kill_rank:
+                    continue
+                print(f"rank {rank}: killing myself after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         digest = engine_sha256(engine)
     if rank == 0:
         print(f"final step={args.steps} params_sha256={digest}", flush=True)

@@ -32,7 +32,8 @@ before the first `Checkpointer.save` (see ``docs/deepspeed.md``).
 
 Nothing here unpickles: the dicts go through the `Checkpointer`'s tree, and the few
 DeepSpeed objects in them (loss scalers, fragment addresses, the ZeRO stage enum) are
-written as tagged plain values and rebuilt from an allow-list of their classes.
+written as tagged plain values and rebuilt from an allow-list of their classes (and
+``torch.Size``, which the tree would give back as a tuple).
 
 Not supported (the constructor raises `UnsupportedStateError`): pipeline parallelism
 (``PipelineEngine``), mixture of experts, NVMe offload, curriculum learning and random-LTD
@@ -311,6 +312,8 @@ def to_tree(v: Any) -> Any:
         return {TAG_KEY: "enum", "class": type(v).__name__, "value": v.value}
     if isinstance(v, fragment_address):
         return {TAG_KEY: "fragment_address", "numel": int(v.numel), "start": int(v.start)}
+    if isinstance(v, torch.Size):  # param_shapes: zero_to_fp32 calls their .numel()
+        return {TAG_KEY: "size", "dims": [int(d) for d in v]}
     if type(v).__name__ in _SCALERS and isinstance(v, _SCALERS[type(v).__name__]):
         attrs = {k: a for k, a in vars(v).items() if isinstance(a, _PLAIN_ATTRS)}
         return {TAG_KEY: "loss_scaler", "class": type(v).__name__, "attrs": attrs}
@@ -344,6 +347,11 @@ def _rebuild(tag: Any, node: Mapping[str, Any]) -> Any:
             return _ENUMS[node["class"]](node["value"])
         if tag == "fragment_address":
             return fragment_address(numel=int(node["numel"]), start=int(node["start"]))
+        if tag == "size":
+            dims = node["dims"]
+            if not isinstance(dims, list) or not all(type(d) is int and d >= 0 for d in dims):
+                raise TypeError("dims must be a list of non-negative ints")
+            return torch.Size(dims)
         if tag == "loss_scaler":
             cls = _SCALERS[node["class"]]
             attrs = node["attrs"]
