@@ -148,16 +148,21 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "total": _stat(col("resumable_sync", 1)),
         },
     }
+    for name in ("resumable_auto", "resumable_sync"):
+        save[name]["snapshot"] = _stat(col(name, 3))
+    capture = _stat(col("capture", 0))
     for name, entry in save.items():
         files = raw["bytes"]["deepspeed" if name.startswith("deepspeed") else name]
         entry["bytes"] = sum(files.values())
         entry["files"] = files
     restore = {name: _stat([max(rep) for rep in reps]) for name, reps in raw["restores"].items()}
-    floor = raw["floor"]
-    write_s = statistics.median(floor["write"])
-    read_s = statistics.median(floor["read_warm"])
-    write_bps, read_bps = floor["bytes"] / write_s, floor["bytes"] / read_s
+    write, read = _stat(col("write_floor", 0)), restore.pop("read_floor")
+    nbytes = raw["floor_bytes"]
+    write_bps, read_bps = nbytes / write["median"], nbytes / read["median"]
     floors = {
+        "bytes": nbytes,
+        "write": write,
+        "read_warm": read,
         "write_gbps": round(write_bps / 1e9, 3),
         "read_warm_gbps": round(read_bps / 1e9, 3),
         "write_s": {n: round(e["bytes"] / write_bps, 6) for n, e in save.items()},
@@ -165,26 +170,29 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "deepspeed": round(save["deepspeed"]["bytes"] / read_bps, 6),
             "resumable": round(save["resumable_sync"]["bytes"] / read_bps, 6),
         },
-        "raw": floor,
     }
 
-    def med(entry: dict[str, Any], key: str) -> float:
-        return float(entry[key]["median"])
+    def ratios(stat: str) -> dict[str, float | None]:
+        """resumable ÷ DeepSpeed of the samples' ``stat`` ("median" or "min")."""
 
-    def r(a: float, b: float) -> float | None:
-        return round(a / b, 4) if b else None
+        def v(entry: dict[str, Any], key: str) -> float:
+            return float(entry[key][stat])
 
-    ds_b = med(save["deepspeed"], "blocking")
-    ds_d = med(save["deepspeed_durable"], "total")
-    ratios = {
-        "auto_blocking_over_ds": r(med(save["resumable_auto"], "blocking"), ds_b),
-        "auto_total_over_ds": r(med(save["resumable_auto"], "total"), ds_b),
-        "auto_total_over_ds_durable": r(med(save["resumable_auto"], "total"), ds_d),
-        "sync_over_ds": r(med(save["resumable_sync"], "total"), ds_b),
-        "sync_over_ds_durable": r(med(save["resumable_sync"], "total"), ds_d),
-        "restore_over_ds": r(restore["resumable"]["median"], restore["deepspeed"]["median"]),
-        "bytes_over_ds": r(save["resumable_sync"]["bytes"], save["deepspeed"]["bytes"]),
-    }
+        def r(x: float, y: float) -> float | None:
+            return round(x / y, 4) if y else None
+
+        ds_b = v(save["deepspeed"], "blocking")
+        ds_d = v(save["deepspeed_durable"], "total")
+        return {
+            "auto_blocking_over_ds": r(v(save["resumable_auto"], "blocking"), ds_b),
+            "auto_total_over_ds": r(v(save["resumable_auto"], "total"), ds_b),
+            "auto_total_over_ds_durable": r(v(save["resumable_auto"], "total"), ds_d),
+            "sync_over_ds": r(v(save["resumable_sync"], "total"), ds_b),
+            "sync_over_ds_durable": r(v(save["resumable_sync"], "total"), ds_d),
+            "restore_over_ds": r(restore["resumable"][stat], restore["deepspeed"][stat]),
+            "bytes_over_ds": r(save["resumable_sync"]["bytes"], save["deepspeed"]["bytes"]),
+        }
+
     return {
         "stage": raw["stage"],
         "world_size": raw["world_size"],
@@ -196,10 +204,12 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "save_order": raw["save_order"],
         "restore_order": raw["restore_order"],
         "save": save,
+        "capture": capture,
         "restore": restore,
         "restored_equal": {k: all(v) and bool(v) for k, v in raw["restored_equal"].items()},
         "floors": floors,
-        "ratios": ratios,
+        "ratios": ratios("median"),
+        "ratios_of_min": ratios("min"),
         "raw": {"saves": saves, "restores": raw["restores"]},
     }
 
@@ -321,15 +331,18 @@ def render(out: dict[str, Any], source: str) -> str:
         "the *+ fsync* row adds the fsync of its files (rank 0, after a barrier) to the "
         "call. resumable's figures are durable (fsynced, coordinated commit). *MB on "
         "disk*: every file of the checkpoint, all ranks. *Write floor*: those bytes at "
-        "the fsynced write bandwidth measured in the same launch (each rank writing its "
-        "share at once). Ratios: resumable's median ÷ DeepSpeed's.",
+        "the fsynced write bandwidth measured in the same rounds (each rank writing its "
+        "share of DeepSpeed's bytes into a file of its own, at once). *Snapshot*: "
+        "resumable's own timing of its capture and copy of the state inside `save()` "
+        "(`Checkpointer.last_snapshot_s`). Ratios: resumable's median ÷ DeepSpeed's. "
+        "*Min*: the fastest sample (other jobs on this shared machine only ever add time).",
         "",
     ]
     rows = []
     for stage, e in stages:
         if not isinstance(e, dict) or "save" not in e:
             err = " ".join(str(_get(e, "error") or "?").split())
-            rows.append([stage, f"not measured: {err[:160]}"] + ["—"] * 7)
+            rows.append([stage, f"not measured: {err[:160]}"] + ["—"] * 9)
             continue
         ds_b = e["save"]["deepspeed"]["blocking"]["median"]
         ds_d = e["save"]["deepspeed_durable"]["total"]["median"]
@@ -342,8 +355,10 @@ def render(out: dict[str, Any], source: str) -> str:
                     label,
                     _s(b),
                     _s(t),
+                    _s(_get(_get(m, "snapshot"), "median")),
                     _x(b / ds_b) if name.startswith("resumable") else "",
                     _x(t / ds_d) if name != "deepspeed" else "",
+                    _s(m["total"]["min"]),
                     _s(m["total"]["first"]),
                     _mb(m["bytes"]),
                     _s(e["floors"]["write_s"][name]),
@@ -355,15 +370,27 @@ def render(out: dict[str, Any], source: str) -> str:
             "save",
             "blocking s",
             "total s",
+            "snapshot s",
             "blocking ÷ `save_checkpoint`'s",
             "total ÷ `save_checkpoint` + fsync",
+            "min total s",
             "first total s",
             "MB on disk",
             "write floor s",
         ],
         rows,
     )
+    captured = [
+        f"ZeRO {stage}: {_s(e['capture']['median'])} s"
+        for stage, e in stages
+        if isinstance(e, dict) and "capture" in e
+    ]
     lines += [
+        "",
+        "Of resumable's save, `DeepSpeedState(engine).state_dict()` alone (DeepSpeed's own "
+        "save code run into memory, no copy; timed in the same rounds): "
+        + ", ".join(captured)
+        + ".",
         "",
         "Restores into a second engine of the same configuration, whose state was made to "
         "differ by training steps of its own: `engine.load_checkpoint(dir, tag)` against "
@@ -373,7 +400,7 @@ def render(out: dict[str, Any], source: str) -> str:
         "engine's whole state (module, fp32 master partition, moments, scheduler, "
         "counters; every rank) hashed after a restore in the first and the last round "
         "equals the saving engine's. *Read floor*: the bytes at the warm read bandwidth "
-        "measured in the same launch.",
+        "measured in the same rounds (each rank reading back its write floor file).",
         "",
     ]
     rows = []
@@ -388,6 +415,7 @@ def render(out: dict[str, Any], source: str) -> str:
                 _s(ds["median"]),
                 _s(ours["median"]),
                 _x(e["ratios"]["restore_over_ds"]),
+                f"{_s(ds['min'])} / {_s(ours['min'])}",
                 f"{_s(ds['first'])} / {_s(ours['first'])}",
                 f"{_s(e['floors']['read_warm_s']['deepspeed'])} / "
                 f"{_s(e['floors']['read_warm_s']['resumable'])}",
@@ -401,6 +429,7 @@ def render(out: dict[str, Any], source: str) -> str:
             "`load_checkpoint` s",
             "resumable `restore()` s",
             "resumable ÷ DeepSpeed",
+            "min s (DeepSpeed / resumable)",
             "first s (DeepSpeed / resumable)",
             "read floor s (DeepSpeed / resumable bytes)",
             "equal (DeepSpeed / resumable)",

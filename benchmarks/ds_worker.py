@@ -25,6 +25,11 @@ slowest rank's. Methods:
   rank; the ranks commit together): blocking = ``save(step)``; total = + ``wait()``.
 - ``resumable_sync``: the same with ``persist="sync"``: ``save(step)`` returns after the
   coordinated, fsynced commit, blocking = total.
+- ``capture``: ``DeepSpeedState(A).state_dict()`` alone (DeepSpeed's own save code into
+  memory, no copy): the part of resumable's save spent in DeepSpeed.
+
+Each sample is ``[blocking, total, fsync, snapshot]`` per rank, *snapshot* being
+resumable's ``Checkpointer.last_snapshot_s`` (its capture and copy of the state).
 
 DeepSpeed's previous tag directory is removed after each round, outside the timings.
 After the rounds, the restore rounds (``reps + 1`` again, the first reported apart), the
@@ -41,10 +46,10 @@ compared with A's (``restored_equal``). The restores:
   verified), timed together, then ``close()``.
 
 The files were just written: every restore reads them from a warm page cache (this
-process may not drop it). Floors: every rank writes its share of DeepSpeed's bytes (total ÷
-ranks) into a file of its own with 16 MiB ``write`` calls and an fsync, all ranks at once
-after a barrier (the slowest rank's time), then reads its file back (warm page cache).
-Rank 0 writes every sample to ``OUT``.
+process may not drop it). The floors are methods of the rounds like the others (`Floor`):
+``write_floor`` in the save rounds, every rank writing its share of DeepSpeed's bytes
+(total ÷ ranks) fsynced into a file of its own, all ranks at once; ``read_floor`` in the
+restore rounds, that file read back. Rank 0 writes every sample to ``OUT``.
 """
 
 from __future__ import annotations
@@ -70,7 +75,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import floors
 
 SEQ, BATCH = 64, 2
-FLOOR_REPS = 3
 MODEL = {"vocab_size": 8192, "n_positions": 256, "n_embd": 512, "n_layer": 6, "n_head": 8}
 """GPT-2 shaped, 23.2 M parameters: with AdamW's fp32 master partition and two moments a
 ZeRO checkpoint of two ranks is about 0.37 GB, which the disk here takes in 0.3-1.5 s."""
@@ -248,25 +252,41 @@ def main() -> None:
             fsync_tree(ds_dir / tag(i))
             fsync_tree(ds_dir)
         fsync = time.perf_counter() - t1
-        return [call, call, fsync]
+        return [call, call, fsync, 0.0]
 
     def save_auto(i: int) -> list[float]:
         t0 = time.perf_counter()
         auto.save(i + 1)
         blocking = time.perf_counter() - t0
         auto.wait()
-        return [blocking, time.perf_counter() - t0, 0.0]
+        return [blocking, time.perf_counter() - t0, 0.0, auto.last_snapshot_s or 0.0]
 
     def save_sync(i: int) -> list[float]:
         t0 = time.perf_counter()
         sync.save(i + 1)
         t = time.perf_counter() - t0
-        return [t, t, 0.0]
+        return [t, t, 0.0, sync.last_snapshot_s or 0.0]
+
+    floor = Floor(args.dir / "floor", rank, world)
+
+    def write_floor(i: int) -> list[float]:
+        if floor.share is None:  # round 0 starts with DeepSpeed's save
+            floor.share = sum(files_of(ds_dir / tag(0)).values()) // world
+        t = floor.write()
+        return [t, t, 0.0, 0.0]
+
+    def capture(i: int) -> list[float]:
+        t0 = time.perf_counter()
+        DeepSpeedState(a).state_dict()
+        t = time.perf_counter() - t0
+        return [t, t, 0.0, 0.0]
 
     savers: dict[str, Callable[[int], list[float]]] = {
         "deepspeed": save_ds,
         "resumable_auto": save_auto,
         "resumable_sync": save_sync,
+        "capture": capture,
+        "write_floor": write_floor,
     }
     names = list(savers)
     saves: dict[str, list[list[list[float]]]] = {n: [] for n in names}
@@ -310,24 +330,27 @@ def main() -> None:
             raise RuntimeError(f"restored step {got}, expected {last}")
         return t
 
-    loaders: dict[str, Callable[[], float]] = {"deepspeed": load_ds, "resumable": load_ours}
+    loaders: dict[str, Callable[[], float]] = {
+        "deepspeed": load_ds,
+        "resumable": load_ours,
+        "read_floor": floor.read,
+    }
     lnames = list(loaders)
     loads: dict[str, list[list[float]]] = {n: [] for n in lnames}
-    equal: dict[str, list[bool]] = {n: [] for n in lnames}
+    equal: dict[str, list[bool]] = {"deepspeed": [], "resumable": []}
     for i in range(args.reps + 1):
         k = i % len(lnames)
         checked = i in (0, args.reps)
         for name in lnames[k:] + lnames[:k]:
-            if checked:
+            checks = checked and name in equal
+            if checks:
                 train_step(b, 200 + i, shape)
             dist.barrier()
             loads[name].append([r[0] for r in slowest([loaders[name]()])])
-            if checked:
+            if checks:
                 equal[name].append(state_sha256(b) == ref)
 
-    log("floors")
-    floor_bytes = sum(nbytes["deepspeed"].values())
-    floor = write_read_floor(args.dir / "floor", floor_bytes, world, rank, FLOOR_REPS)
+    floor.path.unlink(missing_ok=True)
 
     if rank == 0:
         out = {
@@ -348,7 +371,7 @@ def main() -> None:
             "restores": loads,
             "restored_equal": equal,
             "bytes": nbytes,
-            "floor": floor,
+            "floor_bytes": (floor.share or 0) * world,
             "wall_s": round(time.perf_counter() - started, 3),
         }
         args.out.write_text(json.dumps(out, indent=1) + "\n")
@@ -361,27 +384,31 @@ def main() -> None:
     os._exit(0)
 
 
-def write_read_floor(d: Path, nbytes: int, world: int, rank: int, reps: int) -> dict[str, Any]:
-    """Every rank writes ``nbytes / world`` fsynced into its own file at once, then reads
-    it back (warm); the slowest rank's seconds per sample."""
-    d.mkdir(parents=True, exist_ok=True)
-    share = nbytes // world
-    block = os.urandom(floors.CHUNK)
-    path = d / f"rank{rank}.bin"
-    writes, reads = [], []
-    for _ in range(reps):
-        path.unlink(missing_ok=True)
-        dist.barrier()
-        t = floors.timed(lambda: floors.write_file_fsync(path, share, block))
-        writes.append(max(r[0] for r in slowest([t])))
-    buf = bytearray(share)
-    floors.read_file_into(path, buf)
-    for _ in range(reps):
-        dist.barrier()
-        t = floors.timed(lambda: floors.read_file_into(path, buf))
-        reads.append(max(r[0] for r in slowest([t])))
-    path.unlink(missing_ok=True)
-    return {"bytes": share * world, "write": writes, "read_warm": reads}
+class Floor:
+    """The physical floors on this rank: its share of DeepSpeed's bytes written with 16 MiB
+    ``write`` calls and an fsync into a file of its own (every rank at once, after the
+    same barrier as the other methods), and that file read back (warm page cache)."""
+
+    def __init__(self, d: Path, rank: int, world: int) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        self.path = d / f"rank{rank}.bin"
+        self.block = os.urandom(floors.CHUNK)
+        self.share: int | None = None
+        self.buf: bytearray | None = None
+
+    def write(self) -> float:
+        """Seconds to write ``share`` bytes and fsync them into a new file."""
+        assert self.share is not None
+        self.path.unlink(missing_ok=True)
+        share = self.share
+        return floors.timed(lambda: floors.write_file_fsync(self.path, share, self.block))
+
+    def read(self) -> float:
+        """Seconds to read the file back into a buffer allocated once."""
+        if self.buf is None:
+            self.buf = bytearray(self.path.stat().st_size)
+        buf = self.buf
+        return floors.timed(lambda: floors.read_file_into(self.path, buf))
 
 
 if __name__ == "__main__":
