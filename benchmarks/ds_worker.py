@@ -55,7 +55,6 @@ restore rounds, that file read back. Rank 0 writes every sample to ``OUT``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -135,35 +134,6 @@ def train_step(engine: Any, seed: int, shape: dict[str, int]) -> None:
     engine.step()
 
 
-def state_sha256(engine: Any) -> str:
-    """sha256 of every rank's whole engine state as `DeepSpeedState` takes it (the same
-    on every rank; every rank calls it)."""
-    from resumable.integrations.deepspeed import DeepSpeedState
-
-    h = hashlib.sha256()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            for k in sorted(v, key=str):
-                h.update(str(k).encode())
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, torch.Tensor):
-            t = v.detach().contiguous().reshape(-1)
-            h.update(str(t.dtype).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            h.update(repr(v).encode())
-
-    sd = DeepSpeedState(engine).state_dict()
-    walk({k: v for k, v in sd.items() if k in ("model_states", "zero")})
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, h.hexdigest())
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
-
-
 def files_of(d: Path) -> dict[str, int]:
     """Every file under ``d`` (relative name: bytes)."""
     return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
@@ -207,7 +177,7 @@ def main() -> None:
 
     from resumable import Checkpointer, Keep
     from resumable.commit import step_dir
-    from resumable.integrations.deepspeed import DeepSpeedState
+    from resumable.integrations.deepspeed import DeepSpeedState, state_sha256
 
     started = time.perf_counter()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))

@@ -32,7 +32,6 @@ the whole run).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import signal
 import sys
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import resumable
-from resumable.integrations.deepspeed import DeepSpeedState
+from resumable.integrations.deepspeed import DeepSpeedState, state_sha256
 
 VOCAB, SEQ = 128, 16
 
@@ -117,34 +116,6 @@ def batch(seed: int, step: int, rank: int, size: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (size, SEQ), generator=g)
 
 
-def engine_sha256(engine: Any) -> str | None:
-    """sha256 of every rank's whole engine state (rank 0 only; every rank calls it)."""
-    h = hashlib.sha256()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            for k in sorted(v, key=str):
-                h.update(str(k).encode())
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, torch.Tensor):
-            t = v.detach().contiguous().reshape(-1)
-            h.update(str(t.dtype).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            h.update(repr(v).encode())
-
-    sd = DeepSpeedState(engine).state_dict()
-    walk({k: v for k, v in sd.items() if k in ("model_states", "zero")})
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, h.hexdigest())
-    if dist.get_rank() != 0:
-        return None
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", required=True, help="checkpoint directory or URL")
@@ -200,7 +171,7 @@ def main() -> None:
                     continue
                 print(f"rank {rank}: killing myself after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-        digest = engine_sha256(engine)
+        digest = state_sha256(engine)  # every rank's whole engine state
     if rank == 0:
         print(f"final step={args.steps} params_sha256={digest}", flush=True)
     dist.destroy_process_group()

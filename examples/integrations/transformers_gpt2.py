@@ -119,36 +119,6 @@ def single_process_env() -> None:
     )
 
 
-def engine_sha256(engine: Any) -> str:
-    """sha256 of every rank's whole DeepSpeed engine state (every rank calls it)."""
-    import torch.distributed as dist
-
-    from resumable.integrations.deepspeed import DeepSpeedState
-
-    h = hashlib.sha256()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            for k in sorted(v, key=str):
-                h.update(str(k).encode())
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, torch.Tensor):
-            t = v.detach().contiguous().reshape(-1)
-            h.update(str(t.dtype).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            h.update(repr(v).encode())
-
-    sd = DeepSpeedState(engine).state_dict()
-    walk({k: v for k, v in sd.items() if k in ("model_states", "zero")})
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, h.hexdigest())
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", required=True, help="output and checkpoint directory")
@@ -205,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer.train()
     if a.deepspeed is not None:
-        digest = engine_sha256(trainer.model_wrapped)
+        from resumable.integrations.deepspeed import state_sha256
+
+        digest = state_sha256(trainer.model_wrapped)
         if int(os.environ["RANK"]) != 0:
             return
     else:

@@ -65,7 +65,7 @@ from resumable.errors import (
     UnsupportedStateError,
 )
 
-__all__ = ["DeepSpeedState", "export_deepspeed"]
+__all__ = ["DeepSpeedState", "export_deepspeed", "state_sha256"]
 
 FORMAT = 1
 """Version of the tree `DeepSpeedState.state_dict` returns."""
@@ -300,6 +300,39 @@ def _checked(state_dict: Any) -> dict[str, Any]:
     if sd.get("zero") is not None and not isinstance(sd["zero"], Mapping):
         raise CorruptCheckpointError("DeepSpeedState tree: 'zero' should be a dict or None")
     return sd
+
+
+def state_sha256(engine: Any) -> str:
+    """sha256 of every rank's whole engine state, as `DeepSpeedState` takes it: module,
+    ZeRO partition (fp32 masters, moments), scheduler, counters. Collective: every rank
+    calls it and gets the same digest. For checking that a resumed run ends exactly as
+    an uninterrupted one (the examples' and tests' result line)."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, Mapping):
+            for k in sorted(v, key=str):
+                h.update(str(k).encode())
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous().reshape(-1)
+            h.update(str(t.dtype).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            h.update(repr(v).encode())
+
+    sd = DeepSpeedState(engine).state_dict()
+    walk({k: v for k, v in sd.items() if k in ("model_states", "zero")})
+    if not torch.distributed.is_initialized():
+        return h.hexdigest()
+    digests: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(digests, h.hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------ the codec
