@@ -95,11 +95,21 @@ def _installs(commands: list[str]) -> list[str]:
 
 
 def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
-    installs = _installs(_make_dry_run(tmp_path, "demo"))
+    commands = _make_dry_run(tmp_path, "demo")
+    installs = _installs(commands)
     assert "torch==" in installs[0], "torch first, pinned, or pip pulls another build"
     assert "uninstall -y -q resumable " in installs[1], "the pre-rename distribution goes"
-    assert installs[2].endswith('install -q -e ".[demo]"')
+    assert installs[2].endswith('install -q -c .venv/constraints.txt -e ".[demo]"')
     assert len(installs) == 3
+    _assert_torch_held(commands, installs[0])
+
+
+def _assert_torch_held(commands: list[str], first: str) -> None:
+    """The extras resolve with torch held at the pin installed first (a constraints
+    file), so that one asking for an unpinned torch (DeepSpeed) cannot replace it."""
+    pin = re.search(r"torch==[\w.+]+", first)
+    assert pin is not None
+    assert f'echo "{pin.group(0)}" > .venv/constraints.txt' in commands
 
 
 def test_make_test_installs_the_toolchain_and_the_demo(tmp_path: Path) -> None:
@@ -107,9 +117,10 @@ def test_make_test_installs_the_toolchain_and_the_demo(tmp_path: Path) -> None:
     installs = _installs(commands)
     assert "torch==" in installs[0]
     assert "uninstall -y -q resumable " in installs[1]
-    extras = re.search(r'-e "\.\[([\w,]+)\]"', installs[2])
+    extras = re.search(r'-c \.venv/constraints\.txt -e "\.\[([\w,]+)\]"', installs[2])
     assert extras is not None
-    assert {"test", "demo", "s3", "docs"} <= set(extras.group(1).split(","))
+    assert {"test", "demo", "s3", "docs", "deepspeed"} <= set(extras.group(1).split(","))
+    _assert_torch_held(commands, installs[0])
     # The API reference is built (and checked) before the tests run.
     build = [i for i, c in enumerate(commands) if "docs/build_api.py" in c and "ruff" not in c]
     tests = [i for i, c in enumerate(commands) if "-m pytest" in c]
