@@ -265,3 +265,15 @@ def test_a_tp_change_after_a_crash_restores_the_newest_commit(tmp_path: Path) ->
     assert "skipping the shared-memory snapshot" in output
     assert resumed_at(output) == {committed[-1] if committed else 0}
     assert final.step == STEPS
+
+
+@pytest.mark.slow
+def test_tp2_dp2_on_four_ranks_restores_at_tp1_on_two(tmp_path: Path) -> None:
+    """TP=2 x DP=2 on four ranks (each DP replica writes its TP shards; the manifest
+    keeps one entry per shard) restores into TP=1 x DP=2 on two ranks with the same
+    global values."""
+    root = tmp_path / "ck"
+    want, _ = launch(4, root, "--tp", "2")
+    final, output = launch(2, root, "--tp", "1", "--reset-per-rank", "--steps", str(STEPS + 2))
+    assert restored(output) == want
+    assert final.step == STEPS + 2
