@@ -1,9 +1,10 @@
 """A tiny Megatron-Core GPT trained on CPU ranks (gloo) through `resumable`.
 
 Launched by ``tests/integrations/test_megatron.py`` under ``torchrun``:
-``megatron_job.py --dir D --tp T --steps N [--every K] [--sleep S] [--reset-per-rank]``.
-It restores from ``D`` (whatever TP or world size wrote it), trains to iteration N with
-AdamW and Megatron's ``OptimizerParamScheduler``, checkpoints with the seed's
+``megatron_job.py --dir D --tp T --steps N [--every K] [--sleep S] [--reset-per-rank]
+[--optimizer sgd] [--check-refusals]``. It restores from ``D`` (whatever TP or world
+size wrote it), trains to iteration N with AdamW (or SGD with momentum) and Megatron's
+``OptimizerParamScheduler``, checkpoints with the seed's
 ``save_checkpoint_if_needed`` every K iterations (and a memory snapshot at every one),
 and prints, on rank 0:
 
@@ -84,10 +85,13 @@ def report(what: str, step: int, state: dict[str, Any]) -> None:
 
 
 def check_refusals(model: torch.nn.Module) -> None:
-    """Print ``refused <case>: <error class>`` for each layout or object the wrappers
-    must refuse (rank 0): shards in an order torch's ``Shard`` would not put them, an
-    object that is not a torch optimizer, and an optimizer over other parameters."""
+    """Print ``refused <case>: <error class>`` for each layout or object that must be
+    refused (rank 0): the model given to a Checkpointer as it is (what a snapshot
+    captures), shards in an order torch's ``Shard`` would not put them, an object that is
+    not a torch optimizer, and an optimizer over other parameters."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from resumable.capture import capture
 
     def reordered(*args: Any, **kwargs: Any) -> dict[str, Any]:
         out = dict(type(model).sharded_state_dict(model, *args, **kwargs))
@@ -103,6 +107,7 @@ def check_refusals(model: torch.nn.Module) -> None:
         return out
 
     cases = {
+        "raw model": lambda: capture({"model": model}),
         "offsets": lambda: rmegatron.MegatronModel(model),
         "optimizer": lambda: rmegatron.MegatronOptimizer(object(), model),  # type: ignore[arg-type]
         "foreign parameters": lambda: rmegatron.MegatronOptimizer(
@@ -132,6 +137,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--reset-per-rank", action="store_true")
     p.add_argument("--check-refusals", action="store_true")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -156,7 +162,12 @@ def main() -> None:
     )
     if args.check_refusals:
         check_refusals(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if args.optimizer == "sgd":  # its momentum appears at the first step only
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(
+            model.parameters(), lr=1e-3, momentum=0.9, weight_decay=0.01
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

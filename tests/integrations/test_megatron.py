@@ -186,14 +186,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Reference]:
     return out
 
 
-def test_layouts_torch_would_shard_otherwise_are_refused(reference: dict[int, Reference]) -> None:
-    """TP shards whose offsets disagree with torch's ``Shard`` placement (here: TP ranks
-    in reverse order) would reshard into scrambled tensors: refused when the wrapper is
-    made, as are an object that is not a torch optimizer and one over other parameters."""
+def test_what_would_checkpoint_wrongly_is_refused(reference: dict[int, Reference]) -> None:
+    """A Megatron model given to a Checkpointer as it is (its TP shards would be taken
+    for replicas) is refused at the first snapshot. TP shards whose offsets disagree
+    with torch's ``Shard`` placement (here: TP ranks in reverse order) would reshard into
+    scrambled tensors: refused when the wrapper is made, as are an object that is not a
+    torch optimizer and one over other parameters."""
     found = re.findall(r"^refused ([\w ]+): (\w+): ", reference[2].output, re.M)
     refused = {case: error for case, error in found}
     assert "accepted" not in reference[2].output
     assert refused == {
+        "raw model": "UnsupportedStateError",
         "offsets": "UnsupportedStateError",
         "optimizer": "UnsupportedStateError",
         "foreign parameters": "UnsupportedStateError",
@@ -275,5 +278,22 @@ def test_tp2_dp2_on_four_ranks_restores_at_tp1_on_two(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     want, _ = launch(4, root, "--tp", "2")
     final, output = launch(2, root, "--tp", "1", "--reset-per-rank", "--steps", str(STEPS + 2))
+    assert restored(output) == want
+    assert final.step == STEPS + 2
+
+
+@pytest.mark.slow
+def test_a_fresh_sgd_restores_its_momentum(tmp_path: Path) -> None:
+    """SGD's momentum buffers appear at its first step, so a relaunch's fresh optimizer
+    has no shards to restore into: from a rank's memory snapshot it takes the rank's own
+    shard (a SIGKILLed run at TP=2 resumes bit-identical), from storage it reads the
+    whole buffers and keeps its shard (TP 2 -> 1, the saving run's values)."""
+    root = tmp_path / "ref"
+    want, _ = launch(2, root, "--tp", "2", "--optimizer", "sgd")
+    crashed = tmp_path / "crashed"
+    killed(2, crashed, random.Random(7), "--tp", "2", "--optimizer", "sgd")
+    final, _ = launch(2, crashed, "--tp", "2", "--optimizer", "sgd")
+    assert final == want
+    final, output = launch(2, root, "--tp", "1", "--optimizer", "sgd", "--steps", str(STEPS + 2))
     assert restored(output) == want
     assert final.step == STEPS + 2
