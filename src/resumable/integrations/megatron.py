@@ -157,24 +157,38 @@ class MegatronModel:
         """Copy ``values``' part(s) for ``layout`` into ``target`` (the parameter, or a
         moment shaped like it), in place."""
         for name, dst in layout.split(target).items():
-            dst.copy_(self.local_part(layout, values[name], name))
+            local = self.local_part(layout, values[name], name)
+            if local.shape != dst.shape:  # copy_ would broadcast
+                raise StateMismatchError(
+                    f"{name}: the restored shard has shape {list(local.shape)}, this rank's "
+                    f"is {list(dst.shape)}"
+                )
+            dst.copy_(local)
 
     def local_part(self, layout: TensorLayout, value: Any, name: str) -> torch.Tensor:
-        """This rank's shard of a restored value: a DTensor's local tensor, or the shard
-        cut from a whole tensor (restored into a target that did not exist yet)."""
+        """This rank's shard of a restored value, for a target the live state held (a
+        DTensor: its local tensor) or not yet (a fresh optimizer's moment: a plain
+        tensor, whole when read from storage, this rank's own shard when restored from
+        its memory snapshot, which is used only at the same layout)."""
         if isinstance(value, DTensor):
             return value.to_local()
         if not isinstance(value, torch.Tensor):
             raise StateMismatchError(f"{name}: expected a tensor, the checkpoint has {value!r}")
-        if tuple(value.shape) != layout.global_shape:
-            raise StateMismatchError(
-                f"{name}: the checkpoint holds shape {list(value.shape)}, the model's global "
-                f"tensor is {list(layout.global_shape)}"
-            )
-        if isinstance(layout.placement, Shard):
-            tp, rank = self.mesh.size(), self.mesh.get_local_rank()
-            return torch.chunk(value, tp, dim=layout.placement.dim)[rank]
-        return value
+        shape = tuple(value.shape)
+        if shape == layout.global_shape:
+            if isinstance(layout.placement, Shard):
+                tp, rank = self.mesh.size(), self.mesh.get_local_rank()
+                return torch.chunk(value, tp, dim=layout.placement.dim)[rank]
+            return value
+        local_shape, _ = compute_local_shape_and_global_offset(
+            layout.global_shape, self.mesh, [layout.placement]
+        )
+        if shape == tuple(local_shape):
+            return value
+        raise StateMismatchError(
+            f"{name}: the checkpoint holds shape {list(shape)}, the model's global tensor "
+            f"is {list(layout.global_shape)} and this rank's shard {list(local_shape)}"
+        )
 
 
 class MegatronOptimizer:
@@ -187,8 +201,9 @@ class MegatronOptimizer:
     parameters; 0-d state (Adam's ``step``) is the same on every TP rank and is
     replicated. Adam and AdamW state is created (zeros, ``step`` 0: what their first
     ``step()`` makes) when the wrapper is made, so that a restore into a fresh
-    optimizer reads only this rank's shards; other optimizers restored fresh read
-    whole moments and keep their shard.
+    optimizer reads only this rank's shards; other optimizers restored fresh (SGD's
+    momentum appears at its first step) read whole moments from storage and keep their
+    shard, or take their own shard from their memory snapshot.
 
     Megatron's own optimizer wrappers (``get_megatron_optimizer``'s results) are not
     supported: on this integration's test machine they need CUDA. Pass the
@@ -263,7 +278,8 @@ class MegatronOptimizer:
 
     def _local(self, layout: TensorLayout, p: torch.Tensor, v: Any) -> Any:
         if isinstance(v, dict) and "parts" in v:
-            out = torch.empty_like(p)
+            first = next(iter(v["parts"].values()))
+            out = torch.empty(p.shape, dtype=first.dtype, device=p.device)
             self.model.load_into(layout, out, v["parts"])
             return out
         if isinstance(v, dict) and "replicated" in v:
