@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-dev
-DEV_EXTRAS := test,demo,s3,gcs,azure,transformers,lightning,keras,docs
+DEV_EXTRAS := test,demo,s3,gcs,azure,transformers,lightning,keras,deepspeed,docs
 # Azurite (the Azure Blob Storage emulator the tests start) comes from npm, into the venv.
 AZURITE := azurite@3.35.0
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
@@ -18,12 +18,16 @@ TORCH_PIN ?= torch==2.13.0
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
 # `resumable-training`: an .venv from then still has it (and src/ its egg-info, which the
 # editable install puts on sys.path), and two would claim one package.
+# The constraints file holds torch at the pin while the extras resolve (DeepSpeed asks for
+# an unpinned torch); DS_BUILD_OPS=0: DeepSpeed compiles its C++ ops when first used, not
+# at install.
 define venv_install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
+	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
 	$(PY) -m pip uninstall -y -q resumable 2>/dev/null || true
 	rm -rf src/resumable.egg-info
-	$(PY) -m pip install -q -e ".[$(1)]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[$(1)]"
 endef
 
 $(DEMO_STAMP): pyproject.toml Makefile

@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import ds_bench  # noqa: E402
 import small_report  # noqa: E402
 
 Result = dict[str, Any]
@@ -514,6 +515,7 @@ def render(out: Result) -> str:
     lines += small_section(out)
     lines += s3_section(out)
     lines += dist_section(out)
+    lines += ds_section(out)
     lines += data_section(out)
 
     problems = []
@@ -521,6 +523,13 @@ def render(out: Result) -> str:
         if isinstance(e, dict) and "error" in e:
             err = " ".join(str(e["error"]).split())
             problems.append(f"- several ranks, world size {w}: {err[:300]}")
+    for stage, e in sorted((_get(out, "ds", "stages") or {}).items()):
+        if isinstance(e, dict) and "error" in e:
+            err = " ".join(str(e["error"]).split())
+            problems.append(f"- DeepSpeed, ZeRO {stage}: {err[:300]}")
+        for name, ok in (_get(e, "restored_equal") or {}).items():
+            if ok is False:
+                problems.append(f"- DeepSpeed, ZeRO {stage}, {name}: restored state differs!")
     for name, ok in (_get(out, "s3", "restored_equal") or {}).items():
         if ok is False:
             problems.append(f"- object storage {name}: restored bytes differ from saved!")
@@ -616,6 +625,15 @@ def small_section(out: Result) -> list[str]:
     small = out.get("small")
     source = f"benchmarks/results/{out.get('small_file') or out.get('file', '?')}"
     block = small_report.render(small if isinstance(small, dict) else {}, source)
+    return ["", *block.splitlines()]
+
+
+def ds_section(out: Result) -> list[str]:
+    """DeepSpeed: the block `ds_bench.render` makes of the run's ``"ds"`` phase, or of the
+    standalone run `write_report` put there (``ds_file``)."""
+    ds = out.get("ds")
+    source = f"benchmarks/results/{out.get('ds_file') or out.get('file', '?')}"
+    block = ds_bench.render(ds if isinstance(ds, dict) else {}, source)
     return ["", *block.splitlines()]
 
 
@@ -775,7 +793,8 @@ def dist_section(out: Result) -> list[str]:
 def write_report(results: Path, docs: Path) -> None:
     """Render ``docs`` from the run in ``results``. A run without the small-tensor phase
     (``--no-small``, or from before it) shows the newest standalone one beside it
-    (``small_bench.py --docs`` writes ``small-<date>.json``), named as such."""
+    (``small_bench.py --docs`` writes ``small-<date>.json``), named as such; the same for
+    the DeepSpeed phase (``ds_bench.py --docs``, ``ds-<date>.json``)."""
     out = json.loads(results.read_text())
     out.setdefault("file", results.name)
     if not small_report.measured(out.get("small")):
@@ -783,13 +802,18 @@ def write_report(results: Path, docs: Path) -> None:
         if found is not None:
             out["small"] = json.loads(found.read_text())
             out["small_file"] = found.name
+    if not ds_bench.measured(out.get("ds")):
+        found = ds_bench.newest(results.parent)
+        if found is not None:
+            out["ds"] = json.loads(found.read_text())
+            out["ds_file"] = found.name
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render(out))
 
 
 def newest(results_dir: Path) -> Path:
     """The newest whole run (``make bench``) in ``results_dir``; the files one phase
-    writes alone (``data-``, ``cloud-``, ``small-``) are not runs."""
+    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``) are not runs."""
     runs = []
     for p in sorted(results_dir.glob("*.json")):
         try:

@@ -15,7 +15,9 @@ drop it, then warm), again interleaved; DLRover in its own environment; end to e
 object storage (`s3_bench.py`: a SeaweedFS server on loopback, resumable on ``s3://``
 beside a plain parallel upload and download of the same bytes by the same client);
 several ranks (`dist_bench.py`: an FSDP2 model at world sizes 1, 2 and 4 under torchrun,
-resumable beside ``dcp.save`` and ``dcp.async_save``); the data position
+resumable beside ``dcp.save`` and ``dcp.async_save``); DeepSpeed (`ds_bench.py`: a GPT-2
+engine at ZeRO 1, 2 and 3 with two ranks, ``engine.save_checkpoint``/``load_checkpoint``
+beside resumable's ``DeepSpeedState``); the data position
 (`data_bench.py`: resuming far into a large epoch against re-iterating to it).
 The small-tensor phase (`small_bench.py`: the fixed cost of a snapshot of 10 to 10,000
 small tensors beside the copy floors and DCP's stagers, and a snapshot every step of a
@@ -49,6 +51,7 @@ sys.path.insert(0, str(HERE))
 import cloud_bench  # noqa: E402
 import data_bench  # noqa: E402
 import dist_bench  # noqa: E402
+import ds_bench  # noqa: E402
 import floors  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
@@ -381,6 +384,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="FSDP2 model + AdamW, MiB (128; --quick: 32)",
     )
+    ap.add_argument("--no-ds", action="store_true", help="skip the DeepSpeed phase")
+    ap.add_argument(
+        "--ds-reps",
+        type=int,
+        default=None,
+        help="rounds after a first in the DeepSpeed phase (5; --quick: 2)",
+    )
     ap.add_argument("--no-data", action="store_true", help="skip the data position phase")
     ap.add_argument(
         "--data-samples",
@@ -406,6 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.s3_size_mb = 64 if args.quick else 256
     if args.data_samples is None:
         args.data_samples = 2_000_000 if args.quick else 20_000_000
+    if args.ds_reps is None:
+        args.ds_reps = 2 if args.quick else 5
     if args.dist_size_mb is None:
         args.dist_size_mb = 32 if args.quick else 128
     if args.reps < 1:
@@ -566,6 +578,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if got is not None:
             out["dist"] = got
+
+    if args.no_ds:
+        out["ds"] = {"error": "skipped (--no-ds)"}
+    else:
+        log("DeepSpeed (ZeRO 1-3 under torchrun, gloo)")
+        got = guarded(out, "ds", lambda: ds_bench.run_phase(work / "ds", max(1, args.ds_reps), log))
+        if got is not None:
+            out["ds"] = got
 
     if args.no_data:
         out["data"] = {"error": "skipped (--no-data)"}

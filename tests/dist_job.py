@@ -207,6 +207,15 @@ def phase_save2(out: Path, report: dict[str, Any]) -> None:
 
     # The per-rank memory tier: every rank keeps step 3 in shared memory ...
     report["mem_steps"] = save_in_memory(out, "mem2").steps()
+    # A state of per-rank values only (no module or optimizer: nothing global), in
+    # shared memory alone at step 3, as a DeepSpeed engine's is.
+    values = {"x": torch.zeros(4)}
+    ck = per_rank_ck(out, values)
+    ck.restore()
+    for step in (1, 2, 3):
+        values["x"].fill_(rank() * 10 + step)
+        ck.maybe_save(step)
+    ck.wait()
     # ... and here rank 1 loses its snapshot (its host rebooted, say).
     save_in_memory(out, "memlost2")
     if rank() == 1:
@@ -222,6 +231,18 @@ def memory_ck(out: Path, root: str, model: nn.Module, optim: torch.optim.Optimiz
     return Checkpointer(
         out / root,
         {"model": model, "optim": optim},
+        memory_every=Every(steps=1),
+        persist_every=Every(steps=2),
+        keep=None,
+        shm_dir=out / "shm",
+    )
+
+
+def per_rank_ck(out: Path, values: dict[str, torch.Tensor]) -> Checkpointer:
+    (out / "shm").mkdir(exist_ok=True)
+    return Checkpointer(
+        out / "perrank2",
+        {"values": values},
         memory_every=Every(steps=1),
         persist_every=Every(steps=2),
         keep=None,
@@ -269,6 +290,10 @@ def phase_load2(out: Path, report: dict[str, Any]) -> None:
         ck.wait()  # the recovered step is committed in the background
         report["mem_steps_after"] = ck.steps()
     dump(out, "got-mem2", model, optim)
+    values = {"x": torch.zeros(4)}
+    with per_rank_ck(out, values) as ck:
+        report["perrank_restore"] = outcome(ck.restore)
+        report["perrank_x"] = values["x"].tolist()
     # One rank lost its snapshot: every rank falls back to the newest checkpoint, step 2.
     model, optim = build("fsdp")
     with memory_ck(out, "memlost2", model, optim) as ck:

@@ -304,6 +304,14 @@ def test_memory_tier_per_rank_restores_when_every_rank_has_the_step(runs: Runs) 
     assert runs.manifest("mem2", 3)["world_size"] == 2
 
 
+def test_memory_tier_restores_a_state_of_per_rank_values_only(runs: Runs) -> None:
+    """No module or optimizer (nothing global, as with a DeepSpeed engine): the
+    snapshots still record their world size, and every rank restores its own step 3."""
+    for r, report in enumerate(runs.reports("load2", 2)):
+        assert restored(report, "perrank_restore") == 3
+        assert report["perrank_x"] == [r * 10 + 3.0] * 4
+
+
 def test_memory_tier_falls_back_together_when_a_rank_lacks_the_step(runs: Runs) -> None:
     """Rank 1 lost its snapshot of step 3: no rank uses its own; all restore step 2."""
     for report in runs.reports("load2", 2):

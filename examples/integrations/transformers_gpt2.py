@@ -8,6 +8,12 @@ downloaded. The last line, ``final step=<N> params_sha256=<hex>``, hashes every
 parameter and optimizer state tensor.
 
     python examples/integrations/transformers_gpt2.py --dir runs/hf --steps 40
+
+``--deepspeed STAGE`` trains through DeepSpeed at that ZeRO stage (0-3; CPU, gloo), with
+the same one change: `ResumableTrainer` then checkpoints the DeepSpeed engine's whole
+state. Run it as it is (one process) or under ``torchrun``; the last line then hashes
+every rank's engine state (module, ZeRO partitions with fp32 masters and moments,
+scheduler, counters).
 """
 
 from __future__ import annotations
@@ -69,6 +75,80 @@ def params_sha256(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> s
     return h.hexdigest()
 
 
+def ds_config(stage: int) -> dict[str, Any]:
+    """A DeepSpeed config for the Trainer: "auto" values come from TrainingArguments."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW: DeepSpeed's own CPU Adam is a C++ op to compile
+            "params": {
+                "lr": "auto",
+                "betas": "auto",
+                "eps": "auto",
+                "weight_decay": "auto",
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+    }
+
+
+def single_process_env() -> None:
+    """What torchrun would set, for a DeepSpeed run of one process launched directly."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
+def engine_sha256(engine: Any) -> str:
+    """sha256 of every rank's whole DeepSpeed engine state (every rank calls it)."""
+    import torch.distributed as dist
+
+    from resumable.integrations.deepspeed import DeepSpeedState
+
+    h = hashlib.sha256()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(str(k).encode())
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, torch.Tensor):
+            t = v.detach().contiguous().reshape(-1)
+            h.update(str(t.dtype).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            h.update(repr(v).encode())
+
+    sd = DeepSpeedState(engine).state_dict()
+    walk({k: v for k, v in sd.items() if k in ("model_states", "zero")})
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, h.hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", required=True, help="output and checkpoint directory")
@@ -79,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-every", type=int, default=0, help="memory snapshot cadence")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--preempt", action="store_true", help="SIGTERM -> emergency checkpoint")
+    p.add_argument("--deepspeed", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
     a = p.parse_args(argv)
+    if a.deepspeed is not None:
+        single_process_env()
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -109,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         use_cpu=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        deepspeed=ds_config(a.deepspeed) if a.deepspeed is not None else None,
     )
     trainer = ResumableTrainer(
         model=model,
@@ -120,8 +204,13 @@ def main(argv: list[str] | None = None) -> None:
         preemption=resumable.Preemption(grace_seconds=60) if a.preempt else None,
     )
     trainer.train()
-    assert trainer.optimizer is not None
-    digest = params_sha256(trainer.model, trainer.optimizer)
+    if a.deepspeed is not None:
+        digest = engine_sha256(trainer.model_wrapped)
+        if int(os.environ["RANK"]) != 0:
+            return
+    else:
+        assert trainer.optimizer is not None
+        digest = params_sha256(trainer.model, trainer.optimizer)
     print(f"final step={trainer.state.global_step} params_sha256={digest}", flush=True)
 
 

@@ -363,6 +363,30 @@ def is_global_object(v: Any) -> bool:
     return isinstance(v, (torch.nn.Module, torch.optim.Optimizer))
 
 
+_ENGINE_WRAPPERS = {
+    "DeepSpeedEngine": "resumable.integrations.deepspeed.DeepSpeedState(engine)",
+    "DeepSpeedOptimizer": "resumable.integrations.deepspeed.DeepSpeedState(engine)",
+}
+
+
+def _refuse_framework_engine(key: str, obj: Any) -> None:
+    """A framework engine whose ``state_dict`` is not its whole state (a DeepSpeed engine
+    gives its module's, with ZeRO-3 placeholders; its ZeRO optimizer's ``load_state_dict``
+    takes a list of ranks' dicts) needs its integration's wrapper."""
+    if not type(obj).__module__.startswith("deepspeed."):
+        return
+    wrapper = next(
+        (_ENGINE_WRAPPERS[c.__name__] for c in type(obj).__mro__ if c.__name__ in _ENGINE_WRAPPERS),
+        None,
+    )
+    if wrapper is not None:
+        raise UnsupportedStateError(
+            f"state[{key!r}] is a {type(obj).__module__}.{type(obj).__name__}, whose "
+            f"state_dict() is not its whole training state; pass {wrapper} instead of the "
+            "engine and its optimizer (docs/deepspeed.md)"
+        )
+
+
 def _refuse_raw_megatron(key: Any, obj: Any) -> None:
     """A Megatron-Core module or optimizer given as it is: under tensor parallelism its
     parameters are plain tensors holding this rank's shard, which would be taken for
@@ -420,6 +444,7 @@ def capture(
                 f"state keys must be strings other than {RNG_KEY!r} and {CLASSES_KEY!r}, "
                 f"found {key!r}"
             )
+        _refuse_framework_engine(key, obj)
         enc.in_global = is_global_object(obj)
         top.append([key, enc.value(obj, (key,), 2)])
         enc.in_global = False

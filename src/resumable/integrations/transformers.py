@@ -25,6 +25,13 @@ subclass overrides the methods through which the Trainer loads and saves a check
 - ``_maybe_log_save_evaluate``: `Checkpointer.maybe_save` after it, at each step
   boundary (memory snapshots, preemption).
 - ``_load_best_model``: the model of the best step, from the checkpoint.
+- ``_prepare_for_training`` (with DeepSpeed only): the engine's state, applied right
+  after ``deepspeed.initialize`` made the engine, where the Trainer would call
+  ``deepspeed_load_checkpoint``.
+
+With DeepSpeed (``TrainingArguments(deepspeed=...)``) the engine owns the model,
+optimizer and (when DeepSpeed's config names one) the scheduler: they are saved as one
+`resumable.integrations.deepspeed.DeepSpeedState` slot, ZeRO partitions per rank.
 
 Trade-off: the restore reads everything at once, before the optimizer and scheduler
 exist, so those (and the random streams, the scaler, the ``TrainerState``) go through
@@ -106,8 +113,10 @@ class ResumableTrainer(Trainer):
         persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`.
             ``on_busy`` defaults to ``"wait"``: every save the Trainer asks for commits.
 
-    Not supported: DeepSpeed, FSDP and SageMaker model parallelism (their engines own
-    the model and optimizer state); constructing with them raises `CheckpointError`.
+    With DeepSpeed (any ZeRO stage) the engine's whole state is checkpointed through
+    `resumable.integrations.deepspeed.DeepSpeedState`. Not supported: FSDP through
+    accelerate and SageMaker model parallelism; constructing with FSDP raises
+    `CheckpointError` (use FSDP2 with a `Checkpointer` directly, ``docs/distributed.md``).
     """
 
     def __init__(
@@ -125,11 +134,10 @@ class ResumableTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_fsdp_enabled:
             raise CheckpointError(
-                "ResumableTrainer checkpoints the model and optimizer itself; with DeepSpeed "
-                "or FSDP their engine owns that state. Use the plain Trainer there, or train "
-                "without DeepSpeed/FSDP"
+                "ResumableTrainer does not checkpoint accelerate's FSDP wrapper; use the plain "
+                "Trainer there, or FSDP2 with a resumable.Checkpointer (docs/distributed.md)"
             )
         root = (
             checkpoint_dir
@@ -162,6 +170,18 @@ class ResumableTrainer(Trainer):
             "scaler": StagedState(self._scaler_state, self._load_scaler_state),
             "rng": StagedState(rng_state, set_rng_state),
         }
+        if self.is_deepspeed_enabled:
+            # The engine holds model and optimizer (and a scheduler DeepSpeed's config
+            # names); it exists only once training starts, so its state is staged too.
+            from resumable.integrations.deepspeed import DeepSpeedState
+
+            del self._slots["optimizer"]
+            engine = StagedState(self._engine_state, self._load_engine)
+            engine.resumable_per_rank = True  # type: ignore[attr-defined]
+            engine.resumable_world_size_hint = (  # type: ignore[attr-defined]
+                DeepSpeedState.resumable_world_size_hint
+            )
+            self._slots = {"engine": engine, **self._slots}
 
     # ------------------------------------------------------------------ state slots
 
@@ -176,10 +196,42 @@ class ResumableTrainer(Trainer):
             raise CheckpointError("the Trainer has no optimizer to load the checkpoint into")
         self.optimizer.load_state_dict(sd)
 
+    def _engine(self) -> Any:
+        """The DeepSpeed engine, once ``deepspeed.initialize`` made it (else None)."""
+        import deepspeed
+
+        engine = self.model_wrapped
+        return engine if isinstance(engine, deepspeed.DeepSpeedEngine) else None
+
+    def _engine_state(self) -> dict[str, Any]:
+        from resumable.integrations.deepspeed import DeepSpeedState
+
+        engine = self._engine()
+        return DeepSpeedState(engine).state_dict() if engine is not None else {}
+
+    def _load_engine(self, sd: dict[str, Any]) -> None:
+        from resumable.integrations.deepspeed import DeepSpeedState
+
+        engine = self._engine()
+        if engine is None:
+            raise CheckpointError("the Trainer has no DeepSpeed engine to load the checkpoint into")
+        DeepSpeedState(engine).load_state_dict(sd)
+
+    def _engine_owns_scheduler(self) -> bool:
+        """Whether DeepSpeed's config made the scheduler (then the engine's state has it)."""
+        return self.is_deepspeed_enabled and type(self.lr_scheduler).__name__ in (
+            "DeepSpeedSchedulerWrapper",
+            "DummyScheduler",
+        )
+
     def _scheduler_state(self) -> dict[str, Any]:
-        return self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {}
+        if self.lr_scheduler is None or self._engine_owns_scheduler():
+            return {}
+        return self.lr_scheduler.state_dict()
 
     def _load_scheduler(self, sd: dict[str, Any]) -> None:
+        if not sd and self._engine_owns_scheduler():
+            return
         if self.lr_scheduler is None:
             raise CheckpointError("the Trainer has no LR scheduler to load the checkpoint into")
         self.lr_scheduler.load_state_dict(sd)
@@ -197,6 +249,8 @@ class ResumableTrainer(Trainer):
             scaler.load_state_dict(sd)
 
     def _state(self) -> dict[str, Any]:
+        if self.is_deepspeed_enabled:  # the engine slot holds the model
+            return dict(self._slots)
         return {"model": self.model, **self._slots}
 
     # ------------------------------------------------------------------ the run
@@ -305,6 +359,21 @@ class ResumableTrainer(Trainer):
             return num_train_epochs, 0
         return epochs_trained, steps_in_epoch
 
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+    ) -> Any:
+        if not (self.is_deepspeed_enabled and resume_from_checkpoint == self._marker):
+            return super()._prepare_for_training(
+                max_steps, train_dataloader, resume_from_checkpoint
+            )
+        # With DeepSpeed the Trainer loads its checkpoint right after the engine exists
+        # (deepspeed_load_checkpoint), then the scheduler and scaler: the same, here.
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self._slots["engine"].apply()
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        self._load_scaler(resume_from_checkpoint)
+        return prepared
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if resume_from_checkpoint != self._marker:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -314,7 +383,8 @@ class ResumableTrainer(Trainer):
         if checkpoint != self._marker:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        self._slots["optimizer"].apply()
+        if "optimizer" in self._slots:  # with DeepSpeed, the engine slot holds it
+            self._slots["optimizer"].apply()
         self._slots["scheduler"].apply()
 
     def _load_scaler(self, checkpoint: str | None) -> None:
@@ -392,5 +462,7 @@ class ResumableTrainer(Trainer):
         log.info("loading the model of the best step %d (score %s)", best, self.state.best_metric)
         with torch.no_grad():
             ckpt.restore(step=best)  # the model in place; the staged slots are dropped
+        if "engine" in self._slots:  # DeepSpeed: the best step's whole engine state
+            self._slots["engine"].apply()
         for slot in self._slots.values():
             slot.discard()

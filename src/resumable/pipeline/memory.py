@@ -104,7 +104,10 @@ class MemoryTier:
         }
         if self.run_id is not None:
             meta["run_id"] = self.run_id
-        if captured.pieces:  # several ranks: what a coordinated persist needs
+        # Several ranks (or DTensors): what a coordinated persist and a restore need. A
+        # state of per-rank objects only (a DeepSpeed engine's) has no pieces, yet its
+        # snapshot is of this world size all the same.
+        if captured.pieces or self.world_size > 1:
             meta["world_size"] = self.world_size
             meta["pieces"] = pieces_to_json(captured.pieces)
             meta["replicated"] = sorted(captured.replicated)

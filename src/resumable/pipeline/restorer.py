@@ -386,6 +386,21 @@ class Restorer:
         else:
             tree = trees[0]
             per_rank = self._per_rank_keys(reader, trees, global_keys)
+            # An object whose per-rank state is all of it (a DeepSpeed engine's ZeRO
+            # partitions) says why it cannot be reset: that would start it afresh.
+            fixed = {
+                k: hint
+                for k in sorted(per_rank)
+                if isinstance(
+                    hint := getattr(self.state.get(k), "resumable_world_size_hint", None), str
+                )
+            }
+            if fixed:
+                raise StateMismatchError(
+                    f"{reader.where} was saved by {saved_world} rank(s); this job has "
+                    f"{self.world_size}. "
+                    + "; ".join(f"{k!r}: {hint}" for k, hint in fixed.items())
+                )
             if per_rank and not self.reset_per_rank:
                 raise StateMismatchError(
                     f"{reader.where} was saved by {saved_world} rank(s); this job has "
