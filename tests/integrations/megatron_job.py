@@ -10,7 +10,8 @@ and prints, on rank 0:
 
 - ``rank <r> resumed step=<s>`` (every rank) after the restore, and, when something
   was restored, ``restored step=<s> params_sha256=<hex> optim_sha256=<hex>``;
-- ``step <i> loss <x>`` after each iteration;
+- ``step <i> loss <x>`` after each iteration, and ``at step=<i> params_sha256=<hex>
+  optim_sha256=<hex>`` after each K-th (the state a commit of that step holds);
 - ``final step=<N> params_sha256=<hex> optim_sha256=<hex>`` at the end.
 
 The digests are of the *global* parameters and optimizer state (gathered over the TP
@@ -212,6 +213,8 @@ def main() -> None:
         optimizer.step()
         scheduler.step(1)
         rmegatron.save_checkpoint_if_needed(iteration + 1, model, optimizer, scheduler)
+        if (iteration + 1) % args.every == 0:
+            report("at", iteration + 1, ckpt.state)
         if rank == 0:
             print(f"step {iteration + 1} loss {loss.item():.6f}", flush=True)
         if args.sleep:

@@ -48,10 +48,10 @@ JOB = Path(__file__).with_name("megatron_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 180.0
 STEPS = 12
-FINAL = re.compile(r"final step=(\d+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})")
-RESTORED = re.compile(
-    r"restored step=(\d+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})"
-)
+DIGESTS = r"step=(\d+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})"
+FINAL = re.compile("final " + DIGESTS)
+RESTORED = re.compile("restored " + DIGESTS)
+AT = re.compile("at " + DIGESTS)
 RESUMED = re.compile(r"rank (\d) resumed step=(\d+)")
 STEP = re.compile(r"^step (\d+) loss", re.M)
 
@@ -102,10 +102,13 @@ def launch(nproc: int, directory: Path, *args: str) -> tuple[Final, str]:
     return Final(int(step), params, optim), output
 
 
-def killed(nproc: int, directory: Path, rng: random.Random, *args: str) -> int:
+def killed(
+    nproc: int, directory: Path, rng: random.Random, *args: str, committed: bool = False
+) -> int:
     """Launch the job and SIGKILL torchrun and all its descendants (ranks, persist
     workers: a lost node) after a random iteration 2..STEPS-2 and a further random 0-0.3 s
-    (in a step, a snapshot or a background persist); the iteration it reached."""
+    (in a step, a snapshot or a background persist); the iteration it reached. With
+    ``committed``, not before a checkpoint was committed."""
     at = rng.randint(2, STEPS - 2)
     proc = start(command(nproc, directory, "--sleep", "0.15", *args))
     assert proc.stdout is not None
@@ -116,7 +119,7 @@ def killed(nproc: int, directory: Path, rng: random.Random, *args: str) -> int:
             m = STEP.match(line)
             if m:
                 reached = int(m.group(1))
-                if reached >= at:
+                if reached >= at and (not committed or steps_in(directory)):
                     time.sleep(rng.uniform(0.0, 0.3))
                     break
             assert time.monotonic() < deadline, "the job to kill ran over its time"
@@ -170,6 +173,11 @@ class Reference:
     final: Final
     root: Path
     output: str
+
+    def at(self, step: int) -> Final:
+        """The digests at ``step`` (a multiple of the job's ``--every``)."""
+        found = {int(s): Final(int(s), p, o) for s, p, o in AT.findall(self.output)}
+        return found[step]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +238,7 @@ def test_three_sigkills_at_tp2_end_bit_identical(
 @pytest.mark.parametrize(
     "saved, nproc, tp, extra",
     [
-        (2, 2, 1, ()),  # TP 2 -> 1 (data parallel 2), the same world size
+        pytest.param(2, 2, 1, (), marks=pytest.mark.slow),  # TP 2 -> 1 (DP 2), same ranks
         pytest.param(1, 2, 2, (), marks=pytest.mark.slow),  # TP 1 -> 2
         pytest.param(2, 1, 1, ("--reset-per-rank",), marks=pytest.mark.slow),  # one process
     ],
@@ -257,16 +265,20 @@ def test_a_tp_change_restores_equal_values_and_trains_on(
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
-def test_a_tp_change_after_a_crash_restores_the_newest_commit(tmp_path: Path) -> None:
+def test_a_tp_change_after_a_crash_restores_the_newest_commit(
+    tmp_path: Path, reference: dict[int, Reference]
+) -> None:
     """Killed at TP=2, relaunched at TP=1 on the same two ranks: each rank's memory
     snapshot holds TP=2 shards and is not restored without resharding, so every rank
-    skips it and restores the newest commit (resharded), then trains to the end."""
+    skips it and restores the newest commit, resharded: its global values are those the
+    uninterrupted TP=2 run had at that step. Then it trains to the end."""
     root = tmp_path / "ck"
-    killed(2, root, random.Random(3), "--tp", "2")
-    committed = steps_in(root)
+    killed(2, root, random.Random(3), "--tp", "2", "--sleep", "0.4", committed=True)
+    newest = steps_in(root)[-1]
     final, output = launch(2, root, "--tp", "1")
     assert "skipping the shared-memory snapshot" in output
-    assert resumed_at(output) == {committed[-1] if committed else 0}
+    assert resumed_at(output) == {newest}
+    assert restored(output) == reference[2].at(newest)
     assert final.step == STEPS
 
 
