@@ -13,6 +13,7 @@ fragmentations, replica id):
   embeddings) becomes a ``Replicate()`` one. `resumable`'s own machinery then writes
   each shard once per TP rank, each replicated tensor once in total, and reshards on
   restore (TP 2 -> 1, 1 -> 2, ...), as it does for FSDP2;
+- the model itself in a `Checkpointer`'s state is refused (`resumable.capture`);
 - Megatron's offsets are checked against torch's ``Shard`` placement (even chunks in
   rank order) when a wrapper is made; where they disagree the wrapper refuses with
   `UnsupportedStateError` rather than write a checkpoint that reshards wrongly;
@@ -26,7 +27,7 @@ fragmentations, replica id):
 Trade-off: a layout is computed once, when the wrapper is made, and each snapshot only
 wraps the live tensors (no copy, no ``sharded_state_dict()`` call); a model whose
 parameters are replaced afterwards needs a new wrapper. Supported: tensor and data
-parallelism with the plain (non-distributed) optimizer, one model chunk. Not supported
+parallelism with a ``torch.optim`` optimizer, one model chunk. Not supported
 (refused by name): pipeline parallelism, virtual pipeline chunks, context and expert
 parallelism, Megatron's optimizer wrappers (``DistributedOptimizer``,
 ``Float16OptimizerWithFloat16Params``), and non-empty TransformerEngine extra state
@@ -35,7 +36,6 @@ parallelism, Megatron's optimizer wrappers (``DistributedOptimizer``,
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,10 +56,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from resumable.errors import CheckpointError, StateMismatchError, UnsupportedStateError
 from resumable.manager import Checkpointer
 
-log = logging.getLogger(__name__)
-
 PART_SEPARATOR = "#"
-_WRAPPERS = ("DistributedDataParallel", "Float16Module", "TorchFullyShardedDataParallel")
+_WRAPPERS = ("DistributedDataParallel", "Float16Module")  # they hold the model in .module
 
 
 @dataclass(frozen=True)
@@ -363,9 +361,10 @@ def save_checkpoint_if_needed(
     ckpt: Checkpointer | None = None,
 ) -> bool:
     """The seed's call at the end of each iteration: `Checkpointer.maybe_save` of the
-    checkpointer `checkpointer` made for ``model`` (or ``ckpt``); returns whether a
-    persist started. ``iteration``: the number of iterations done (what ``restore()``
-    returns on the next launch). Every rank calls it at every iteration."""
+    checkpointer `checkpointer` made for ``model`` (or ``ckpt``, whose state has
+    `megatron_state`'s keys); returns whether a persist started. ``iteration``: the
+    number of iterations done (what ``restore()`` returns on the next launch). Every
+    rank calls it at every iteration."""
     if ckpt is None:
         ckpt = _CHECKPOINTERS.get(id(unwrap_model(model)))
         if ckpt is None:
