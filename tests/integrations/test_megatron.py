@@ -35,8 +35,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from integrations.jobs import steps_in
 from s3server import free_ports
+
+from .jobs import steps_in
 
 # The launches import Megatron; this process only needs to know it is there (importing
 # megatron.core here would cost every collection ~3 s).
