@@ -387,6 +387,22 @@ def _refuse_framework_engine(key: str, obj: Any) -> None:
         )
 
 
+def _refuse_raw_megatron(key: Any, obj: Any) -> None:
+    """A Megatron-Core module or optimizer given as it is: under tensor parallelism its
+    parameters are plain tensors holding this rank's shard, which would be taken for
+    replicas (written once, by one rank): a wrong checkpoint, silently."""
+    cls = type(obj)
+    if cls.__module__.startswith("megatron.") and callable(
+        getattr(obj, "sharded_state_dict", None)
+    ):
+        raise UnsupportedStateError(
+            f"state[{key!r}] is a {cls.__module__}.{cls.__name__}, whose tensors are this "
+            "rank's tensor-parallel shards; pass resumable.integrations.megatron's "
+            "MegatronModel(model) and MegatronOptimizer(optimizer, model) instead "
+            "(docs/megatron.md)"
+        )
+
+
 def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(
         getattr(v, "load_state_dict", None)
@@ -422,6 +438,7 @@ def capture(
     enc = _Encoder(rank, world_size)
     top: list[list[Any]] = []
     for key, obj in state.items():
+        _refuse_raw_megatron(key, obj)
         if not isinstance(key, str) or key in RESERVED_KEYS:
             raise UnsupportedStateError(
                 f"state keys must be strings other than {RNG_KEY!r} and {CLASSES_KEY!r}, "

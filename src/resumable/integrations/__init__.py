@@ -11,6 +11,9 @@ import the one you use, after installing its extra.
 - `resumable.integrations.keras`: `ResumableCallback`, a Keras 3 callback replacing
   ``ModelCheckpoint`` and ``BackupAndRestore`` (``[keras]``; tested with
   ``KERAS_BACKEND=torch``).
+- `resumable.integrations.megatron`: `MegatronModel`, `MegatronOptimizer` and
+  `save_checkpoint_if_needed`, Megatron-Core models with tensor-parallel resharding
+  (``[megatron]``).
 - `resumable.integrations.staging`: `StagedState`, restored state held until a
   framework's own load point (shared by the integrations).
 """

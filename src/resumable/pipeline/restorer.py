@@ -29,7 +29,7 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import list_committed, step_dir
-from resumable.distributed import GlobalLoader, Group, is_dtensor, shaped_like
+from resumable.distributed import GlobalLoader, Group, is_dtensor, pieces_to_json, shaped_like
 from resumable.errors import CorruptCheckpointError, NoCheckpointError, StateMismatchError
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
@@ -161,7 +161,16 @@ class Restorer:
                 self._skip_memory(
                     newest.step, "the snapshot is incomplete or was overwritten", skipped
                 )
-            elif content.meta.get("world_size", 1) == self.world_size:
+            elif content.meta.get("world_size", 1) != self.world_size:
+                pass
+            elif not self._same_pieces(content.meta.get("pieces") or {}):
+                self._skip_memory(
+                    newest.step,
+                    "it holds another sharding of the state than this launch's (a changed "
+                    "parallel layout at the same world size); the checkpoints reshard",
+                    skipped,
+                )
+            else:
                 mine = newest.step
         offers = self.group.gather(mine)
         s = offers[0]
@@ -196,6 +205,26 @@ class Restorer:
             duration_s=round(time.perf_counter() - t0, 6),
         )
         return Restored(int(s), "memory", snapshot=newest, skipped=skipped)
+
+    def _same_pieces(self, saved: Mapping[str, Any]) -> bool:
+        """Whether each global tensor of this rank's live state that a snapshot's pieces
+        (``saved``) also hold has the same pieces there: global shape and offsets. A
+        snapshot is restored without resharding, so one taken under another layout
+        (tensor parallelism 2 -> 1 on the same ranks, another mesh) must not be. Tensors
+        the live state does not hold yet (a fresh optimizer's moments) are not compared."""
+
+        def by_fqn(pieces: Mapping[str, Any]) -> dict[str, set[str]]:
+            out: dict[str, set[str]] = {}
+            for fqn, shape, offset in pieces.values():
+                out.setdefault(str(fqn), set()).add(json.dumps([list(shape), list(offset)]))
+            return out
+
+        try:
+            snap = by_fqn(saved)
+        except (TypeError, ValueError):  # not the pieces this library writes
+            return False
+        live = by_fqn(pieces_to_json(self._live().pieces))
+        return all(snap[f] == pieces for f, pieces in live.items() if f in snap)
 
     def _skip_memory(self, step: int, reason: str, skipped: list[str]) -> None:
         log.warning("skipping the shared-memory snapshot of step %d: %s", step, reason)
