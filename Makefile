@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-dev
-DEV_EXTRAS := test,demo,s3,gcs,azure,transformers,lightning,keras,deepspeed,docs
+DEV_EXTRAS := test,demo,s3,gcs,azure,transformers,lightning,keras,deepspeed,megatron,docs
 # Azurite (the Azure Blob Storage emulator the tests start) comes from npm, into the venv.
 AZURITE := azurite@3.35.0
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
