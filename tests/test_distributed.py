@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import dist_job
+from launch import kill_session, run, start, torchrun_cmd
 from resumable.commit import step_dir
 from resumable.errors import StateMismatchError
 
@@ -44,40 +44,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "tr
 LAUNCH_TIMEOUT_S = 240.0
 
 
-def torchrun_cmd(nproc: int, script: Path, *args: Any, restarts: int = 0) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={restarts}",
-        str(script),
-        *(str(a) for a in args),
-    ]
-
-
 def torchrun(
     nproc: int, script: Path, *args: Any, restarts: int = 0, env: dict[str, str] | None = None
 ) -> str:
     """Run ``script`` on ``nproc`` local ranks; returns stdout+stderr, fails on rc != 0."""
     cmd = torchrun_cmd(nproc, script, *args, restarts=restarts)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran over {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    rc, output = run(cmd, env=env, timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, f"{' '.join(cmd)} exited {rc}:\n{output[-6000:]}"
     return output
 
 
@@ -533,16 +506,7 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
     import time
 
     rng = random.Random(seed)
-    cmd = torchrun_cmd(2, EXAMPLE, "--dir", out, *CAMPAIGN_ARGS, restarts=kills + 4)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = start(torchrun_cmd(2, EXAMPLE, "--dir", out, *CAMPAIGN_ARGS, restarts=kills + 4))
     assert proc.stdout is not None
     lines: list[str] = []
     done: list[int] = []
@@ -591,7 +555,7 @@ def killed_at_random(out: Path, kills: int, seed: int) -> str:
     try:
         proc.wait(timeout=LAUNCH_TIMEOUT_S + 20 * kills)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
         proc.wait()
         pytest.fail("the campaign ran over its time:\n" + "".join(lines)[-4000:])
     for t in threads:

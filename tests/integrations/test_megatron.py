@@ -27,7 +27,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from launch import start, torchrun_cmd
 from s3server import free_ports
 
 from .jobs import steps_in
@@ -76,23 +76,7 @@ class Final:
 def command(nproc: int, directory: Path, *args: str) -> list[str]:
     """``torchrun`` of the job on ``nproc`` local ranks, on a port of its own."""
     (port,) = free_ports(1)
-    return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={port}",
-        str(JOB), "--dir", str(directory), "--steps", str(STEPS), *args,
-    ]  # fmt: skip
-
-
-def start(cmd: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,  # torchrun, its ranks and their persist workers
-    )
+    return torchrun_cmd(nproc, JOB, "--dir", directory, "--steps", STEPS, *args, port=port)
 
 
 def launch(nproc: int, directory: Path, *args: str) -> tuple[Final, str]:

@@ -8,16 +8,15 @@ partitions with fp32 masters and moments, scheduler and counters) as a run never
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("deepspeed")
+
+from launch import kill_session, start, torchrun_cmd
 
 from .jobs import Job, steps_in
 
@@ -50,39 +49,18 @@ def test_a_sigkilled_deepspeed_trainer_resumes_bit_identical(tmp_path: Path, sta
 def torchrun(out: Path, *, kill_after: int | None = None) -> str:
     """The example with ZeRO-3 on two ranks; with ``kill_after``, both ranks are
     SIGKILLed once rank 0 printed that step. Returns the output."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(EXAMPLE),
-        "--dir",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--deepspeed",
-        "3",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    cmd = torchrun_cmd(2, EXAMPLE, "--dir", out, "--steps", STEPS, "--deepspeed", 3)
+    proc = start(cmd)
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         lines.append(line)
         if kill_after is not None and line.startswith(f"step {kill_after}"):
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: our session
+            kill_session(proc.pid)  # torchrun and both ranks
             break
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
             pytest.fail("".join(lines)[-4000:])
     proc.stdout.close()
     proc.wait(timeout=60)
