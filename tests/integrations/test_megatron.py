@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,3 +302,46 @@ def test_a_fresh_sgd_restores_its_momentum(tmp_path: Path) -> None:
     final, output = launch(2, root, "--tp", "1", "--optimizer", "sgd", "--steps", str(STEPS + 2))
     assert restored(output) == want
     assert final.step == STEPS + 2
+
+
+SCHEDULER_JOB = """
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from resumable.integrations.megatron import MegatronScheduler
+
+def scheduler():
+    optim = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    return OptimizerParamScheduler(
+        optim, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=4, lr_decay_steps=20,
+        lr_decay_style="cosine", start_wd=0.0, end_wd=0.1, wd_incr_steps=20,
+        wd_incr_style="linear")
+
+s = scheduler()
+for _ in range(5):
+    s.step(increment=1)
+saved, lr5 = s.state_dict(), s.optimizer.param_groups[0]["lr"]
+for _ in range(3):
+    s.step(increment=1)
+raw = scheduler()
+for _ in range(3):
+    raw.step(increment=1)
+raw.load_state_dict(saved)
+MegatronScheduler(s).load_state_dict(saved)
+print("raw", raw.num_steps, "wrapped", s.num_steps, s.optimizer.param_groups[0]["lr"] == lr5)
+"""
+
+
+def test_a_scheduler_restored_in_a_running_job_takes_the_saved_step() -> None:
+    """Megatron's own load_state_dict adds the saved step count to the scheduler's
+    (8 here, where 5 was saved); through MegatronScheduler the count and the learning
+    rate are the saved step's."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SCHEDULER_JOB],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-5:] == ["raw", "8", "wrapped", "5", "True"], proc.stdout

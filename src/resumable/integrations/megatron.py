@@ -314,12 +314,33 @@ class MegatronRNGTracker:
         )
 
 
+class MegatronScheduler:
+    """Megatron's ``OptimizerParamScheduler`` as `Checkpointer` state.
+
+    Its own ``load_state_dict`` *adds* the saved step count to the one it has
+    (``self.step(increment=num_steps)``): right into a fresh scheduler, as at a launch,
+    but wrong into one that has stepped, as in a restore from a memory snapshot or of an
+    earlier step within a running job (the count and learning rates would run ahead).
+    This wrapper sets the count to zero first; ``state_dict`` is the scheduler's.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(dict(state_dict))
+
+
 def megatron_state(
     model: Any, optimizer: torch.optim.Optimizer, opt_param_scheduler: Any = None
 ) -> dict[str, Any]:
     """The `Checkpointer` state of a Megatron training loop: the model, its optimizer,
-    the learning-rate scheduler (``OptimizerParamScheduler``, as it is: its state is
-    plain values) and Megatron's RNG tracker. Torch's, Python's and NumPy's random
+    the learning-rate scheduler (``OptimizerParamScheduler``, through `MegatronScheduler`)
+    and Megatron's RNG tracker. Torch's, Python's and NumPy's random
     streams are the `Checkpointer`'s own."""
     wrapped = MegatronModel(model)
     state: dict[str, Any] = {
@@ -328,7 +349,7 @@ def megatron_state(
         "rng_tracker": MegatronRNGTracker(),
     }
     if opt_param_scheduler is not None:
-        state["sched"] = opt_param_scheduler
+        state["sched"] = MegatronScheduler(opt_param_scheduler)
     return state
 
 
@@ -377,7 +398,7 @@ def save_checkpoint_if_needed(
     if not (
         isinstance(state.get("optim"), MegatronOptimizer)
         and state["optim"].optimizer is optimizer
-        and state.get("sched") is opt_param_scheduler
+        and getattr(state.get("sched"), "scheduler", None) is opt_param_scheduler
     ):
         raise CheckpointError(
             "save_checkpoint_if_needed got another optimizer or scheduler than its "
