@@ -18,13 +18,13 @@ For each configuration one ``torchrun --nproc-per-node=2`` launch (a free
 ``--master-port`` each, ``OMP_NUM_THREADS=1``) of `mcore_worker.py`, which says what is
 timed and how; Megatron-Core runs on CPU through the test-only shim
 ``tests/integrations/megatron_shim.py``. The model is GPT-2 shaped as in the DeepSpeed
-phase, 23.3 M parameters (6 layers, 512 wide, vocabulary 8192, embedding tied to the
-output layer), fp32 with AdamW: large enough that a save moves about 0.28 GB (0.1-1 s on
-this disk, well above the timer's and the barriers' noise), small enough that the two
-launches take about 3 minutes on 2 cores. Reported per configuration: medians over the
-rounds after the first (apart), each sample the slowest rank's; the ratios are
-resumable's median ÷ Megatron's. This module imports neither torch nor Megatron, so that
-`report.py` can render the block anywhere.
+phase, 27.4 M parameters (6 layers, 512 wide, vocabulary 8192, sequence 256; the output
+layer not tied to the embedding, ``GPTModel``'s default), fp32 with AdamW: large enough
+that a save moves about 0.33 GB (0.2-1 s on this disk, well above the timer's and the
+barriers' noise), small enough that the two launches take about 2 minutes on 2 cores.
+Reported per configuration: medians over the rounds after the first (apart), each sample
+the slowest rank's; the ratios are resumable's median ÷ Megatron's. This module imports
+neither torch nor Megatron, so that `report.py` can render the block anywhere.
 """
 
 from __future__ import annotations
@@ -362,7 +362,8 @@ def render(out: dict[str, Any], source: str) -> str:
         f"Measured by `benchmarks/mcore_bench.py` (figures from `{source}`, load average "
         f"{out.get('loadavg_start', '?')} → {out.get('loadavg_end', '?')}, "
         f"{out.get('wall_s', '?')} s for the phase). {model['what']}: "
-        f"{model['params'] / 1e6:.1f} M parameters (local layer spec, no dropout), "
+        f"{model['params'] / 1e6:.1f} M parameters (local layer spec, no dropout, the "
+        "output layer not tied to the embedding: `GPTModel`'s default), "
         f"megatron-core {ok[0]['megatron_core_version']}, torch {ok[0]['torch_version']}, "
         f"trained one step, {out.get('world_size')} ranks under one `torchrun` launch per "
         f"configuration (gloo, `OMP_NUM_THREADS=1`, the machine's "
@@ -385,10 +386,15 @@ def render(out: dict[str, Any], source: str) -> str:
         "until the checkpoint is complete. `torch_dist` fsyncs the data files and "
         "`.metadata` it writes (`FileSystemWriterAsync`, `use_fsync=True`) but not "
         "`common.pt` or `metadata.json`; the *+ fsync* row adds an fsync of every file "
-        "(rank 0, after a barrier) to the call. The async save works on CPU: the call "
-        "returns once the tensors are staged and a forked process writes them "
-        "(`AsyncCallsQueue`); its *total* is until `maybe_finalize_async_calls(blocking="
-        "True)` returns. resumable's figures are durable (fsynced, coordinated commit). "
+        "(rank 0, after a barrier) to the call. The async save works on CPU: "
+        "`async_sharded_save=True` returns a request that an `AsyncCallsQueue` runs in a "
+        "forked process; its *total* is until `maybe_finalize_async_calls(blocking=True)` "
+        'returns. On CPU its staging (`tensor.to("cpu")`) copies nothing, the tensors '
+        "being there already: the forked process writes the parent's memory as of the "
+        "fork (copy-on-write), so its blocking time holds no copy of the state, where on "
+        "a GPU it holds the device-to-host copy (resumable's blocking time holds its "
+        "copy into shared memory, on CPU as on a GPU). resumable's figures are durable "
+        "(fsynced, coordinated commit). "
         "*MB on disk*: every file of the checkpoint, all ranks. *Write floor*: those bytes "
         "at the fsynced write bandwidth measured in the same rounds (each rank writing its "
         "share of Megatron's bytes into a file of its own, at once). *Snapshot*: "
@@ -396,7 +402,12 @@ def render(out: dict[str, Any], source: str) -> str:
         "(`Checkpointer.last_snapshot_s`); for Megatron, building the sharded state dict. "
         "Ratios: resumable's median ÷ Megatron's. *Min*: the fastest sample (other jobs on "
         "this shared machine only ever add time). resumable's first save starts its "
-        "persist workers and allocates its shared memory (*first*).",
+        "persist workers and allocates its shared memory (*first*). At TP=1 x DP=2 "
+        "`torch_dist` writes every tensor from rank 0 (replica 0 of each; `__0_*.distcp` "
+        "only): Megatron-LM's `--ckpt-fully-parallel-save` "
+        "(`FullyParallelSaveStrategyWrapper`), which spreads replicated tensors over the "
+        "data-parallel ranks, is not the default of `dist_checkpointing.save` and is not "
+        "measured; resumable writes half of them from each rank.",
         "",
     ]
     rows = []

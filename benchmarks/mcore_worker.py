@@ -12,18 +12,19 @@ Megatron-Core runs on these CPU ranks (gloo) through the test-only shim
 job does: it patches ``torch.cuda.current_device``/``synchronize`` and Megatron's RNG
 tracker for CPU; no checkpointing code is patched).
 
-Every rank builds the same ``GPTModel`` (local layer spec, dropout off, fp32, embedding
-and output layer tied) twice at TP ``--tp`` (DP = 2 / TP): model A with a
-``torch.optim.AdamW`` and Megatron's ``OptimizerParamScheduler``, which takes a training
-step so that the optimizer state exists, and model B, built from another seed, the
-target of the restores. Megatron's optimizer is ``FP32Optimizer`` around that AdamW (what
-``get_megatron_optimizer`` makes for fp32 without the distributed optimizer), used only
-for its ``sharded_state_dict``/``load_state_dict``; its constructor allocates one scalar
-on ``'cuda'``, so it is built without it (``fp32_optimizer``). The state Megatron saves
-is what Megatron-LM's ``generate_state_dict`` builds: ``{"model":
-model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(model's),
-"opt_param_scheduler": ..., "iteration": ...}`` (no ``args``, no RNG states: resumable's
-state has the RNG tracker and the process's streams, a few KB).
+Every rank builds the same ``GPTModel`` (local layer spec, dropout off, fp32, output
+layer not tied to the embedding: ``GPTModel``'s default) twice at TP ``--tp`` (DP = 2 /
+TP): model A with a ``torch.optim.AdamW`` and Megatron's ``OptimizerParamScheduler``,
+which takes a training step so that the optimizer state exists, and model B, built from
+another seed, the target of the restores. Megatron's optimizer is ``FP32Optimizer``
+around that AdamW (what ``get_megatron_optimizer`` makes for fp32 without the
+distributed optimizer), used only for its ``sharded_state_dict``/``load_state_dict``;
+its constructor allocates one scalar on ``'cuda'``, so it is built without it
+(``fp32_optimizer``). The state Megatron saves is what Megatron-LM's
+``generate_state_dict`` builds: ``{"model": model.sharded_state_dict(), "optimizer":
+optimizer.sharded_state_dict(model's), "opt_param_scheduler": ..., "iteration": ...}``
+(no ``args``, no RNG states: resumable's state has the RNG tracker and the process's
+streams, a few KB).
 
 Then ``reps + 1`` save rounds, each saving A's state once with every method, the first
 method rotating from round to round, all ranks meeting at a barrier before each call;
@@ -90,9 +91,9 @@ from ds_worker import Floor, files_of, fsync_tree, slowest  # noqa: E402
 
 BATCH = 2
 MODEL = {"num_layers": 6, "hidden_size": 512, "num_attention_heads": 8, "vocab": 8192, "seq": 256}
-"""GPT-2 shaped as in `ds_worker.py`: 23.3 M parameters (embedding tied to the output
-layer), with AdamW's two moments about 0.28 GB of state in all, which the disk here
-takes in 0.2-1 s: well above the timer's and the barriers' noise, small enough for a
+"""GPT-2 shaped as in `ds_worker.py`, 27.4 M parameters (the output layer, untied, adds
+4.2 M to GPT-2's 23.2 M): with AdamW's two moments a checkpoint of 0.33 GB, which the
+disk here takes in 0.2-1 s: well above the timer's and the barriers' noise, small enough for a
 phase of a few minutes on 2 cores."""
 TINY = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab": 128, "seq": 16}
 """``--tiny``: the smoke test's model (`tests/test_mcore_bench.py`)."""
