@@ -20,6 +20,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import ds_bench  # noqa: E402
+import mcore_bench  # noqa: E402
 import small_report  # noqa: E402
 
 Result = dict[str, Any]
@@ -516,6 +517,7 @@ def render(out: Result) -> str:
     lines += s3_section(out)
     lines += dist_section(out)
     lines += ds_section(out)
+    lines += mcore_section(out)
     lines += data_section(out)
 
     problems = []
@@ -530,6 +532,13 @@ def render(out: Result) -> str:
         for name, ok in (_get(e, "restored_equal") or {}).items():
             if ok is False:
                 problems.append(f"- DeepSpeed, ZeRO {stage}, {name}: restored state differs!")
+    for name, e in (_get(out, "mcore", "configs") or {}).items():
+        if isinstance(e, dict) and "error" in e:
+            err = " ".join(str(e["error"]).split())
+            problems.append(f"- Megatron-Core, {name}: {err[:300]}")
+        for method, ok in (_get(e, "restored_equal") or {}).items():
+            if ok is False:
+                problems.append(f"- Megatron-Core, {name}, {method}: restored state differs!")
     for name, ok in (_get(out, "s3", "restored_equal") or {}).items():
         if ok is False:
             problems.append(f"- object storage {name}: restored bytes differ from saved!")
@@ -634,6 +643,15 @@ def ds_section(out: Result) -> list[str]:
     ds = out.get("ds")
     source = f"benchmarks/results/{out.get('ds_file') or out.get('file', '?')}"
     block = ds_bench.render(ds if isinstance(ds, dict) else {}, source)
+    return ["", *block.splitlines()]
+
+
+def mcore_section(out: Result) -> list[str]:
+    """Megatron-Core: the block `mcore_bench.render` makes of the run's ``"mcore"`` phase,
+    or of the standalone run `write_report` put there (``mcore_file``)."""
+    mc = out.get("mcore")
+    source = f"benchmarks/results/{out.get('mcore_file') or out.get('file', '?')}"
+    block = mcore_bench.render(mc if isinstance(mc, dict) else {}, source)
     return ["", *block.splitlines()]
 
 
@@ -794,7 +812,8 @@ def write_report(results: Path, docs: Path) -> None:
     """Render ``docs`` from the run in ``results``. A run without the small-tensor phase
     (``--no-small``, or from before it) shows the newest standalone one beside it
     (``small_bench.py --docs`` writes ``small-<date>.json``), named as such; the same for
-    the DeepSpeed phase (``ds_bench.py --docs``, ``ds-<date>.json``)."""
+    the DeepSpeed phase (``ds_bench.py --docs``, ``ds-<date>.json``) and the Megatron-Core
+    phase (``mcore_bench.py --docs``, ``mcore-<date>.json``)."""
     out = json.loads(results.read_text())
     out.setdefault("file", results.name)
     if not small_report.measured(out.get("small")):
@@ -807,13 +826,18 @@ def write_report(results: Path, docs: Path) -> None:
         if found is not None:
             out["ds"] = json.loads(found.read_text())
             out["ds_file"] = found.name
+    if not mcore_bench.measured(out.get("mcore")):
+        found = mcore_bench.newest(results.parent)
+        if found is not None:
+            out["mcore"] = json.loads(found.read_text())
+            out["mcore_file"] = found.name
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render(out))
 
 
 def newest(results_dir: Path) -> Path:
     """The newest whole run (``make bench``) in ``results_dir``; the files one phase
-    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``) are not runs."""
+    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``, ``mcore-``) are not runs."""
     runs = []
     for p in sorted(results_dir.glob("*.json")):
         try:

@@ -17,7 +17,9 @@ beside a plain parallel upload and download of the same bytes by the same client
 several ranks (`dist_bench.py`: an FSDP2 model at world sizes 1, 2 and 4 under torchrun,
 resumable beside ``dcp.save`` and ``dcp.async_save``); DeepSpeed (`ds_bench.py`: a GPT-2
 engine at ZeRO 1, 2 and 3 with two ranks, ``engine.save_checkpoint``/``load_checkpoint``
-beside resumable's ``DeepSpeedState``); the data position
+beside resumable's ``DeepSpeedState``); Megatron-Core (`mcore_bench.py`: a GPTModel at
+TP=2 and at TP=1 x DP=2 with two ranks, ``dist_checkpointing.save``/``load`` beside
+resumable's ``integrations.megatron.checkpointer``); the data position
 (`data_bench.py`: resuming far into a large epoch against re-iterating to it).
 The small-tensor phase (`small_bench.py`: the fixed cost of a snapshot of 10 to 10,000
 small tensors beside the copy floors and DCP's stagers, and a snapshot every step of a
@@ -53,6 +55,7 @@ import data_bench  # noqa: E402
 import dist_bench  # noqa: E402
 import ds_bench  # noqa: E402
 import floors  # noqa: E402
+import mcore_bench  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
 import s3_bench  # noqa: E402
@@ -391,6 +394,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="rounds after a first in the DeepSpeed phase (5; --quick: 2)",
     )
+    ap.add_argument("--no-mcore", action="store_true", help="skip the Megatron-Core phase")
+    ap.add_argument(
+        "--mcore-reps",
+        type=int,
+        default=None,
+        help="rounds after a first in the Megatron-Core phase (5; --quick: 2)",
+    )
     ap.add_argument("--no-data", action="store_true", help="skip the data position phase")
     ap.add_argument(
         "--data-samples",
@@ -418,6 +428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.data_samples = 2_000_000 if args.quick else 20_000_000
     if args.ds_reps is None:
         args.ds_reps = 2 if args.quick else 5
+    if args.mcore_reps is None:
+        args.mcore_reps = 2 if args.quick else 5
     if args.dist_size_mb is None:
         args.dist_size_mb = 32 if args.quick else 128
     if args.reps < 1:
@@ -586,6 +598,18 @@ def main(argv: list[str] | None = None) -> int:
         got = guarded(out, "ds", lambda: ds_bench.run_phase(work / "ds", max(1, args.ds_reps), log))
         if got is not None:
             out["ds"] = got
+
+    if args.no_mcore:
+        out["mcore"] = {"error": "skipped (--no-mcore)"}
+    else:
+        log("Megatron-Core (TP=2, TP=1 x DP=2 under torchrun, gloo)")
+        got = guarded(
+            out,
+            "mcore",
+            lambda: mcore_bench.run_phase(work / "mcore", max(1, args.mcore_reps), log),
+        )
+        if got is not None:
+            out["mcore"] = got
 
     if args.no_data:
         out["data"] = {"error": "skipped (--no-data)"}
