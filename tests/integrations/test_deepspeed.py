@@ -116,7 +116,9 @@ def test_a_rank_sigkilled_and_restarted_ends_bit_identical(
     resumed = resumed_from(output)
     assert resumed.get(1), f"no restart:\n{output[-4000:]}"
     (step,) = resumed[1]  # both ranks from the same step
-    assert 0 < step <= kill_at and step % 5 == 0
+    # Every 5 steps, or later when the worker was still busy (on_busy="skip" defers a
+    # persist to the first step the worker is free).
+    assert 0 < step <= kill_at
     assert final(output) == (STEPS, reference(tmp_path_factory, stage, bf16))
 
 
