@@ -329,3 +329,55 @@ def test_random_sigkills_at_every_stage_and_precision_end_bit_identical(
             break
     output = launch(root, *flags(stage, bf16), *memory)
     assert final(output) == (STEPS, reference(tmp_path_factory, stage, bf16))
+
+
+UNIVERSAL_JOB = """
+import os, sys, importlib.util, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+spec = importlib.util.spec_from_file_location("example", sys.argv[2])
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+import deepspeed
+from transformers import GPT2Config, GPT2LMHeadModel
+deepspeed.init_distributed(dist_backend="gloo")
+config = example.ds_config(2, False, 4)
+config["checkpoint"] = {"load_universal": True}
+torch.manual_seed(1)  # other initial values than the saving run's
+model = GPT2LMHeadModel(GPT2Config(vocab_size=example.VOCAB, n_positions=example.SEQ,
+    n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+engine, *_ = deepspeed.initialize(model=model, config=config,
+                                  model_parameters=model.parameters())
+engine.load_checkpoint(sys.argv[3], tag=sys.argv[4])
+saved = torch.load(sys.argv[5], weights_only=False)["module"]
+live = engine.module.state_dict()
+differ = [k for k in saved if not torch.equal(saved[k], live[k])]
+print("steps", engine.global_steps, "differ", differ)
+"""
+
+
+@pytest.mark.slow
+def test_a_world_size_change_through_deepspeeds_universal_checkpoint(tmp_path: Path) -> None:
+    """The way docs/deepspeed.md gives to change the world size: a two-rank checkpoint
+    exported, converted by ds_to_universal and loaded by one rank with load_universal
+    has the saved module weights."""
+    from s3server import free_ports
+
+    root = tmp_path / "ckpt"
+    final(launch(root, "--stage", "2", "--steps", "6"))
+    tag_dir = Path(export_deepspeed(root, tmp_path / "ds"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    convert = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         str(tag_dir), "--output_folder", str(tmp_path / "universal"), "--inject_missing_state"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=env,
+    )  # fmt: skip
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    (port,) = free_ports(1)
+    load = subprocess.run(
+        [sys.executable, "-c", UNIVERSAL_JOB, str(port), str(EXAMPLE), str(tmp_path),
+         "universal", str(tag_dir / "mp_rank_00_model_states.pt")],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=env,
+    )  # fmt: skip
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert load.stdout.splitlines()[-1] == "steps 6 differ []", load.stdout[-2000:]
