@@ -3,10 +3,11 @@
 The jobs run ``examples/integrations/deepspeed_gpt2.py`` under ``torchrun`` with two ranks
 on CPU (gloo), as a user would; its last line hashes every rank's whole engine state.
 A run is judged by that line, not by torchrun's exit code alone. Each launch takes
-5-9 s here; `make test` runs a kill at ZeRO 2 and 3 (fp32) and ZeRO 1 (bf16), the memory
-tier, a world-size change, and the export to DeepSpeed's layout and back; the slow
-marker (`make campaign`) adds the kill at ZeRO 0, 1 (fp32) and 3 (bf16), and random kills
-for every stage and precision.
+5-9 s here; `make test` runs a kill at ZeRO 3 (fp32) and ZeRO 1 (bf16), the memory
+tier (ZeRO 2), a world-size change, and the export to DeepSpeed's layout and back (ZeRO
+2); the slow marker (`make campaign`) adds the kill at ZeRO 0, 1, 2 (fp32) and 3 (bf16),
+the export at ZeRO 3, the universal-checkpoint path and random kills for every stage and
+precision.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def resumed_from(output: str) -> dict[int, set[int]]:
 CASES = [
     pytest.param(0, False, id="zero0-fp32", marks=pytest.mark.slow),
     pytest.param(1, False, id="zero1-fp32", marks=pytest.mark.slow),
-    pytest.param(2, False, id="zero2-fp32"),
+    pytest.param(2, False, id="zero2-fp32", marks=pytest.mark.slow),
     pytest.param(3, False, id="zero3-fp32"),
     pytest.param(1, True, id="zero1-bf16"),
     pytest.param(3, True, id="zero3-bf16", marks=pytest.mark.slow),
@@ -152,7 +153,7 @@ def test_a_world_size_change_is_refused_even_with_reset(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == before
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_export_to_deepspeeds_layout_and_back(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, stage: int
 ) -> None:

@@ -31,9 +31,7 @@ def job(stage: int) -> Job:
     )
 
 
-@pytest.mark.parametrize(
-    "stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
-)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in (0, 2, 3)])
 def test_a_sigkilled_deepspeed_trainer_resumes_bit_identical(tmp_path: Path, stage: int) -> None:
     """Killed after step 13 (checkpoints every 5 steps), relaunched: the engine of every
     ZeRO stage comes back whole, and the run ends as one never killed."""
