@@ -223,7 +223,14 @@ class Restorer:
             snap = by_fqn(saved)
         except (TypeError, ValueError):  # not the pieces this library writes
             return False
-        live = by_fqn(pieces_to_json(self._live().pieces))
+        # Not self._live(): that gives a fresh optimizer its state (a zero-lr step), which
+        # must not happen before it is known that something is restored. A run that then
+        # starts afresh would train with step counts of 1 (found by the two-rank
+        # random-SIGKILL test: a relaunch that found nothing diverged from the reference).
+        current = capture_mod.capture(
+            self.state, include_rng=False, rank=self.rank, world_size=self.world_size
+        )
+        live = by_fqn(pieces_to_json(current.pieces))
         return all(snap[f] == pieces for f, pieces in live.items() if f in snap)
 
     def _skip_memory(self, step: int, reason: str, skipped: list[str]) -> None:
