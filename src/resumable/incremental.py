@@ -66,7 +66,7 @@ class Incremental:
 
     chunk_bytes: int = 4 << 20
     min_saving: float = 0.25
-    min_live: float = 0.5
+    min_live: float = 0.25
 
     def __post_init__(self) -> None:
         if (
