@@ -28,10 +28,12 @@ is shown apart. Ratios are the full mode's median ÷ the incremental mode's.
 **Fine-tuning.** A residual stack of ``depth`` frozen ``Linear(width, width)`` layers
 (``requires_grad=False``), each with a trainable low-rank adapter (``width -> rank ->
 width``, LoRA-like), and a trainable classification head; AdamW on the trainable
-parameters only; batches of random inputs and labels, ``every`` steps between persists.
-State: ``{"model": model, "optim": optimizer}``. Full size: 16 layers of 2048, rank 8,
-256 classes: 98 % of the parameters frozen, 276 MiB of state of which about 12 MiB
-(trainable parameters and their two moments) changes between persists.
+parameters only; batches of random inputs and labels (8 rows), ``every`` steps (3)
+between persists. State: ``{"model": model, "optim": optimizer}``. Full size: 16 layers
+of 2048, rank 8, 256 classes: 98 % of the parameters frozen, 276 MiB of state of which
+about 12 MiB (trainable parameters and their two moments) changes between persists.
+After the last persist, a fresh state restored from each root is compared with the
+live one (the embedding runs do the same).
 
 **Mirror.** The same shape, fewer persists, each checkpointer with
 ``mirror="s3://bench/incr-<mode>"`` (``mirror_keep=Keep(last=2)``) on a SeaweedFS server
@@ -103,8 +105,8 @@ class Settings:
     ft_depth: int = 16
     ft_rank: int = 8
     ft_classes: int = 256
-    ft_batch: int = 32
-    ft_every: int = 5
+    ft_batch: int = 8
+    ft_every: int = 3
     ft_persists: int = 8
     s3_persists: int = 5
     emb_rows: int = 524_288
@@ -277,6 +279,7 @@ class SideBySide:
         for root in self.roots.values():
             shutil.rmtree(root, ignore_errors=True)
         self.cks: dict[str, Any] = {}
+        self.modes = dict(modes)
         self.mirrored = mirror is not None
         for name, inc in modes.items():
             kw: dict[str, Any] = {}
@@ -310,6 +313,35 @@ class SideBySide:
                 "refs": man.get("refs", []),
                 "own_data_bytes": own,
             }
+
+    def check_restores(self, live: Mapping[str, Any], build: Callable[[], Any]) -> dict[str, Any]:
+        """Per mode: a fresh state from ``build()`` restored by a new checkpointer on the
+        root (the newest checkpoint, checksums verified) equals ``live`` tensor for tensor
+        (True), or differs (the names), or the restore's error."""
+        import torch
+
+        from resumable import capture as capture_mod
+
+        want = capture_mod.capture(live, include_rng=False).tensors
+        out: dict[str, Any] = {}
+        for name, root in self.roots.items():
+            ck = None
+            try:
+                fresh = build()
+                ck = _checkpointer(root, fresh, self.modes[name])
+                ck.restore()
+                got = capture_mod.capture(fresh, include_rng=False).tensors
+                bad = sorted(set(want) ^ set(got))
+                bad += [k for k in want if k in got and not torch.equal(want[k], got[k])]
+                out[name] = True if not bad else bad[:10]
+            except Exception as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"[:500]
+            finally:
+                if ck is not None:
+                    ck.save_on_close = False
+                    with contextlib.suppress(Exception):
+                        ck.close()
+        return out
 
     def close(self) -> None:
         for ck in self.cks.values():
@@ -401,11 +433,15 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
     server there (and ``s3_persists`` persist points instead of ``ft_persists``)."""
     import torch
 
+    def build() -> dict[str, Any]:
+        model = _finetune_model(s)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return {"model": model, "optim": torch.optim.AdamW(trainable, lr=1e-3)}
+
     torch.manual_seed(s.seed)
-    model = _finetune_model(s)
+    state = build()
+    model, opt = state["model"], state["optim"]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-3)
-    state = {"model": model, "optim": opt}
     gen = torch.Generator().manual_seed(s.seed + 1)
 
     def step() -> float:
@@ -448,6 +484,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
     finally:
         sbs.close()
     got = sbs.results()
+    restored = sbs.check_restores(state, build) if endpoint is None else None
     out: dict[str, Any] = {
         "model": {
             "width": s.ft_width,
@@ -466,6 +503,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
         "median_step_s": round(statistics.median(step_s), 6) if step_s else None,
         "last_loss": round(losses[-1], 4) if losses else None,
         "modes": got,
+        "restored_equal": restored,
         "ratios": {
             "bytes": _compare(got, "full", "incremental", "bytes"),
             "commit_s": _compare(got, "full", "incremental", "commit_s"),
@@ -546,11 +584,17 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
     beside incremental ones at every ``chunk_bytes``."""
     import torch
 
+    def build() -> dict[str, Any]:
+        model = _embedding_model(s)
+        return {
+            "model": model,
+            "sparse_optim": torch.optim.SGD([model.table.weight], lr=0.05),
+            "dense_optim": torch.optim.AdamW(model.mlp.parameters(), lr=1e-3),
+        }
+
     torch.manual_seed(s.seed)
-    model = _embedding_model(s)
-    sparse_opt = torch.optim.SGD([model.table.weight], lr=0.05)
-    dense_opt = torch.optim.AdamW(model.mlp.parameters(), lr=1e-3)
-    state = {"model": model, "sparse_optim": sparse_opt, "dense_optim": dense_opt}
+    state = build()
+    model, sparse_opt, dense_opt = state["model"], state["sparse_optim"], state["dense_optim"]
     draws = Draws(pattern, s.emb_rows, s.zipf_s, s.seed + 7)
     gen = torch.Generator().manual_seed(s.seed + 3)
     touched: list[Any] = []
@@ -619,6 +663,8 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
     finally:
         sbs.close()
     got = sbs.results()
+    del prev
+    restored = sbs.check_restores(state, build)
     full_med = (got.get("full", {}).get("bytes") or {}).get("median")
     summary: dict[str, Any] = {}
     for chunk in s.chunk_bytes:
@@ -660,6 +706,7 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
         "rows_changed_pct_median": round(statistics.median(rows_pct), 4) if rows_pct else None,
         "rows_changed_pct_max": max(rows_pct) if rows_pct else None,
         "modes": got,
+        "restored_equal": restored,
         "summary": summary,
     }
 
@@ -875,7 +922,20 @@ def _finetune_lines(ft: Any, mirror: bool) -> list[str]:
     else:
         rows.append(["whole ÷ incremental", _x(r.get("bytes")), _x(r.get("commit_s")),
                      _x(r.get("save_s")), "", "", ""])  # fmt: skip
-    return [*lines, *_table(header, rows)]
+    lines += _table(header, rows)
+    if not mirror:
+        lines += ["", f"Restored state equal to the live one: {_restored(ft)}."]
+    return lines
+
+
+def _restored(e: Any) -> str:
+    """The restore check of one run, as a sentence part."""
+    got = e.get("restored_equal") if isinstance(e, dict) else None
+    if not isinstance(got, dict):
+        return "not checked"
+    return ", ".join(
+        f"{name} {'yes' if ok is True else '**NO**: ' + str(ok)[:200]}" for name, ok in got.items()
+    )
 
 
 def _embedding_lines(emb: Any) -> list[str]:
@@ -951,6 +1011,11 @@ def _embedding_lines(emb: Any) -> list[str]:
         ],
         rows,
     )
+    checks = [
+        f"{p}: {_restored(e)}" for p, e in emb.items() if isinstance(e, dict) and "modes" in e
+    ]
+    if checks:
+        lines += ["", f"Restored state equal to the live one: {'; '.join(checks)}."]
     return lines
 
 
@@ -980,7 +1045,10 @@ def render(out: dict[str, Any], source: str) -> str:
         "(write, fsync, commit); `save()` s: the call's wall time (it also copies the "
         "state). *v2 persists*: checkpoints that refer to earlier ones (format version 2); "
         "the others were written whole. *On disk at the end*: the root's files, the "
-        "checkpoints kept plus the earlier ones they refer to. The docstring of "
+        "checkpoints kept plus the earlier ones they refer to. *Restored … equal*: after "
+        "the last persist, a freshly built state (another seed) restored by a new "
+        "checkpointer on each root (`restore()`, checksums verified) is compared tensor "
+        "for tensor with the live state. The docstring of "
         "`benchmarks/incr_bench.py` says what each shape does.",
         "",
         "### Fine-tuning: a frozen base, trainable adapters and head",

@@ -54,6 +54,7 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
     assert ft["full"]["v2_persists"] == 0
     assert ft["incremental"]["persists"][0]["format_version"] in (None, 1)
     assert incr_result["finetune"]["model"]["frozen_pct"] >= 90
+    assert incr_result["finetune"]["restored_equal"] == {"incremental": True, "full": True}
     s3 = incr_result["finetune_s3"]
     if find_weed() is not None:
         for e in _modes(s3).values():
@@ -69,6 +70,7 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
             assert 0 < iv["rows_changed"] <= iv["distinct_ids"]
             assert iv["changed_outside_drawn"] == 0  # SGD touched the drawn rows only
         assert set(e["summary"]) == {"incr_4MiB", "incr_4KiB"}
+        assert e["restored_equal"] == dict.fromkeys(modes, True)
     goals = incr_result["goals"]
     assert len(goals) == 4 + 2 * len(toy.patterns)
     assert incr_bench.measured(incr_result)
