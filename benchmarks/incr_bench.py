@@ -711,6 +711,35 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
     }
 
 
+def touch_model(s: Settings, exponents: tuple[float, ...] = (1.0, 1.1, 1.2, 1.5)) -> dict[str, Any]:
+    """Not measured by training: for the embedding table's size and one interval's draws,
+    the share of rows drawn and of chunks holding a drawn row, per Zipf exponent and for
+    uniform draws (median of 3 draws each). It shows how far the measured figures depend
+    on the exponent chosen."""
+    import numpy as np
+
+    draws = s.emb_every * s.emb_batch * s.emb_ids
+    row_bytes = s.emb_dim * 4
+    table_bytes = s.emb_rows * row_bytes
+    out: dict[str, Any] = {"draws_per_interval": draws, "rows": s.emb_rows, "patterns": {}}
+    for name in [*(f"zipf s={e:g}" for e in exponents), "uniform"]:
+        exp = float(name.split("=")[1]) if "=" in name else 0.0
+        draw = Draws("zipf" if exp else "uniform", s.emb_rows, exp, s.seed + 11)
+        rows: list[float] = []
+        chunks: dict[str, list[float]] = {_chunk_label(c): [] for c in s.chunk_bytes}
+        for _ in range(3):
+            ids = np.unique(draw((draws,)))
+            rows.append(100 * ids.size / s.emb_rows)
+            for c in s.chunk_bytes:
+                n = -(-table_bytes // c)
+                chunks[_chunk_label(c)].append(100 * np.unique(ids * row_bytes // c).size / n)
+        out["patterns"][name] = {
+            "rows_pct": round(statistics.median(rows), 3),
+            "chunks_pct": {k: round(statistics.median(v), 2) for k, v in chunks.items()},
+        }
+    return out
+
+
 # ---------------------------------------------------------------------------- the phase
 
 
@@ -807,6 +836,7 @@ def run_phase(
                 return got
 
             guarded("finetune_s3", mirrored)
+        guarded("touch_model", lambda: touch_model(settings))
         out["embedding"] = {}
         for pattern in settings.patterns:
             guarded(
@@ -938,7 +968,7 @@ def _restored(e: Any) -> str:
     )
 
 
-def _embedding_lines(emb: Any) -> list[str]:
+def _embedding_lines(emb: Any, touch: Any = None) -> list[str]:
     if not isinstance(emb, dict) or not emb:
         return [_err(emb)]
     lines: list[str] = []
@@ -1011,6 +1041,24 @@ def _embedding_lines(emb: Any) -> list[str]:
         ],
         rows,
     )
+    tm = touch
+    if isinstance(tm, dict) and tm.get("patterns"):
+        labels = list(next(iter(tm["patterns"].values()))["chunks_pct"])
+        lines += [
+            "",
+            "How much the pattern decides (computed from draws, not trained): one interval's "
+            f"{tm['draws_per_interval']:,} draws over {tm['rows']:,} rows, the share of rows "
+            "drawn and of chunks holding one (what an incremental persist would write of "
+            "the table at best):",
+            "",
+            *_table(
+                ["draws", "rows drawn", *(f"chunks of {lb} holding one" for lb in labels)],
+                [
+                    [name, _pct(e["rows_pct"]), *(_pct(e["chunks_pct"][lb]) for lb in labels)]
+                    for name, e in tm["patterns"].items()
+                ],
+            ),
+        ]
     checks = [
         f"{p}: {_restored(e)}" for p, e in emb.items() if isinstance(e, dict) and "modes" in e
     ]
@@ -1066,7 +1114,7 @@ def render(out: dict[str, Any], source: str) -> str:
         "",
         "### Embedding table with sparse updates",
         "",
-        *_embedding_lines(out.get("embedding")),
+        *_embedding_lines(out.get("embedding"), out.get("touch_model")),
         "",
     ]
     rows = []

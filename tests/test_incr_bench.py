@@ -71,6 +71,8 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
             assert iv["changed_outside_drawn"] == 0  # SGD touched the drawn rows only
         assert set(e["summary"]) == {"incr_4MiB", "incr_4KiB"}
         assert e["restored_equal"] == dict.fromkeys(modes, True)
+    touch = incr_result["touch_model"]["patterns"]
+    assert set(touch) == {"zipf s=1", "zipf s=1.1", "zipf s=1.2", "zipf s=1.5", "uniform"}
     goals = incr_result["goals"]
     assert len(goals) == 4 + 2 * len(toy.patterns)
     assert incr_bench.measured(incr_result)
@@ -92,6 +94,7 @@ def test_block_renders_the_tables(incr_result: dict[str, Any]) -> None:
     assert "| whole ÷ incremental |" in text
     assert "`Incremental(chunk_bytes=4KiB)`" in text and "| zipf |" in text
     assert "| goal | measured | limit | result |" in text
+    assert "| zipf s=1.5 |" in text  # the table of what the exponent decides
     assert "Not measured: skipped." in incr_bench.render({"error": "skipped"}, "x")
     broken = {**incr_result, "embedding": {"zipf": {"error": "boom"}}}
     assert "Not measured: boom." in incr_bench.render(broken, "x")
