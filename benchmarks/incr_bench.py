@@ -254,7 +254,7 @@ def _checkpointer(root: Path | str, state: Mapping[str, Any], incremental: Any, 
 
 
 def _incremental(chunk: int | None) -> Any:
-    from resumable import Incremental  # type: ignore[attr-defined,unused-ignore]
+    from resumable import Incremental
 
     return Incremental() if chunk is None else Incremental(chunk_bytes=chunk)
 
