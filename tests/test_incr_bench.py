@@ -14,11 +14,6 @@ from typing import Any
 
 import pytest
 
-import resumable
-
-if not hasattr(resumable, "Incremental"):
-    pytest.skip("resumable.Incremental is not there yet (issue 15)", allow_module_level=True)
-
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
