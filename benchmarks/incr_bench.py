@@ -280,16 +280,17 @@ class SideBySide:
             shutil.rmtree(root, ignore_errors=True)
         self.cks: dict[str, Any] = {}
         self.modes = dict(modes)
+        self.work = work
         self.mirrored = mirror is not None
+        self.mirror_kw: dict[str, dict[str, Any]] = {n: {} for n in modes}
         for name, inc in modes.items():
-            kw: dict[str, Any] = {}
             if mirror is not None:
-                kw = {
+                self.mirror_kw[name] = {
                     "mirror": mirror(name),
                     "mirror_keep": resumable.Keep(last=2),
                     "storage_options": dict(storage_options or {}),
                 }
-            self.cks[name] = _checkpointer(self.roots[name], state, inc, **kw)
+            self.cks[name] = _checkpointer(self.roots[name], state, inc, **self.mirror_kw[name])
         self.wall: dict[str, dict[int, dict[str, float]]] = {n: {} for n in modes}
         self.manifests: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in modes}
         self.count = 0
@@ -317,7 +318,8 @@ class SideBySide:
     def check_restores(self, live: Mapping[str, Any], build: Callable[[], Any]) -> dict[str, Any]:
         """Per mode: a fresh state from ``build()`` restored by a new checkpointer on the
         root (the newest checkpoint, checksums verified) equals ``live`` tensor for tensor
-        (True), or differs (the names), or the restore's error."""
+        (True), or differs (the names), or the restore's error. With a mirror, the new
+        checkpointer has an empty local root: the checkpoint comes from the mirror."""
         import torch
 
         from resumable import capture as capture_mod
@@ -328,7 +330,9 @@ class SideBySide:
             ck = None
             try:
                 fresh = build()
-                ck = _checkpointer(root, fresh, self.modes[name])
+                kw = self.mirror_kw[name]
+                where = self.work / f"restore-{name}" if kw else root
+                ck = _checkpointer(where, fresh, self.modes[name], **kw)
                 ck.restore()
                 got = capture_mod.capture(fresh, include_rng=False).tensors
                 bad = sorted(set(want) ^ set(got))
@@ -484,7 +488,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
     finally:
         sbs.close()
     got = sbs.results()
-    restored = sbs.check_restores(state, build) if endpoint is None else None
+    restored = sbs.check_restores(state, build)
     out: dict[str, Any] = {
         "model": {
             "width": s.ft_width,
@@ -826,7 +830,7 @@ def run_phase(
     try:
         guarded("finetune", lambda: finetune(work / "ft", settings, log))
         if not s3 or settings.s3_persists < 1:
-            out["finetune_s3"] = {"error": "skipped"}
+            out["finetune_s3"] = {"error": "skipped (--no-s3)"}
         else:
 
             def mirrored() -> dict[str, Any]:
@@ -953,8 +957,11 @@ def _finetune_lines(ft: Any, mirror: bool) -> list[str]:
         rows.append(["whole ÷ incremental", _x(r.get("bytes")), _x(r.get("commit_s")),
                      _x(r.get("save_s")), "", "", ""])  # fmt: skip
     lines += _table(header, rows)
-    if not mirror:
-        lines += ["", f"Restored state equal to the live one: {_restored(ft)}."]
+    where = " (from the mirror alone: a new checkpointer on an empty local root)"
+    lines += [
+        "",
+        f"Restored state equal to the live one{where if mirror else ''}: {_restored(ft)}.",
+    ]
     return lines
 
 

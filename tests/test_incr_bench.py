@@ -59,6 +59,7 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
         for e in _modes(s3).values():
             assert all(p["mirror_bytes"] > 0 for p in e["persists"])
             assert e["mirror_s"]["n"] == toy.s3_persists - 1
+        assert s3["restored_equal"] == {"incremental": True, "full": True}
     emb = incr_result["embedding"]
     assert set(emb) == set(toy.patterns)
     for e in emb.values():
