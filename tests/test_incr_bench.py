@@ -93,7 +93,7 @@ def test_block_renders_the_tables(incr_result: dict[str, Any]) -> None:
     assert "| mode | MiB written per persist | commit s |" in text
     assert "| whole ÷ incremental |" in text
     assert "`Incremental(chunk_bytes=4KiB)`" in text and "| zipf |" in text
-    assert "| goal | measured | limit | result |" in text
+    assert "| goal | measured | limit | result | cross-check |" in text
     assert "| zipf s=1.5 |" in text  # the table of what the exponent decides
     assert "Not measured: skipped." in incr_bench.render({"error": "skipped"}, "x")
     broken = {**incr_result, "embedding": {"zipf": {"error": "boom"}}}
