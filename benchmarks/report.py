@@ -20,7 +20,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import ds_bench  # noqa: E402
-import incr_bench  # noqa: E402
+import incr_report  # noqa: E402
 import mcore_bench  # noqa: E402
 import small_report  # noqa: E402
 
@@ -662,7 +662,7 @@ def incr_section(out: Result) -> list[str]:
     phase, or of the standalone run `write_report` put there (``incr_file``)."""
     inc = out.get("incr")
     source = f"benchmarks/results/{out.get('incr_file') or out.get('file', '?')}"
-    block = incr_bench.render(inc if isinstance(inc, dict) else {}, source)
+    block = incr_report.render(inc if isinstance(inc, dict) else {}, source)
     return ["", *block.splitlines()]
 
 
@@ -843,8 +843,8 @@ def write_report(results: Path, docs: Path) -> None:
         if found is not None:
             out["mcore"] = json.loads(found.read_text())
             out["mcore_file"] = found.name
-    if not incr_bench.measured(out.get("incr")):
-        found = incr_bench.newest(results.parent)
+    if not incr_report.measured(out.get("incr")):
+        found = incr_report.newest(results.parent)
         if found is not None:
             out["incr"] = json.loads(found.read_text())
             out["incr_file"] = found.name

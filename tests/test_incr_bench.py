@@ -43,6 +43,7 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
     for e in ft.values():
         assert len(e["persists"]) == toy.ft_persists
         assert all(p["bytes"] > 0 and p["commit_s"] > 0 for p in e["persists"])
+        assert all(p["root_bytes"] > 0 and p["checkpoints_on_disk"] >= 1 for p in e["persists"])
         assert e["bytes"]["n"] == toy.ft_persists - 1
         # Keep(last=2), plus the checkpoints a kept one refers to
         last = e["persists"][-2:]
