@@ -228,11 +228,14 @@ def _manifest(root: Path, step: int) -> dict[str, Any]:
 
 
 def _tree_bytes(root: Path) -> int:
+    """Bytes of the committed checkpoints in ``root`` (what retention keeps; not the
+    audit log, nor directories a deleting thread has not removed yet)."""
     total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.path.getsize(os.path.join(dirpath, f))
+    for step in _steps_on_disk(root):
+        for dirpath, _, files in os.walk(root / f"step-{step:012d}"):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    total += os.path.getsize(os.path.join(dirpath, f))
     return total
 
 
