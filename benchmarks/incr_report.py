@@ -314,8 +314,8 @@ def render(out: dict[str, Any], source: str) -> str:
         "(write, fsync, commit); `save()` s: the call's wall time (it also copies the "
         "state). *v2 persists*: checkpoints that refer to earlier ones (format version 2); "
         "the others were written whole. *On disk at the end*: the bytes of the root's "
-        "committed checkpoints, those kept plus the earlier ones they refer to. *Restored … equal*: after "
-        "the last persist, a freshly built state (another seed) restored by a new "
+        "committed checkpoints, those kept plus the earlier ones they refer to. *Restored "
+        "… equal*: after the last persist, a freshly built state (another seed) restored by a new "
         "checkpointer on each root (`restore()`, checksums verified) is compared tensor "
         "for tensor with the live state. The docstring of "
         "`benchmarks/incr_bench.py` says what each shape does.",
