@@ -541,6 +541,19 @@ def render(out: Result) -> str:
         for method, ok in (_get(e, "restored_equal") or {}).items():
             if ok is False:
                 problems.append(f"- Megatron-Core, {name}, {method}: restored state differs!")
+    incr = out.get("incr") if isinstance(out.get("incr"), dict) else {}
+    runs = {"fine-tuning": incr.get("finetune"), "fine-tuning mirror": incr.get("finetune_s3")}
+    runs.update({f"embedding {p}": e for p, e in (incr.get("embedding") or {}).items()})
+    for what, e in runs.items():
+        if isinstance(e, dict) and "error" in e and not str(e["error"]).startswith("skipped"):
+            err = " ".join(str(e["error"]).split())
+            problems.append(f"- incremental checkpoints, {what}: {err[:300]}")
+        for mode, ok in (_get(e, "restored_equal") or {}).items():
+            if ok is not True:
+                problems.append(
+                    f"- incremental checkpoints, {what}, {mode}: restored state differs: "
+                    f"{str(ok)[:200]}"
+                )
     for name, ok in (_get(out, "s3", "restored_equal") or {}).items():
         if ok is False:
             problems.append(f"- object storage {name}: restored bytes differ from saved!")

@@ -138,3 +138,13 @@ def test_report_renders_the_run_block_or_the_standalone_one(
     report.write_report(run, page)
     text = page.read_text()
     assert f"`benchmarks/results/{run.name}`" in text and text.count(incr_bench.BEGIN) == 1
+
+
+def test_report_lists_a_failed_restore(incr_result: dict[str, Any]) -> None:
+    whole = json.loads(report.newest(BENCH / "results").read_text())
+    broken = json.loads(json.dumps(incr_result))
+    broken["finetune"]["restored_equal"]["incremental"] = ["model.head.weight"]
+    broken["embedding"]["uniform"] = {"error": "boom"}
+    text = report.render({**whole, "incr": broken})
+    assert "- incremental checkpoints, fine-tuning, incremental: restored state differs" in text
+    assert "- incremental checkpoints, embedding uniform: boom" in text
