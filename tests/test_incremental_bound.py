@@ -44,7 +44,14 @@ def test_a_slowly_changing_table_keeps_a_bounded_root(tmp_path: Path, max_overhe
     table = torch.randn(ROWS, DIM)
     whole = table.numel() * 4
     gen = torch.Generator().manual_seed(1)
-    inc = Incremental(chunk_bytes=CHUNK, min_saving=0.0, min_live=0.0, max_overhead=max_overhead)
+    inc = Incremental(
+        chunk_bytes=CHUNK,
+        min_saving=0.0,
+        min_live=0.0,
+        max_overhead=max_overhead,
+        min_bytes=0,
+        whole_every=0,
+    )
     root = tmp_path / "ck"
     saved: dict[int, torch.Tensor] = {}
     most = 0
@@ -78,7 +85,14 @@ def test_without_the_bound_the_chain_would_grow(tmp_path: Path) -> None:
     torch.manual_seed(0)
     table = torch.randn(ROWS, DIM)
     gen = torch.Generator().manual_seed(1)
-    inc = Incremental(chunk_bytes=CHUNK, min_saving=0.0, min_live=0.0, max_overhead=1e6)
+    inc = Incremental(
+        chunk_bytes=CHUNK,
+        min_saving=0.0,
+        min_live=0.0,
+        max_overhead=1e6,
+        min_bytes=0,
+        whole_every=0,
+    )
     root = tmp_path / "ck"
     with Checkpointer(
         root, {"t": {"table": table}}, keep=Keep(last=2), capture_rng=False, incremental=inc
