@@ -484,7 +484,7 @@ def test_damaged_first_whole_checkpoint_leaves_nothing_valid(
     checkpoints that are all corrupt) and leaves the state untouched."""
     root = tmp_path / "ckpt"
     run(root, Job(), range(1, 5))
-    begin, end, holder = _chunk_range(manifest(root, 4), EMBEDDING, 0)
+    begin, _, holder = _chunk_range(manifest(root, 4), EMBEDDING, 0)
     assert holder == 1
     flip(root / dir_name(1) / DATA, begin + 3)
     assert _verify_all(root, capsys) == {1: False, 2: False, 3: False, 4: False}
@@ -790,9 +790,8 @@ def test_hostile_v2_manifest_is_refused(
 
     job = Job(seed=99)
     before = job.record()
-    with Checkpointer(root, job.state, keep=None) as ckpt:
-        with pytest.raises(CorruptCheckpointError):
-            ckpt.restore(3)
+    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
+        ckpt.restore(3)
     assert job.mismatches(before) == []
 
     if fallback is None:
