@@ -45,7 +45,7 @@ from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep
 from resumable.audit import read_audit
 from resumable.cli import main as cli
 from resumable.commit import list_committed
-from resumable.format import checksum, manifest_digest
+from resumable.format import checksum, dtype_from_name, manifest_digest
 from resumable.policy import Entry
 from resumable.reader import CheckpointReader
 from resumable.storage import open_storage
@@ -257,12 +257,9 @@ def check_references(root: Path) -> None:
                 assert 0 <= begin <= end <= holder["files"][c["file"]]["size"], (s, name, c)
                 total += end - begin
             numel = int(np.prod(t["shape"])) if t["shape"] else 1
-            assert total == numel * torch.empty((), dtype=_DT[t["dtype"]]).element_size()
-
-
-_DT = {"F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-       "U8": torch.uint8, "BOOL": torch.bool, "F16": torch.float16, "BF16": torch.bfloat16,
-       "I16": torch.int16, "I8": torch.int8}  # fmt: skip
+            assert (
+                total == numel * torch.empty((), dtype=dtype_from_name(t["dtype"])).element_size()
+            )
 
 
 def closure(root: Path, steps: Iterable[int]) -> set[int]:
@@ -909,3 +906,104 @@ def test_structure_changes_are_written_and_restored_exactly(tmp_path: Path) -> N
         for s in range(9, 0, -1):
             assert ckpt.restore(s) == s
             assert job.mismatches(expected[s]) == [], s
+
+
+# --------------------------------------------------------------------------- retention, CLI
+
+
+def test_prune_keeps_what_the_kept_checkpoint_refers_to(
+    two_launches: tuple[Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    """``resumable prune --keep-last 1``: step 10 stays, and step 6, which holds most of
+    its bytes; everything else goes. Both still verify, and step 10 restores exactly."""
+    src, expected = two_launches
+    root = _copy(src, tmp_path)
+    assert cli(["prune", str(root), "--keep-last", "1"]) == 0
+    assert committed(root) == sorted(closure(root, [10])) == [6, 10]
+    check_references(root)
+    storage = open_storage(root)
+    for s in (6, 10):
+        CheckpointReader(storage, s).verify()
+    assert restored(root, 10).mismatches(expected[10]) == []
+
+
+def test_cli_lists_shows_and_verifies_incremental_checkpoints(
+    two_launches: tuple[Path, dict[int, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = two_launches
+    assert cli(["ls", str(root), "--verify"]) == 0
+    assert cli(["show", str(root), "--step", "8"]) == 0
+    assert cli(["verify", str(root), "--all"]) == 0
+    assert "CORRUPT" not in capsys.readouterr().out
+
+
+def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
+    """Step 1 holds a (128 KiB) and b (64 KiB). a changes at step 5: reusing b would
+    save a third of step 5's bytes (above the default min_saving of 0.25), but it is
+    only a third of step 1's bytes too (below the default min_live of 0.5), so step 5
+    writes b again instead of referring to step 1, and once nothing kept refers to
+    step 1 retention deletes it. Default Incremental()."""
+    root = tmp_path / "ckpt"
+    state: dict[str, Any] = {
+        "a": torch.arange(32 << 10, dtype=torch.float32),
+        "b": torch.arange(16 << 10, dtype=torch.float32) * -1.0,
+        "c": torch.zeros(4),
+    }
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(root, state, keep=Keep(last=2), persist="sync") as ckpt:
+        for step in range(1, 9):
+            state["c"] += 1.0
+            if step == 5:
+                state["a"] += 1.0
+            ckpt.save(step)
+            expected[step] = {k: v.clone() for k, v in state.items()}
+            if step == 4:
+                assert committed(root) == [1, 3, 4]
+                assert manifest(root, 4)["refs"] == [1]
+    check_references(root)
+    assert 1 not in manifest(root, 5).get("refs", [])
+    assert 1 not in closure(root, [8])
+    assert committed(root) == sorted(closure(root, [7, 8]))
+    assert 1 not in committed(root)
+    for s in committed(root):
+        fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
+        with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
+            assert ckpt.restore(s) == s
+        assert all(_bytes(fresh[k]) == _bytes(v) for k, v in expected[s].items()), s
+
+
+def test_mirror_holds_every_checkpoint_its_checkpoints_refer_to(tmp_path: Path) -> None:
+    """A local mirror with its own retention: every checkpoint committed there refers
+    only to checkpoints committed there, a v2 upload is its own files and manifest,
+    and the mirror alone (the local root gone) restores every step it kept exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(
+        root,
+        job.state,
+        keep=Keep(last=2),
+        mirror=str(mirror),
+        mirror_keep=Keep(last=3),
+        persist="sync",
+        incremental=SMALL_CHUNKS,
+    ) as ckpt:
+        for step in range(1, 13):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+            expected[step] = job.record()
+            check_references(mirror)
+            check_references(root)
+    assert committed(mirror) == sorted(closure(mirror, [10, 11, 12]))
+    assert 1 in committed(mirror) and manifest(mirror, 12)["format_version"] == 2
+    uploads = {e["step"]: e["bytes"] for e in audit(mirror, "commit")}
+    for s in committed(mirror):
+        if manifest(mirror, s)["format_version"] == 2:
+            blob = (mirror / dir_name(s) / MANIFEST).stat().st_size
+            assert uploads[s] == own_bytes(manifest(mirror, s)) + blob, s
+    shutil.rmtree(root)
+    storage = open_storage(mirror)
+    for s in committed(mirror):
+        CheckpointReader(storage, s).verify()
+        assert restored(mirror, s).mismatches(expected[s]) == [], s
