@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import logging
 import os
@@ -41,14 +42,15 @@ import xxhash
 from torch import nn
 from torch.nn import functional as F
 
-from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep
+from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep, StorageError
 from resumable.audit import read_audit
 from resumable.cli import main as cli
 from resumable.commit import list_committed
 from resumable.format import checksum, dtype_from_name, manifest_digest
 from resumable.policy import Entry
 from resumable.reader import CheckpointReader
-from resumable.storage import open_storage
+from resumable.storage import LocalStorage, Storage, open_storage
+from resumable.storage.base import Buffer, ForwardingStorage
 
 pytestmark = pytest.mark.usefixtures("sync_persist")
 
@@ -182,12 +184,12 @@ def run(
     before_train: Callable[[Job, int], None] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Train and save one step at a time in one Checkpointer (one process's writer);
-    returns the state recorded at each save. ``restore``: the step a restore at the
-    start must return (a relaunch)."""
+    returns the state recorded at each save. ``restore``: a step to restore first (a
+    relaunch)."""
     expected: dict[int, dict[str, Any]] = {}
     with Checkpointer(root, job.state, keep=keep, persist=persist, incremental=incremental) as ckpt:
         if restore is not None:
-            assert ckpt.restore() == restore
+            assert ckpt.restore(restore) == restore
         for step in steps:
             if before_train is not None:
                 before_train(job, step)
@@ -1007,3 +1009,125 @@ def test_mirror_holds_every_checkpoint_its_checkpoints_refer_to(tmp_path: Path) 
     for s in committed(mirror):
         CheckpointReader(storage, s).verify()
         assert restored(mirror, s).mismatches(expected[s]) == [], s
+
+
+# --------------------------------------------------------------------------- the writer's memory
+
+
+class CrashingStorage(ForwardingStorage):
+    """A local root whose ``crash_in``-th next write/rename_dir/sync_dir (from 0) fails
+    once with a full-disk `StorageError`, leaving a torn file if it was a write."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.crash_in: int | None = None
+
+    def _crashes(self) -> bool:
+        if self.crash_in is None:
+            return False
+        if self.crash_in == 0:
+            self.crash_in = None
+            return True
+        self.crash_in -= 1
+        return False
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        if self._crashes():
+            data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+            self.inner.write(path, [data[: len(data) // 2]])
+            raise StorageError(errno.ENOSPC, f"injected crash writing {path}")
+        return self.inner.write(path, chunks)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        if self._crashes():
+            raise StorageError(errno.ENOSPC, f"injected crash renaming {src}")
+        self.inner.rename_dir(src, dst)
+
+    def sync_dir(self, path: str = "") -> None:
+        if self._crashes():
+            raise StorageError(errno.ENOSPC, f"injected crash syncing {path}")
+        self.inner.sync_dir(path)
+
+
+@pytest.mark.parametrize("crash_in", [0, 1, 2, 3])
+def test_a_failed_persist_is_never_referred_to(crash_in: int, tmp_path: Path) -> None:
+    """Step 3's persist fails before its commit (in the data write, the manifest write,
+    a sync or the rename): steps 4 and 5 refer only to committed checkpoints."""
+    root = tmp_path / "ckpt"
+    storage = CrashingStorage(LocalStorage(root))
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(
+        storage, job.state, keep=None, persist="sync", incremental=SMALL_CHUNKS
+    ) as ckpt:
+        for step in range(1, 6):
+            job.train(step)
+            if step == 3:
+                storage.crash_in = crash_in
+                with pytest.raises(StorageError, match="injected crash"):
+                    ckpt.save(step)
+                assert storage.crash_in is None
+                continue
+            ckpt.save(step)
+            expected[step] = job.record()
+    assert committed(root) == [1, 2, 4, 5]
+    check_references(root)
+    assert [manifest(root, s)["format_version"] for s in (4, 5)] == [2, 2]
+    for s in (1, 2, 4, 5):
+        CheckpointReader(open_storage(root), s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+def test_saving_a_step_again_replaces_it_with_a_valid_checkpoint(tmp_path: Path) -> None:
+    """save(3) twice (the state changed in between): the second one replaces the first,
+    and neither it nor step 4 refers to the replaced files."""
+    root = tmp_path / "ckpt"
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(root, job.state, keep=None, persist="sync", incremental=SMALL_CHUNKS) as ckpt:
+        for step in (1, 2, 3, 3, 4):
+            job.train(step)
+            ckpt.save(step)
+            expected[step] = job.record()
+            check_references(root)
+            CheckpointReader(open_storage(root), step).verify()
+    assert committed(root) == [1, 2, 3, 4]
+    for s in (1, 2, 3, 4):
+        CheckpointReader(open_storage(root), s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+def test_resuming_from_an_older_step_never_loads_a_mixed_state(tmp_path: Path) -> None:
+    """Steps 1-6, where a tensor added at step 5 is unchanged at 6 (step 6 refers to
+    step 5 for it). A relaunch restores step 3 and saves 4 and 5 again with another
+    value there: the new 4 and 5 are valid; the old step 6 either still verifies and
+    restores to exactly its own state, or is refused as corrupt - and a plain restore
+    gives one of the two states, never a mixture."""
+    root = tmp_path / "ckpt"
+
+    def late(value: float) -> Callable[[Job, int], None]:
+        def hook(job: Job, step: int) -> None:
+            if step == 5:
+                job.extra["late"] = torch.full((1024,), value)
+
+        return hook
+
+    old = run(root, Job(), range(1, 7), before_train=late(1.0))
+    assert 5 in manifest(root, 6)["refs"]
+    new = run(root, Job(seed=99), (4, 5), before_train=late(2.0), restore=3)
+    storage = open_storage(root)
+    for s in (4, 5):
+        CheckpointReader(storage, s).verify()
+        assert restored(root, s).mismatches(new[s]) == [], s
+    try:
+        CheckpointReader(storage, 6).verify()
+    except CorruptCheckpointError:
+        six_valid = False
+    else:
+        six_valid = True
+        assert restored(root, 6).mismatches(old[6]) == []
+    fresh = Job(seed=99)
+    with Checkpointer(root, fresh.state, keep=None) as ckpt:
+        got = ckpt.restore()
+    assert got == (6 if six_valid else 5)
+    assert fresh.mismatches(old[6] if six_valid else new[5]) == []
