@@ -755,7 +755,7 @@ def _outside(tmp_path: Path, root: Path, paths: list[str]) -> list[str]:
         p
         for p in paths
         if os.path.realpath(p).startswith(base + os.sep)
-        and not os.path.realpath(p).startswith(inner + os.sep)
+        and not (os.path.realpath(p) + os.sep).startswith(inner + os.sep)
     ]
 
 
@@ -940,21 +940,24 @@ def test_cli_lists_shows_and_verifies_incremental_checkpoints(
 
 
 def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
-    """Step 1 holds a (128 KiB) and b (64 KiB). a changes at step 5: reusing b would
-    save a third of step 5's bytes (above the default min_saving of 0.25), but it is
-    only a third of step 1's bytes too (below the default min_live of 0.5), so step 5
+    """Step 1 holds a (128 KiB), b (64 KiB) and z (320 KiB). z leaves the state at step
+    3, a changes at step 5: reusing b then would save a third of step 5's bytes (above
+    min_saving), but b is only an eighth of step 1's bytes (below min_live), so step 5
     writes b again instead of referring to step 1, and once nothing kept refers to
-    step 1 retention deletes it. Default Incremental()."""
+    step 1 retention deletes it. Default Incremental() (min_saving = min_live = 0.25)."""
     root = tmp_path / "ckpt"
     state: dict[str, Any] = {
         "a": torch.arange(32 << 10, dtype=torch.float32),
         "b": torch.arange(16 << 10, dtype=torch.float32) * -1.0,
         "c": torch.zeros(4),
+        "z": torch.ones(80 << 10),
     }
     expected: dict[int, dict[str, torch.Tensor]] = {}
     with Checkpointer(root, state, keep=Keep(last=2), persist="sync") as ckpt:
         for step in range(1, 9):
             state["c"] += 1.0
+            if step == 3:
+                del state["z"]
             if step == 5:
                 state["a"] += 1.0
             ckpt.save(step)
@@ -971,6 +974,7 @@ def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
         fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
         with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
             assert ckpt.restore(s) == s
+        assert fresh.keys() == expected[s].keys()
         assert all(_bytes(fresh[k]) == _bytes(v) for k, v in expected[s].items()), s
 
 
@@ -1108,7 +1112,7 @@ def test_resuming_from_an_older_step_never_loads_a_mixed_state(tmp_path: Path) -
     def late(value: float) -> Callable[[Job, int], None]:
         def hook(job: Job, step: int) -> None:
             if step == 5:
-                job.extra["late"] = torch.full((1024,), value)
+                job.extra["late"] = torch.full((16 << 10,), value)  # most of step 5's own bytes
 
         return hook
 
