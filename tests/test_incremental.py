@@ -1135,3 +1135,29 @@ def test_resuming_from_an_older_step_never_loads_a_mixed_state(tmp_path: Path) -
         got = ckpt.restore()
     assert got == (6 if six_valid else 5)
     assert fresh.mismatches(old[6] if six_valid else new[5]) == []
+
+
+def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(tmp_path: Path) -> None:
+    """A partly changed tensor's own chunks are ``<name>#<i>`` entries of the data file;
+    a state that has a tensor of such a name (a dict key ``"w#0"``) must still save
+    (incrementally or whole) and restore exactly, under the default options."""
+    root = tmp_path / "ckpt"
+    state: dict[str, Any] = {
+        "w": torch.zeros(4096),  # four chunks of 4 KiB
+        "w#0": torch.ones(4),
+        "frozen": torch.ones(1 << 16),
+    }
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    inc = Incremental(chunk_bytes=4096)
+    with Checkpointer(root, state, keep=None, persist="sync", incremental=inc) as ckpt:
+        for step in range(1, 4):
+            state["w"][:10] += 1.0  # only the first chunk of w changes
+            ckpt.save(step)
+            expected[step] = {k: v.clone() for k, v in state.items()}
+    assert committed(root) == [1, 2, 3]
+    check_references(root)
+    for s in (1, 2, 3):
+        fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
+        with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
+            assert ckpt.restore(s) == s
+        assert all(_bytes(fresh[k]) == _bytes(v) for k, v in expected[s].items()), s
