@@ -1161,3 +1161,46 @@ def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(tmp_path: Path) -
         with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
             assert ckpt.restore(s) == s
         assert all(_bytes(fresh[k]) == _bytes(v) for k, v in expected[s].items()), s
+
+
+def test_mirror_after_resuming_from_an_older_step_stays_valid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relaunch resumes from step 1 of a mirrored run and replays steps 2-3 exactly
+    (same content, but now step 2 is written whole where the first launch wrote it
+    incrementally), then goes on to steps 4-5. The mirror already holds steps 2-3 of
+    the same content: a new checkpoint that refers to the local step 2's byte ranges
+    must not be committed there against the other layout of the mirror's step 2.
+    Every checkpoint committed in the mirror verifies, and the mirror alone restores
+    the relaunch's steps exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    options: dict[str, Any] = {"keep": None, "mirror": str(mirror), "persist": "sync"}
+    job = Job()
+    with Checkpointer(root, job.state, incremental=SMALL_CHUNKS, **options) as ckpt:
+        for step in (1, 2, 3):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+    assert [manifest(mirror, s)["format_version"] for s in (1, 2, 3)] == [1, 2, 2]
+    job = Job(seed=5)
+    expected: dict[int, dict[str, Any]] = {}
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        Checkpointer(root, job.state, incremental=SMALL_CHUNKS, **options) as ckpt,
+    ):
+        assert ckpt.restore(1) == 1
+        for step in (2, 3, 4, 5):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+            expected[step] = job.record()
+    assert manifest(root, 2)["format_version"] == 1  # the relaunch's first persist
+    assert 2 in manifest(root, 4)["refs"]
+    assert "mirroring step" not in caplog.text
+    storage = open_storage(mirror)
+    assert committed(mirror) == [1, 2, 3, 4, 5]
+    for s in committed(mirror):
+        CheckpointReader(storage, s).verify()
+    shutil.rmtree(root)
+    for s in (2, 3, 4, 5):
+        assert restored(mirror, s).mismatches(expected[s]) == [], s
