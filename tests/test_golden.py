@@ -251,7 +251,7 @@ def test_data_files_stay_plain_safetensors(golden: Path, step: int) -> None:
     path = golden / f"step-{step:012d}" / "rank-00000.safetensors"
     loaded = safetensors.torch.load_file(path)
     if golden.name == "v2" and step == 2:
-        # Only what changed: tensors written whole, and changed chunks (``name#i``, bytes)
+        # Only what changed: tensors written whole, and changed chunks (``name#chunkI``, bytes)
         whole = {n: t for n, t in loaded.items() if "#" not in n}
         assert 0 < len(whole) < len(expected) and set(whole) <= set(expected)
         assert {n.split("#")[0] for n in loaded} <= set(expected)

@@ -26,8 +26,9 @@ checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
   version 1 checkpoints it always wrote.
 - **Release old checkpoints** (``min_live``): chunks of an earlier checkpoint are
   reused only while at least that fraction of its data is still reused; below it, its
-  live chunks are written again, like a log-structured file system's cleaner, so a
-  kept chain never holds much more than twice the live state.
+  live chunks are written again, like a log-structured file system's cleaner, so
+  checkpoints kept only for their references hold at most 1 / min_live times the
+  bytes still in use.
 - **Nothing remembered across processes**: the first persist of a process is written
   whole, so a new launch never depends on a chunk index it did not compute itself.
 """

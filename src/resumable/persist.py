@@ -22,7 +22,7 @@ import torch
 
 from resumable.commit import Attempt, Committer, abort_quietly, step_dir
 from resumable.distributed import Piece
-from resumable.errors import PersistError, UnsupportedStateError
+from resumable.errors import PersistError
 from resumable.format import (
     CHECKSUM,
     MANIFEST,
@@ -204,7 +204,8 @@ def _incremental_file(
     """Lay out the chunks ``plan`` writes: tensors written whole first (as in a full
     file, largest element size first, so each stays aligned to its element size), then
     the changed chunks of partly reused tensors as ``U8`` entries named
-    ``<tensor>#<chunk index>``. The file stays a valid safetensors file."""
+    ``<tensor>#chunk<index>`` (readers go by their offsets, never by these names). The
+    file stays a valid safetensors file."""
     names = {s.name for s in snapshot.slots}
     file_slots: list[TensorSlot] = []
     spans: list[tuple[int, int]] = []  # arena ranges, in file order
@@ -226,12 +227,11 @@ def _incremental_file(
         for i, ((b, e), old) in enumerate(zip(p.ranges, p.reuse, strict=True)):
             if old is not None:
                 continue
-            name = f"{p.slot.name}#{i}"
-            if name in names:
-                raise UnsupportedStateError(
-                    f"tensor name {name!r} is also the name of a chunk of {p.slot.name!r}; "
-                    "rename it or pass incremental=False"
-                )
+            name, n = f"{p.slot.name}#chunk{i}", 0
+            while name in names:  # a name is only a header key: any unused one will do
+                n += 1
+                name = f"{p.slot.name}#chunk{i}.{n}"
+            names.add(name)
             file_slots.append(TensorSlot(name, torch.uint8, (e - b,), offset, offset + e - b))
             spans.append((p.slot.begin + b, p.slot.begin + e))
             where[(p.slot.name, i)] = offset

@@ -95,10 +95,10 @@ class CheckpointReader:
                 # written whole: one entry, as in a full file
                 span = [spans[0][0], spans[-1][1]]
                 expect[own[0][1]["file"]].append((name, info["dtype"], info["shape"], span))
-            else:
-                for i, c in own:
+            else:  # changed chunks: U8 entries, whatever their names
+                for _, c in own:
                     b, e = c["offsets"]
-                    expect[c["file"]].append((f"{name}#{i}", "U8", [e - b], [b, e]))
+                    expect[c["file"]].append(("", "U8", [e - b], [b, e]))
         for step, fname in sorted(chunks):
             holder = self._holder(step)
             key = self._holder_file(holder, fname)
@@ -112,8 +112,13 @@ class CheckpointReader:
                     )
         for fname, finfo in m["files"].items():
             start, header = self._check_file(fname, finfo["size"])
+            at = {
+                tuple(h["data_offsets"]): h
+                for h in header.values()
+                if isinstance(h, dict) and _int_pair(h.get("data_offsets"))
+            }
             for name, dtype, shape, offsets in expect.get(fname, []):
-                h = header.get(name)
+                h = header.get(name) if name else at.get((offsets[0] - start, offsets[1] - start))
                 if (
                     not isinstance(h, dict)
                     or h.get("dtype") != dtype
@@ -123,7 +128,7 @@ class CheckpointReader:
                 ):
                     raise CorruptCheckpointError(
                         f"{self.where}: {fname}'s safetensors header disagrees with the "
-                        f"manifest about tensor {name!r}"
+                        f"manifest about {f'tensor {name!r}' if name else f'a chunk at {offsets}'}"
                     )
 
     def _check_file(self, fname: str, size: int) -> tuple[int, dict[str, Any]]:
@@ -184,7 +189,13 @@ class CheckpointReader:
                     f"{self.where}: a chunk [{b}, {e}) lies past the end of {fname} in {holder.dir}"
                 )
             out.append((f"{holder.dir}/{key}", b, e))
-        return out
+        merged: list[tuple[str, int, int]] = []
+        for path, b, e in out:  # chunks back to back in one file read as one range
+            if merged and merged[-1][0] == path and merged[-1][2] == b:
+                merged[-1] = (path, merged[-1][1], e)
+            else:
+                merged.append((path, b, e))
+        return merged
 
     def tensors(
         self, names: Iterable[str] | None = None, *, verify: bool = True
