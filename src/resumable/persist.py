@@ -137,10 +137,6 @@ def file_index(
     meta = {"format": "pt", "producer": "resumable", "step": str(step)}
     sums = {s.name: checksum(data[s.begin : s.end]) for s in snapshot.slots}
     plan = base.plan(snapshot.slots, data, step) if base is not None else None
-    if plan is not None and plan.incremental and _chunk_name_taken(snapshot, plan):
-        plan.incremental, plan.reused_bytes = False, 0  # written whole instead
-        for p in plan.slots:
-            p.reuse = [None] * len(p.reuse)
     if plan is not None and plan.incremental:
         header, buffers, tensors = _incremental_file(snapshot, data, fname, meta, sums, plan)
     else:
@@ -177,20 +173,6 @@ def file_index(
             entry["global_shape"] = list(piece.global_shape)
             entry["global_offset"] = list(piece.global_offset)
     return header, buffers, tensors, plan
-
-
-def _chunk_name_taken(snapshot: Snapshot, plan: Plan) -> bool:
-    """Whether a tensor of the state is named like a ``<tensor>#<chunk index>`` entry
-    that ``plan`` would write (a dict key ``"w#0"`` beside a partly changed ``w``): such
-    a persist is written whole, since the data file could not hold both names."""
-    names = {s.name for s in snapshot.slots}
-    return any(
-        f"{p.slot.name}#{i}" in names
-        for p in plan.slots
-        if not p.whole
-        for i, old in enumerate(p.reuse)
-        if old is None
-    )
 
 
 def _incremental_file(
