@@ -1137,16 +1137,22 @@ def test_resuming_from_an_older_step_never_loads_a_mixed_state(tmp_path: Path) -
     assert fresh.mismatches(old[6] if six_valid else new[5]) == []
 
 
-def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(tmp_path: Path) -> None:
-    """A partly changed tensor's own chunks are ``<name>#<i>`` entries of the data file;
-    a state that has a tensor of such a name (a dict key ``"w#0"``) must still save
-    (incrementally or whole) and restore exactly, under the default options."""
+@pytest.mark.parametrize(
+    "names", [["w#0"], ["w#chunk0"], ["w#chunk0", "w#chunk0.1", "w#chunk0.2"]], ids=str
+)
+def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(
+    names: list[str], tmp_path: Path
+) -> None:
+    """A partly changed tensor's own chunks are extra entries of the data file, named
+    after the tensor; a state that has tensors of such names (dict keys ``"w#chunk0"``)
+    must still save and restore exactly, under the default options."""
     root = tmp_path / "ckpt"
     state: dict[str, Any] = {
         "w": torch.zeros(4096),  # four chunks of 4 KiB
-        "w#0": torch.ones(4),
         "frozen": torch.ones(1 << 16),
     }
+    for i, name in enumerate(names):
+        state[name] = torch.full((4,), float(i))
     expected: dict[int, dict[str, torch.Tensor]] = {}
     inc = Incremental(chunk_bytes=4096)
     with Checkpointer(root, state, keep=None, persist="sync", incremental=inc) as ckpt:
@@ -1156,6 +1162,8 @@ def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(tmp_path: Path) -
             expected[step] = {k: v.clone() for k, v in state.items()}
     assert committed(root) == [1, 2, 3]
     check_references(root)
+    w = manifest(root, 3)["tensors"]["w"]["chunks"]  # the first chunk written, the rest not
+    assert ["step" in c for c in w] == [False, True, True, True]
     for s in (1, 2, 3):
         fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
         with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
