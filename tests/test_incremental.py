@@ -171,7 +171,7 @@ def _keep_global_rng() -> Iterator[None]:
 
 
 def run(
-    root: Path,
+    root: Path | str,
     job: Job,
     steps: Iterable[int],
     *,
@@ -202,7 +202,7 @@ def run(
     return expected
 
 
-def restored(root: Path, step: int, *, seed: int = 99) -> Job:
+def restored(root: Path | str, step: int, *, seed: int = 99) -> Job:
     """A fresh job (other weights) after restoring ``step`` of ``root``."""
     job = Job(seed=seed)
     with Checkpointer(root, job.state, keep=None, persist="sync") as ckpt:
@@ -1243,17 +1243,17 @@ def test_incremental_checkpoints_on_object_storage(s3_env: Any, tmp_path: Path) 
     and a relaunch that resumes from an older step writes valid checkpoints again."""
     url = f"s3://{s3_env.new_bucket('inc')}/exp"
     job = Job()
-    expected = run(url, job, range(1, 7), keep=Keep(last=2))  # type: ignore[arg-type]
+    expected = run(url, job, range(1, 7), keep=Keep(last=2))
     storage = open_storage(url)
     check_stored_references(storage)
     assert list_committed(storage) == [1, 5, 6]
     assert stored_manifest(storage, 6)["format_version"] == 2
-    new = run(url, Job(seed=5), (6, 7), keep=None, restore=5)  # type: ignore[arg-type]
+    new = run(url, Job(seed=5), (6, 7), keep=None, restore=5)
     check_stored_references(storage)
     for s in list_committed(storage):
         CheckpointReader(storage, s).verify()
     for s, want in ((5, expected[5]), (6, new[6]), (7, new[7])):
-        assert restored(url, s).mismatches(want) == [], s  # type: ignore[arg-type]
+        assert restored(url, s).mismatches(want) == [], s
 
 
 def test_mirror_on_object_storage_after_resuming_from_an_older_step(
@@ -1289,7 +1289,7 @@ def test_mirror_on_object_storage_after_resuming_from_an_older_step(
         CheckpointReader(remote, s).verify()
     shutil.rmtree(root)
     for s in (2, 3, 4):
-        assert restored(mirror, s).mismatches(expected[s]) == [], s  # type: ignore[arg-type]
+        assert restored(mirror, s).mismatches(expected[s]) == [], s
     # a relaunch finds its newest step mirrored already: nothing is sent again
     job = Job(seed=7)
     with Checkpointer(tmp_path / "other", job.state, **options) as ckpt:
