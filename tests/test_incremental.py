@@ -677,6 +677,13 @@ def h_path_not_basename(root: Path, m: dict[str, Any]) -> None:
     m["tensors"][EMBEDDING]["chunks"][0]["file"] = f"{dir_name(1)}/{DATA}"
 
 
+def h_holder_file_symlink(root: Path, m: dict[str, Any]) -> None:
+    """Step 1's data file is a link to a copy of itself outside the root: the bytes
+    would checksum fine, but nothing outside the root may be read."""
+    (root / dir_name(1) / DATA).unlink()
+    (root / dir_name(1) / DATA).symlink_to(root.parent / "outside.safetensors")
+
+
 def h_step_bool(root: Path, m: dict[str, Any]) -> None:
     m["tensors"][EMBEDDING]["chunks"][0]["step"] = True  # == 1 in Python
 
@@ -723,6 +730,7 @@ HOSTILE: dict[str, tuple[Callable[[Path, dict[str, Any]], None], int | None]] = 
     "dotdot-outside-root": (h_dotdot_outside, 2),
     "dotdot-inside-root": (h_dotdot_sibling, 2),
     "path-not-basename": (h_path_not_basename, 2),
+    "holder-data-file-is-a-symlink-out": (h_holder_file_symlink, 0),
     "step-is-bool": (h_step_bool, 2),
     "refs-not-list": (h_refs_not_list, 2),
     "refs-missing": (h_refs_missing, 2),
