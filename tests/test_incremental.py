@@ -102,7 +102,14 @@ class Job:
             self.model.requires_grad_(True)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
         self.batches = torch.Generator().manual_seed(1000 + seed)
-        self.extra: dict[str, Any] = {"buf": torch.zeros(16), "counter": 0}
+        self.extra: dict[str, Any] = {
+            "buf": torch.zeros(16),
+            "counter": 0,
+            "empty": torch.empty(0, 3),
+            "flag": torch.tensor(False),
+            "half": torch.zeros(8192, dtype=torch.bfloat16),  # one 16 KiB chunk
+            "wide": torch.zeros(4096, dtype=torch.float64),  # two chunks, one changes
+        }
         self.state: dict[str, Any] = {
             "model": self.model,
             "optim": self.optim,
@@ -120,10 +127,14 @@ class Job:
         with torch.no_grad():
             row = torch.arange(BANK_COLS, dtype=torch.float32) / BANK_COLS
             self.model.bank[step % BANK_ROWS] = row + step
+            self.extra["wide"][step % 2048] = step
             if not self.frozen:  # every tensor changes
                 self.model.bank.add_(1.0)
                 if "buf" in self.extra:
                     self.extra["buf"].add_(1.0)
+                self.extra["flag"].logical_not_()
+                self.extra["half"].fill_(step % 200)
+                self.extra["wide"].add_(1.0)
         self.extra["counter"] = step
         return float(loss.item())
 
