@@ -1313,3 +1313,23 @@ def test_mirror_on_object_storage_after_resuming_from_an_older_step(
     job = Job(seed=7)
     with Checkpointer(tmp_path / "other", job.state, **options) as ckpt:
         assert ckpt.restore() == 4
+
+
+def test_a_checkpoint_deleted_by_someone_else_is_not_referred_to(tmp_path: Path) -> None:
+    """A person deletes step 1 (which steps 2 and 3 refer to) while the job runs: the
+    next persist does not refer to it, so step 4 is committed valid (written whole)
+    and step 5 refers to step 4."""
+    root = tmp_path / "ckpt"
+
+    def after_save(ckpt: Checkpointer, step: int) -> None:
+        if step == 3:
+            shutil.rmtree(root / dir_name(1))
+
+    expected = run(root, Job(), range(1, 6), after_save=after_save)
+    assert committed(root) == [2, 3, 4, 5]
+    assert manifest(root, 4)["format_version"] == 1
+    assert manifest(root, 5)["refs"] == [4]
+    storage = open_storage(root)
+    for s in (4, 5):
+        CheckpointReader(storage, s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
