@@ -1333,3 +1333,22 @@ def test_a_checkpoint_deleted_by_someone_else_is_not_referred_to(tmp_path: Path)
     for s in (4, 5):
         CheckpointReader(storage, s).verify()
         assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+def test_a_mirror_added_later_receives_what_the_newest_step_refers_to(tmp_path: Path) -> None:
+    """A run without a mirror saved steps 1-4 (2-4 refer to 1); a relaunch with a mirror
+    uploads its newest step at start, and step 1 before it: the mirror alone restores
+    step 4 exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    expected = run(root, Job(), range(1, 5))
+    assert manifest(root, 4)["refs"] == [1]
+    job = Job(seed=5)
+    with Checkpointer(root, job.state, keep=None, mirror=str(mirror), persist="sync") as ckpt:
+        assert ckpt.restore() == 4
+        ckpt.wait()
+    assert committed(mirror) == [1, 4]
+    storage = open_storage(mirror)
+    for s in (1, 4):
+        CheckpointReader(storage, s).verify()
+    shutil.rmtree(root)
+    assert restored(mirror, 4).mismatches(expected[4]) == []
