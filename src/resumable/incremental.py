@@ -36,7 +36,7 @@ checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,11 +63,19 @@ class Incremental:
         min_live: reuse the chunks of an earlier checkpoint only while at least this
             fraction of its data bytes is still reused (0 to 1); below it they are
             written again so retention can release it.
+        max_overhead: a checkpoint keeps alive every checkpoint it refers to, and what
+            those refer to in turn (retention keeps them all, so that each stays
+            loadable); when the data they hold that this checkpoint does not use would
+            exceed this many times the state's bytes, the checkpoint is written whole
+            instead, which lets retention release the chain. Bounds the disk an
+            incremental root takes to about (1 + max_overhead) times a whole checkpoint
+            per checkpoint kept.
     """
 
     chunk_bytes: int = 4 << 20
     min_saving: float = 0.25
     min_live: float = 0.25
+    max_overhead: float = 1.0
 
     def __post_init__(self) -> None:
         if (
@@ -88,12 +96,16 @@ class Incremental:
                 or not 0 <= value <= 1
             ):
                 raise ValueError(f"Incremental({name}=...) must be between 0 and 1, got {value!r}")
+        value = self.max_overhead
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
+            raise ValueError(f"Incremental(max_overhead=...) must be >= 0, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {
             "chunk_bytes": self.chunk_bytes,
             "min_saving": self.min_saving,
             "min_live": self.min_live,
+            "max_overhead": self.max_overhead,
         }
 
     @classmethod
@@ -172,10 +184,23 @@ class DeltaBase:
         self.step: int | None = None
         self.records: dict[str, Record] = {}
         self.held: dict[int, int] = {}  # step -> bytes of data its own files hold
+        self.refs_of: dict[int, tuple[int, ...]] = {}  # step -> the steps it refers to
 
     def reset(self) -> None:
         """Forget everything: the next persist is written whole."""
-        self.step, self.records, self.held = None, {}, {}
+        self.step, self.records, self.held, self.refs_of = None, {}, {}, {}
+
+    def closure(self, steps: Iterable[int]) -> set[int]:
+        """``steps`` and every step they refer to, directly or through others: what
+        retention keeps for a checkpoint that refers to ``steps``."""
+        out: set[int] = set()
+        todo = list(steps)
+        while todo:
+            k = todo.pop()
+            if k not in out:
+                out.add(k)
+                todo.extend(self.refs_of.get(k, ()))
+        return out
 
     def plan(self, slots: list[TensorSlot], data: memoryview, step: int) -> Plan:
         """Hash every chunk of the snapshot and decide what to reuse."""
@@ -214,6 +239,13 @@ class DeltaBase:
                 elif c is not None:
                     reused += c.end - c.begin
         incremental = reused > 0 and reused >= self.config.min_saving * total
+        if incremental:
+            holders = {
+                c.step for p in plans for c in p.reuse if c is not None and c.step is not None
+            }
+            kept = sum(self.held.get(k, 0) for k in self.closure(holders))
+            if kept - reused > self.config.max_overhead * total:
+                incremental = False  # the chain would keep too much alive: start anew
         if not incremental:
             for p in plans:
                 p.reuse = [None] * len(p.reuse)
@@ -235,5 +267,7 @@ class DeltaBase:
         }
         self.step = step
         self.held[step] = plan.held
-        used = {c.step for r in self.records.values() for c in r.chunks}
-        self.held = {k: v for k, v in self.held.items() if k in used}
+        self.refs_of[step] = tuple(plan.refs)
+        alive = self.closure([step])  # what any later reference can bring along
+        self.held = {k: v for k, v in self.held.items() if k in alive}
+        self.refs_of = {k: v for k, v in self.refs_of.items() if k in alive}
