@@ -963,7 +963,8 @@ def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
     3, a changes at step 5: reusing b then would save a third of step 5's bytes (above
     min_saving), but b is only an eighth of step 1's bytes (below min_live), so step 5
     writes b again instead of referring to step 1, and once nothing kept refers to
-    step 1 retention deletes it. Default Incremental() (min_saving = min_live = 0.25)."""
+    step 1 retention deletes it. min_saving = min_live = 0.25 (the defaults); a high
+    max_overhead, so that it is min_live, not the bound on a chain, that releases it."""
     root = tmp_path / "ckpt"
     state: dict[str, Any] = {
         "a": torch.arange(32 << 10, dtype=torch.float32),
@@ -972,7 +973,8 @@ def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
         "z": torch.ones(80 << 10),
     }
     expected: dict[int, dict[str, torch.Tensor]] = {}
-    with Checkpointer(root, state, keep=Keep(last=2), persist="sync") as ckpt:
+    inc = Incremental(max_overhead=100.0)
+    with Checkpointer(root, state, keep=Keep(last=2), persist="sync", incremental=inc) as ckpt:
         for step in range(1, 9):
             state["c"] += 1.0
             if step == 3:
