@@ -1354,3 +1354,37 @@ def test_a_mirror_added_later_receives_what_the_newest_step_refers_to(tmp_path: 
         CheckpointReader(storage, s).verify()
     shutil.rmtree(root)
     assert restored(mirror, 4).mismatches(expected[4]) == []
+
+
+def test_worker_process_with_a_mirror_keeps_both_roots_consistent(tmp_path: Path) -> None:
+    """persist="process", retention in both roots, the mirror thread's local retention
+    beside the worker's persists: at the end both roots hold only checkpoints whose
+    references are committed beside them, and the mirror alone restores its newest
+    step exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(
+        root,
+        job.state,
+        keep=Keep(last=2),
+        mirror=str(mirror),
+        mirror_keep=Keep(last=2),
+        persist="process",
+        incremental=SMALL_CHUNKS,
+    ) as ckpt:
+        for step in range(1, 16):
+            job.train(step)
+            ckpt.save(step)
+            expected[step] = job.record()
+            if step % 5 == 0:
+                ckpt.wait()
+        ckpt.wait()
+    for where in (root, mirror):
+        check_references(where)
+        storage = open_storage(where)
+        for s in committed(where):
+            CheckpointReader(storage, s).verify()
+        assert committed(where)[-1] == 15
+    shutil.rmtree(root)
+    assert restored(mirror, 15).mismatches(expected[15]) == []
