@@ -50,6 +50,23 @@ def _proc(pid: int) -> dict[str, int]:
     }
 
 
+def settled(pid: int, root: str | None = None, timeout: float = 5.0) -> dict[str, int]:
+    """`_proc` of a persist worker once it is idle: its descriptors and threads the same
+    in two samples 50 ms apart, and no checkpoint directory of ``root`` still being
+    removed (the worker removes those retention deleted on a thread of its own, after
+    it replied). A leak stays; a removal in progress ends."""
+    deadline = time.monotonic() + timeout
+    last = _proc(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _proc(pid)
+        trash = root is not None and any(n.startswith(".trash-") for n in os.listdir(root))
+        if not trash and (now["fds"], now["threads"]) == (last["fds"], last["threads"]):
+            return now
+        last = now
+    return last
+
+
 def _tree_bytes(root: str) -> tuple[int, int, int]:
     """(bytes in step directories, bytes in hidden staging/trash ones, other bytes)."""
     steps = hidden = other = 0
@@ -71,7 +88,7 @@ def _sample(shm: str, root: str, worker: int | None) -> dict[str, Any]:
     segments = sum(len(files) for _, _, files in os.walk(shm))
     steps, hidden, other = _tree_bytes(root)
     out: dict[str, Any] = {
-        "trainer": _proc(os.getpid()),
+        "trainer": settled(os.getpid(), root),
         "shm_segments": segments,
         "checkpoint_bytes": steps,
         "staging_bytes": hidden,
@@ -79,7 +96,7 @@ def _sample(shm: str, root: str, worker: int | None) -> dict[str, Any]:
         "checkpoints": len(list_committed(local(root))),
     }
     if worker is not None:
-        out["worker"] = _proc(worker)
+        out["worker"] = settled(worker, root)
     return out
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from resumable import Every, Keep
 from resumable.commit import list_committed
-from stress.endurance import KEEP, _proc, _tree_bytes, broken_save, flat
+from stress.endurance import KEEP, _proc, _tree_bytes, broken_save, flat, settled
 from stress.killranks import WORLD, _same, _set, _state
 from stress.workload import checkpointer, local
 
@@ -84,7 +84,7 @@ def _job(rank: int, port: int, root: str, shm: str, out: int, saves: int, persis
             dist.barrier()
             sample: dict[str, Any] = {"trainer": _proc(os.getpid()), "shm": _segments(shm)}
             if ck.worker_pid is not None:
-                sample["worker"] = _proc(ck.worker_pid)
+                sample["worker"] = settled(ck.worker_pid, root if rank == 0 else None)
             if rank == 0:
                 steps_bytes, _, _ = _tree_bytes(root)
                 sample["checkpoint_bytes"] = steps_bytes

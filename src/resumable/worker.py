@@ -219,8 +219,14 @@ class JobRunner:
         # A worker (``background``) removes the directories of checkpoints retention
         # deleted on a thread of its own: they are un-committed (renamed aside, the
         # rename durable) before, so the next commit need not wait for the unlinks.
-        self._discards: queue.Queue[str | None] | None = queue.Queue() if background else None
+        self._discards: queue.Queue[str | None] | None = None
         self._discarder: threading.Thread | None = None
+        if background:  # started now, so the worker's threads do not change later
+            self._discards = queue.Queue()
+            self._discarder = threading.Thread(
+                target=self._discard_loop, name="resumable-discard", daemon=True
+            )
+            self._discarder.start()
         self.audit = AuditLog(storage, rank=config.rank, enabled=config.audit)
         self.committer = committer_for(storage, on_quarantine=self._quarantined)
         self.keep = keep_from_json(config.keep)
@@ -470,11 +476,6 @@ class JobRunner:
 
     def _discard(self, trash: str) -> None:
         assert self._discards is not None
-        if self._discarder is None:
-            self._discarder = threading.Thread(
-                target=self._discard_loop, name="resumable-discard", daemon=True
-            )
-            self._discarder.start()
         self._discards.put(trash)
 
     def _discard_loop(self) -> None:
