@@ -23,6 +23,7 @@ from stress import (
     endurance,
     enduranceranks,
     hostile,
+    incremental,
     ioerrors,
     ioranks,
     kill,
@@ -118,6 +119,25 @@ def test_kill_at_two_ranks_small_campaign_passes() -> None:
 
 def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
     assert killranks.able_to_fail()["manifest written first"]["failures"] > 0
+
+
+def test_kill_with_incremental_checkpoints_small_campaign_passes() -> None:
+    """Version 2 checkpoints, killed in saves and in retention deletes: every listed one
+    verifies, its refs are committed, and relaunches restore bit for bit."""
+    r = incremental.run("small")
+    d = r["details"]
+    assert r["failures"] == 0, d["problems"]
+    assert d["v2_checkpoints_seen"]["root"] > 0 and d["v2_checkpoints_seen"]["mirror"] > 0
+    assert d["most_refs_of_one_checkpoint"] > 1 and d["held_only_by_a_reference_after_a_kill"] > 0
+    assert any(k.startswith("retention") for k in d["kills"])
+    assert any(k.startswith("commit") for k in d["kills"])
+    assert d["restores"].get("storage v2", 0) > 0  # a relaunch read a version 2 checkpoint
+    # a version 2 checkpoint writes its own chunks only: much less than a whole one
+    assert d["median_own_bytes"]["v2"] < d["median_own_bytes"]["v1"] / 4
+
+
+def test_kill_with_incremental_checker_catches_a_retention_that_ignores_refs() -> None:
+    assert incremental.able_to_fail()["retention ignores references"]["failures"] > 0
 
 
 # --------------------------------------------------------------------------- campaign 2
