@@ -417,6 +417,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                     _, status = os.waitpid(pid, 0)
                     lines += _lines(fd, 0.0, until=10)
                     os.close(fd)
+                    what = "clean launch"
                     if not last:
                         kills += 1
                         what = next((x[7:] for x in lines if x.startswith("killed ")), "timer")
@@ -452,9 +453,8 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                     for where, path in (("root", root), ("mirror", mirror)):
                         if not os.path.isdir(path):
                             continue
-                        problems += torn(path)
-                        manifests = _manifests(path)
-                        problems += _refs_problems(path, manifests)
+                        found = torn(path) + _refs_problems(path, (manifests := _manifests(path)))
+                        problems += [f"chain {chain} after kill {k} ({what}): {p}" for p in found]
                         held += _held_by_refs(manifests, keep) if where == "root" else 0
                         for s, m in manifests.items():
                             refs = m.get("refs", [])

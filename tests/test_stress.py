@@ -140,6 +140,52 @@ def test_kill_with_incremental_checker_catches_a_retention_that_ignores_refs() -
     assert incremental.able_to_fail()["retention ignores references"]["failures"] > 0
 
 
+def test_retention_cut_after_any_delete_leaves_every_listed_checkpoint_whole(
+    tmp_path: Path,
+) -> None:
+    """The campaign's first finding, in miniature: steps 2 and 3 refer to step 1, step 4
+    (written whole after a restart) to nothing, and ``Keep(last=1)`` dooms 1, 2 and 3. A
+    crash after any one delete must leave no listed checkpoint that refers to a deleted
+    one, so referrers go first (newest first: refs point to smaller steps)."""
+    from resumable import Incremental, Keep
+    from resumable.audit import AuditLog
+    from resumable.commit import list_committed
+    from resumable.reader import CheckpointReader
+    from resumable.retention import apply_retention
+    from resumable.storage import LocalStorage
+
+    root = tmp_path / "root"
+    state = incremental.make_state()
+    for steps in ((1, 2, 3), (4,)):  # a new Checkpointer writes its first persist whole
+        ck = incremental.checkpointer(
+            root, state, keep=None, incremental=Incremental(chunk_bytes=incremental.CHUNK)
+        )
+        ck.restore()
+        for step in steps:
+            incremental.set_step(state, step)
+            ck.save(step)
+        ck.close()
+    storage = LocalStorage(root)
+    assert [CheckpointReader(storage, s).manifest.get("refs", []) for s in (2, 3, 4)] == [
+        [1],
+        [1],
+        [],
+    ]
+    for cut in range(3):
+        copy = tmp_path / f"cut{cut}"
+        shutil.copytree(root, copy)
+        copied = LocalStorage(copy)
+
+        def crash_after(doomed: list[int], cut: int = cut) -> Any:
+            yield from doomed[: cut + 1]
+            raise KeyboardInterrupt  # the process dies here
+
+        with pytest.raises(KeyboardInterrupt):
+            apply_retention(copied, Keep(last=1), AuditLog(copied), each=crash_after)
+        for s in list_committed(copied):
+            CheckpointReader(copied, s).verify()
+
+
 # --------------------------------------------------------------------------- campaign 2
 
 
