@@ -77,7 +77,7 @@ from stress.workload import checkpointer, local, newest_commit, torn
 
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"chains": 2, "kills_per_chain": 6, "window_s": 1.0},
-    "full": {"chains": 22, "kills_per_chain": 10, "window_s": 1.5},
+    "full": {"chains": 30, "kills_per_chain": 10, "window_s": 1.5},
 }
 SEED = 3
 LAUNCH_TIMEOUT_S = 60.0
@@ -375,7 +375,8 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
     restored_from: dict[str, int] = {}
     seen_v2: set[tuple[int, str, int]] = set()
     seen_v1: set[tuple[int, str, int]] = set()
-    most_refs = held = deletes = trash_after_kill = staging_after_kill = 0
+    most_refs = held = deletes = trash_after_kill = staging_after_kill = mirror_trash = 0
+    cleaned: set[tuple[int, str, int]] = set()
     bytes_v1: list[int] = []
     bytes_v2: list[int] = []
     keep = Keep(last=2, every_steps=EVERY)
@@ -446,10 +447,10 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                             f"chain {chain} launch {k}: no restore within {LAUNCH_TIMEOUT_S}s"
                         )
                     if not last:
-                        trash_after_kill += _leftovers(root, ".trash-") + _leftovers(
-                            mirror, ".trash-"
+                        trash_after_kill += bool(
+                            _leftovers(root, ".trash-") or _leftovers(mirror, ".trash-")
                         )
-                        staging_after_kill += _leftovers(root, ".tmp-")
+                        staging_after_kill += bool(_leftovers(root, ".tmp-"))
                     for where, path in (("root", root), ("mirror", mirror)):
                         if not os.path.isdir(path):
                             continue
@@ -460,6 +461,13 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                             refs = m.get("refs", [])
                             most_refs = max(most_refs, len(refs))
                             own = sum(f["size"] for f in m["files"].values())
+                            if m.get("format_version") == 2 and any(
+                                "step" not in c
+                                for name, t in m["tensors"].items()
+                                if "frozen" in name
+                                for c in t.get("chunks", [])
+                            ):
+                                cleaned.add((chain, where, s))
                             if m.get("format_version") == 2:
                                 if (chain, where, s) not in seen_v2 and where == "root":
                                     bytes_v2.append(own)
@@ -472,6 +480,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                         want = max(want, newest_commit(root))
                 if os.path.isdir(root):
                     deletes += sum(e.get("event") == "delete" for e in read_audit(local(root)))
+                mirror_trash += _leftovers(mirror, ".trash-") + _leftovers(mirror, ".tmp-")
                 left = [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]
                 if left:
                     problems.append(f"chain {chain}: {left} left after a clean launch")
@@ -491,6 +500,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
             "kills": dict(sorted(kinds.items())),
             "kills_leaving_a_trash_directory": trash_after_kill,
             "kills_leaving_a_staging_directory": staging_after_kill,
+            "mirror_staging_or_trash_left_at_chain_ends": mirror_trash,
             "restores": dict(sorted(restored_from.items())),
             "v2_checkpoints_seen": {
                 "root": sum(w == "root" for _, w, _ in seen_v2),
@@ -504,6 +514,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                 "v1": sorted(bytes_v1)[len(bytes_v1) // 2] if bytes_v1 else None,
                 "v2": sorted(bytes_v2)[len(bytes_v2) // 2] if bytes_v2 else None,
             },
+            "v2_checkpoints_rewriting_frozen_chunks": len(cleaned),
             "most_refs_of_one_checkpoint": most_refs,
             "held_only_by_a_reference_after_a_kill": held,
             "retention_deletes_recorded": deletes,
