@@ -17,12 +17,15 @@ The state (`Net`, ~400 KiB, cut into 16 KiB chunks by ``Incremental(chunk_bytes=
 Every value depends only on the step, so the values of any checkpoint are known. Each
 launch is a process forked from this one: a `Checkpointer` with ``Keep(last=2,
 every_steps=EVERY)`` (retention deletes after nearly every commit; references hold
-older checkpoints), a local mirror with ``mirror_keep=Keep(last=3)``, persists on a
-background thread. Chains alternate two set-ups: the memory tier on (a snapshot in
-shared memory every step, ``on_busy="skip"``: the relaunch restores from shared memory
-when it holds something newer) and off (every save is a persist, ``on_busy="wait"``:
-shared memory is emptied before each relaunch, as by a node restart, so the relaunch
-restores from disk, mostly from a version 2 checkpoint). The launch
+older checkpoints) and a local mirror with ``mirror_keep=Keep(last=3)``. Chains take
+three set-ups in turn (`SETUPS`): persists on a background thread with the memory tier
+on (a snapshot in shared memory every step, ``on_busy="skip"``: the relaunch restores
+from shared memory when it holds something newer); on a thread with the memory tier off
+(every save is a persist, ``on_busy="wait"``), shared memory emptied before each
+relaunch, as by a node restart, so that the relaunch restores from disk, mostly from a
+version 2 checkpoint; and the same in a persist worker process (which must end by itself
+within `ORPHAN_TIMEOUT_S` of its trainer's kill, found by a tag in its environment;
+only timer kills there, and the window starts at the restore). The launch
 restores, checks every restored tensor bit for bit against the values of that step,
 tells this process the step, the tier it came from and the restored checkpoint's format
 version, then saves step after step until killed.
@@ -76,7 +79,7 @@ from resumable.format import MANIFEST
 from stress.workload import checkpointer, local, newest_commit, torn
 
 SIZES: dict[str, dict[str, Any]] = {
-    "small": {"chains": 2, "kills_per_chain": 6, "window_s": 1.0},
+    "small": {"chains": 3, "kills_per_chain": 5, "window_s": 1.0},
     "full": {"chains": 30, "kills_per_chain": 10, "window_s": 1.5},
 }
 SEED = 3
@@ -89,6 +92,12 @@ EVERY = 20  # Keep(every_steps=...)
 PLANS = (("timer", 0.4), ("retention", 0.35), ("commit", 0.25))
 RETENTION_PHASES = ("before rename", "renamed", "synced", "unlinking")
 COMMIT_PHASES = ("before", "after")
+# (persist, memory tier) of each chain, in turn
+SETUPS: tuple[tuple[str, bool], ...] = (("thread", True), ("thread", False), ("process", False))
+PROCESS_WINDOW_S = 3.0
+ORPHAN_TIMEOUT_S = 15.0
+TAG = "RESUMABLE_STRESS_LAUNCH"
+"""The environment variable that marks the persist worker of one launch."""
 
 
 class Net(nn.Module):
@@ -195,16 +204,25 @@ def _arm(plan: tuple[Any, ...], out: int) -> None:
 
 
 def _job(
-    root: str, mirror: str, shm: str, out: int, steps: int | None, memory: bool, plan: Any
+    root: str,
+    mirror: str,
+    shm: str,
+    out: int,
+    steps: int | None,
+    setup: tuple[str, bool],
+    plan: Any,
+    tag: str,
 ) -> None:
     """The child: restore, report, then save until killed (or ``steps`` more)."""
     logging.getLogger("resumable").setLevel(logging.CRITICAL)
+    persist, memory = setup
+    os.environ[TAG] = tag  # inherited by a persist worker process
     _arm(plan, out)
     state = make_state()
     ck = checkpointer(
         root,
         state,
-        persist="thread",
+        persist=persist,
         memory_every=Every(steps=1) if memory else None,
         keep=Keep(last=2, every_steps=EVERY),
         mirror=mirror,
@@ -238,7 +256,13 @@ def _job(
 
 
 def _launch(
-    root: str, mirror: str, shm: str, steps: int | None, memory: bool, plan: Any
+    root: str,
+    mirror: str,
+    shm: str,
+    steps: int | None,
+    setup: tuple[str, bool],
+    plan: Any,
+    tag: str,
 ) -> tuple[int, int]:
     r, w = os.pipe()
     pid = os.fork()
@@ -246,7 +270,7 @@ def _launch(
         code = 0
         try:
             os.close(r)
-            _job(root, mirror, shm, w, steps, memory, plan)
+            _job(root, mirror, shm, w, steps, setup, plan, tag)
         except BaseException:
             import traceback
 
@@ -317,6 +341,36 @@ def _held_by_refs(manifests: dict[int, dict[str, Any]], keep: Keep) -> int:
     return len((set(steps) - kept) & referenced)
 
 
+def _workers_of(tag: str) -> list[int]:
+    """The live processes (persist workers) whose environment carries ``tag``."""
+    want = f"{TAG}={tag}".encode() + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read() + b"\0":
+                    with open(f"/proc/{entry}/stat", "rb") as st:
+                        if st.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _orphans(tag: str, limit_s: float) -> tuple[list[int], float]:
+    """Wait up to ``limit_s`` for the workers tagged ``tag`` to end; returns those still
+    running (then killed) and the seconds waited."""
+    t0 = time.perf_counter()
+    while (left := _workers_of(tag)) and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.05)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left, time.perf_counter() - t0
+
+
 def _leftovers(root: str, prefix: str) -> int:
     if not os.path.isdir(root):
         return 0
@@ -354,8 +408,10 @@ def broken_retention(kind: str | None) -> Iterator[None]:
             setattr(mod, "apply_retention", original)  # noqa: B010
 
 
-def _plan(rng: random.Random) -> tuple[Any, ...]:
+def _plan(rng: random.Random, persist: str) -> tuple[Any, ...]:
     kind = rng.choices([p for p, _ in PLANS], [w for _, w in PLANS])[0]
+    if persist == "process":  # the worker process runs the library's own code
+        return ("timer",)
     if kind == "retention":
         return ("retention", rng.randint(1, 6), rng.choice(RETENTION_PHASES), rng.randint(0, 2))
     if kind == "commit":
@@ -377,6 +433,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
     seen_v1: set[tuple[int, str, int]] = set()
     most_refs = held = deletes = trash_after_kill = staging_after_kill = mirror_trash = 0
     cleaned: set[tuple[int, str, int]] = set()
+    worker_waits: list[float] = []
     bytes_v1: list[int] = []
     bytes_v2: list[int] = []
     keep = Keep(last=2, every_steps=EVERY)
@@ -384,20 +441,22 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
         shm = tempfile.mkdtemp(prefix="inckill-", dir="/dev/shm")
         try:
             for chain in range(cfg["chains"]):
-                memory = chain % 2 == 0
+                setup = SETUPS[chain % len(SETUPS)]
+                persist, memory = setup
                 root = os.path.join(tmp, f"chain{chain}", "root")
                 mirror = os.path.join(tmp, f"chain{chain}", "mirror")
                 want = 0
                 for k in range(cfg["kills_per_chain"] + 1):
                     last = k == cfg["kills_per_chain"]
-                    plan = ("none",) if last else _plan(rng)
+                    plan = ("none",) if last else _plan(rng, persist)
                     if not memory:  # as after a node restart: the relaunch reads the disk
                         for name in os.listdir(shm):
                             shutil.rmtree(os.path.join(shm, name), ignore_errors=True)
                             with contextlib.suppress(OSError):
                                 os.unlink(os.path.join(shm, name))
                     early_kill = plan[0] == "timer" and rng.random() < 0.2
-                    pid, fd = _launch(root, mirror, shm, 3 if last else None, memory, plan)
+                    tag = f"{os.getpid()}-{launches}"
+                    pid, fd = _launch(root, mirror, shm, 3 if last else None, setup, plan, tag)
                     launches += 1
                     t_start = time.perf_counter()
                     lines: list[str] = []
@@ -409,6 +468,8 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                         lines = _lines(fd, LAUNCH_TIMEOUT_S)
                         if not last:
                             window = cfg["window_s"]
+                            if persist == "process":  # from the restore: its worker starts
+                                window, t_start = PROCESS_WINDOW_S, time.perf_counter()
                             if plan[0] == "timer":
                                 delay = rng.uniform(0.0, window)
                                 time.sleep(max(0.0, delay - (time.perf_counter() - t_start)))
@@ -418,6 +479,14 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                     _, status = os.waitpid(pid, 0)
                     lines += _lines(fd, 0.0, until=10)
                     os.close(fd)
+                    if persist == "process":  # its worker must end by itself, and soon
+                        left, waited = _orphans(tag, ORPHAN_TIMEOUT_S)
+                        worker_waits.append(waited)
+                        if left:
+                            problems.append(
+                                f"chain {chain} launch {k}: {len(left)} persist worker(s) still "
+                                f"ran {ORPHAN_TIMEOUT_S}s after their trainer ended"
+                            )
                     what = "clean launch"
                     if not last:
                         kills += 1
@@ -447,9 +516,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                             f"chain {chain} launch {k}: no restore within {LAUNCH_TIMEOUT_S}s"
                         )
                     if not last:
-                        trash_after_kill += bool(
-                            _leftovers(root, ".trash-") or _leftovers(mirror, ".trash-")
-                        )
+                        trash_after_kill += bool(_leftovers(root, ".trash-"))
                         staging_after_kill += bool(_leftovers(root, ".tmp-"))
                     for where, path in (("root", root), ("mirror", mirror)):
                         if not os.path.isdir(path):
@@ -497,6 +564,17 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
             "kills_per_chain": cfg["kills_per_chain"],
             "launches": launches,
             "kill_window_s": cfg["window_s"],
+            "kill_window_after_restore_s_with_worker_processes": PROCESS_WINDOW_S,
+            "chains_by_setup": {
+                f"persist={p}, memory tier {'on' if m else 'off, shm emptied'}": sum(
+                    SETUPS[c % len(SETUPS)] == (p, m) for c in range(cfg["chains"])
+                )
+                for p, m in SETUPS
+            },
+            "worker_processes_gone_after_their_trainer_s": {
+                "count": len(worker_waits),
+                "max": round(max(worker_waits), 2) if worker_waits else None,
+            },
             "kills": dict(sorted(kinds.items())),
             "kills_leaving_a_trash_directory": trash_after_kill,
             "kills_leaving_a_staging_directory": staging_after_kill,
