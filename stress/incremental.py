@@ -32,9 +32,10 @@ version, then saves step after step until killed.
 
 Kills, three kinds (``plan``):
 
-- ``timer``: ``SIGKILL`` from this process at a random moment (uniform over the first
-  ``window_s`` seconds after the restore; a fifth land in the first 50 ms of the
-  launch, during start-up and restore);
+- ``timer``: ``SIGKILL`` from this process at a random moment, uniform over the first
+  ``window_s`` seconds of the launch (at once if the restore came later), or over
+  `PROCESS_WINDOW_S` after the restore with a worker process; a fifth land in the
+  first 50 ms of the launch instead, during start-up and restore;
 - ``retention``: the launch kills itself (``SIGKILL``) inside the n-th checkpoint
   delete (local or mirror retention): before the un-commit rename, after it, after the
   root's sync, or after the first unlinks of the renamed directory;
