@@ -120,3 +120,33 @@ def test_mirror_receives_only_new_chunks_and_keeps_referenced_checkpoints(
     assert restores[-1]["tier"] == "mirror" and restores[-1]["step"] == 6
     manifest = json.loads((tmp_path / "local" / step_dir(6) / MANIFEST).read_text())
     assert manifest["refs"] == [1]
+
+
+def test_a_checkpoint_mirrored_later_brings_the_ones_it_refers_to(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    """Steps 1-3 are written without a mirror (2 and 3 refer to 1); the next launch,
+    with a mirror, uploads its newest step 3 at start: step 1 goes up first, so the
+    remote never lists a checkpoint whose references it lacks."""
+    remote_url = f"s3://{s3_env.new_bucket('late')}/ft"
+    job = FineTune()
+    with Checkpointer(tmp_path / "local", job.state, keep=None, persist="sync") as ck:
+        for step in (1, 2, 3):
+            job.train()
+            ck.save(step)
+    saved = job.tensors()
+    local = LocalStorage(tmp_path / "local")
+    assert CheckpointReader(local, 3).manifest["refs"] == [1]
+    with Checkpointer(tmp_path / "local", job.state, keep=None, mirror=remote_url, persist="sync"):
+        pass  # the catch-up of the newest step runs at start; close waits for it
+    remote = open_storage(remote_url)
+    assert 3 in list_committed(remote) and 1 in list_committed(remote)
+    for s in list_committed(remote):
+        CheckpointReader(remote, s).verify()
+    assert CheckpointReader(remote, 3).manifest["refs"] == [1]
+
+    fresh = FineTune(seed=5)
+    with Checkpointer(tmp_path / "node2", fresh.state, mirror=remote_url) as ck:
+        assert ck.restore() == 3
+    got = fresh.tensors()
+    assert [k for k in saved if not tensor_bytes_equal(got[k], saved[k])] == []
