@@ -147,13 +147,21 @@ class SavedRoot:
         return SavedRoot(dst, list(self.steps), self.expected)
 
 
-def build_saved_root(path: Path, steps: Iterable[int] = (1, 2, 3), seed: int = 0) -> SavedRoot:
+def build_saved_root(
+    path: Path, steps: Iterable[int] = (1, 2, 3), seed: int = 0, incremental: bool = False
+) -> SavedRoot:
     """Train one step before each save, so every checkpoint holds different values.
-    Saves synchronously (no worker process, no shared memory): fast and deterministic."""
+    Saves synchronously (no worker process, no shared memory): fast and deterministic.
+    Checkpoints are written whole (format version 1, which the damage and hostile-file
+    tests edit field by field) unless ``incremental``: this small state's random
+    streams, unchanged between saves, are most of its bytes, so by default its later
+    checkpoints would refer to the first."""
     ts = build_training_state(seed=seed, steps=1)
     expected: dict[int, dict[str, torch.Tensor]] = {}
     steps = list(steps)
-    with resumable.Checkpointer(path, ts.state, keep=None, persist="sync") as ckpt:
+    with resumable.Checkpointer(
+        path, ts.state, keep=None, persist="sync", incremental=incremental
+    ) as ckpt:
         for step in steps:
             ts.train(1)
             ckpt.save(step, metrics={"loss": 1.0 / (step + 1)})

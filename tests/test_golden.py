@@ -34,16 +34,18 @@ pytestmark = pytest.mark.usefixtures("sync_persist")
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 V1 = GOLDEN / "v1"
-EXPECTED = json.loads((V1 / "expected.json").read_text())
+VERSIONS = ("v1", "v2")  # v2: step 2 refers to step 1 for what did not change
+EXPECTED_OF = {v: json.loads((GOLDEN / v / "expected.json").read_text()) for v in VERSIONS}
+EXPECTED = EXPECTED_OF["v1"]
 STEPS = sorted(int(s) for s in EXPECTED["steps"])
 TORCH_OBJECTS = ("model", "optim", "sched", "scaler")
 
 
-@pytest.fixture
-def golden(tmp_path: Path) -> Path:
-    """A private copy of the v1 fixture."""
-    dst = tmp_path / "v1"
-    shutil.copytree(V1, dst)
+@pytest.fixture(params=VERSIONS)
+def golden(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """A private copy of a version's fixture (its directory keeps the version's name)."""
+    dst = tmp_path / request.param
+    shutil.copytree(GOLDEN / request.param, dst)
     return dst
 
 
@@ -173,20 +175,28 @@ def draws(state: dict[str, Any]) -> dict[str, list[float]]:
 # --------------------------------------------------------------------------- tests
 
 
-def test_fixture_is_present_and_small() -> None:
-    files = sorted(p.relative_to(V1).as_posix() for p in V1.rglob("*") if p.is_file())
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fixture_is_present_and_small(version: str) -> None:
+    here = GOLDEN / version
+    files = sorted(p.relative_to(here).as_posix() for p in here.rglob("*") if p.is_file())
     step_files = [
         f"step-{s:012d}/{name}" for s in STEPS for name in (MANIFEST, "rank-00000.safetensors")
     ]
     assert files == sorted(["expected.json", *step_files])
-    assert EXPECTED["format_version"] == 1
-    assert STEPS == [1, 2]
-    assert sum((V1 / f).stat().st_size for f in files) < 200_000
+    assert EXPECTED_OF[version]["format_version"] == int(version[1:])
+    assert sorted(int(s) for s in EXPECTED_OF[version]["steps"]) == [1, 2]
+    assert sum((here / f).stat().st_size for f in files) < 200_000
+    newest = json.loads((here / f"step-{2:012d}" / MANIFEST).read_text())
+    assert newest["format_version"] == int(version[1:])
+    if version == "v2":  # the incremental one refers to step 1 for tensors and chunks
+        assert newest["refs"] == [1]
+        chunks = [c for t in newest["tensors"].values() for c in t["chunks"]]
+        assert any("step" in c for c in chunks) and any("step" not in c for c in chunks)
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_restore_gives_every_saved_value(golden: Path, step: int) -> None:
-    expected = EXPECTED["steps"][str(step)]
+    expected = EXPECTED_OF[golden.name]["steps"][str(step)]
     state = fresh_state()
     kept = {k: v for k, v in state["extra"].items() if isinstance(v, torch.Tensor)}
     np_gen, torch_gen = state["extra"]["np_gen"], state["extra"]["torch_gen"]
@@ -215,13 +225,13 @@ def test_restore_without_step_takes_the_newest(golden: Path) -> None:
 
 @pytest.mark.parametrize("step", STEPS)
 def test_reader_verifies_and_tensor_bytes_match(golden: Path, step: int) -> None:
-    expected = EXPECTED["steps"][str(step)]
+    expected = EXPECTED_OF[golden.name]["steps"][str(step)]
     reader = CheckpointReader(open_storage(golden), step)
     data_file = golden / f"step-{step:012d}" / "rank-00000.safetensors"
     assert reader.verify() == data_file.stat().st_size
     m = reader.manifest
     assert m["format"] == "resumable-checkpoint"
-    assert m["format_version"] == 1
+    assert m["format_version"] == (2 if golden.name == "v2" and step == 2 else 1)
     assert m["step"] == step
     assert m["world_size"] == 1
     assert m["metrics"] == expected["metrics"]
@@ -237,10 +247,18 @@ def test_reader_verifies_and_tensor_bytes_match(golden: Path, step: int) -> None
 
 @pytest.mark.parametrize("step", STEPS)
 def test_data_files_stay_plain_safetensors(golden: Path, step: int) -> None:
-    expected = EXPECTED["steps"][str(step)]["tensors"]
+    expected = EXPECTED_OF[golden.name]["steps"][str(step)]["tensors"]
     path = golden / f"step-{step:012d}" / "rank-00000.safetensors"
     loaded = safetensors.torch.load_file(path)
-    assert sorted(loaded) == sorted(expected)
+    if golden.name == "v2" and step == 2:
+        # Only what changed: tensors written whole, and changed chunks (``name#chunkI``, bytes)
+        whole = {n: t for n, t in loaded.items() if "#" not in n}
+        assert 0 < len(whole) < len(expected) and set(whole) <= set(expected)
+        assert {n.split("#")[0] for n in loaded} <= set(expected)
+        assert all(t.dtype == torch.uint8 for n, t in loaded.items() if "#" in n)
+        loaded = whole
+    else:
+        assert sorted(loaded) == sorted(expected)
     for name, t in loaded.items():
         assert tensor_sha256(t) == expected[name]["sha256"], name
     with safetensors.safe_open(path, framework="pt") as f:

@@ -23,6 +23,7 @@ from resumable.errors import (
     StorageError,
     UnsupportedStateError,
 )
+from resumable.incremental import Incremental
 from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
 from resumable.preemption import REQUEUE_EXIT_CODE, Preemption
@@ -33,6 +34,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "Every",
+    "Incremental",
     "Keep",
     "NewerFormatError",
     "NoCheckpointError",

@@ -422,8 +422,13 @@ def _tensor_line(label: str, kind: str, name: str, index: dict[str, Any]) -> str
     info = index.get(name)
     if not isinstance(info, dict):
         return f"{label}: {kind} {name} (not in the tensor index)"
-    begin, end = info["offsets"]
-    return f"{label}: {kind} {name} {info['dtype']} {info['shape']} {_human_bytes(end - begin)}"
+    nbytes = math.prod(info["shape"]) * itemsize(info["dtype"])
+    where = ""
+    if "chunks" in info:
+        steps = sorted({c["step"] for c in info["chunks"] if "step" in c})
+        if steps:
+            where = f" (in step {', '.join(map(str, steps))})"
+    return f"{label}: {kind} {name} {info['dtype']} {info['shape']} {_human_bytes(nbytes)}{where}"
 
 
 def _global_line(label: str, fqn: str, globals_: dict[str, GlobalTensor]) -> str:

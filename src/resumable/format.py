@@ -20,6 +20,7 @@ against the files before a byte is used, and nothing in a checkpoint can name co
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import re
@@ -38,7 +39,8 @@ from resumable.errors import CorruptCheckpointError, NewerFormatError, Unsupport
 from resumable.tree import check_tree
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the highest this reads; a writer writes 1 unless it refers (2)
+CHUNK_HASH = "xxh3_128"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_SAFETENSORS_HEADER = 100 << 20
@@ -264,9 +266,11 @@ def build_manifest(
     tensors: Mapping[str, Mapping[str, Any]],
     world_size: int = 1,
 ) -> dict[str, Any]:
+    refs = sorted({c["step"] for t in tensors.values() for c in t.get("chunks", ()) if "step" in c})
+    chunked = any("chunks" in t for t in tensors.values())
     m: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if chunked else 1,
         "step": int(step),
         "created": time.time(),
         "metrics": json_metrics(metrics or {}),
@@ -277,6 +281,8 @@ def build_manifest(
         "files": {k: dict(v) for k, v in files.items()},
         "tensors": {k: dict(v) for k, v in tensors.items()},
     }
+    if chunked:
+        m["refs"] = refs
     m["digest"] = manifest_digest(m)
     return m
 
@@ -377,8 +383,9 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
         check_relpath(fname)
         if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
             raise CorruptCheckpointError(f"{where}: bad entry for file {fname!r}")
+    refs = _check_refs(m, version, where)
     for name, info in m["tensors"].items():
-        _check_tensor_entry(name, info, m["files"], where)
+        _check_tensor_entry(name, info, m["files"], where, refs)
     _check_disjoint(m["tensors"], where)
     fqns = global_tensors(m["tensors"])
     for fqn, spec in fqns.items():
@@ -386,6 +393,27 @@ def decode_manifest(data: bytes, *, where: str) -> dict[str, Any]:
     for i, r in enumerate(m["ranks"]):
         check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
     return m
+
+
+def _check_refs(m: Mapping[str, Any], version: int, where: str) -> set[int] | None:
+    """Version 2's ``refs``: the earlier steps whose data files the chunks refer to,
+    strictly increasing and each before the manifest's own step (so references never
+    form a cycle). None for version 1, which has none."""
+    if version == 1:
+        if "refs" in m:
+            raise CorruptCheckpointError(f"{where}: refs are a format version 2 feature")
+        return None
+    refs = m.get("refs")
+    if (
+        not isinstance(refs, list)
+        or not all(_nonneg_int(k) and k < m["step"] for k in refs)
+        or any(a >= b for a, b in itertools.pairwise(refs))
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: refs must be increasing steps before step {m['step']}, found "
+            f"{str(refs)[:100]}"
+        )
+    return set(refs)
 
 
 def _depth_within(doc: Any, limit: int) -> bool:
@@ -430,37 +458,45 @@ def _check_type(m: Mapping[str, Any], key: str, typ: type, where: str) -> None:
         )
 
 
-def _check_tensor_entry(name: str, info: Any, files: Mapping[str, Any], where: str) -> None:
+def _check_tensor_entry(
+    name: str, info: Any, files: Mapping[str, Any], where: str, refs: set[int] | None
+) -> None:
+    """One entry of the tensor index: a whole tensor in one of this checkpoint's files
+    (``file``, ``offsets``), or, in version 2 (``refs`` not None), a list of ``chunks``
+    of this checkpoint's files or of the earlier checkpoints it refers to."""
     bad = f"{where}: bad tensor index entry {name[:100]!r}"
     if not isinstance(info, dict):
         raise CorruptCheckpointError(bad)
-    f = info.get("file")
-    if not isinstance(f, str) or f not in files:
-        raise CorruptCheckpointError(f"{bad}: file {str(f)[:100]!r} is not listed")
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         raise CorruptCheckpointError(f"{bad}: unknown dtype {str(dtype)[:100]!r}")
     shape: Any = info.get("shape")
-    offsets: Any = info.get("offsets")
     if not _shape_ok(shape, _ITEMSIZE[dtype]):
         raise CorruptCheckpointError(
             f"{bad}: shape {str(shape)[:100]} is not a list of at most {MAX_NDIM} "
             "non-negative integers whose non-zero product times the element size is "
             "below 2**63"
         )
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_nonneg_int(o) for o in offsets)
-        or not isinstance(info.get(CHECKSUM), str)
-    ):
-        raise CorruptCheckpointError(bad)
-    begin, end = offsets
-    if end < begin or end - begin != _numel(shape) * _ITEMSIZE[dtype] or end > files[f]["size"]:
-        raise CorruptCheckpointError(
-            f"{bad}: byte range [{begin}, {end}) does not match shape {shape} of "
-            f"{dtype} or exceeds the file's {files[f]['size']} bytes"
-        )
+    if not isinstance(info.get(CHECKSUM), str):
+        raise CorruptCheckpointError(f"{bad}: no {CHECKSUM} checksum")
+    nbytes = _numel(shape) * _ITEMSIZE[dtype]
+    if "chunks" in info:
+        if refs is None:
+            raise CorruptCheckpointError(f"{bad}: chunks are a format version 2 feature")
+        _check_chunks(info["chunks"], nbytes, files, refs, bad)
+    else:
+        f = info.get("file")
+        if not isinstance(f, str) or f not in files:
+            raise CorruptCheckpointError(f"{bad}: file {str(f)[:100]!r} is not listed")
+        offsets: Any = info.get("offsets")
+        if not _int_pair(offsets):
+            raise CorruptCheckpointError(bad)
+        begin, end = offsets
+        if end < begin or end - begin != nbytes or end > files[f]["size"]:
+            raise CorruptCheckpointError(
+                f"{bad}: byte range [{begin}, {end}) does not match shape {shape} of "
+                f"{dtype} or exceeds the file's {files[f]['size']} bytes"
+            )
     if "fqn" not in info and "global_shape" not in info and "global_offset" not in info:
         return  # a whole tensor: its own global tensor
     fqn = info.get("fqn", name)
@@ -482,21 +518,89 @@ def _check_tensor_entry(name: str, info: Any, files: Mapping[str, Any], where: s
         )
 
 
+_CHUNK_KEYS = {"file", "offsets", CHUNK_HASH, "step"}
+_HASH128 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _check_chunks(
+    chunks: Any, nbytes: int, files: Mapping[str, Any], refs: set[int], bad: str
+) -> None:
+    """The chunks of a version 2 entry: each a byte range of one of this checkpoint's
+    files (within its declared size) or of a data file, named by its basename, of a
+    step in ``refs``; in order they hold exactly the tensor's bytes."""
+    if not isinstance(chunks, list) or not chunks:
+        raise CorruptCheckpointError(f"{bad}: chunks must be a non-empty list")
+    total = 0
+    for c in chunks:
+        if not isinstance(c, dict) or not set(c) <= _CHUNK_KEYS or not _int_pair(c.get("offsets")):
+            raise CorruptCheckpointError(f"{bad}: malformed chunk {str(c)[:200]}")
+        h = c.get(CHUNK_HASH)
+        if not isinstance(h, str) or not _HASH128.fullmatch(h):
+            raise CorruptCheckpointError(f"{bad}: chunk without a valid {CHUNK_HASH}")
+        begin, end = c["offsets"]
+        f = c.get("file")
+        if end < begin:
+            raise CorruptCheckpointError(f"{bad}: chunk range [{begin}, {end}) is reversed")
+        if "step" in c:
+            if not _nonneg_int(c["step"]) or c["step"] not in refs:
+                raise CorruptCheckpointError(
+                    f"{bad}: chunk refers to step {str(c['step'])[:40]}, which is not "
+                    "among the manifest's refs"
+                )
+            if not isinstance(f, str) or "/" in f:
+                raise CorruptCheckpointError(
+                    f"{bad}: a chunk of another checkpoint names its file by basename, "
+                    f"found {str(f)[:100]!r}"
+                )
+            check_relpath(f)
+        elif not isinstance(f, str) or f not in files or end > files[f]["size"]:
+            raise CorruptCheckpointError(
+                f"{bad}: chunk [{begin}, {end}) of file {str(f)[:100]!r} is not within a "
+                "listed file"
+            )
+        total += end - begin
+    if total != nbytes:
+        raise CorruptCheckpointError(
+            f"{bad}: its chunks hold {total} bytes, its dtype and shape need {nbytes}"
+        )
+
+
+def _int_pair(x: Any) -> bool:
+    return (
+        isinstance(x, list)
+        and len(x) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in x)
+    )
+
+
+def tensor_ranges(info: Mapping[str, Any]) -> list[tuple[int | None, str, int, int]]:
+    """Where a validated tensor entry's bytes lie, in order: (step or None for this
+    checkpoint, file, begin, end); one range for a version 1 entry."""
+    if "chunks" in info:
+        return [
+            (c.get("step"), c["file"], c["offsets"][0], c["offsets"][1]) for c in info["chunks"]
+        ]
+    return [(None, info["file"], info["offsets"][0], info["offsets"][1])]
+
+
 def _check_disjoint(tensors: Mapping[str, Mapping[str, Any]], where: str) -> None:
-    """No two tensors of a file share a byte, so all tensors together hold at most the
-    files' bytes (sort and sweep: O(n log n))."""
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    """No two tensors (or chunks) share a byte of a file, this checkpoint's or one it
+    refers to, so all tensors together hold at most the files' bytes (sort and sweep:
+    O(n log n))."""
+    by_file: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
     for name, info in tensors.items():
-        begin, end = info["offsets"]
-        by_file.setdefault(info["file"], []).append((begin, end, name))
-    for fname, ranges in by_file.items():
+        for step, fname, begin, end in tensor_ranges(info):
+            key = (-1 if step is None else step, fname)
+            by_file.setdefault(key, []).append((begin, end, name))
+    for (step, fname), ranges in by_file.items():
         ranges.sort()
         reach, last = 0, ""
         for begin, end, name in ranges:
             if begin < reach:
+                in_file = fname if step < 0 else f"{fname} of step {step}"
                 raise CorruptCheckpointError(
                     f"{where}: tensors {last[:100]!r} and {name[:100]!r} overlap in "
-                    f"{fname} at byte {begin}; each byte of a data file belongs to at "
+                    f"{in_file} at byte {begin}; each byte of a data file belongs to at "
                     "most one tensor"
                 )
             if end >= reach:

@@ -48,6 +48,7 @@ from resumable.commit import (
 )
 from resumable.distributed import Group, current_group
 from resumable.errors import CheckpointError, NoCheckpointError, StorageError
+from resumable.incremental import Incremental, incremental_option
 from resumable.lock import RootLock, acquire_root
 from resumable.monitor import AlertCallback, Monitor
 from resumable.pipeline.emergency import Emergency
@@ -113,6 +114,10 @@ class Checkpointer:
         dist_timeout_s: with several ranks (``torch.distributed`` initialised), how long
             a rank waits for the others during a coordinated save or restore before it
             gives up with `PersistError` (default 600 s); see `resumable.distributed`.
+        incremental: write only what changed since the writer's last checkpoint (an
+            `Incremental`; the default writes incrementally when that avoids at least a
+            quarter of the bytes, and every checkpoint whole otherwise); ``False``
+            writes every checkpoint whole. See ``docs/incremental.md``.
         save_on_close: whether `close` checkpoints the final state (default True). The
             integrations pass False: their framework decides every save, the last one
             included (Transformers' ``save_strategy="no"`` saves nothing).
@@ -140,6 +145,7 @@ class Checkpointer:
         mirror: str | os.PathLike[str] | Storage | None = None,
         mirror_keep: Keep | None = None,
         dist_timeout_s: float | None = None,
+        incremental: Incremental | bool = True,
         save_on_close: bool = True,
     ) -> None:
         if not isinstance(state, Mapping):
@@ -147,6 +153,7 @@ class Checkpointer:
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         mode = _persist_mode(persist)
+        self.incremental = incremental_option(incremental)
         worker_nice()  # RESUMABLE_WORKER_NICE checked before the root is touched
         # What every part agrees through: the ranks' group, or one process alone (whose
         # exchanges return at once): the same code serves both.
@@ -233,13 +240,20 @@ class Checkpointer:
                 "mirror": self.mirror,
             }
             self._persister: Persister = (
-                SyncPersister(self.storage, keep=keep, mirror_keep=mirror_keep, **parts)
+                SyncPersister(
+                    self.storage,
+                    keep=keep,
+                    mirror_keep=mirror_keep,
+                    incremental=self.incremental,
+                    **parts,
+                )
                 if mode == "sync"
                 else BackgroundPersister(
                     self.storage,
                     mode=mode,
                     keep=keep,
                     mirror_keep=mirror_keep,
+                    incremental=self.incremental,
                     storage_options=_options_for(self.url, self.storage_options),
                     mirror_options=(
                         _options_for(self.mirror.url, self.storage_options)

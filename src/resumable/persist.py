@@ -12,24 +12,32 @@ write their shards into one checkpoint directory side by side.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from resumable.commit import Attempt, Committer, abort_quietly
+import torch
+
+from resumable.commit import Attempt, Committer, abort_quietly, step_dir
 from resumable.distributed import Piece
 from resumable.errors import PersistError
 from resumable.format import (
     CHECKSUM,
+    MANIFEST,
+    TensorSlot,
     build_manifest,
     checksum,
     dtype_name,
     encode_manifest,
     safetensors_header,
 )
+from resumable.incremental import CHUNK_HASH, Chunk, DeltaBase, Plan, Record
 from resumable.snapshot import Snapshot
 from resumable.storage.base import Storage
+
+log = logging.getLogger("resumable")
 
 
 def rank_file(rank: int) -> str:
@@ -55,19 +63,21 @@ def write_checkpoint(
     metrics: Mapping[str, Any] | None = None,
     before_commit: Callable[[], None] | None = None,
     pieces: Mapping[str, Piece] | None = None,
+    base: DeltaBase | None = None,
 ) -> PersistResult:
     """Write ``snapshot`` and ``tree`` as the checkpoint of ``step`` and commit it.
 
     Returns after the commit is durable. On failure the attempt is removed (unless its
     manifest landed all the same: `MarkerCommit.abort`) and the exception propagates;
-    earlier checkpoints are untouched.
+    earlier checkpoints are untouched. With a ``base``, only what changed since its
+    commit is written (`resumable.incremental`), and the base moves to this commit.
     """
     t0 = time.perf_counter()
     attempt = committer.begin(step)
     fname = attempt.key(rank_file(0))
-    header, data, tensors = file_index(snapshot, fname, step, pieces)
     try:
-        size = storage.write(attempt.path(rank_file(0)), [header, data])
+        header, data, tensors, plan = _index_with_refs(storage, snapshot, fname, step, pieces, base)
+        size = storage.write(attempt.path(rank_file(0)), [header, *data])
         manifest = build_manifest(
             step=step,
             metrics=metrics,
@@ -82,35 +92,183 @@ def write_checkpoint(
     except BaseException:
         abort_quietly(committer, attempt)
         raise
+    if base is not None and plan is not None:
+        base.committed(step, plan)
     return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
 
 
+def _index_with_refs(
+    storage: Storage,
+    snapshot: Snapshot,
+    fname: str,
+    step: int,
+    pieces: Mapping[str, Piece] | None,
+    base: DeltaBase | None,
+) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None]:
+    """`file_index`, written whole if a checkpoint it would refer to was deleted."""
+    out = file_index(snapshot, fname, step, pieces, base)
+    plan = out[3]
+    if base is not None and plan is not None and plan.incremental:
+        if not check_refs(storage, plan.refs):
+            log.warning(
+                "a checkpoint among steps %s was deleted by someone else; step %d is written whole",
+                plan.refs,
+                step,
+            )
+            base.reset()
+            out = file_index(snapshot, fname, step, pieces, base)
+    return out
+
+
 def file_index(
-    snapshot: Snapshot, fname: str, step: int, pieces: Mapping[str, Piece] | None = None
-) -> tuple[bytes, Any, dict[str, dict[str, Any]]]:
-    """The safetensors header, the data and the manifest's tensor entries of one data
-    file (``pieces``: where global tensors lie, for several ranks)."""
-    header = safetensors_header(
-        snapshot.slots, {"format": "pt", "producer": "resumable", "step": str(step)}
-    )
+    snapshot: Snapshot,
+    fname: str,
+    step: int,
+    pieces: Mapping[str, Piece] | None = None,
+    base: DeltaBase | None = None,
+) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None]:
+    """The safetensors header, the data buffers and the manifest's tensor entries of one
+    data file (``pieces``: where global tensors lie, for several ranks).
+
+    With a ``base`` (incremental checkpoints), chunks unchanged since the base's commit
+    are not in the file: their entries refer to the earlier checkpoint (format version
+    2); the returned `Plan` becomes the base once the checkpoint is committed."""
     data = snapshot.memory()
-    start = len(header)
-    tensors: dict[str, dict[str, Any]] = {}
-    for s in snapshot.slots:
-        entry: dict[str, Any] = {
-            "file": fname,
-            "dtype": dtype_name(s.dtype),
-            "shape": list(s.shape),
-            "offsets": [start + s.begin, start + s.end],
-            CHECKSUM: checksum(data[s.begin : s.end]),
+    meta = {"format": "pt", "producer": "resumable", "step": str(step)}
+    sums = {s.name: checksum(data[s.begin : s.end]) for s in snapshot.slots}
+    plan = base.plan(snapshot.slots, data, step) if base is not None else None
+    if plan is not None and plan.incremental:
+        header, buffers, tensors = _incremental_file(snapshot, data, fname, meta, sums, plan)
+    else:
+        header = safetensors_header(snapshot.slots, meta)
+        start = len(header)
+        buffers = [data]
+        tensors = {
+            s.name: {
+                "file": fname,
+                "dtype": dtype_name(s.dtype),
+                "shape": list(s.shape),
+                "offsets": [start + s.begin, start + s.end],
+                CHECKSUM: sums[s.name],
+            }
+            for s in snapshot.slots
         }
-        piece = (pieces or {}).get(s.name)
+        if plan is not None:  # remember where every chunk now lies
+            base_name = fname.rsplit("/", 1)[-1]
+            for p in plan.slots:
+                b0 = start + p.slot.begin
+                plan.records[p.slot.name] = Record(
+                    p.slot.dtype,
+                    tuple(p.slot.shape),
+                    tuple(
+                        Chunk(h, None, base_name, b0 + b, b0 + e)
+                        for (b, e), h in zip(p.ranges, p.hashes, strict=True)
+                    ),
+                )
+            plan.held = snapshot.nbytes
+    for name, entry in tensors.items():
+        piece = (pieces or {}).get(name)
         if piece is not None:
             entry["fqn"] = piece.fqn
             entry["global_shape"] = list(piece.global_shape)
             entry["global_offset"] = list(piece.global_offset)
-        tensors[s.name] = entry
-    return header, data, tensors
+    return header, buffers, tensors, plan
+
+
+def _incremental_file(
+    snapshot: Snapshot,
+    data: memoryview,
+    fname: str,
+    meta: dict[str, str],
+    sums: Mapping[str, str],
+    plan: Plan,
+) -> tuple[bytes, list[Any], dict[str, dict[str, Any]]]:
+    """Lay out the chunks ``plan`` writes: tensors written whole first (as in a full
+    file, largest element size first, so each stays aligned to its element size), then
+    the changed chunks of partly reused tensors as ``U8`` entries named
+    ``<tensor>#chunk<index>`` (readers go by their offsets, never by these names). The
+    file stays a valid safetensors file."""
+    names = {s.name for s in snapshot.slots}
+    file_slots: list[TensorSlot] = []
+    spans: list[tuple[int, int]] = []  # arena ranges, in file order
+    where: dict[tuple[str, int], int] = {}  # (tensor, chunk) -> data offset in the file
+    offset = 0
+    for p in plan.slots:
+        if p.whole:
+            n = p.slot.end - p.slot.begin
+            file_slots.append(
+                TensorSlot(p.slot.name, p.slot.dtype, p.slot.shape, offset, offset + n)
+            )
+            spans.append((p.slot.begin, p.slot.end))
+            for i, (b, _) in enumerate(p.ranges):
+                where[(p.slot.name, i)] = offset + b
+            offset += n
+    for p in plan.slots:
+        if p.whole:
+            continue
+        for i, ((b, e), old) in enumerate(zip(p.ranges, p.reuse, strict=True)):
+            if old is not None:
+                continue
+            name, n = f"{p.slot.name}#chunk{i}", 0
+            while name in names:  # a name is only a header key: any unused one will do
+                n += 1
+                name = f"{p.slot.name}#chunk{i}.{n}"
+            names.add(name)
+            file_slots.append(TensorSlot(name, torch.uint8, (e - b,), offset, offset + e - b))
+            spans.append((p.slot.begin + b, p.slot.begin + e))
+            where[(p.slot.name, i)] = offset
+            offset += e - b
+    header = safetensors_header(file_slots, meta)
+    start = len(header)
+    base_name = fname.rsplit("/", 1)[-1]
+    tensors: dict[str, dict[str, Any]] = {}
+    for p in plan.slots:
+        chunks: list[dict[str, Any]] = []
+        records: list[Chunk] = []
+        for i, ((b, e), h, old) in enumerate(zip(p.ranges, p.hashes, p.reuse, strict=True)):
+            if old is not None:
+                chunks.append(
+                    {
+                        "file": old.file,
+                        "offsets": [old.begin, old.end],
+                        CHUNK_HASH: h,
+                        "step": old.step,
+                    }
+                )
+                records.append(old)
+            else:
+                at = start + where[(p.slot.name, i)]
+                chunks.append({"file": fname, "offsets": [at, at + e - b], CHUNK_HASH: h})
+                records.append(Chunk(h, None, base_name, at, at + e - b))
+        tensors[p.slot.name] = {
+            "dtype": dtype_name(p.slot.dtype),
+            "shape": list(p.slot.shape),
+            CHECKSUM: sums[p.slot.name],
+            "chunks": chunks,
+        }
+        plan.records[p.slot.name] = Record(p.slot.dtype, tuple(p.slot.shape), tuple(records))
+    plan.held = offset
+    buffers: list[Any] = []
+    for b, e in _coalesce(spans):
+        buffers.append(data[b:e])
+    return header, buffers, tensors
+
+
+def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent arena ranges merged, so a file is written with few large buffers."""
+    out: list[tuple[int, int]] = []
+    for b, e in spans:
+        if out and out[-1][1] == b:
+            out[-1] = (out[-1][0], e)
+        elif e > b:
+            out.append((b, e))
+    return out
+
+
+def check_refs(storage: Storage, refs: list[int]) -> bool:
+    """Whether every checkpoint a new one would refer to is still committed (something
+    outside this writer, ``resumable prune`` or a user, may have deleted one)."""
+    return all(storage.exists(f"{step_dir(k)}/{MANIFEST}") for k in refs)
 
 
 class Coordination(Protocol):
@@ -140,6 +298,7 @@ def write_distributed(
     pieces: Mapping[str, Piece],
     metrics: Mapping[str, Any] | None = None,
     check: Callable[[], None] | None = None,
+    base: DeltaBase | None = None,
 ) -> PersistResult:
     """The coordinated commit of several ranks (called on every rank at the same step,
     through a `Group` on the training threads or a `StoreCoordinator` in the workers).
@@ -164,10 +323,11 @@ def write_distributed(
         raise PersistError(f"step {step} was not committed: {shared['error']}")
     attempt = Attempt(**shared)
     report: dict[str, Any]
+    plan: Plan | None = None
     try:
         fname = attempt.key(rank_file(group.rank))
-        header, data, tensors = file_index(snapshot, fname, step, pieces)
-        size = storage.write(attempt.path(rank_file(group.rank)), [header, data])
+        header, data, tensors, plan = _index_with_refs(storage, snapshot, fname, step, pieces, base)
+        size = storage.write(attempt.path(rank_file(group.rank)), [header, *data])
         if check is not None:
             check()
         report = {"file": fname, "size": size, "tensors": tensors, "tree": tree, "step": step}
@@ -216,6 +376,8 @@ def write_distributed(
     outcome = group.broadcast(outcome, "outcome")
     if "error" in outcome:
         raise PersistError(f"step {step} was not committed on any rank: {outcome['error']}")
+    if base is not None and plan is not None:
+        base.committed(step, plan)
     return PersistResult(
         step, outcome["nbytes"], time.perf_counter() - t0, outcome["replaced"], outcome["manifest"]
     )

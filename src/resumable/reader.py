@@ -13,6 +13,7 @@ here, and every path goes through the storage's root check.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +32,7 @@ from resumable.format import (
     decode_manifest,
     dtype_from_name,
     parse_safetensors_header,
+    tensor_ranges,
 )
 from resumable.storage.base import Storage
 
@@ -45,6 +47,7 @@ class CheckpointReader:
         self.where = f"checkpoint {self.dir} in {storage.url}"
         self._manifest: dict[str, Any] | None = None
         self.mapped = False  # whether tensors() returned views of mapped files
+        self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -76,44 +79,117 @@ class CheckpointReader:
         """Every listed file exists with the declared size and a safetensors header that
         agrees with the tensor index."""
         m = self.manifest
-        by_file: dict[str, list[str]] = defaultdict(list)
+        # What each own file's safetensors header must say: (name, dtype, shape, bytes).
+        expect: dict[str, list[tuple[str, str, list[int], list[int]]]] = defaultdict(list)
+        chunks: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
         for name, info in m["tensors"].items():
-            by_file[info["file"]].append(name)
+            if "chunks" not in info:
+                expect[info["file"]].append((name, info["dtype"], info["shape"], info["offsets"]))
+                continue
+            own = [(i, c) for i, c in enumerate(info["chunks"]) if "step" not in c]
+            for c in info["chunks"]:
+                if "step" in c:
+                    chunks[(c["step"], c["file"])].append(tuple(c["offsets"]))
+            spans = [c["offsets"] for _, c in own]
+            if own and len(own) == len(info["chunks"]) and _contiguous(spans, own):
+                # written whole: one entry, as in a full file
+                span = [spans[0][0], spans[-1][1]]
+                expect[own[0][1]["file"]].append((name, info["dtype"], info["shape"], span))
+            else:  # changed chunks: U8 entries, whatever their names
+                for _, c in own:
+                    b, e = c["offsets"]
+                    expect[c["file"]].append(("", "U8", [e - b], [b, e]))
+        for step, fname in sorted(chunks):
+            holder = self._holder(step)
+            key = self._holder_file(holder, fname)
+            size = holder.manifest["files"][key]["size"]
+            start, _ = holder._check_file(key, size)
+            for b, e in chunks[(step, fname)]:
+                if b < start or e > size:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: a chunk [{b}, {e}) lies outside the data of "
+                        f"{fname} in {holder.dir}"
+                    )
         for fname, finfo in m["files"].items():
-            path = f"{self.dir}/{fname}"
-            try:
-                actual = self.storage.size(path)
-            except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{self.where}: data file {fname} is missing") from exc
-            if actual != finfo["size"]:
-                raise CorruptCheckpointError(
-                    f"{self.where}: {fname} has {actual} bytes, manifest declares {finfo['size']}"
-                    " (truncated or overwritten)"
-                )
-            head = self.storage.read_range(path, 0, min(actual, 8))
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or 8 + n > actual or n > MAX_SAFETENSORS_HEADER:
-                raise CorruptCheckpointError(f"{self.where}: {fname} is not a safetensors file")
-            try:
-                start, header = parse_safetensors_header(
-                    head + self.storage.read_range(path, 8, n), actual
-                )
-            except CorruptCheckpointError as exc:
-                raise CorruptCheckpointError(f"{self.where}: {fname}: {exc}") from None
-            for name in by_file.get(fname, []):
-                info = m["tensors"][name]
-                h = header.get(name)
+            start, header = self._check_file(fname, finfo["size"])
+            at = {
+                tuple(h["data_offsets"]): h
+                for h in header.values()
+                if isinstance(h, dict) and _int_pair(h.get("data_offsets"))
+            }
+            for name, dtype, shape, offsets in expect.get(fname, []):
+                h = header.get(name) if name else at.get((offsets[0] - start, offsets[1] - start))
                 if (
                     not isinstance(h, dict)
-                    or h.get("dtype") != info["dtype"]
-                    or h.get("shape") != info["shape"]
+                    or h.get("dtype") != dtype
+                    or h.get("shape") != shape
                     or not _int_pair(h.get("data_offsets"))
-                    or [start + o for o in h["data_offsets"]] != info["offsets"]
+                    or [start + o for o in h["data_offsets"]] != offsets
                 ):
                     raise CorruptCheckpointError(
                         f"{self.where}: {fname}'s safetensors header disagrees with the "
-                        f"manifest about tensor {name!r}"
+                        f"manifest about {f'tensor {name!r}' if name else f'a chunk at {offsets}'}"
                     )
+
+    def _check_file(self, fname: str, size: int) -> tuple[int, dict[str, Any]]:
+        """One data file: present, of the declared size, with a valid safetensors
+        header; returns where its data starts and the header."""
+        path = f"{self.dir}/{fname}"
+        try:
+            actual = self.storage.size(path)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{self.where}: data file {fname} is missing") from exc
+        if actual != size:
+            raise CorruptCheckpointError(
+                f"{self.where}: {fname} has {actual} bytes, manifest declares {size}"
+                " (truncated or overwritten)"
+            )
+        head = self.storage.read_range(path, 0, min(actual, 8))
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > actual or n > MAX_SAFETENSORS_HEADER:
+            raise CorruptCheckpointError(f"{self.where}: {fname} is not a safetensors file")
+        try:
+            return parse_safetensors_header(head + self.storage.read_range(path, 8, n), actual)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{self.where}: {fname}: {exc}") from None
+
+    def _holder(self, step: int) -> CheckpointReader:
+        """The earlier checkpoint ``step`` that this one refers to, its manifest read."""
+        holder = self._holders.get(step)
+        if holder is None:
+            holder = CheckpointReader(self.storage, step)
+            try:
+                holder.manifest  # noqa: B018 - read and validated now
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"{self.where} refers to step {step}, which cannot be read: {exc}"
+                ) from None
+            self._holders[step] = holder
+        return holder
+
+    def _holder_file(self, holder: CheckpointReader, basename: str) -> str:
+        for key in holder.manifest["files"]:
+            if key.rsplit("/", 1)[-1] == basename:
+                return str(key)
+        raise CorruptCheckpointError(
+            f"{self.where} refers to a file {basename!r} of {holder.dir}, which has no such file"
+        )
+
+    def _locations(self, info: dict[str, Any]) -> list[tuple[str, int, int]]:
+        """Where a tensor's bytes lie, in order, as (path in storage, begin, end)."""
+        out = []
+        for step, fname, b, e in tensor_ranges(info):
+            if step is None:
+                out.append((f"{self.dir}/{fname}", b, e))
+                continue
+            holder = self._holder(step)
+            key = self._holder_file(holder, fname)
+            if e > holder.manifest["files"][key]["size"]:
+                raise CorruptCheckpointError(
+                    f"{self.where}: a chunk [{b}, {e}) lies past the end of {fname} in {holder.dir}"
+                )
+            out.append((f"{holder.dir}/{key}", b, e))
+        return out
 
     def tensors(
         self, names: Iterable[str] | None = None, *, verify: bool = True
@@ -126,25 +202,36 @@ class CheckpointReader:
         for name in wanted:
             if name not in index:
                 raise CorruptCheckpointError(f"{self.where}: no tensor {name!r} in the index")
-        by_file: dict[str, list[str]] = defaultdict(list)
+        locations = {n: self._locations(index[n]) for n in wanted}
+        by_path: dict[str, list[str]] = defaultdict(list)
         for name in wanted:
-            by_file[index[name]["file"]].append(name)
+            if len(locations[name]) == 1:
+                by_path[locations[name][0][0]].append(name)
         out: dict[str, torch.Tensor] = {}
-        for fname, names_in_file in by_file.items():
-            path = f"{self.dir}/{fname}"
-            ranges = [index[n]["offsets"] for n in names_in_file]
+        for path, names_in_file in by_path.items():
+            ranges = [locations[n][0][1:] for n in names_in_file]
             lo = min(r[0] for r in ranges)
             hi = max(r[1] for r in ranges)
             span = sum(r[1] - r[0] for r in ranges)
             if hi - lo <= 2 * span:
                 buf = self._read(path, lo, hi - lo)
                 for n in names_in_file:
-                    b, e = index[n]["offsets"]
+                    _, b, e = locations[n][0]
                     out[n] = self._tensor(n, buf, b - lo, e - lo, verify)
             else:
                 for n in names_in_file:
-                    b, e = index[n]["offsets"]
+                    _, b, e = locations[n][0]
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
+        for name in wanted:
+            if len(locations[name]) > 1:  # chunks in several places: read into one buffer
+                total = sum(e - b for _, b, e in locations[name])
+                buf = torch.empty(total, dtype=torch.uint8)
+                view, pos = byte_view(buf) if total else memoryview(b""), 0
+                for path, b, e in locations[name]:
+                    if e > b:
+                        self.storage.read_into(path, b, view[pos : pos + e - b])
+                    pos += e - b
+                out[name] = self._tensor(name, buf, 0, total, verify)
         return out
 
     def _read(self, path: str, offset: int, length: int) -> torch.Tensor:
@@ -199,6 +286,12 @@ class CheckpointReader:
                 except CorruptCheckpointError as exc:
                     raise CorruptCheckpointError(f"{self.where}: rank {i}: {exc}") from None
         return sum(f["size"] for f in self.manifest["files"].values())
+
+
+def _contiguous(spans: list[list[int]], own: list[tuple[int, dict[str, Any]]]) -> bool:
+    """Whether chunks lie back to back in one file (a tensor written whole)."""
+    files = {c["file"] for _, c in own}
+    return len(files) == 1 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def _int_pair(x: Any) -> bool:

@@ -28,16 +28,34 @@ def pinned_steps(storage: Storage) -> set[int]:
     return {s for s in (parse_step_dir(n) for n in storage.list_dir(PINS_DIR)) if s is not None}
 
 
+def retention_entry(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What retention needs of a checkpoint: its metrics and the steps it refers to."""
+    return {"metrics": manifest["metrics"], "refs": list(manifest.get("refs", ()))}
+
+
+def referenced(kept: Iterable[int], refs: Mapping[int, Iterable[int]]) -> set[int]:
+    """Every checkpoint that one of ``kept`` refers to, directly or through others."""
+    out: set[int] = set()
+    todo = list(kept)
+    while todo:
+        for k in refs.get(todo.pop(), ()):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
 def apply_retention(
     storage: Storage,
     keep: Keep,
     audit: AuditLog,
     *,
     just_written: int | None = None,
-    cache: dict[int, Mapping[str, Any]] | None = None,
+    cache: dict[int, dict[str, Any]] | None = None,
     dry_run: bool = False,
     deletable: Callable[[int], bool] | None = None,
     each: Callable[[list[int]], Iterable[int]] = iter,
+    protect: Iterable[int] = (),
 ) -> list[int]:
     """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
 
@@ -50,23 +68,35 @@ def apply_retention(
     retention never leaves zero valid checkpoints. ``deletable`` can hold back more
     (the tiering keeps local checkpoints that are not mirrored yet). ``each`` wraps the
     loop over the deletions (``resumable prune`` shows a progress bar with it).
+    ``protect`` names more steps never to delete (the base of the writer's next
+    incremental checkpoint). A checkpoint that a retained one refers to is never
+    deleted (`referenced`), so a crash at any moment of a delete cannot break a kept
+    checkpoint: deleting one that nothing kept needs is all retention ever does.
     """
     cache = cache if cache is not None else {}
     entries = []
     for s in list_committed(storage):
         if s not in cache:
             try:
-                cache[s] = CheckpointReader(storage, s).manifest["metrics"]
+                cache[s] = retention_entry(CheckpointReader(storage, s).manifest)
             except CheckpointError as exc:
                 log.warning("retention ignores %s: %s", step_dir(s), exc)
                 continue
-        entries.append(Entry(s, cache[s]))
+        entries.append(Entry(s, cache[s]["metrics"]))
     pinned = pinned_steps(storage)
+    pinned.update(protect)
     if just_written is not None:
         pinned.add(just_written)
     doomed = keep.to_delete(entries, pinned)
     if deletable is not None:
         doomed = [s for s in doomed if deletable(s)]
+    # A checkpoint that a kept one refers to (incremental checkpoints) holds that one's
+    # data: it stays, whole and committed, until nothing kept refers to it. (A step
+    # whose manifest cannot be read is left alone, as always; being unreadable, it
+    # cannot be restored, so what it may refer to need not stay for it.)
+    refs = {s: cache[s]["refs"] for s in cache}
+    needed = referenced([e.step for e in entries if e.step not in doomed], refs)
+    doomed = [s for s in doomed if s not in needed]
     if dry_run or not doomed:
         return doomed
     survivors = sorted({e.step for e in entries} - set(doomed))

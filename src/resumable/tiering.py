@@ -58,25 +58,36 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
     """Copy the committed checkpoint ``step`` of ``src`` to ``dst`` and commit it there
     with ``dst``'s own strategy; returns bytes uploaded. The source is fully verified
     first, the copy checked after (sizes and headers). An identical checkpoint already
-    committed in ``dst`` counts as done (0 bytes)."""
+    committed in ``dst`` counts as done (0 bytes). An incremental checkpoint's own
+    files are all it uploads: the checkpoints it refers to are uploaded first where
+    ``dst`` lacks them (they are committed there before it, so it is never a
+    committed checkpoint whose data is missing)."""
     source = CheckpointReader(src, step)
     source.verify()
     manifest = source.manifest
-    if step in list_committed(dst):
+    committed = list_committed(dst)
+    if step in committed:
         problem = remote_copy_problem(dst, step, manifest)
         if problem is None:
             return 0
         log.warning("%s; uploading step %d again", problem, step)
+    total = 0
+    for k in manifest.get("refs", ()):
+        if k not in committed:
+            total += upload_checkpoint(src, dst, k)
     committer = committer_for(dst)
     attempt = committer.begin(step)
     renamed = {name: attempt.key(name.rsplit("/", 1)[-1]) for name in manifest["files"]}
     relocated = copy.deepcopy(manifest)
     relocated["files"] = {renamed[k]: v for k, v in manifest["files"].items()}
     for info in relocated["tensors"].values():
-        info["file"] = renamed[info["file"]]
+        if "file" in info:
+            info["file"] = renamed[info["file"]]
+        for c in info.get("chunks", ()):
+            if "step" not in c:  # a chunk of another checkpoint is named by basename
+                c["file"] = renamed[c["file"]]
     relocated.pop("digest", None)
     relocated["digest"] = manifest_digest(relocated)
-    total = 0
     try:
         for name, new in renamed.items():
             path = f"{step_dir(step)}/{name}"

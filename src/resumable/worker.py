@@ -79,6 +79,7 @@ from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, StorageError
+from resumable.incremental import DeltaBase, Incremental
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -99,7 +100,7 @@ from resumable.pipeline.messages import (
     with_id,
 )
 from resumable.policy import Keep
-from resumable.retention import apply_retention
+from resumable.retention import apply_retention, retention_entry
 from resumable.retrying import retrying
 from resumable.shm import ShmSlot, SlotContent
 from resumable.snapshot import Arena, Snapshot, tensor_view
@@ -221,7 +222,9 @@ class JobRunner:
         self.slots: dict[str, ShmSlot] = {}
         self._stores: dict[tuple[str, int], Any] = {}  # coordination store clients
         self._arena = Arena()  # this rank's share of a coordinated persist
-        self.metrics_cache: dict[int, Any] = {}
+        self.metrics_cache: dict[int, dict[str, Any]] = {}  # retention's, per step
+        inc = Incremental.from_json(config.incremental)
+        self.delta = DeltaBase(inc) if inc is not None else None  # incremental persists
         self._retention_lock = threading.Lock()
         self.mirror: Mirror | None = None
         if config.mirror:
@@ -330,6 +333,7 @@ class JobRunner:
                 metrics=metrics,
                 before_commit=self._check_parent,
                 pieces=pieces,
+                base=self.delta,
             ),
             retries=self.retries,
             backoff_s=0.4,
@@ -345,7 +349,7 @@ class JobRunner:
             replaced=result.replaced,
             metrics=result.manifest["metrics"],
         )
-        self.metrics_cache[step] = result.manifest["metrics"]
+        self.metrics_cache[step] = retention_entry(result.manifest)
         deleted = self._retain(step)
         if self.mirror is not None:
             self.mirror.submit(step)
@@ -410,6 +414,7 @@ class JobRunner:
             pieces=pieces,
             metrics=metrics,
             check=self._check_parent,
+            base=self.delta,
         )
         deleted: list[int] = []
         if group.coordinator:
@@ -422,7 +427,7 @@ class JobRunner:
                 ranks=group.world_size,
                 metrics=result.manifest["metrics"],
             )
-            self.metrics_cache[step] = result.manifest["metrics"]
+            self.metrics_cache[step] = retention_entry(result.manifest)
             deleted = self._retain(step)
             if self.mirror is not None:  # rank 0's worker uploads the whole checkpoint
                 self.mirror.submit(step)
@@ -446,6 +451,7 @@ class JobRunner:
                     self.audit,
                     just_written=just_written,
                     cache=self.metrics_cache,
+                    protect=[self.delta.step] if self.delta and self.delta.step is not None else (),
                     deletable=self.mirror.may_delete_local if self.mirror is not None else None,
                 )
             except Exception as exc:  # the step is committed; retention retries next time
@@ -697,6 +703,7 @@ class PersistWorker:
         mirror_keep: Keep | None = None,
         mirror_options: dict[str, Any] | None = None,
         mirror_storage: Storage | None = None,
+        incremental: Incremental | None = None,
     ) -> None:
         if mode not in ("process", "thread"):
             raise ValueError(f"persist mode must be 'process' or 'thread', got {mode!r}")
@@ -713,6 +720,7 @@ class PersistWorker:
             mirror=mirror,
             mirror_keep=keep_to_json(mirror_keep),
             mirror_options=mirror_options,
+            incremental=incremental.to_json() if incremental is not None else None,
             nice=worker_nice() if mode == "process" else 0,  # a bad value: refused here
         )
         self.pid = os.getpid()

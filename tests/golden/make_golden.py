@@ -1,6 +1,6 @@
-"""Build the golden checkpoints of format version 1 in ``tests/golden/v1/``.
+"""Build the golden checkpoints of a format version in ``tests/golden/vN/``.
 
-    .venv/bin/python tests/golden/make_golden.py [--out DIR] [--force]
+    .venv/bin/python tests/golden/make_golden.py [--version N] [--out DIR] [--force]
 
 The fixture is what a user of format version 1 has on disk: ``tests/test_golden.py``
 restores it with the current code and checks every value against ``expected.json``,
@@ -191,16 +191,25 @@ def draws(state: dict[str, Any]) -> dict[str, list[float]]:
 # --------------------------------------------------------------------------- main
 
 
-def make(out: Path) -> dict[str, Any]:
+def make(out: Path, version: int = 1) -> dict[str, Any]:
+    """Version 1: two checkpoints written whole. Version 2: the second refers to the
+    first for every tensor that did not change (incremental, whatever it saves)."""
     random.seed(11)
     np.random.seed(12)
     torch.manual_seed(13)
     state = build_state()
-    expected: dict[str, Any] = {"format_version": 1, "steps": {}}
+    expected: dict[str, Any] = {"format_version": version, "steps": {}}
+    incremental = (
+        resumable.Incremental(chunk_bytes=4096, min_saving=0.0, min_live=0.0)
+        if version >= 2
+        else False
+    )
     with (
         mock.patch("socket.gethostname", return_value=HOSTNAME),
         mock.patch("time.time", return_value=CREATED),
-        resumable.Checkpointer(out, state, keep=None) as ckpt,
+        resumable.Checkpointer(
+            out, state, keep=None, persist="sync", incremental=incremental
+        ) as ckpt,
     ):
         for step in (1, 2):
             loss = train_step(state, step)
@@ -221,7 +230,12 @@ def make(out: Path) -> dict[str, Any]:
             }
             for name, t in reader.tensors().items()
         }
+    written = CheckpointReader(storage, 2).manifest["format_version"]
+    if written != version:
+        raise SystemExit(f"asked for format version {version}, step 2 was written as {written}")
     (out / "audit.jsonl").unlink(missing_ok=True)
+    for name in (".resumable-lock", ".resumable-run"):  # the root's lock and run id
+        (out / name).unlink(missing_ok=True)
     text = json.dumps(expected, indent=1, ensure_ascii=True, allow_nan=False) + "\n"
     (out / "expected.json").write_text(text)
     return expected
@@ -230,6 +244,7 @@ def make(out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "v1")
+    parser.add_argument("--version", type=int, default=1, choices=(1, 2))
     parser.add_argument("--force", action="store_true", help="replace an existing fixture")
     args = parser.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
@@ -241,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         shutil.rmtree(args.out)
-    make(args.out)
+    make(args.out, args.version)
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(f"wrote {args.out} ({total} bytes)")
     return 0

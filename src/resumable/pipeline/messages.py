@@ -32,6 +32,7 @@ class WorkerConfig:
     mirror: str | None = None
     mirror_keep: dict[str, Any] | None = None
     mirror_options: dict[str, Any] | None = None
+    incremental: dict[str, Any] | None = None  # `Incremental.to_json`; None: whole
     nice: int = 0  # added to the worker's niceness once it is ready (`worker.worker_nice`)
 
 

@@ -35,6 +35,7 @@ from resumable.coordination import CoordinationStore
 from resumable.distributed import DEFAULT_TIMEOUT_S, Group, owned_tensors, pieces_from_json
 from resumable.errors import PersistError
 from resumable.format import json_metrics
+from resumable.incremental import Incremental
 from resumable.monitor import Monitor
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.messages import (
@@ -171,6 +172,7 @@ class SyncPersister(Persister):
         *,
         keep: Keep | None,
         mirror_keep: Keep | None,
+        incremental: Incremental | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(storage, **kw)
@@ -186,6 +188,7 @@ class SyncPersister(Persister):
                 # With several ranks rank 0 commits, so it alone uploads.
                 mirror=self.mirror.url if self.mirror is not None and rank == 0 else None,
                 mirror_keep=keep_to_json(mirror_keep),
+                incremental=incremental.to_json() if incremental is not None else None,
             ),
             notify=self._reports.append,
             mirror_storage=self.mirror,
@@ -305,12 +308,14 @@ class BackgroundPersister(Persister):
         storage_options: dict[str, Any] | None,
         mirror_options: dict[str, Any] | None,
         dist_timeout_s: float | None,
+        incremental: Incremental | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(storage, **kw)
         self.mode = mode
         self.keep = keep
         self.mirror_keep = mirror_keep
+        self.incremental = incremental
         self.storage_options = storage_options
         self.mirror_options = mirror_options
         self._worker: PersistWorker | None = None
@@ -357,6 +362,7 @@ class BackgroundPersister(Persister):
                 ),
                 mirror_keep=self.mirror_keep,
                 mirror_options=self.mirror_options,
+                incremental=self.incremental,
                 mirror_storage=self.mirror if thread else None,
             )
         return self._worker
