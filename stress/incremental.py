@@ -4,7 +4,8 @@ incrementally (format version 2: a manifest that refers to chunks of earlier
 checkpoints), while retention deletes constantly and references keep old checkpoints
 alive.
 
-The state (`Net`, ~400 KiB, cut into 16 KiB chunks by ``Incremental(chunk_bytes=16 KiB)``):
+The state (`Net`, ~400 KiB, cut into 16 KiB chunks by ``Incremental(chunk_bytes=16 KiB,
+min_live=0.5)``):
 
 - ``frozen``: 128 KiB (8 chunks) that never change;
 - ``slow``: 256 KiB (16 chunks); chunk ``i`` gets new values at every step ``s`` with
@@ -230,7 +231,7 @@ def _job(
         mirror_keep=Keep(last=3),
         shm_dir=shm,
         on_busy="skip" if memory else "wait",
-        incremental=Incremental(chunk_bytes=CHUNK),
+        incremental=Incremental(chunk_bytes=CHUNK, min_live=0.5),
     )
     got = ck.restore()
     expected = make_state()
