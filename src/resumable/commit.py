@@ -233,6 +233,9 @@ class RenameCommit:
             raise TypeError(f"{type(storage).__name__} cannot rename; use a marker commit")
         self.storage = storage
         self.on_quarantine = on_quarantine
+        # Removes an un-committed checkpoint's directory; a persist worker passes one
+        # that does it on a thread of its own (unlinking a GiB file takes ~0.3 s here).
+        self.discard: Callable[[str], None] = storage.delete
 
     def begin(self, step: int) -> Attempt:
         final = step_dir(step)
@@ -296,7 +299,7 @@ class RenameCommit:
         trash = f".trash-{step_dir(step)}.{os.getpid()}.{secrets.token_hex(4)}"
         self.storage.rename_dir(step_dir(step), trash)
         self.storage.sync_dir("")
-        self.storage.delete(trash)
+        self.discard(trash)
 
     def abort(self, attempt: Attempt) -> None:
         self.storage.delete(attempt.staging)

@@ -189,7 +189,13 @@ class CheckpointReader:
                     f"{self.where}: a chunk [{b}, {e}) lies past the end of {fname} in {holder.dir}"
                 )
             out.append((f"{holder.dir}/{key}", b, e))
-        return out
+        merged: list[tuple[str, int, int]] = []
+        for path, b, e in out:  # chunks back to back in one file read as one range
+            if merged and merged[-1][0] == path and merged[-1][2] == b:
+                merged[-1] = (path, merged[-1][1], e)
+            else:
+                merged.append((path, b, e))
+        return merged
 
     def tensors(
         self, names: Iterable[str] | None = None, *, verify: bool = True

@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from resumable.audit import AuditLog
-from resumable.commit import committer_for, list_committed, parse_step_dir, step_dir
+from resumable.commit import (
+    RenameCommit,
+    committer_for,
+    list_committed,
+    parse_step_dir,
+    step_dir,
+)
 from resumable.errors import CheckpointError
 from resumable.policy import Entry, Keep
 from resumable.reader import CheckpointReader
@@ -56,6 +62,7 @@ def apply_retention(
     deletable: Callable[[int], bool] | None = None,
     each: Callable[[list[int]], Iterable[int]] = iter,
     protect: Iterable[int] = (),
+    discard: Callable[[str], None] | None = None,
 ) -> list[int]:
     """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
 
@@ -68,6 +75,8 @@ def apply_retention(
     retention never leaves zero valid checkpoints. ``deletable`` can hold back more
     (the tiering keeps local checkpoints that are not mirrored yet). ``each`` wraps the
     loop over the deletions (``resumable prune`` shows a progress bar with it).
+    ``discard`` removes a checkpoint's directory once it is un-committed (renamed
+    aside), for a caller that removes them in the background; by default at once.
     ``protect`` names more steps never to delete (the base of the writer's next
     incremental checkpoint). A checkpoint that a retained one refers to is never
     deleted (`referenced`), and doomed checkpoints are deleted newest first, so a crash
@@ -114,6 +123,8 @@ def apply_retention(
         audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
         return []
     committer = committer_for(storage)
+    if discard is not None and isinstance(committer, RenameCommit):
+        committer.discard = discard
     # Newest first: a reference always points to a smaller step, so every doomed
     # checkpoint that refers to another doomed one is gone before it. Oldest first, a
     # crash after deleting step K would leave a doomed step K+1 that refers to it

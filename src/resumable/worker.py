@@ -213,8 +213,14 @@ class JobRunner:
         *,
         notify: Callable[[Report], None] | None = None,
         mirror_storage: Storage | None = None,
+        background: bool = False,
     ) -> None:
         self.storage = storage
+        # A worker (``background``) removes the directories of checkpoints retention
+        # deleted on a thread of its own: they are un-committed (renamed aside, the
+        # rename durable) before, so the next commit need not wait for the unlinks.
+        self._discards: queue.Queue[str | None] | None = queue.Queue() if background else None
+        self._discarder: threading.Thread | None = None
         self.audit = AuditLog(storage, rank=config.rank, enabled=config.audit)
         self.committer = committer_for(storage, on_quarantine=self._quarantined)
         self.keep = keep_from_json(config.keep)
@@ -453,6 +459,7 @@ class JobRunner:
                     cache=self.metrics_cache,
                     protect=[self.delta.step] if self.delta and self.delta.step is not None else (),
                     deletable=self.mirror.may_delete_local if self.mirror is not None else None,
+                    discard=self._discard if self._discards is not None else None,
                 )
             except Exception as exc:  # the step is committed; retention retries next time
                 log.warning("retention after step %d failed: %s", just_written, exc)
@@ -461,7 +468,29 @@ class JobRunner:
                 )
                 return []
 
+    def _discard(self, trash: str) -> None:
+        assert self._discards is not None
+        if self._discarder is None:
+            self._discarder = threading.Thread(
+                target=self._discard_loop, name="resumable-discard", daemon=True
+            )
+            self._discarder.start()
+        self._discards.put(trash)
+
+    def _discard_loop(self) -> None:
+        assert self._discards is not None
+        while (trash := self._discards.get()) is not None:
+            try:
+                self.storage.delete(trash)
+            except Exception as exc:  # left for the start-up clean-up of a later launch
+                log.warning("could not remove %s: %s", trash, exc)
+                self.audit.record("failure", stage="retention", error=repr(exc)[:500])
+
     def close(self) -> None:
+        if self._discarder is not None and self._discards is not None:
+            self._discards.put(None)
+            self._discarder.join()
+            self._discarder = None
         if self.mirror is not None:
             self.mirror.close()
         for slot in self.slots.values():
@@ -577,7 +606,10 @@ def worker_main(argv: list[str] | None = None) -> int:
                 pass  # the trainer is gone
 
         runner = JobRunner(
-            open_storage(config.url, config.storage_options or None), config, notify=notify
+            open_storage(config.url, config.storage_options or None),
+            config,
+            notify=notify,
+            background=True,
         )
         send(Ready(pid=os.getpid()))
     except OSError:
@@ -753,6 +785,7 @@ class PersistWorker:
                 dataclasses.replace(config, parent_pid=0),
                 notify=self._replies.put,
                 mirror_storage=mirror_storage,
+                background=True,
             )
             self._thread = threading.Thread(
                 target=self._thread_main, args=(runner,), name="resumable-persist", daemon=True
