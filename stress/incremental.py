@@ -57,6 +57,7 @@ ignores references (it keeps the 2 newest and deletes the rest).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -221,6 +222,8 @@ def _job(
     logging.getLogger("resumable").setLevel(logging.CRITICAL)
     persist, memory = setup
     os.environ[TAG] = tag  # inherited by a persist worker process
+    stacks = open(os.path.join(os.path.dirname(root), f"stacks-{tag}.txt"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     _arm(plan, out)
     state = make_state()
     ck = checkpointer(
@@ -375,6 +378,15 @@ def _orphans(tag: str, limit_s: float) -> tuple[list[int], float]:
     return left, time.perf_counter() - t0
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie), without reaping it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as st:
+            return st.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def _leftovers(root: str, prefix: str) -> int:
     if not os.path.isdir(root):
         return 0
@@ -438,6 +450,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
     most_refs = held = deletes = trash_after_kill = staging_after_kill = mirror_trash = 0
     cleaned: set[tuple[int, str, int]] = set()
     worker_waits: list[float] = []
+    hangs: list[dict[str, Any]] = []
     bytes_v1: list[int] = []
     bytes_v2: list[int] = []
     keep = Keep(last=2, every_steps=EVERY)
@@ -450,6 +463,8 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                 root = os.path.join(tmp, f"chain{chain}", "root")
                 mirror = os.path.join(tmp, f"chain{chain}", "mirror")
                 want = 0
+                previous = "none (first launch)"
+                os.makedirs(os.path.dirname(root), exist_ok=True)
                 for k in range(cfg["kills_per_chain"] + 1):
                     last = k == cfg["kills_per_chain"]
                     plan = ("none",) if last else _plan(rng, persist)
@@ -470,6 +485,20 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                         early += 1
                     else:
                         lines = _lines(fd, LAUNCH_TIMEOUT_S)
+                        if not lines and _alive(pid):
+                            os.kill(pid, signal.SIGUSR1)  # where it hangs: its threads' stacks
+                            time.sleep(1.0)
+                            with contextlib.suppress(OSError):
+                                path = os.path.join(os.path.dirname(root), f"stacks-{tag}.txt")
+                                with open(path) as f:
+                                    hangs.append(
+                                        {
+                                            "chain": chain,
+                                            "launch": k,
+                                            "after": previous,
+                                            "stacks": f.read()[-6000:],
+                                        }
+                                    )
                         if not last:
                             window = cfg["window_s"]
                             if persist == "process":  # from the restore: its worker starts
@@ -517,8 +546,10 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                         restored_from[key] = restored_from.get(key, 0) + 1
                     elif not early_kill:
                         problems.append(
-                            f"chain {chain} launch {k}: no restore within {LAUNCH_TIMEOUT_S}s"
+                            f"chain {chain} launch {k} (after a kill: {previous}): no restore "
+                            f"within {LAUNCH_TIMEOUT_S}s, exit status {status}"
                         )
+                    previous = what
                     if not last:
                         trash_after_kill += bool(_leftovers(root, ".trash-"))
                         staging_after_kill += bool(_leftovers(root, ".tmp-"))
@@ -601,6 +632,7 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
             "held_only_by_a_reference_after_a_kill": held,
             "retention_deletes_recorded": deletes,
             "problems": problems[:10],
+            "hung_launches": hangs[:3],
             "seed": SEED,
         },
     }
