@@ -20,6 +20,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import ds_bench  # noqa: E402
+import incr_report  # noqa: E402
 import mcore_bench  # noqa: E402
 import small_report  # noqa: E402
 
@@ -518,6 +519,7 @@ def render(out: Result) -> str:
     lines += dist_section(out)
     lines += ds_section(out)
     lines += mcore_section(out)
+    lines += incr_section(out)
     lines += data_section(out)
 
     problems = []
@@ -539,6 +541,19 @@ def render(out: Result) -> str:
         for method, ok in (_get(e, "restored_equal") or {}).items():
             if ok is False:
                 problems.append(f"- Megatron-Core, {name}, {method}: restored state differs!")
+    incr = out.get("incr") if isinstance(out.get("incr"), dict) else {}
+    runs = {"fine-tuning": incr.get("finetune"), "fine-tuning mirror": incr.get("finetune_s3")}
+    runs.update({f"embedding {p}": e for p, e in (incr.get("embedding") or {}).items()})
+    for what, e in runs.items():
+        if isinstance(e, dict) and "error" in e and not str(e["error"]).startswith("skipped"):
+            err = " ".join(str(e["error"]).split())
+            problems.append(f"- incremental checkpoints, {what}: {err[:300]}")
+        for mode, ok in (_get(e, "restored_equal") or {}).items():
+            if ok is not True:
+                problems.append(
+                    f"- incremental checkpoints, {what}, {mode}: restored state differs: "
+                    f"{str(ok)[:200]}"
+                )
     for name, ok in (_get(out, "s3", "restored_equal") or {}).items():
         if ok is False:
             problems.append(f"- object storage {name}: restored bytes differ from saved!")
@@ -652,6 +667,15 @@ def mcore_section(out: Result) -> list[str]:
     mc = out.get("mcore")
     source = f"benchmarks/results/{out.get('mcore_file') or out.get('file', '?')}"
     block = mcore_bench.render(mc if isinstance(mc, dict) else {}, source)
+    return ["", *block.splitlines()]
+
+
+def incr_section(out: Result) -> list[str]:
+    """Incremental checkpoints: the block `incr_bench.render` makes of the run's ``"incr"``
+    phase, or of the standalone run `write_report` put there (``incr_file``)."""
+    inc = out.get("incr")
+    source = f"benchmarks/results/{out.get('incr_file') or out.get('file', '?')}"
+    block = incr_report.render(inc if isinstance(inc, dict) else {}, source)
     return ["", *block.splitlines()]
 
 
@@ -813,7 +837,8 @@ def write_report(results: Path, docs: Path) -> None:
     (``--no-small``, or from before it) shows the newest standalone one beside it
     (``small_bench.py --docs`` writes ``small-<date>.json``), named as such; the same for
     the DeepSpeed phase (``ds_bench.py --docs``, ``ds-<date>.json``) and the Megatron-Core
-    phase (``mcore_bench.py --docs``, ``mcore-<date>.json``)."""
+    phase (``mcore_bench.py --docs``, ``mcore-<date>.json``) and the incremental
+    checkpoints phase (``incr_bench.py --docs``, ``incr-<date>.json``)."""
     out = json.loads(results.read_text())
     out.setdefault("file", results.name)
     if not small_report.measured(out.get("small")):
@@ -831,13 +856,19 @@ def write_report(results: Path, docs: Path) -> None:
         if found is not None:
             out["mcore"] = json.loads(found.read_text())
             out["mcore_file"] = found.name
+    if not incr_report.measured(out.get("incr")):
+        found = incr_report.newest(results.parent)
+        if found is not None:
+            out["incr"] = json.loads(found.read_text())
+            out["incr_file"] = found.name
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render(out))
 
 
 def newest(results_dir: Path) -> Path:
     """The newest whole run (``make bench``) in ``results_dir``; the files one phase
-    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``, ``mcore-``) are not runs."""
+    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``, ``mcore-``, ``incr-``) are
+    not runs."""
     runs = []
     for p in sorted(results_dir.glob("*.json")):
         try:

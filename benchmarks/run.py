@@ -19,7 +19,9 @@ resumable beside ``dcp.save`` and ``dcp.async_save``); DeepSpeed (`ds_bench.py`:
 engine at ZeRO 1, 2 and 3 with two ranks, ``engine.save_checkpoint``/``load_checkpoint``
 beside resumable's ``DeepSpeedState``); Megatron-Core (`mcore_bench.py`: a GPTModel at
 TP=2 and at TP=1 x DP=2 with two ranks, ``dist_checkpointing.save``/``load`` beside
-resumable's ``integrations.megatron.checkpointer``); the data position
+resumable's ``integrations.megatron.checkpointer``); incremental checkpoints
+(`incr_bench.py`: ``Incremental()`` beside ``incremental=False`` on a fine-tuning state,
+its S3 mirror and an embedding table with sparse updates); the data position
 (`data_bench.py`: resuming far into a large epoch against re-iterating to it).
 The small-tensor phase (`small_bench.py`: the fixed cost of a snapshot of 10 to 10,000
 small tensors beside the copy floors and DCP's stagers, and a snapshot every step of a
@@ -55,6 +57,7 @@ import data_bench  # noqa: E402
 import dist_bench  # noqa: E402
 import ds_bench  # noqa: E402
 import floors  # noqa: E402
+import incr_bench  # noqa: E402
 import mcore_bench  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
@@ -415,6 +418,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="samples per method in the small-tensor phase (150; --quick: 30)",
     )
+    ap.add_argument("--no-incr", action="store_true", help="skip the incremental checkpoints phase")
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -610,6 +614,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         if got is not None:
             out["mcore"] = got
+
+    if args.no_incr:
+        out["incr"] = {"error": "skipped (--no-incr)"}
+    else:
+        log("incremental checkpoints (fine-tuning, its S3 mirror, an embedding table)")
+        settings_incr = incr_bench.Settings.quick() if args.quick else incr_bench.Settings()
+        got = guarded(
+            out,
+            "incr",
+            lambda: incr_bench.run_phase(work / "incr", settings_incr, log, s3=not args.no_s3),
+        )
+        if got is not None:
+            out["incr"] = got
 
     if args.no_data:
         out["data"] = {"error": "skipped (--no-data)"}

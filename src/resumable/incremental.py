@@ -36,7 +36,7 @@ checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,14 +60,30 @@ class Incremental:
             clustered) and make larger manifests (one entry per chunk).
         min_saving: write a checkpoint incrementally only if the bytes it does not
             write are at least this fraction of the state's bytes (0 to 1).
+        min_bytes: ... and at least this many bytes: a state of a few MiB, mostly
+            random streams and counters that do not change, gains nothing worth tying
+            its checkpoints to older ones.
+        whole_every: write every this many-th persist whole (0: never), so no more than
+            that many checkpoints ever depend on one earlier data file (whose damage
+            would make all of them fall back) and retention can release old chains.
         min_live: reuse the chunks of an earlier checkpoint only while at least this
             fraction of its data bytes is still reused (0 to 1); below it they are
             written again so retention can release it.
+        max_overhead: a checkpoint keeps alive every checkpoint it refers to, and what
+            those refer to in turn (retention keeps them all, so that each stays
+            loadable); when the data they hold that this checkpoint does not use would
+            exceed this many times the state's bytes, the checkpoint is written whole
+            instead, which lets retention release the chain. Bounds the disk an
+            incremental root takes to about (1 + max_overhead) times a whole checkpoint
+            per checkpoint kept.
     """
 
     chunk_bytes: int = 4 << 20
     min_saving: float = 0.25
     min_live: float = 0.25
+    max_overhead: float = 1.0
+    min_bytes: int = 1 << 20
+    whole_every: int = 10
 
     def __post_init__(self) -> None:
         if (
@@ -88,12 +104,22 @@ class Incremental:
                 or not 0 <= value <= 1
             ):
                 raise ValueError(f"Incremental({name}=...) must be between 0 and 1, got {value!r}")
+        for name in ("min_bytes", "whole_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Incremental({name}=...) must be an int >= 0, got {value!r}")
+        value = self.max_overhead
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
+            raise ValueError(f"Incremental(max_overhead=...) must be >= 0, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {
             "chunk_bytes": self.chunk_bytes,
             "min_saving": self.min_saving,
             "min_live": self.min_live,
+            "max_overhead": self.max_overhead,
+            "min_bytes": self.min_bytes,
+            "whole_every": self.whole_every,
         }
 
     @classmethod
@@ -172,10 +198,25 @@ class DeltaBase:
         self.step: int | None = None
         self.records: dict[str, Record] = {}
         self.held: dict[int, int] = {}  # step -> bytes of data its own files hold
+        self.refs_of: dict[int, tuple[int, ...]] = {}  # step -> the steps it refers to
+        self.since_whole = 0  # incremental persists since the last one written whole
 
     def reset(self) -> None:
         """Forget everything: the next persist is written whole."""
-        self.step, self.records, self.held = None, {}, {}
+        self.step, self.records, self.held, self.refs_of = None, {}, {}, {}
+        self.since_whole = 0
+
+    def closure(self, steps: Iterable[int]) -> set[int]:
+        """``steps`` and every step they refer to, directly or through others: what
+        retention keeps for a checkpoint that refers to ``steps``."""
+        out: set[int] = set()
+        todo = list(steps)
+        while todo:
+            k = todo.pop()
+            if k not in out:
+                out.add(k)
+                todo.extend(self.refs_of.get(k, ()))
+        return out
 
     def plan(self, slots: list[TensorSlot], data: memoryview, step: int) -> Plan:
         """Hash every chunk of the snapshot and decide what to reuse."""
@@ -213,7 +254,20 @@ class DeltaBase:
                     p.reuse[i] = None
                 elif c is not None:
                     reused += c.end - c.begin
-        incremental = reused > 0 and reused >= self.config.min_saving * total
+        cfg = self.config
+        incremental = (
+            reused > 0
+            and reused >= cfg.min_saving * total
+            and reused >= cfg.min_bytes
+            and not (cfg.whole_every and self.since_whole + 1 >= cfg.whole_every)
+        )
+        if incremental:
+            holders = {
+                c.step for p in plans for c in p.reuse if c is not None and c.step is not None
+            }
+            kept = sum(self.held.get(k, 0) for k in self.closure(holders))
+            if kept - reused > self.config.max_overhead * total:
+                incremental = False  # the chain would keep too much alive: start anew
         if not incremental:
             for p in plans:
                 p.reuse = [None] * len(p.reuse)
@@ -235,5 +289,8 @@ class DeltaBase:
         }
         self.step = step
         self.held[step] = plan.held
-        used = {c.step for r in self.records.values() for c in r.chunks}
-        self.held = {k: v for k, v in self.held.items() if k in used}
+        self.refs_of[step] = tuple(plan.refs)
+        self.since_whole = self.since_whole + 1 if plan.incremental else 0
+        alive = self.closure([step])  # what any later reference can bring along
+        self.held = {k: v for k, v in self.held.items() if k in alive}
+        self.refs_of = {k: v for k, v in self.refs_of.items() if k in alive}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from resumable.commit import step_dir
-from resumable.errors import CorruptCheckpointError
+from resumable.errors import CorruptCheckpointError, NewerFormatError
 from resumable.format import (
     CHECKSUM,
     MANIFEST,
@@ -160,7 +160,9 @@ class CheckpointReader:
             holder = CheckpointReader(self.storage, step)
             try:
                 holder.manifest  # noqa: B018 - read and validated now
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, NewerFormatError) as exc:
+                # a newer format in an older checkpoint that this one refers to is
+                # damage, not an upgrade to make
                 raise CorruptCheckpointError(
                     f"{self.where} refers to step {step}, which cannot be read: {exc}"
                 ) from None

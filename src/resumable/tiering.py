@@ -41,7 +41,7 @@ from typing import Any
 from resumable.audit import AuditLog
 from resumable.commit import abort_quietly, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, StorageError
-from resumable.format import encode_manifest, manifest_digest
+from resumable.format import encode_manifest, manifest_digest, tensor_ranges
 from resumable.pipeline.messages import Mirrored, MirrorFailed, MirrorFlushed, Report
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
@@ -73,7 +73,9 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
         log.warning("%s; uploading step %d again", problem, step)
     total = 0
     for k in manifest.get("refs", ()):
-        if k not in committed:
+        # A copy of k with the same content but another layout (k written again, whole,
+        # after resuming from an older step) does not hold the byte ranges referred to.
+        if k not in committed or remote_copy_problem(dst, k, CheckpointReader(src, k).manifest):
             total += upload_checkpoint(src, dst, k)
     committer = committer_for(dst)
     attempt = committer.begin(step)
@@ -117,7 +119,7 @@ def remote_copy_problem(dst: Storage, step: int, manifest: dict[str, Any]) -> st
     try:
         reader = CheckpointReader(dst, step)
         if not _same_content(reader.manifest, manifest):
-            return f"{where} is another checkpoint than the local one (different content)"
+            return f"{where} is another checkpoint than the local one (different content or layout)"
         reader.check_files()
     except (CheckpointError, OSError, ValueError) as exc:
         return f"{where} does not check out: {exc}"
@@ -125,16 +127,25 @@ def remote_copy_problem(dst: Storage, step: int, manifest: dict[str, Any]) -> st
 
 
 def _same_content(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same tensors (by checksum) and trees: one checkpoint, wherever its files lie."""
+    """The same tensors (by checksum) and trees, laid out alike in data files of the same
+    names and sizes: one checkpoint, wherever its files lie. (The layout counts: a later
+    incremental checkpoint refers to byte ranges of this one's files.)"""
 
     def sig(m: dict[str, Any]) -> Any:
         return (
             m["step"],
             json.dumps(m["ranks"], sort_keys=True),
             sorted(
-                (k, v.get("xxh3_64"), v["dtype"], tuple(v["shape"]))
+                (
+                    k,
+                    v.get("xxh3_64"),
+                    v["dtype"],
+                    tuple(v["shape"]),
+                    tuple((s, f.rsplit("/", 1)[-1], b, e) for s, f, b, e in tensor_ranges(v)),
+                )
                 for k, v in m["tensors"].items()
             ),
+            sorted((f.rsplit("/", 1)[-1], i["size"]) for f, i in m["files"].items()),
         )
 
     return bool(sig(a) == sig(b))

@@ -200,7 +200,7 @@ def make(out: Path, version: int = 1) -> dict[str, Any]:
     state = build_state()
     expected: dict[str, Any] = {"format_version": version, "steps": {}}
     incremental = (
-        resumable.Incremental(chunk_bytes=4096, min_saving=0.0, min_live=0.0)
+        resumable.Incremental(chunk_bytes=4096, min_saving=0.0, min_live=0.0, min_bytes=0)
         if version >= 2
         else False
     )

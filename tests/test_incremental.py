@@ -1,0 +1,1390 @@
+"""Incremental checkpoints (format version 2): correct, verifiable and safe to load.
+
+A job whose model has a frozen part (an embedding and a gate that no optimizer step
+changes) beside a trainable head trained by AdamW, and a buffer whose rows change one
+at a time, saves many checkpoints. Every checkpoint written while the writer remembers
+an earlier one refers to the chunks that did not change instead of writing them again.
+These tests check, with real training loops in one process:
+
+- every checkpoint that retention keeps restores bit for bit to the state saved at its
+  step, later checkpoints are v2 with ``refs``, and no committed checkpoint refers to a
+  step that is not committed (retention keeps what a kept checkpoint refers to);
+- a flipped byte in a chunk that later checkpoints share fails every checkpoint that
+  refers to it, in ``verify`` and in restore, which falls back past all of them;
+- ``resumable export`` of an incremental checkpoint equals that of a whole one;
+- hand-edited (re-signed) v2 manifests are refused with `CorruptCheckpointError`, and
+  no file outside the root is opened;
+- ``min_saving``/``min_live``/``incremental=False`` write whole (v1) checkpoints, and
+  changes of structure (resized, reshaped, retyped or new tensors, new optimizer state)
+  are written and restored exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import xxhash
+from torch import nn
+from torch.nn import functional as F
+
+from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep, StorageError
+from resumable.audit import read_audit
+from resumable.cli import main as cli
+from resumable.commit import list_committed
+from resumable.format import checksum, dtype_from_name, manifest_digest
+from resumable.policy import Entry
+from resumable.reader import CheckpointReader
+from resumable.storage import LocalStorage, Storage, open_storage
+from resumable.storage.base import Buffer, ForwardingStorage
+
+pytestmark = pytest.mark.usefixtures("sync_persist")
+
+LOGGER = "resumable"
+DATA = "rank-00000.safetensors"
+MANIFEST = "manifest.json"
+VOCAB, DIM, OUT = 1024, 64, 8  # the frozen embedding: 256 KiB of float32
+BANK_ROWS, BANK_COLS = 64, 256  # a buffer of 64 KiB, one row rewritten per step
+CHUNK = 16 << 10  # 16 chunks of embedding, 4 of bank
+SMALL_CHUNKS = Incremental(chunk_bytes=CHUNK)
+EMBEDDING = "model/base.weight"
+
+
+def dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+# --------------------------------------------------------------------------- the job
+
+
+class Net(nn.Module):
+    """Frozen embedding and gate, a trainable head, and a buffer updated row by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Embedding(VOCAB, DIM)
+        self.base.weight.requires_grad_(False)
+        self.gate = nn.Linear(DIM, DIM)
+        self.gate.requires_grad_(False)
+        self.head = nn.Linear(DIM, OUT)
+        self.register_buffer("bank", torch.zeros(BANK_ROWS, BANK_COLS))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.base(tokens).mean(1)
+        return self.head(h + self.gate(h))
+
+
+class Job:
+    """A deterministic training job; ``state`` is what it hands to the Checkpointer.
+    Every parameter is in the optimizer; the frozen ones get no gradient, so AdamW
+    neither changes them nor keeps state for them."""
+
+    def __init__(self, seed: int = 0, *, frozen: bool = True) -> None:
+        self.frozen = frozen
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = Net()
+        if not frozen:
+            self.model.requires_grad_(True)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
+        self.batches = torch.Generator().manual_seed(1000 + seed)
+        self.extra: dict[str, Any] = {
+            "buf": torch.zeros(16),
+            "counter": 0,
+            "empty": torch.empty(0, 3),
+            "flag": torch.tensor(False),
+            "half": torch.zeros(8192, dtype=torch.bfloat16),  # one 16 KiB chunk
+            "wide": torch.zeros(4096, dtype=torch.float64),  # two chunks, one changes
+        }
+        self.state: dict[str, Any] = {
+            "model": self.model,
+            "optim": self.optim,
+            "batches": self.batches,
+            "extra": self.extra,
+        }
+
+    def train(self, step: int) -> float:
+        tokens = torch.randint(0, VOCAB, (16, 4), generator=self.batches)
+        target = torch.randn(16, OUT, generator=self.batches)
+        loss = F.mse_loss(self.model(tokens), target)
+        self.optim.zero_grad()
+        loss.backward()
+        self.optim.step()
+        with torch.no_grad():
+            row = torch.arange(BANK_COLS, dtype=torch.float32) / BANK_COLS
+            self.model.bank[step % BANK_ROWS] = row + step
+            self.extra["wide"][step % 2048] = step
+            if not self.frozen:  # every tensor changes
+                self.model.bank.add_(1.0)
+                if "buf" in self.extra:
+                    self.extra["buf"].add_(1.0)
+                self.extra["flag"].logical_not_()
+                self.extra["half"].fill_(step % 200)
+                self.extra["wide"].add_(1.0)
+        self.extra["counter"] = step
+        return float(loss.item())
+
+    def record(self) -> dict[str, Any]:
+        """Copies of everything a restore must reproduce."""
+        out: dict[str, Any] = {
+            f"model/{k}": v.detach().clone() for k, v in self.model.state_dict().items()
+        }
+        sd = self.optim.state_dict()
+        for i, st in sd["state"].items():
+            for k, v in st.items():
+                out[f"optim/{i}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        out["optim/param_groups"] = copy.deepcopy(sd["param_groups"])
+        out["batches"] = self.batches.get_state().clone()
+        for k, v in self.extra.items():
+            out[f"extra/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        return out
+
+    def mismatches(self, expected: dict[str, Any]) -> list[str]:
+        actual = self.record()
+        bad = []
+        for name in sorted(set(actual) | set(expected)):
+            a, e = actual.get(name), expected.get(name)
+            if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
+                same = a.dtype == e.dtype and a.shape == e.shape and _bytes(a) == _bytes(e)
+            else:
+                same = name in actual and name in expected and a == e
+            if not same:
+                bad.append(name)
+        return bad
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rng() -> Iterator[None]:
+    """Restoring sets the global random streams; give other tests theirs back."""
+    py, npy, pt = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(pt)
+
+
+def run(
+    root: Path | str,
+    job: Job,
+    steps: Iterable[int],
+    *,
+    keep: Keep | None = None,
+    incremental: Any = SMALL_CHUNKS,
+    persist: str = "sync",
+    restore: int | None = None,
+    metrics: Callable[[int, float], float] = lambda step, loss: loss,
+    after_save: Callable[[Checkpointer, int], None] | None = None,
+    before_train: Callable[[Job, int], None] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Train and save one step at a time in one Checkpointer (one process's writer);
+    returns the state recorded at each save. ``restore``: a step to restore first (a
+    relaunch)."""
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(root, job.state, keep=keep, persist=persist, incremental=incremental) as ckpt:
+        if restore is not None:
+            assert ckpt.restore(restore) == restore
+        for step in steps:
+            if before_train is not None:
+                before_train(job, step)
+            loss = job.train(step)
+            ckpt.save(step, metrics={"loss": metrics(step, loss)})
+            ckpt.wait()
+            expected[step] = job.record()
+            if after_save is not None:
+                after_save(ckpt, step)
+    return expected
+
+
+def restored(root: Path | str, step: int, *, seed: int = 99) -> Job:
+    """A fresh job (other weights) after restoring ``step`` of ``root``."""
+    job = Job(seed=seed)
+    with Checkpointer(root, job.state, keep=None, persist="sync") as ckpt:
+        assert ckpt.restore(step) == step
+    return job
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def manifest(root: Path, step: int) -> dict[str, Any]:
+    return json.loads((root / dir_name(step) / MANIFEST).read_bytes())
+
+
+def write_manifest(root: Path, step: int, m: dict[str, Any]) -> None:
+    """Write an edited manifest re-signed, as a forger would."""
+    m["digest"] = manifest_digest(m)
+    (root / dir_name(step) / MANIFEST).write_text(json.dumps(m, indent=1))
+
+
+def committed(root: Path) -> list[int]:
+    return list_committed(open_storage(root))
+
+
+def chunk_steps(m: dict[str, Any]) -> set[int]:
+    return {c["step"] for t in m["tensors"].values() for c in t.get("chunks", []) if "step" in c}
+
+
+def own_bytes(m: dict[str, Any]) -> int:
+    return sum(f["size"] for f in m["files"].values())
+
+
+def check_references(root: Path) -> None:
+    """Every committed v2 checkpoint refers only to earlier committed checkpoints, by
+    data files they hold and byte ranges inside them; its chunks tile each tensor."""
+    steps = set(committed(root))
+    for s in sorted(steps):
+        m = manifest(root, s)
+        if m["format_version"] == 1:
+            assert "refs" not in m and all("chunks" not in t for t in m["tensors"].values())
+            continue
+        assert m["format_version"] == 2, (s, m["format_version"])
+        refs = m["refs"]
+        assert refs == sorted(set(refs)) and all(r < s for r in refs), (s, refs)
+        assert set(refs) <= steps, f"{dir_name(s)} refers to {set(refs) - steps}: not committed"
+        assert chunk_steps(m) <= set(refs), (s, chunk_steps(m), refs)
+        for name, t in m["tensors"].items():
+            assert "file" not in t and "offsets" not in t, (s, name)
+            total = 0
+            for c in t["chunks"]:
+                holder = manifest(root, c["step"]) if "step" in c else m
+                assert c["file"] in holder["files"], (s, name, c)
+                begin, end = c["offsets"]
+                assert 0 <= begin <= end <= holder["files"][c["file"]]["size"], (s, name, c)
+                total += end - begin
+            numel = int(np.prod(t["shape"])) if t["shape"] else 1
+            assert (
+                total == numel * torch.empty((), dtype=dtype_from_name(t["dtype"])).element_size()
+            )
+
+
+def closure(root: Path, steps: Iterable[int]) -> set[int]:
+    """``steps`` and every step they refer to."""
+    out, todo = set(), list(steps)
+    while todo:
+        s = todo.pop()
+        if s not in out:
+            out.add(s)
+            todo.extend(manifest(root, s).get("refs", []))
+    return out
+
+
+def audit(root: Path, event: str) -> list[dict[str, Any]]:
+    return [e for e in read_audit(open_storage(root)) if e.get("event") == event]
+
+
+# --------------------------------------------------------------------------- 1. long run
+
+
+def test_long_run_with_retention_restores_every_kept_checkpoint_exactly(tmp_path: Path) -> None:
+    """120 saves with Keep(last=2, every_steps=25, best by loss) and two pins (one by
+    the API, one by the CLI). After every save no committed checkpoint refers to a
+    missing one; at the end exactly the kept steps and what they refer to remain,
+    each restores bit for bit, and the v2 ones wrote a fraction of a whole one."""
+    root = tmp_path / "ckpt"
+    keep = Keep(last=2, every_steps=25, best=("loss", "min", 1))
+    best_step, api_pin, cli_pin, total = 42, 37, 61, 120
+
+    def after_save(ckpt: Checkpointer, step: int) -> None:
+        if step == api_pin:
+            ckpt.pin(step)
+        if step == cli_pin:
+            assert cli(["pin", str(root), str(step)]) == 0
+        check_references(root)
+
+    expected = run(
+        root,
+        Job(),
+        range(1, total + 1),
+        keep=keep,
+        metrics=lambda step, loss: 0.0 if step == best_step else loss + 1.0,
+        after_save=after_save,
+    )
+
+    steps = committed(root)
+    entries = [Entry(s, manifest(root, s)["metrics"]) for s in steps]
+    retained = keep.retained(entries, {api_pin, cli_pin})
+    assert retained == {total - 1, total, 25, 50, 75, 100, best_step, api_pin, cli_pin}
+    assert set(steps) == closure(root, retained), "retention kept too little or too much"
+    assert len(audit(root, "delete")) == total - len(steps) > 90
+
+    whole = manifest(root, 1)
+    assert 1 in steps and whole["format_version"] == 1  # the first persist is whole
+    for s in steps[1:]:
+        m = manifest(root, s)
+        assert m["format_version"] == 2 and 1 in m["refs"], (s, m.get("refs"))
+        assert {c.get("step") for c in m["tensors"][EMBEDDING]["chunks"]} == {1}
+        assert own_bytes(m) < own_bytes(whole) // 4, (s, own_bytes(m), own_bytes(whole))
+    commits = {e["step"]: e for e in audit(root, "commit")}
+    for s in steps:
+        blob = (root / dir_name(s) / MANIFEST).stat().st_size
+        assert commits[s]["bytes"] == own_bytes(manifest(root, s)) + blob, s
+
+    storage = open_storage(root)
+    for s in steps:
+        CheckpointReader(storage, s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+    check_references(root)
+
+
+def test_worker_process_writes_incrementally_and_a_relaunch_writes_whole(tmp_path: Path) -> None:
+    """The persist worker process remembers the last index too; a relaunch's first
+    persist is whole, and its later ones refer only to what it wrote itself."""
+    root = tmp_path / "ckpt"
+    job = Job()
+    expected = run(root, job, range(1, 9), keep=Keep(last=2), persist="process")
+    check_references(root)
+    assert committed(root) == [1, 7, 8]
+    assert [manifest(root, s)["format_version"] for s in (1, 7, 8)] == [1, 2, 2]
+    expected |= run(root, job, range(9, 13), keep=None, persist="process", restore=8)
+    check_references(root)
+    assert manifest(root, 9)["format_version"] == 1
+    for s in (10, 11, 12):
+        assert manifest(root, s)["format_version"] == 2
+        assert min(manifest(root, s)["refs"]) >= 9, manifest(root, s)["refs"]
+    for s in committed(root):
+        assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+# --------------------------------------------------------------------------- 2. damage
+
+
+def _chunk_range(m: dict[str, Any], name: str, index: int) -> tuple[int, int, int | None]:
+    c = m["tensors"][name]["chunks"][index]
+    return c["offsets"][0], c["offsets"][1], c.get("step")
+
+
+def refers_to(m: dict[str, Any], step: int, own: int, offset: int) -> bool:
+    """Whether the checkpoint of manifest ``m`` (of step ``own``) reads byte ``offset``
+    of step ``step``'s data file."""
+    for t in m["tensors"].values():
+        if "chunks" not in t:
+            if own == step and t["offsets"][0] <= offset < t["offsets"][1]:
+                return True
+            continue
+        for c in t["chunks"]:
+            if c.get("step", own) == step and c["offsets"][0] <= offset < c["offsets"][1]:
+                return True
+    return False
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def two_launches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
+    """Steps 1-5 by one launch (1 whole, 2-5 refer to it), 6-10 by a relaunch (6 whole,
+    7-10 refer to 6); keep=None."""
+    root = tmp_path_factory.mktemp("two") / "ckpt"
+    job = Job()
+    expected = run(root, job, range(1, 6))
+    expected |= run(root, job, range(6, 11), restore=5)
+    check_references(root)
+    assert [manifest(root, s)["format_version"] for s in range(1, 11)] == [1, 2, 2, 2, 2] * 2
+    for s in range(7, 11):
+        assert min(manifest(root, s)["refs"]) == 6
+    return root, expected
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(src, root)
+    return root
+
+
+def _verify_all(root: Path, capsys: pytest.CaptureFixture[str]) -> dict[int, bool]:
+    capsys.readouterr()
+    rc = cli(["verify", str(root), "--all", "--json"])
+    results = {r["step"]: r["ok"] for r in json.loads(capsys.readouterr().out)}
+    assert rc == (0 if all(results.values()) else 1)
+    return results
+
+
+def test_damaged_shared_chunk_fails_every_checkpoint_referring_to_it(
+    two_launches: tuple[Path, dict[int, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    src, expected = two_launches
+    root = _copy(src, tmp_path)
+    begin, end, holder = _chunk_range(manifest(root, 8), EMBEDDING, 5)
+    assert holder == 6
+    offset = (begin + end) // 2
+    flip(root / dir_name(6) / DATA, offset)
+    referring = {s for s in range(1, 11) if refers_to(manifest(root, s), 6, s, offset)}
+    assert referring == set(range(6, 11))
+
+    storage = open_storage(root)
+    for s in range(1, 11):
+        if s in referring:
+            with pytest.raises(CorruptCheckpointError):
+                CheckpointReader(storage, s).verify()
+        else:
+            CheckpointReader(storage, s).verify()
+    assert _verify_all(root, capsys) == {s: s not in referring for s in range(1, 11)}
+
+    job = Job(seed=99)
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        Checkpointer(root, job.state, keep=None) as ckpt,
+    ):
+        assert ckpt.restore() == 5
+    assert job.mismatches(expected[5]) == []
+    assert [e["step"] for e in audit(root, "skip")] == [10, 9, 8, 7, 6]
+    for s in referring:
+        assert any(dir_name(s) in r.getMessage() for r in caplog.records), s
+
+    out = tmp_path / "model.safetensors"
+    assert cli(["export", str(root), "--step", "8", "--key", "model", "--out", str(out)]) == 2
+    assert not out.exists()
+    assert cli(["export", str(root), "--key", "model", "--out", str(out)]) == 0
+    assert safetensors.torch.load_file(out)["base.weight"].equal(expected[5][EMBEDDING])
+
+
+def test_damage_no_later_checkpoint_refers_to_fails_only_its_holder(
+    two_launches: tuple[Path, dict[int, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The head of step 6 changed at step 7: damage there is step 6's alone."""
+    src, expected = two_launches
+    root = _copy(src, tmp_path)
+    begin, end = manifest(root, 6)["tensors"]["model/head.weight"]["offsets"]
+    offset = (begin + end) // 2
+    assert not any(refers_to(manifest(root, s), 6, s, offset) for s in range(7, 11))
+    flip(root / dir_name(6) / DATA, offset)
+    assert _verify_all(root, capsys) == {s: s != 6 for s in range(1, 11)}
+    assert restored(root, 10).mismatches(expected[10]) == []
+    job = Job(seed=99)
+    before = job.record()
+    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
+        ckpt.restore(6)
+    assert job.mismatches(before) == []
+    with Checkpointer(root, job.state, keep=None) as ckpt:
+        assert ckpt.restore() == 10
+    assert job.mismatches(expected[10]) == []
+
+
+def test_damaged_first_whole_checkpoint_leaves_nothing_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every checkpoint of one launch refers to its first: a flipped byte of the frozen
+    embedding there fails them all, and restore refuses to start over (as with full
+    checkpoints that are all corrupt) and leaves the state untouched."""
+    root = tmp_path / "ckpt"
+    run(root, Job(), range(1, 5))
+    begin, _, holder = _chunk_range(manifest(root, 4), EMBEDDING, 0)
+    assert holder == 1
+    flip(root / dir_name(1) / DATA, begin + 3)
+    assert _verify_all(root, capsys) == {1: False, 2: False, 3: False, 4: False}
+    job = Job(seed=99)
+    before = job.record()
+    with (
+        Checkpointer(root, job.state, keep=None) as ckpt,
+        pytest.raises(CorruptCheckpointError, match="none is valid"),
+    ):
+        ckpt.restore()
+    assert job.mismatches(before) == []
+
+
+# --------------------------------------------------------------------------- 3. export
+
+
+@pytest.mark.parametrize("incremental", [SMALL_CHUNKS, Incremental()], ids=["16KiB", "default"])
+@pytest.mark.parametrize("key", ["model", "optim", "extra"])
+def test_export_of_incremental_equals_export_of_whole(
+    incremental: Incremental, key: str, tmp_path: Path
+) -> None:
+    inc, whole = tmp_path / "inc", tmp_path / "whole"
+    expected = run(inc, Job(), range(1, 7), incremental=incremental)
+    assert run(whole, Job(), range(1, 7), incremental=False).keys() == expected.keys()
+    assert manifest(inc, 6)["format_version"] == 2
+    assert manifest(whole, 6)["format_version"] == 1
+    outs = []
+    for root in (inc, whole):
+        out = tmp_path / f"{root.name}-{key}.safetensors"
+        assert cli(["export", str(root), "--step", "6", "--key", key, "--out", str(out)]) == 0
+        outs.append(safetensors.torch.load_file(out))
+    a, b = outs
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert _bytes(a[name]) == _bytes(b[name]), name
+    if key == "model":
+        for name, t in a.items():
+            assert _bytes(t) == _bytes(expected[6][f"model/{name}"]), name
+
+
+# --------------------------------------------------------------------------- 4. hostile
+
+
+@pytest.fixture(scope="module")
+def hostile_template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
+    """Steps 1-3 by one launch (1 whole; 2 and 3 refer to 1), 4 by a relaunch (whole:
+    the same frozen bytes as step 1, in its own file)."""
+    root = tmp_path_factory.mktemp("hostile") / "ckpt"
+    job = Job()
+    expected = run(root, job, range(1, 4))
+    expected |= run(root, job, [4], restore=3)
+    assert [manifest(root, s)["format_version"] for s in (1, 2, 3, 4)] == [1, 2, 2, 1]
+    return root, expected
+
+
+def _data(root: Path, step: int, begin: int, end: int, fname: str = DATA) -> bytes:
+    return (root / dir_name(step) / fname).read_bytes()[begin:end]
+
+
+def _rehash(root: Path, m: dict[str, Any], name: str) -> None:
+    """Recompute a tensor's chunk and whole checksums from the bytes its (edited) chunks
+    name, so that only the structural checks can catch the edit."""
+    whole = b""
+    for c in m["tensors"][name]["chunks"]:
+        raw = _data(root, c.get("step", m["step"]), *c["offsets"], fname=c["file"])
+        c["xxh3_128"] = xxhash.xxh3_128_hexdigest(raw)
+        whole += raw
+    m["tensors"][name]["xxh3_64"] = checksum(whole)
+
+
+def _own_tensor(m: dict[str, Any], prefix: str) -> str:
+    """A tensor of step 3 lying in its own file, one chunk."""
+    return next(
+        n
+        for n, t in m["tensors"].items()
+        if n.startswith(prefix) and len(t["chunks"]) == 1 and "step" not in t["chunks"][0]
+    )
+
+
+def h_own_step(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][0]["step"] = 3
+    m["refs"] = sorted(set(m["refs"]) | {3})
+
+
+def h_later_step(root: Path, m: dict[str, Any]) -> None:
+    """Step 4 holds the very same embedding bytes: only "a chunk's step is earlier than
+    its own" refuses this one."""
+    b4, _ = manifest(root, 4)["tensors"][EMBEDDING]["offsets"]
+    b1 = m["tensors"][EMBEDDING]["chunks"][0]["offsets"][0]
+    for c in m["tensors"][EMBEDDING]["chunks"]:
+        assert c["step"] == 1
+        c["step"] = 4
+        c["offsets"] = [o - b1 + b4 for o in c["offsets"]]
+    _rehash(root, m, EMBEDDING)
+    m["refs"] = sorted(set(m["refs"]) | {4})
+
+
+def h_not_in_refs(root: Path, m: dict[str, Any]) -> None:
+    m["refs"] = [r for r in m["refs"] if r != 1]
+
+
+def h_ref_missing(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][2]["step"] = 2  # step 2 holds no embedding
+    m["refs"] = sorted(set(m["refs"]) | {2})
+
+
+def h_ref_absent_step(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][1]["step"] = 0
+    m["refs"] = sorted(set(m["refs"]) | {0})
+
+
+def h_holder_uncommitted(root: Path, m: dict[str, Any]) -> None:
+    """Step 1's manifest is gone (its data file stays): step 1 is not committed."""
+    (root / dir_name(1) / MANIFEST).unlink()
+
+
+def h_manifest_as_data(root: Path, m: dict[str, Any]) -> None:
+    """A small tensor read from step 1's manifest.json, checksums forged to match."""
+    name = _own_tensor(m, "model/head.bias")
+    c = m["tensors"][name]["chunks"][0]
+    c["step"], c["file"] = 1, MANIFEST
+    c["offsets"] = [0, c["offsets"][1] - c["offsets"][0]]
+    _rehash(root, m, name)
+
+
+def h_other_rank_file(root: Path, m: dict[str, Any]) -> None:
+    shutil.copy(root / dir_name(1) / DATA, root / dir_name(1) / "rank-00001.safetensors")
+    m["tensors"][EMBEDDING]["chunks"][0]["file"] = "rank-00001.safetensors"
+
+
+def h_own_file_unlisted(root: Path, m: dict[str, Any]) -> None:
+    name = _own_tensor(m, "model/head.bias")
+    c = m["tensors"][name]["chunks"][0]
+    c["file"] = MANIFEST
+    c["offsets"] = [0, c["offsets"][1] - c["offsets"][0]]
+    _rehash(root, m, name)
+
+
+def h_overlap_in_tensor(root: Path, m: dict[str, Any]) -> None:
+    c = m["tensors"][EMBEDDING]["chunks"][1]
+    c["offsets"] = [o - 8 for o in c["offsets"]]
+    _rehash(root, m, EMBEDDING)
+
+
+def h_overlap_across_tensors(root: Path, m: dict[str, Any]) -> None:
+    """exp_avg_sq read from exp_avg's bytes (same shape): checksums all agree."""
+    a = next(n for n in m["tensors"] if n.endswith("/exp_avg"))
+    b = a.replace("exp_avg", "exp_avg_sq")
+    m["tensors"][b]["chunks"] = copy.deepcopy(m["tensors"][a]["chunks"])
+    m["tensors"][b]["xxh3_64"] = m["tensors"][a]["xxh3_64"]
+
+
+def h_chunks_short(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"].pop()
+    _rehash(root, m, EMBEDDING)
+
+
+def h_chunk_shortened(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][-1]["offsets"][1] -= 4
+    _rehash(root, m, EMBEDDING)
+
+
+def h_chunk_longer(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][0]["offsets"][1] += 4
+
+
+def h_past_end(root: Path, m: dict[str, Any]) -> None:
+    size = (root / dir_name(1) / DATA).stat().st_size
+    c = m["tensors"][EMBEDDING]["chunks"][-1]
+    n = c["offsets"][1] - c["offsets"][0]
+    c["offsets"] = [size, size + n]  # no byte inside the file: no overlap to catch
+
+
+def h_reversed_range(root: Path, m: dict[str, Any]) -> None:
+    c = m["tensors"][EMBEDDING]["chunks"][3]
+    c["offsets"] = c["offsets"][::-1]
+
+
+def h_dotdot_outside(root: Path, m: dict[str, Any]) -> None:
+    """The file outside the root is a copy of step 1's data: it would checksum fine."""
+    m["tensors"][EMBEDDING]["chunks"][0]["file"] = "../../outside.safetensors"
+
+
+def h_dotdot_sibling(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][0]["file"] = f"../{dir_name(1)}/{DATA}"
+    del m["tensors"][EMBEDDING]["chunks"][0]["step"]
+
+
+def h_path_not_basename(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][0]["file"] = f"{dir_name(1)}/{DATA}"
+
+
+def h_holder_file_symlink(root: Path, m: dict[str, Any]) -> None:
+    """Step 1's data file is a link to a copy of itself outside the root: the bytes
+    would checksum fine, but nothing outside the root may be read."""
+    (root / dir_name(1) / DATA).unlink()
+    (root / dir_name(1) / DATA).symlink_to(root.parent / "outside.safetensors")
+
+
+def h_step_bool(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"][0]["step"] = True  # == 1 in Python
+
+
+def h_refs_not_list(root: Path, m: dict[str, Any]) -> None:
+    m["refs"] = 1
+
+
+def h_refs_missing(root: Path, m: dict[str, Any]) -> None:
+    del m["refs"]
+
+
+def h_v1_with_chunks(root: Path, m: dict[str, Any]) -> None:
+    m["format_version"] = 1
+
+
+def h_chunks_not_list(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["chunks"] = {"0": m["tensors"][EMBEDDING]["chunks"][0]}
+
+
+def h_chunk_no_hash(root: Path, m: dict[str, Any]) -> None:
+    del m["tensors"][EMBEDDING]["chunks"][0]["xxh3_128"]
+
+
+# name: (edit, the step a plain restore falls back to once step 4 is removed, or None
+# where the edit needs step 4; 0: nothing valid is left)
+HOSTILE: dict[str, tuple[Callable[[Path, dict[str, Any]], None], int | None]] = {
+    "chunk-step-is-own": (h_own_step, 2),
+    "chunk-step-is-later": (h_later_step, None),
+    "chunk-step-not-in-refs": (h_not_in_refs, 2),
+    "chunk-in-step-without-that-file-range": (h_ref_missing, 2),
+    "ref-to-absent-step": (h_ref_absent_step, 2),
+    "ref-to-uncommitted-step": (h_holder_uncommitted, 0),
+    "basename-is-manifest": (h_manifest_as_data, 2),
+    "basename-not-listed": (h_other_rank_file, 2),
+    "own-file-not-listed": (h_own_file_unlisted, 2),
+    "overlapping-chunks": (h_overlap_in_tensor, 2),
+    "overlapping-tensors": (h_overlap_across_tensors, 2),
+    "chunks-short-of-size": (h_chunks_short, 2),
+    "chunk-shortened": (h_chunk_shortened, 2),
+    "chunk-longer": (h_chunk_longer, 2),
+    "chunk-past-file-end": (h_past_end, 2),
+    "chunk-range-reversed": (h_reversed_range, 2),
+    "dotdot-outside-root": (h_dotdot_outside, 2),
+    "dotdot-inside-root": (h_dotdot_sibling, 2),
+    "path-not-basename": (h_path_not_basename, 2),
+    "holder-data-file-is-a-symlink-out": (h_holder_file_symlink, 0),
+    "step-is-bool": (h_step_bool, 2),
+    "refs-not-list": (h_refs_not_list, 2),
+    "refs-missing": (h_refs_missing, 2),
+    "version-1-with-chunks": (h_v1_with_chunks, 2),
+    "chunks-not-list": (h_chunks_not_list, 2),
+    "chunk-without-hash": (h_chunk_no_hash, 2),
+}
+
+
+@contextlib.contextmanager
+def opened_paths() -> Iterator[list[str]]:
+    """Normalised absolute paths of every ``os.open`` inside (``dir_fd`` resolved)."""
+    real_open = os.open
+    seen: list[str] = []
+
+    def recording_open(
+        path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None
+    ) -> int:
+        base = os.getcwd() if dir_fd is None else os.readlink(f"/proc/self/fd/{dir_fd}")
+        seen.append(os.path.normpath(os.path.join(base, os.fsdecode(path))))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    with mock.patch.object(os, "open", recording_open):
+        yield seen
+
+
+def _outside(tmp_path: Path, root: Path, paths: list[str]) -> list[str]:
+    base, inner = os.path.realpath(tmp_path), os.path.realpath(root)
+    return [
+        p
+        for p in paths
+        if os.path.realpath(p).startswith(base + os.sep)
+        and not (os.path.realpath(p) + os.sep).startswith(inner + os.sep)
+    ]
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_v2_manifest_is_refused(
+    case: str,
+    hostile_template: tuple[Path, dict[int, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, expected = hostile_template
+    root = _copy(src, tmp_path)
+    shutil.copy(root / dir_name(1) / DATA, tmp_path / "outside.safetensors")
+    edit, fallback = HOSTILE[case]
+    m = manifest(root, 3)
+    edit(root, m)
+    write_manifest(root, 3, m)
+    storage = open_storage(root)
+
+    with opened_paths() as seen, pytest.raises(CorruptCheckpointError):
+        CheckpointReader(storage, 3).verify()
+    assert _outside(tmp_path, root, seen) == []
+    capsys.readouterr()
+    assert cli(["verify", str(root), "--step", "3", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)[0]["ok"] is False
+    out = tmp_path / "model.safetensors"
+    with opened_paths() as seen:
+        rc = cli(["export", str(root), "--step", "3", "--key", "model", "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    assert [p for p in _outside(tmp_path, root, seen) if "model.safetensors" not in p] == []
+
+    job = Job(seed=99)
+    before = job.record()
+    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
+        ckpt.restore(3)
+    assert job.mismatches(before) == []
+
+    if fallback is None:
+        return
+    shutil.rmtree(root / dir_name(4))
+    with opened_paths() as seen, Checkpointer(root, job.state, keep=None) as ckpt:
+        if fallback == 0:
+            with pytest.raises(CorruptCheckpointError, match="none is valid"):
+                ckpt.restore()
+        else:
+            assert ckpt.restore() == fallback
+    assert _outside(tmp_path, root, seen) == []
+    if fallback == 0:
+        assert job.mismatches(before) == []
+    else:
+        assert job.mismatches(expected[fallback]) == []
+        assert 3 in [e["step"] for e in audit(root, "skip")]
+
+
+def test_unedited_template_is_valid(hostile_template: tuple[Path, dict[int, Any]]) -> None:
+    """The hostile cases start from valid checkpoints: each fails only by its edit."""
+    src, expected = hostile_template
+    storage = open_storage(src)
+    for s in (1, 2, 3, 4):
+        CheckpointReader(storage, s).verify()
+    m = manifest(src, 3)
+    assert m["refs"] == [1] or m["refs"] == [1, 2]
+    assert all(c["step"] == 1 for c in m["tensors"][EMBEDDING]["chunks"])
+    assert len(m["tensors"][EMBEDDING]["chunks"]) == VOCAB * DIM * 4 // CHUNK
+    assert restored(src, 3).mismatches(expected[3]) == []
+
+
+# --------------------------------------------------------------------------- 5. whole
+
+
+def _versions(root: Path) -> list[int]:
+    return [manifest(root, s)["format_version"] for s in committed(root)]
+
+
+def test_job_whose_every_tensor_changes_writes_only_v1(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    expected = run(root, Job(frozen=False), range(1, 7))
+    assert _versions(root) == [1] * 6
+    for s in (2, 6):
+        assert restored_unfrozen(root, s).mismatches(expected[s]) == []
+
+
+def restored_unfrozen(root: Path, step: int) -> Job:
+    job = Job(seed=99, frozen=False)
+    with Checkpointer(root, job.state, keep=None) as ckpt:
+        assert ckpt.restore(step) == step
+    return job
+
+
+@pytest.mark.parametrize(
+    "incremental",
+    [False, Incremental(chunk_bytes=CHUNK, min_saving=0.99), Incremental(min_live=1.0)],
+    ids=["off", "min_saving", "min_live"],
+)
+def test_whole_checkpoints_when_incremental_is_off_or_not_worth_it(
+    incremental: Any, tmp_path: Path
+) -> None:
+    """incremental=False; a saving below min_saving (the frozen part is ~90% of the
+    bytes); min_live=1.0 (every earlier checkpoint also holds bytes that changed)."""
+    root = tmp_path / "ckpt"
+    expected = run(root, Job(), range(1, 6), incremental=incremental)
+    assert _versions(root) == [1] * 5
+    sizes = {own_bytes(manifest(root, s)) for s in committed(root)}
+    assert len(sizes) == 1  # all whole, of the same size
+    assert restored(root, 5).mismatches(expected[5]) == []
+
+
+def test_reused_part_is_large_enough_for_min_saving(tmp_path: Path) -> None:
+    """The counterpart of the min_saving case above: at 0.5 the same job writes v2."""
+    root = tmp_path / "ckpt"
+    run(root, Job(), range(1, 4), incremental=Incremental(chunk_bytes=CHUNK, min_saving=0.5))
+    assert _versions(root) == [1, 2, 2]
+
+
+def _change_structure(job: Job, step: int) -> None:
+    """Before training step ``step``: change the shape of the state."""
+    if step == 3:
+        job.extra["buf"] = torch.arange(48, dtype=torch.float32)  # resized
+    if step == 4:
+        job.extra["buf"] = job.extra["buf"].reshape(6, 8).clone()  # same bytes, new shape
+    if step == 5:
+        job.extra["buf"] = job.extra["buf"].view(torch.int32).clone()  # same bytes, new dtype
+    if step == 6:
+        job.model.gate.requires_grad_(True)  # AdamW gets state for the gate
+    if step == 7:
+        job.extra["new"] = torch.full((3,), 7.0, dtype=torch.float64)
+    if step == 8:
+        del job.extra["buf"]
+
+
+def test_structure_changes_are_written_and_restored_exactly(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    job = Job()
+    expected = run(root, job, range(1, 10), before_train=_change_structure)
+    check_references(root)
+    assert _versions(root) == [1] + [2] * 8
+    buf = {s: manifest(root, s)["tensors"].get("extra/buf") for s in range(1, 10)}
+    assert [buf[s]["shape"] for s in (2, 3, 4, 5)] == [[16], [48], [6, 8], [6, 8]]
+    assert [buf[s]["dtype"] for s in (4, 5)] == ["F32", "I32"]
+    assert buf[8] is None
+    opt = {s: len(manifest(root, s)["tensors"]) for s in (5, 6)}
+    assert opt[6] == opt[5] + 6  # exp_avg, exp_avg_sq, step of gate.weight and gate.bias
+    storage = open_storage(root)
+    for s in range(1, 10):
+        CheckpointReader(storage, s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+    # and in the opposite order, into one state that keeps changing shape
+    job = Job(seed=99)
+    with Checkpointer(root, job.state, keep=None) as ckpt:
+        for s in range(9, 0, -1):
+            assert ckpt.restore(s) == s
+            assert job.mismatches(expected[s]) == [], s
+
+
+# --------------------------------------------------------------------------- retention, CLI
+
+
+def test_prune_keeps_what_the_kept_checkpoint_refers_to(
+    two_launches: tuple[Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    """``resumable prune --keep-last 1``: step 10 stays, and step 6, which holds most of
+    its bytes; everything else goes. Both still verify, and step 10 restores exactly."""
+    src, expected = two_launches
+    root = _copy(src, tmp_path)
+    assert cli(["prune", str(root), "--keep-last", "1"]) == 0
+    assert committed(root) == sorted(closure(root, [10])) == [6, 10]
+    check_references(root)
+    storage = open_storage(root)
+    for s in (6, 10):
+        CheckpointReader(storage, s).verify()
+    assert restored(root, 10).mismatches(expected[10]) == []
+
+
+def test_cli_lists_shows_and_verifies_incremental_checkpoints(
+    two_launches: tuple[Path, dict[int, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = two_launches
+    assert cli(["ls", str(root), "--verify"]) == 0
+    assert cli(["show", str(root), "--step", "8"]) == 0
+    assert cli(["verify", str(root), "--all"]) == 0
+    assert "CORRUPT" not in capsys.readouterr().out
+
+
+def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
+    """Step 1 holds a (128 KiB), b (64 KiB) and z (320 KiB). z leaves the state at step
+    3, a changes at step 5: reusing b then would save a third of step 5's bytes (above
+    min_saving), but b is only an eighth of step 1's bytes (below min_live), so step 5
+    writes b again instead of referring to step 1, and once nothing kept refers to
+    step 1 retention deletes it. min_saving = min_live = 0.25 (the defaults); a high
+    max_overhead, so that it is min_live, not the bound on a chain, that releases it."""
+    root = tmp_path / "ckpt"
+    state: dict[str, Any] = {
+        "a": torch.arange(32 << 10, dtype=torch.float32),
+        "b": torch.arange(16 << 10, dtype=torch.float32) * -1.0,
+        "c": torch.zeros(4),
+        "z": torch.ones(80 << 10),
+    }
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    inc = Incremental(max_overhead=100.0)
+    with Checkpointer(root, state, keep=Keep(last=2), persist="sync", incremental=inc) as ckpt:
+        for step in range(1, 9):
+            state["c"] += 1.0
+            if step == 3:
+                del state["z"]
+            if step == 5:
+                state["a"] += 1.0
+            ckpt.save(step)
+            expected[step] = {k: v.clone() for k, v in state.items()}
+            if step == 4:
+                assert committed(root) == [1, 3, 4]
+                assert manifest(root, 4)["refs"] == [1]
+    check_references(root)
+    assert 1 not in manifest(root, 5).get("refs", [])
+    assert 1 not in closure(root, [8])
+    assert committed(root) == sorted(closure(root, [7, 8]))
+    assert 1 not in committed(root)
+    for s in committed(root):
+        fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
+        with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
+            assert ckpt.restore(s) == s
+        assert fresh.keys() == expected[s].keys()
+        assert all(_bytes(fresh[k]) == _bytes(v) for k, v in expected[s].items()), s
+
+
+def test_mirror_holds_every_checkpoint_its_checkpoints_refer_to(tmp_path: Path) -> None:
+    """A local mirror with its own retention: every checkpoint committed there refers
+    only to checkpoints committed there, a v2 upload is its own files and manifest,
+    and the mirror alone (the local root gone) restores every step it kept exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(
+        root,
+        job.state,
+        keep=Keep(last=2),
+        mirror=str(mirror),
+        mirror_keep=Keep(last=3),
+        persist="sync",
+        incremental=SMALL_CHUNKS,
+    ) as ckpt:
+        for step in range(1, 13):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+            expected[step] = job.record()
+            check_references(mirror)
+            check_references(root)
+    assert committed(mirror) == sorted(closure(mirror, [10, 11, 12]))
+    assert 1 in committed(mirror) and manifest(mirror, 12)["format_version"] == 2
+    uploads = {e["step"]: e["bytes"] for e in audit(mirror, "commit")}
+    for s in committed(mirror):
+        if manifest(mirror, s)["format_version"] == 2:
+            blob = (mirror / dir_name(s) / MANIFEST).stat().st_size
+            assert uploads[s] == own_bytes(manifest(mirror, s)) + blob, s
+    shutil.rmtree(root)
+    storage = open_storage(mirror)
+    for s in committed(mirror):
+        CheckpointReader(storage, s).verify()
+        assert restored(mirror, s).mismatches(expected[s]) == [], s
+
+
+# --------------------------------------------------------------------------- the writer's memory
+
+
+class CrashingStorage(ForwardingStorage):
+    """A local root whose ``crash_in``-th next write/rename_dir/sync_dir (from 0) fails
+    once with a full-disk `StorageError`, leaving a torn file if it was a write."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.crash_in: int | None = None
+
+    def _crashes(self) -> bool:
+        if self.crash_in is None:
+            return False
+        if self.crash_in == 0:
+            self.crash_in = None
+            return True
+        self.crash_in -= 1
+        return False
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        if self._crashes():
+            data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+            self.inner.write(path, [data[: len(data) // 2]])
+            raise StorageError(errno.ENOSPC, f"injected crash writing {path}")
+        return self.inner.write(path, chunks)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        if self._crashes():
+            raise StorageError(errno.ENOSPC, f"injected crash renaming {src}")
+        self.inner.rename_dir(src, dst)
+
+    def sync_dir(self, path: str = "") -> None:
+        if self._crashes():
+            raise StorageError(errno.ENOSPC, f"injected crash syncing {path}")
+        self.inner.sync_dir(path)
+
+
+@pytest.mark.parametrize("crash_in", [0, 1, 2, 3])
+def test_a_failed_persist_is_never_referred_to(crash_in: int, tmp_path: Path) -> None:
+    """Step 3's persist fails before its commit (in the data write, the manifest write,
+    a sync or the rename): steps 4 and 5 refer only to committed checkpoints."""
+    root = tmp_path / "ckpt"
+    storage = CrashingStorage(LocalStorage(root))
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(
+        storage, job.state, keep=None, persist="sync", incremental=SMALL_CHUNKS
+    ) as ckpt:
+        for step in range(1, 6):
+            job.train(step)
+            if step == 3:
+                storage.crash_in = crash_in
+                with pytest.raises(StorageError, match="injected crash"):
+                    ckpt.save(step)
+                assert storage.crash_in is None
+                continue
+            ckpt.save(step)
+            expected[step] = job.record()
+    assert committed(root) == [1, 2, 4, 5]
+    check_references(root)
+    assert [manifest(root, s)["format_version"] for s in (4, 5)] == [2, 2]
+    for s in (1, 2, 4, 5):
+        CheckpointReader(open_storage(root), s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+def test_saving_a_step_again_replaces_it_with_a_valid_checkpoint(tmp_path: Path) -> None:
+    """save(3) twice (the state changed in between): the second one replaces the first,
+    and neither it nor step 4 refers to the replaced files."""
+    root = tmp_path / "ckpt"
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(root, job.state, keep=None, persist="sync", incremental=SMALL_CHUNKS) as ckpt:
+        for step in (1, 2, 3, 3, 4):
+            job.train(step)
+            ckpt.save(step)
+            expected[step] = job.record()
+            check_references(root)
+            CheckpointReader(open_storage(root), step).verify()
+    assert committed(root) == [1, 2, 3, 4]
+    for s in (1, 2, 3, 4):
+        CheckpointReader(open_storage(root), s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+def test_resuming_from_an_older_step_never_loads_a_mixed_state(tmp_path: Path) -> None:
+    """Steps 1-6, where a tensor added at step 5 is unchanged at 6 (step 6 refers to
+    step 5 for it). A relaunch restores step 3 and saves 4 and 5 again with another
+    value there: the new 4 and 5 are valid; the old step 6 either still verifies and
+    restores to exactly its own state, or is refused as corrupt - and a plain restore
+    gives one of the two states, never a mixture."""
+    root = tmp_path / "ckpt"
+
+    def late(value: float) -> Callable[[Job, int], None]:
+        def hook(job: Job, step: int) -> None:
+            if step == 5:
+                job.extra["late"] = torch.full((16 << 10,), value)  # most of step 5's own bytes
+
+        return hook
+
+    old = run(root, Job(), range(1, 7), before_train=late(1.0))
+    assert 5 in manifest(root, 6)["refs"]
+    new = run(root, Job(seed=99), (4, 5), before_train=late(2.0), restore=3)
+    storage = open_storage(root)
+    for s in (4, 5):
+        CheckpointReader(storage, s).verify()
+        assert restored(root, s).mismatches(new[s]) == [], s
+    try:
+        CheckpointReader(storage, 6).verify()
+    except CorruptCheckpointError:
+        six_valid = False
+    else:
+        six_valid = True
+        assert restored(root, 6).mismatches(old[6]) == []
+    fresh = Job(seed=99)
+    with Checkpointer(root, fresh.state, keep=None) as ckpt:
+        got = ckpt.restore()
+    assert got == (6 if six_valid else 5)
+    assert fresh.mismatches(old[6] if six_valid else new[5]) == []
+
+
+@pytest.mark.parametrize(
+    "names", [["w#0"], ["w#chunk0"], ["w#chunk0", "w#chunk0.1", "w#chunk0.2"]], ids=str
+)
+def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(
+    names: list[str], tmp_path: Path
+) -> None:
+    """A partly changed tensor's own chunks are extra entries of the data file, named
+    after the tensor; a state that has tensors of such names (dict keys ``"w#chunk0"``)
+    must still save and restore exactly, under the default options."""
+    root = tmp_path / "ckpt"
+    state: dict[str, Any] = {
+        "w": torch.zeros(4096),  # four chunks of 4 KiB
+        "frozen": torch.ones(1 << 16),
+    }
+    for i, name in enumerate(names):
+        state[name] = torch.full((4,), float(i))
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    inc = Incremental(chunk_bytes=4096)
+    with Checkpointer(root, state, keep=None, persist="sync", incremental=inc) as ckpt:
+        for step in range(1, 4):
+            state["w"][:10] += 1.0  # only the first chunk of w changes
+            ckpt.save(step)
+            expected[step] = {k: v.clone() for k, v in state.items()}
+    assert committed(root) == [1, 2, 3]
+    check_references(root)
+    w = manifest(root, 3)["tensors"]["w"]["chunks"]  # the first chunk written, the rest not
+    assert ["step" in c for c in w] == [False, True, True, True]
+    for s in (1, 2, 3):
+        fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
+        with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
+            assert ckpt.restore(s) == s
+        assert all(_bytes(fresh[k]) == _bytes(v) for k, v in expected[s].items()), s
+
+
+def test_mirror_after_resuming_from_an_older_step_stays_valid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relaunch resumes from step 1 of a mirrored run and replays steps 2-3 exactly
+    (same content, but now step 2 is written whole where the first launch wrote it
+    incrementally), then goes on to steps 4-5. The mirror already holds steps 2-3 of
+    the same content: a new checkpoint that refers to the local step 2's byte ranges
+    must not be committed there against the other layout of the mirror's step 2.
+    Every checkpoint committed in the mirror verifies, and the mirror alone restores
+    the relaunch's steps exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    options: dict[str, Any] = {"keep": None, "mirror": str(mirror), "persist": "sync"}
+    job = Job()
+    with Checkpointer(root, job.state, incremental=SMALL_CHUNKS, **options) as ckpt:
+        for step in (1, 2, 3):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+    assert [manifest(mirror, s)["format_version"] for s in (1, 2, 3)] == [1, 2, 2]
+    job = Job(seed=5)
+    expected: dict[int, dict[str, Any]] = {}
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        Checkpointer(root, job.state, incremental=SMALL_CHUNKS, **options) as ckpt,
+    ):
+        assert ckpt.restore(1) == 1
+        for step in (2, 3, 4, 5):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+            expected[step] = job.record()
+    assert manifest(root, 2)["format_version"] == 1  # the relaunch's first persist
+    assert 2 in manifest(root, 4)["refs"]
+    assert "mirroring step" not in caplog.text
+    storage = open_storage(mirror)
+    assert committed(mirror) == [1, 2, 3, 4, 5]
+    for s in committed(mirror):
+        CheckpointReader(storage, s).verify()
+    shutil.rmtree(root)
+    for s in (2, 3, 4, 5):
+        assert restored(mirror, s).mismatches(expected[s]) == [], s
+
+
+# --------------------------------------------------------------------------- object storage
+
+
+def stored_manifest(storage: Storage, step: int) -> dict[str, Any]:
+    return json.loads(storage.read(f"{dir_name(step)}/{MANIFEST}"))
+
+
+def check_stored_references(storage: Storage) -> None:
+    """`check_references` for any storage: every reference is to a committed earlier
+    step, by the basename of one of its data files, inside that file's size."""
+    steps = set(list_committed(storage))
+    for s in sorted(steps):
+        m = stored_manifest(storage, s)
+        refs = m.get("refs", [])
+        assert set(refs) <= steps and all(r < s for r in refs), (s, refs, steps)
+        for t in m["tensors"].values():
+            for c in t.get("chunks", []):
+                if "step" in c:
+                    files = stored_manifest(storage, c["step"])["files"]
+                    sizes = {k.rsplit("/", 1)[-1]: v["size"] for k, v in files.items()}
+                    assert c["step"] in refs and c["offsets"][1] <= sizes[c["file"]], (s, c)
+
+
+def test_incremental_checkpoints_on_object_storage(s3_env: Any, tmp_path: Path) -> None:
+    """On S3 (marker commits: data files under per-attempt keys), incremental
+    checkpoints refer to earlier ones by basename, retention keeps what they refer to,
+    and a relaunch that resumes from an older step writes valid checkpoints again."""
+    url = f"s3://{s3_env.new_bucket('inc')}/exp"
+    job = Job()
+    expected = run(url, job, range(1, 7), keep=Keep(last=2))
+    storage = open_storage(url)
+    check_stored_references(storage)
+    assert list_committed(storage) == [1, 5, 6]
+    assert stored_manifest(storage, 6)["format_version"] == 2
+    new = run(url, Job(seed=5), (6, 7), keep=None, restore=5)
+    check_stored_references(storage)
+    for s in list_committed(storage):
+        CheckpointReader(storage, s).verify()
+    for s, want in ((5, expected[5]), (6, new[6]), (7, new[7])):
+        assert restored(url, s).mismatches(want) == [], s
+
+
+def test_mirror_on_object_storage_after_resuming_from_an_older_step(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    """The mirror case above with an S3 mirror: a good copy (under other keys) counts as
+    mirrored, a copy laid out otherwise is uploaded again, and every checkpoint
+    committed in the mirror verifies."""
+    root, mirror = tmp_path / "ckpt", f"s3://{s3_env.new_bucket('mir')}/exp"
+    options: dict[str, Any] = {"keep": None, "mirror": mirror, "persist": "sync"}
+    job = Job()
+    with Checkpointer(root, job.state, incremental=SMALL_CHUNKS, **options) as ckpt:
+        for step in (1, 2, 3):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+    job = Job(seed=5)
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(root, job.state, incremental=SMALL_CHUNKS, **options) as ckpt:
+        assert ckpt.restore(1) == 1
+        for step in (2, 3, 4):
+            job.train(step)
+            ckpt.save(step)
+            ckpt.wait()
+            expected[step] = job.record()
+    remote = open_storage(mirror)
+    uploads = [(e["step"], e["bytes"]) for e in audit(root, "mirror_commit")]
+    sent = [s for s, b in uploads if b > 0]
+    assert sorted(sent) == [1, 2, 2, 3, 3, 4], uploads  # 2 and 3 again: laid out otherwise
+    assert list_committed(remote) == [1, 2, 3, 4]
+    check_stored_references(remote)
+    for s in (1, 2, 3, 4):
+        CheckpointReader(remote, s).verify()
+    shutil.rmtree(root)
+    for s in (2, 3, 4):
+        assert restored(mirror, s).mismatches(expected[s]) == [], s
+    # a relaunch finds its newest step mirrored already: nothing is sent again
+    job = Job(seed=7)
+    with Checkpointer(tmp_path / "other", job.state, **options) as ckpt:
+        assert ckpt.restore() == 4
+
+
+def test_a_checkpoint_deleted_by_someone_else_is_not_referred_to(tmp_path: Path) -> None:
+    """A person deletes step 1 (which steps 2 and 3 refer to) while the job runs: the
+    next persist does not refer to it, so step 4 is committed valid (written whole)
+    and step 5 refers to step 4."""
+    root = tmp_path / "ckpt"
+
+    def after_save(ckpt: Checkpointer, step: int) -> None:
+        if step == 3:
+            shutil.rmtree(root / dir_name(1))
+
+    expected = run(root, Job(), range(1, 6), after_save=after_save)
+    assert committed(root) == [2, 3, 4, 5]
+    assert manifest(root, 4)["format_version"] == 1
+    assert manifest(root, 5)["refs"] == [4]
+    storage = open_storage(root)
+    for s in (4, 5):
+        CheckpointReader(storage, s).verify()
+        assert restored(root, s).mismatches(expected[s]) == [], s
+
+
+def test_a_mirror_added_later_receives_what_the_newest_step_refers_to(tmp_path: Path) -> None:
+    """A run without a mirror saved steps 1-4 (2-4 refer to 1); a relaunch with a mirror
+    uploads its newest step at start, and step 1 before it: the mirror alone restores
+    step 4 exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    expected = run(root, Job(), range(1, 5))
+    assert manifest(root, 4)["refs"] == [1]
+    job = Job(seed=5)
+    with Checkpointer(root, job.state, keep=None, mirror=str(mirror), persist="sync") as ckpt:
+        assert ckpt.restore() == 4
+        ckpt.wait()
+    assert committed(mirror) == [1, 4]
+    storage = open_storage(mirror)
+    for s in (1, 4):
+        CheckpointReader(storage, s).verify()
+    shutil.rmtree(root)
+    assert restored(mirror, 4).mismatches(expected[4]) == []
+
+
+def test_worker_process_with_a_mirror_keeps_both_roots_consistent(tmp_path: Path) -> None:
+    """persist="process", retention in both roots, the mirror thread's local retention
+    beside the worker's persists: at the end both roots hold only checkpoints whose
+    references are committed beside them, and the mirror alone restores its newest
+    step exactly."""
+    root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
+    job = Job()
+    expected: dict[int, dict[str, Any]] = {}
+    with Checkpointer(
+        root,
+        job.state,
+        keep=Keep(last=2),
+        mirror=str(mirror),
+        mirror_keep=Keep(last=2),
+        persist="process",
+        incremental=SMALL_CHUNKS,
+    ) as ckpt:
+        for step in range(1, 16):
+            job.train(step)
+            ckpt.save(step)
+            expected[step] = job.record()
+            if step % 5 == 0:
+                ckpt.wait()
+        ckpt.wait()
+    for where in (root, mirror):
+        check_references(where)
+        storage = open_storage(where)
+        for s in committed(where):
+            CheckpointReader(storage, s).verify()
+        assert committed(where)[-1] == 15
+    shutil.rmtree(root)
+    assert restored(mirror, 15).mismatches(expected[15]) == []
