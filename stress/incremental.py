@@ -236,7 +236,7 @@ def _job(
         mirror_keep=Keep(last=3),
         shm_dir=shm,
         on_busy="skip" if memory else "wait",
-        incremental=Incremental(chunk_bytes=CHUNK, min_live=0.5),
+        incremental=Incremental(chunk_bytes=CHUNK, min_live=0.5, min_bytes=0),
     )
     got = ck.restore()
     expected = make_state()

@@ -21,13 +21,14 @@ from resumable.format import MANIFEST
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, open_storage
 
-WIDTH = 256  # each backbone weight: 256 KiB
+WIDTH = 512  # each backbone weight: 1 MiB, so the defaults write incrementally
 LAYERS = 4
 
 
 class FineTune:
-    """A frozen backbone (4 x Linear(256, 256), ~1 MiB) and a trained head (Linear(256,
-    8)) with AdamW on the head alone; batches from its own generator."""
+    """A frozen backbone (4 x Linear(512, 512), ~4 MiB: above ``Incremental``'s
+    ``min_bytes``) and a trained head (Linear(512, 8)) with AdamW on the head alone;
+    batches from its own generator."""
 
     def __init__(self, seed: int = 0) -> None:
         with torch.random.fork_rng(devices=[]):

@@ -158,7 +158,10 @@ def test_retention_cut_after_any_delete_leaves_every_listed_checkpoint_whole(
     state = incremental.make_state()
     for steps in ((1, 2, 3), (4,)):  # a new Checkpointer writes its first persist whole
         ck = incremental.checkpointer(
-            root, state, keep=None, incremental=Incremental(chunk_bytes=incremental.CHUNK)
+            root,
+            state,
+            keep=None,
+            incremental=Incremental(chunk_bytes=incremental.CHUNK, min_bytes=0),
         )
         ck.restore()
         for step in steps:
