@@ -5,14 +5,16 @@ checkpoints), while retention deletes constantly and references keep old checkpo
 alive.
 
 The state (`Net`, ~400 KiB, cut into 16 KiB chunks by ``Incremental(chunk_bytes=16 KiB,
-min_live=0.5)``):
+min_live=0.5, min_bytes=0)``, the other settings the defaults):
 
 - ``frozen``: 128 KiB (8 chunks) that never change;
 - ``slow``: 256 KiB (16 chunks); chunk ``i`` gets new values at every step ``s`` with
   ``s % 16 == i``, so each persist writes about one of its chunks and refers to the
-  others, which lie in up to 16 earlier checkpoints; the first checkpoint of a launch
-  (written whole) falls below ``min_live`` after 12 of its slow chunks changed, and
-  its live chunks are written again (the cleaner), so references move on;
+  others, which lie in up to 16 earlier checkpoints; ``min_live=0.5`` would have the
+  first, whole checkpoint of a launch written again after 12 of its slow chunks
+  changed (the cleaner), but with the default ``max_overhead`` and ``whole_every`` a
+  whole checkpoint usually releases the chain first (the details count the version 2
+  checkpoints that rewrote frozen chunks);
 - ``fast``: a Linear(64, 64) whose values change at every step.
 
 Every value depends only on the step, so the values of any checkpoint are known. Each
