@@ -60,7 +60,10 @@ MANIFEST = "manifest.json"
 VOCAB, DIM, OUT = 1024, 64, 8  # the frozen embedding: 256 KiB of float32
 BANK_ROWS, BANK_COLS = 64, 256  # a buffer of 64 KiB, one row rewritten per step
 CHUNK = 16 << 10  # 16 chunks of embedding, 4 of bank
-SMALL_CHUNKS = Incremental(chunk_bytes=CHUNK)
+# This state is small: the defaults (min_bytes=1 MiB, whole_every=10) would write it
+# whole; these tests are about what is written when it is written incrementally.
+ALWAYS = {"min_bytes": 0, "whole_every": 0}
+SMALL_CHUNKS = Incremental(chunk_bytes=CHUNK, **ALWAYS)
 EMBEDDING = "model/base.weight"
 
 
@@ -511,7 +514,9 @@ def test_damaged_first_whole_checkpoint_leaves_nothing_valid(
 # --------------------------------------------------------------------------- 3. export
 
 
-@pytest.mark.parametrize("incremental", [SMALL_CHUNKS, Incremental()], ids=["16KiB", "default"])
+@pytest.mark.parametrize(
+    "incremental", [SMALL_CHUNKS, Incremental(**ALWAYS)], ids=["16KiB", "default"]
+)
 @pytest.mark.parametrize("key", ["model", "optim", "extra"])
 def test_export_of_incremental_equals_export_of_whole(
     incremental: Incremental, key: str, tmp_path: Path
@@ -866,7 +871,11 @@ def restored_unfrozen(root: Path, step: int) -> Job:
 
 @pytest.mark.parametrize(
     "incremental",
-    [False, Incremental(chunk_bytes=CHUNK, min_saving=0.99), Incremental(min_live=1.0)],
+    [
+        False,
+        Incremental(chunk_bytes=CHUNK, min_saving=0.99, **ALWAYS),
+        Incremental(min_live=1.0, **ALWAYS),
+    ],
     ids=["off", "min_saving", "min_live"],
 )
 def test_whole_checkpoints_when_incremental_is_off_or_not_worth_it(
@@ -885,7 +894,12 @@ def test_whole_checkpoints_when_incremental_is_off_or_not_worth_it(
 def test_reused_part_is_large_enough_for_min_saving(tmp_path: Path) -> None:
     """The counterpart of the min_saving case above: at 0.5 the same job writes v2."""
     root = tmp_path / "ckpt"
-    run(root, Job(), range(1, 4), incremental=Incremental(chunk_bytes=CHUNK, min_saving=0.5))
+    run(
+        root,
+        Job(),
+        range(1, 4),
+        incremental=Incremental(chunk_bytes=CHUNK, min_saving=0.5, **ALWAYS),
+    )
     assert _versions(root) == [1, 2, 2]
 
 
@@ -973,7 +987,7 @@ def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
         "z": torch.ones(80 << 10),
     }
     expected: dict[int, dict[str, torch.Tensor]] = {}
-    inc = Incremental(max_overhead=100.0)
+    inc = Incremental(max_overhead=100.0, **ALWAYS)
     with Checkpointer(root, state, keep=Keep(last=2), persist="sync", incremental=inc) as ckpt:
         for step in range(1, 9):
             state["c"] += 1.0
@@ -1175,7 +1189,7 @@ def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(
     for i, name in enumerate(names):
         state[name] = torch.full((4,), float(i))
     expected: dict[int, dict[str, torch.Tensor]] = {}
-    inc = Incremental(chunk_bytes=4096)
+    inc = Incremental(chunk_bytes=4096, **ALWAYS)
     with Checkpointer(root, state, keep=None, persist="sync", incremental=inc) as ckpt:
         for step in range(1, 4):
             state["w"][:10] += 1.0  # only the first chunk of w changes

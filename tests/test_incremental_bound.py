@@ -103,3 +103,62 @@ def test_without_the_bound_the_chain_would_grow(tmp_path: Path) -> None:
             ckpt.save(step)
             ckpt.wait()
     assert len(manifests(root)) > 10
+
+
+def versions_of(root: Path) -> dict[int, int]:
+    return {s: m["format_version"] for s, m in manifests(root).items()}
+
+
+def test_whole_every_writes_every_nth_persist_whole(tmp_path: Path) -> None:
+    """At most ``whole_every`` checkpoints depend on one data file: persists 1, 4, 7
+    ... are written whole, the others refer to the last whole one."""
+    frozen = torch.randn(256, 64)  # never changes
+    live = torch.zeros(16)
+    inc = Incremental(chunk_bytes=CHUNK, min_bytes=0, whole_every=3)
+    root = tmp_path / "ck"
+    with Checkpointer(
+        root, {"t": {"frozen": frozen, "live": live}}, keep=None, capture_rng=False, incremental=inc
+    ) as ckpt:
+        for step in range(1, 9):
+            live += 1
+            ckpt.save(step)
+            ckpt.wait()
+    ms = manifests(root)
+    assert {s: m["format_version"] for s, m in ms.items()} == {
+        1: 1,
+        2: 2,
+        3: 2,
+        4: 1,
+        5: 2,
+        6: 2,
+        7: 1,
+        8: 2,
+    }
+    assert {s: m.get("refs") for s, m in ms.items() if "refs" in m} == {
+        2: [1],
+        3: [1],
+        5: [4],
+        6: [4],
+        8: [7],
+    }
+
+
+def test_a_small_state_keeps_writing_whole_checkpoints_by_default(tmp_path: Path) -> None:
+    """min_bytes: the default Incremental() gains nothing worth a reference on a state
+    of a few hundred KiB, however much of it is unchanged; with min_bytes=0 the same job
+    writes incrementally (so the first assertion can fail)."""
+    for name, inc, want in (
+        ("default", Incremental(), {1}),
+        ("min_bytes=0", Incremental(min_bytes=0), {1, 2}),
+    ):
+        frozen = torch.randn(1024, 64)  # 256 KiB, never changes
+        live = torch.zeros(16)
+        root = tmp_path / name
+        with Checkpointer(
+            root, {"t": {"frozen": frozen, "live": live}}, keep=None, incremental=inc
+        ) as ckpt:
+            for step in range(1, 5):
+                live += 1
+                ckpt.save(step)
+                ckpt.wait()
+        assert set(versions_of(root).values()) == want, name
