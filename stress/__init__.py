@@ -20,6 +20,7 @@ from __future__ import annotations
 CAMPAIGNS = {
     "kill": "1. kill -9 at random moments",
     "killranks": "1b. kill -9 at two ranks",
+    "incremental": "1c. kill -9 with incremental checkpoints",
     "powerloss": "2. Power-loss replay",
     "powerlossranks": "2b. Power-loss replay at two ranks",
     "ioerrors": "3. I/O errors",
@@ -37,6 +38,7 @@ CAMPAIGNS = {
 DONE = (
     "kill",
     "killranks",
+    "incremental",
     "powerloss",
     "powerlossranks",
     "ioerrors",

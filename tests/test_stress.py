@@ -23,6 +23,7 @@ from stress import (
     endurance,
     enduranceranks,
     hostile,
+    incremental,
     ioerrors,
     ioranks,
     kill,
@@ -118,6 +119,71 @@ def test_kill_at_two_ranks_small_campaign_passes() -> None:
 
 def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
     assert killranks.able_to_fail()["manifest written first"]["failures"] > 0
+
+
+def test_kill_with_incremental_checkpoints_small_campaign_passes() -> None:
+    """Version 2 checkpoints, killed in saves and in retention deletes: every listed one
+    verifies, its refs are committed, and relaunches restore bit for bit."""
+    r = incremental.run("small")
+    d = r["details"]
+    assert r["failures"] == 0, d["problems"]
+    assert d["v2_checkpoints_seen"]["root"] > 0 and d["v2_checkpoints_seen"]["mirror"] > 0
+    assert d["most_refs_of_one_checkpoint"] > 1 and d["held_only_by_a_reference_after_a_kill"] > 0
+    assert any(k.startswith("retention") for k in d["kills"])
+    assert any(k.startswith("commit") for k in d["kills"])
+    assert d["restores"].get("storage v2", 0) > 0  # a relaunch read a version 2 checkpoint
+    # a version 2 checkpoint writes its own chunks only: much less than a whole one
+    assert d["median_own_bytes"]["v2"] < d["median_own_bytes"]["v1"] / 4
+
+
+def test_kill_with_incremental_checker_catches_a_retention_that_ignores_refs() -> None:
+    assert incremental.able_to_fail()["retention ignores references"]["failures"] > 0
+
+
+def test_retention_cut_after_any_delete_leaves_every_listed_checkpoint_whole(
+    tmp_path: Path,
+) -> None:
+    """The campaign's first finding, in miniature: step 2 refers to step 1, step 3 to 1
+    and 2, step 4 (written whole after a restart) to nothing; ``Keep(last=1)`` dooms 1-3. A
+    crash after any one delete must leave no listed checkpoint that refers to a deleted
+    one, so referrers go first (newest first: refs point to smaller steps)."""
+    from resumable import Incremental, Keep
+    from resumable.audit import AuditLog
+    from resumable.commit import list_committed
+    from resumable.reader import CheckpointReader
+    from resumable.retention import apply_retention
+    from resumable.storage import LocalStorage
+
+    root = tmp_path / "root"
+    state = incremental.make_state()
+    for steps in ((1, 2, 3), (4,)):  # a new Checkpointer writes its first persist whole
+        ck = incremental.checkpointer(
+            root,
+            state,
+            keep=None,
+            incremental=Incremental(chunk_bytes=incremental.CHUNK, min_bytes=0),
+        )
+        ck.restore()
+        for step in steps:
+            incremental.set_step(state, step)
+            ck.save(step)
+        ck.close()
+    storage = LocalStorage(root)
+    refs = {s: CheckpointReader(storage, s).manifest.get("refs", []) for s in (2, 3, 4)}
+    assert refs == {2: [1], 3: [1, 2], 4: []}
+    for cut in range(3):
+        copy = tmp_path / f"cut{cut}"
+        shutil.copytree(root, copy)
+        copied = LocalStorage(copy)
+
+        def crash_after(doomed: list[int], cut: int = cut) -> Any:
+            yield from doomed[: cut + 1]
+            raise KeyboardInterrupt  # the process dies here
+
+        with pytest.raises(KeyboardInterrupt):
+            apply_retention(copied, Keep(last=1), AuditLog(copied), each=crash_after)
+        for s in list_committed(copied):
+            CheckpointReader(copied, s).verify()
 
 
 # --------------------------------------------------------------------------- campaign 2

@@ -79,8 +79,8 @@ def apply_retention(
     aside), for a caller that removes them in the background; by default at once.
     ``protect`` names more steps never to delete (the base of the writer's next
     incremental checkpoint). A checkpoint that a retained one refers to is never
-    deleted (`referenced`), so a crash at any moment of a delete cannot break a kept
-    checkpoint: deleting one that nothing kept needs is all retention ever does.
+    deleted (`referenced`), and doomed checkpoints are deleted newest first, so a crash
+    at any moment of a delete leaves no listed checkpoint that refers to a deleted one.
     """
     cache = cache if cache is not None else {}
     entries = []
@@ -125,7 +125,11 @@ def apply_retention(
     committer = committer_for(storage)
     if discard is not None and isinstance(committer, RenameCommit):
         committer.discard = discard
-    for s in each(doomed):
+    # Newest first: a reference always points to a smaller step, so every doomed
+    # checkpoint that refers to another doomed one is gone before it. Oldest first, a
+    # crash after deleting step K would leave a doomed step K+1 that refers to it
+    # listed, committed and unreadable.
+    for s in each(sorted(doomed, reverse=True)):
         committer.delete(s)
         cache.pop(s, None)
         audit.record("delete", step=s, reason="retention")

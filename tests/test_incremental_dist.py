@@ -1,0 +1,167 @@
+"""Incremental checkpoints at two ranks (gloo, torchrun): an FSDP2 model with a frozen
+backbone; both ranks write version 2 checkpoints that refer to their own earlier
+chunks, and a relaunch restores bit for bit.
+
+Run by pytest; the same file is the rank-side job
+(``torchrun --nproc-per-node=2 tests/test_incremental_dist.py PHASE OUT``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WIDTH = 128
+STEPS = 4
+
+
+def _build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Frozen Linear(128, 128) x 2, a trained Linear(128, 4); each layer its own FSDP2
+    unit (the frozen ones hold no gradient)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4))
+    for p in model[:2].parameters():
+        p.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, optim
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step * 1009 + dist.get_rank())
+    loss = model(torch.randn(8, WIDTH, generator=g)).square().mean()
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+
+
+def _job(phase: str, out: Path) -> None:
+    from dist_job import dump
+    from resumable import Checkpointer, Incremental, Keep
+
+    model, optim = _build()
+    state = {"model": model, "optim": optim}
+    report: dict[str, Any] = {}
+    if phase == "load":  # nothing of the initial values may survive the restore
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    with Checkpointer(
+        out / "root",
+        state,
+        keep=Keep(last=2),
+        incremental=Incremental(min_bytes=0),  # a small model: its frozen part < 1 MiB
+        capture_rng=False,
+        dist_timeout_s=60,
+    ) as ck:
+        report["restored"] = ck.restore()
+        if phase == "save":
+            for step in range(1, STEPS + 1):
+                _train(model, optim, step)
+                ck.save(step)
+                ck.wait()
+            dump(out, "saved", model, optim)
+        else:
+            dump(out, "restored", model, optim)
+            _train(model, optim, STEPS + 1)
+            ck.save(STEPS + 1)
+            ck.wait()
+    (out / f"{phase}-rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+
+# --------------------------------------------------------------------------- the test side
+
+
+def _chunks(entry: Any) -> list[dict[str, Any]]:
+    """Every chunk entry anywhere under a manifest's tensor entry."""
+    if isinstance(entry, dict):
+        found = list(entry.get("chunks", []))
+        return found + [c for k, v in entry.items() if k != "chunks" for c in _chunks(v)]
+    if isinstance(entry, list):
+        return [c for v in entry for c in _chunks(v)]
+    return []
+
+
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+def test_two_ranks_write_incremental_checkpoints_and_restore_them(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from conftest import tensor_bytes_equal
+    from launch import run, torchrun_cmd
+    from resumable.commit import list_committed
+    from resumable.reader import CheckpointReader
+    from resumable.storage import LocalStorage
+
+    def launch(phase: str) -> None:
+        rc, output = run(torchrun_cmd(2, Path(__file__), phase, tmp_path), timeout=240)
+        assert rc == 0, output[-6000:]
+
+    launch("save")
+    storage = LocalStorage(tmp_path / "root")
+    committed = list_committed(storage)
+    for s in committed:
+        CheckpointReader(storage, s).verify()
+    newest = CheckpointReader(storage, STEPS).manifest
+    assert newest["format_version"] == 2 and newest["refs"], newest.get("refs")
+    assert set(newest["refs"]) <= set(committed)  # kept though Keep(last=2) alone would not
+    assert {"rank-00000.safetensors", "rank-00001.safetensors"} <= {
+        f.rsplit("/", 1)[-1] for f in newest["files"]
+    }
+    chunks = _chunks(newest["tensors"])
+    reused = {c["file"].rsplit("/", 1)[-1] for c in chunks if "step" in c}
+    assert reused == {"rank-00000.safetensors", "rank-00001.safetensors"}  # both ranks refer
+    own = sum(f["size"] for f in newest["files"].values())
+    whole = sum(
+        f["size"] for f in CheckpointReader(storage, min(committed)).manifest["files"].values()
+    )
+    assert own < whole / 4
+
+    launch("load")
+    reports = [json.loads((tmp_path / f"load-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["restored"] for r in reports] == [STEPS, STEPS]
+    want, got = (
+        load_file(str(tmp_path / "saved.safetensors")),
+        load_file(str(tmp_path / "restored.safetensors")),
+    )
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not tensor_bytes_equal(got[k], want[k])] == []
+    # the first persist after a restart is whole: the writer remembers nothing across launches
+    assert CheckpointReader(storage, STEPS + 1).manifest["format_version"] == 1
+
+
+def main() -> None:
+    phase, out = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        _job(phase, out)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    from dist_job import leave
+
+    dist.barrier()
+    dist.destroy_process_group()
+    leave()  # exits 0
+
+
+if __name__ == "__main__":
+    main()
