@@ -143,6 +143,7 @@ class Settings:
     chunk_bytes: tuple[int, ...] = (4 * MiB, 64 * KiB)
     threads: int = 2
     seed: int = 0
+    min_bytes: int | None = None  # None: the library's default (toy states pass 0)
 
     @classmethod
     def quick(cls) -> Settings:
@@ -178,6 +179,7 @@ class Settings:
             emb_persists=3,
             chunk_bytes=(4 * MiB, 4 * KiB),
             threads=1,
+            min_bytes=0,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -279,10 +281,17 @@ def _checkpointer(root: Path | str, state: Mapping[str, Any], incremental: Any, 
     )
 
 
-def _incremental(chunk: int | None) -> Any:
+def _incremental(chunk: int | None, min_bytes: int | None = None) -> Any:
+    """The library's defaults, but for the chunk size (the embedding runs) and
+    ``min_bytes`` (0 at toy sizes, whose states are under its 1 MiB default)."""
     from resumable import Incremental
 
-    return Incremental() if chunk is None else Incremental(chunk_bytes=chunk)
+    kw: dict[str, int] = {}
+    if chunk is not None:
+        kw["chunk_bytes"] = chunk
+    if min_bytes is not None:
+        kw["min_bytes"] = min_bytes
+    return Incremental(**kw)
 
 
 class SideBySide:
@@ -490,7 +499,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
     n_train = sum(p.numel() for p in trainable)
     nbytes, ntensors = _state_bytes(state)
     persists = s.s3_persists if endpoint else s.ft_persists
-    modes = {"incremental": _incremental(None), "full": False}
+    modes = {"incremental": _incremental(None, s.min_bytes), "full": False}
     opts: dict[str, Any] | None = None
     mirror = None
     if endpoint is not None:
@@ -652,7 +661,7 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
     row_bytes = s.emb_dim * table.element_size()
     modes: dict[str, Any] = {"full": False}
     for chunk in s.chunk_bytes:
-        modes[_mode_key(chunk)] = _incremental(chunk)
+        modes[_mode_key(chunk)] = _incremental(chunk, s.min_bytes)
     log(
         f"embedding, {pattern}: {nbytes / MiB:.0f} MiB of state ({table_bytes / MiB:.0f} MiB "
         f"table), {s.emb_persists} persists, modes {', '.join(modes)}"
