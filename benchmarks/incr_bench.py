@@ -384,6 +384,32 @@ class SideBySide:
                         ck.close()
         return out
 
+    def time_restores(self, build: Callable[[], Any], reps: int = 3) -> dict[str, Any]:
+        """Per local root (not a mirror run's): seconds of ``restore()`` (the newest
+        checkpoint, checksums verified, into a freshly built state) over ``reps`` rounds,
+        the roots interleaved and the first rotating; the files were just written, so
+        the page cache is warm for all alike. An incremental root reads its references
+        from the earlier checkpoints' files."""
+        names = [n for n in self.roots if not self.mirror_kw[n]]
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(reps):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                fresh = build()
+                ck = _checkpointer(self.roots[name], fresh, self.modes[name])
+                try:
+                    t0 = time.perf_counter()
+                    ck.restore()
+                    times[name].append(time.perf_counter() - t0)
+                finally:
+                    ck.save_on_close = False
+                    with contextlib.suppress(Exception):
+                        ck.close()
+        return {
+            n: {"median": round(statistics.median(v), 6), "samples": [round(x, 6) for x in v]}
+            for n, v in times.items()
+            if v
+        }
+
     def close(self) -> None:
         for ck in self.cks.values():
             ck.save_on_close = False
@@ -526,6 +552,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
         sbs.close()
     got = sbs.results()
     restored = sbs.check_restores(state, build)
+    restore_s = sbs.time_restores(build) if endpoint is None else {}
     out: dict[str, Any] = {
         "model": {
             "width": s.ft_width,
@@ -545,6 +572,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
         "last_loss": round(losses[-1], 4) if losses else None,
         "modes": got,
         "restored_equal": restored,
+        "restore_s": restore_s,
         "ratios": {
             "bytes": _compare(got, "full", "incremental", "bytes"),
             "commit_s": _compare(got, "full", "incremental", "commit_s"),
@@ -708,6 +736,7 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
     got = sbs.results()
     del prev
     restored = sbs.check_restores(state, build)
+    restore_s = sbs.time_restores(build)
     full_med = (got.get("full", {}).get("bytes") or {}).get("median")
     summary: dict[str, Any] = {}
     for chunk in s.chunk_bytes:
@@ -750,6 +779,7 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
         "rows_changed_pct_max": max(rows_pct) if rows_pct else None,
         "modes": got,
         "restored_equal": restored,
+        "restore_s": restore_s,
         "summary": summary,
     }
 

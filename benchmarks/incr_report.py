@@ -132,7 +132,8 @@ def _finetune_lines(ft: Any, mirror: bool) -> list[str]:
     where = " (from the mirror alone: a new checkpointer on an empty local root)"
     lines += [
         "",
-        f"Restored state equal to the live one{where if mirror else ''}: {_restored(ft)}.",
+        f"Restored state equal to the live one{where if mirror else ''}: {_restored(ft)}."
+        + ("" if mirror else _restore_times(ft)),
     ]
     return lines
 
@@ -161,6 +162,28 @@ def _growth(e: Any) -> str | None:
         f"{a.get('checkpoints_on_disk')} checkpoints ({_mib(a['root_bytes'])} MiB) after "
         f"the second persist, {b.get('checkpoints_on_disk')} ({_mib(b['root_bytes'])} MiB) "
         f"after the last, {per / MiB:+.1f} MiB per persist"
+    )
+
+
+def _restore_times(e: Any) -> str:
+    """The restore timings of one run (``time_restores``), as a sentence, each mode's
+    median ÷ the whole root's (issue 15's goal: an incremental checkpoint restores in at
+    most 1.1x the time of a whole one of the same state)."""
+    t = e.get("restore_s") if isinstance(e, dict) else None
+    if not isinstance(t, dict) or not t:
+        return ""
+    whole = (t.get("full") or {}).get("median")
+    parts = []
+    for name, v in t.items():
+        med = v.get("median") if isinstance(v, dict) else None
+        if med is None:
+            continue
+        ratio = f" ({med / whole:.2f}x the whole root's)" if whole and name != "full" else ""
+        parts.append(f"{name} {med:.3f} s{ratio}")
+    n = max((len(v.get("samples", [])) for v in t.values() if isinstance(v, dict)), default=0)
+    return (
+        f" Restore of the newest checkpoint (warm page cache, checksums verified, median of "
+        f"{n}, the roots interleaved): " + ", ".join(parts) + "."
     )
 
 
@@ -285,6 +308,9 @@ def _embedding_lines(emb: Any, touch: Any = None) -> list[str]:
     ]
     if checks:
         lines += ["", f"Restored state equal to the live one: {'; '.join(checks)}."]
+    for p, e in emb.items():
+        if isinstance(e, dict) and _restore_times(e):
+            lines += ["", f"{p.capitalize()}:{_restore_times(e)}"]
     return lines
 
 

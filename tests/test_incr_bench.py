@@ -55,6 +55,9 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
     assert ft["incremental"]["persists"][0]["format_version"] in (None, 1)
     assert incr_result["finetune"]["model"]["frozen_pct"] >= 90
     assert incr_result["finetune"]["restored_equal"] == {"incremental": True, "full": True}
+    timed = incr_result["finetune"]["restore_s"]  # every local root's restore, timed
+    assert set(timed) == {"incremental", "full"}
+    assert all(len(t["samples"]) == 3 and t["median"] > 0 for t in timed.values())
     s3 = incr_result["finetune_s3"]
     if find_weed() is not None:
         for e in _modes(s3).values():
@@ -72,6 +75,7 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
             assert iv["changed_outside_drawn"] == 0  # SGD touched the drawn rows only
         assert set(e["summary"]) == {"incr_4MiB", "incr_4KiB"}
         assert e["restored_equal"] == dict.fromkeys(modes, True)
+        assert set(e["restore_s"]) == set(modes)
     touch = incr_result["touch_model"]["patterns"]
     assert set(touch) == {"zipf s=1", "zipf s=1.1", "zipf s=1.2", "zipf s=1.5", "uniform"}
     goals = incr_result["goals"]
