@@ -398,6 +398,21 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _idle_fds(root: Path, timeout: float = 5.0) -> int:
+    """`_fds` once the persist worker's thread that removes deleted checkpoints is idle
+    (it runs after ``wait()`` returns, with a directory or two open while it works): no
+    ``.trash-`` directory left in ``root`` and the count the same 50 ms apart."""
+    deadline = time.monotonic() + timeout
+    last = _fds()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _fds()
+        if now == last and not any(p.name.startswith(".trash-") for p in root.iterdir()):
+            return now
+        last = now
+    return last
+
+
 def test_memory_and_descriptors_flat_over_1000_saves(tmp_path: Path, shm_dir: Path) -> None:
     torch.manual_seed(0)
     state = {"w": {f"t{i}": torch.randn(256, 256) for i in range(16)}}  # 4 MiB
@@ -413,12 +428,12 @@ def test_memory_and_descriptors_flat_over_1000_saves(tmp_path: Path, shm_dir: Pa
     for step in range(1, 101):
         ck.maybe_save(step)
     ck.wait()
-    rss0, fds0 = _rss_kib(), _fds()
+    rss0, fds0 = _rss_kib(), _idle_fds(tmp_path / "ck")
     for step in range(101, 1101):
         state["w"]["t0"].add_(1)
         ck.maybe_save(step)
     ck.wait()
-    rss1, fds1 = _rss_kib(), _fds()
+    rss1, fds1 = _rss_kib(), _idle_fds(tmp_path / "ck")
     ck.close()
     assert fds1 <= fds0 + 2, f"descriptors grew {fds0} -> {fds1}"
     # Two arenas are 8 MiB; allow noise but not a per-save leak (1000 x 4 MiB).
