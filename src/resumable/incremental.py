@@ -157,6 +157,7 @@ class Record:
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    checksum: str  # the tensor's XXH3-64, as in the manifest
 
 
 @dataclass
@@ -168,6 +169,7 @@ class SlotPlan:
     ranges: list[tuple[int, int]]
     hashes: list[str]
     reuse: list[Chunk | None]
+    checksum: str | None = None  # the XXH3-64 it had, if every chunk is unchanged
 
     @property
     def whole(self) -> bool:
@@ -238,6 +240,11 @@ class DeltaBase:
                 and len(prev.chunks) == len(hashes)
             )
             reuse: list[Chunk | None] = []
+            unchanged = (
+                same
+                and prev is not None
+                and all(c.hash == h for c, h in zip(prev.chunks, hashes, strict=True))
+            )
             for i, h in enumerate(hashes):
                 old = prev.chunks[i] if same and prev is not None else None
                 if old is not None and old.hash == h and old.step is not None and old.step < step:
@@ -245,7 +252,9 @@ class DeltaBase:
                     live[old.step] += old.end - old.begin
                 else:
                     reuse.append(None)
-            plans.append(SlotPlan(s, ranges, hashes, reuse))
+            plans.append(
+                SlotPlan(s, ranges, hashes, reuse, prev.checksum if unchanged and prev else None)
+            )
         dead = {k for k, v in live.items() if v < self.config.min_live * self.held.get(k, v)}
         reused = 0
         for p in plans:
@@ -284,6 +293,7 @@ class DeltaBase:
                     c if c.step is not None else Chunk(c.hash, step, c.file, c.begin, c.end)
                     for c in r.chunks
                 ),
+                r.checksum,
             )
             for name, r in plan.records.items()
         }

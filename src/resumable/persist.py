@@ -135,8 +135,11 @@ def file_index(
     2); the returned `Plan` becomes the base once the checkpoint is committed."""
     data = snapshot.memory()
     meta = {"format": "pt", "producer": "resumable", "step": str(step)}
-    sums = {s.name: checksum(data[s.begin : s.end]) for s in snapshot.slots}
     plan = base.plan(snapshot.slots, data, step) if base is not None else None
+    # A tensor whose every chunk hashes as before has the checksum it had (its bytes
+    # are the same): hashing a frozen model's bytes once per persist is enough.
+    known = {p.slot.name: p.checksum for p in plan.slots if p.checksum} if plan else {}
+    sums = {s.name: known.get(s.name) or checksum(data[s.begin : s.end]) for s in snapshot.slots}
     if plan is not None and plan.incremental:
         header, buffers, tensors = _incremental_file(snapshot, data, fname, meta, sums, plan)
     else:
@@ -164,6 +167,7 @@ def file_index(
                         Chunk(h, None, base_name, b0 + b, b0 + e)
                         for (b, e), h in zip(p.ranges, p.hashes, strict=True)
                     ),
+                    sums[p.slot.name],
                 )
             plan.held = snapshot.nbytes
     for name, entry in tensors.items():
@@ -246,7 +250,9 @@ def _incremental_file(
             CHECKSUM: sums[p.slot.name],
             "chunks": chunks,
         }
-        plan.records[p.slot.name] = Record(p.slot.dtype, tuple(p.slot.shape), tuple(records))
+        plan.records[p.slot.name] = Record(
+            p.slot.dtype, tuple(p.slot.shape), tuple(records), sums[p.slot.name]
+        )
     plan.held = offset
     buffers: list[Any] = []
     for b, e in _coalesce(spans):

@@ -230,14 +230,22 @@ class CheckpointReader:
                 for n in names_in_file:
                     _, b, e = locations[n][0]
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
+        maps: dict[str, Any] = {}  # each file mapped once for all its chunks
         for name in wanted:
-            if len(locations[name]) > 1:  # chunks in several places: read into one buffer
+            if len(locations[name]) > 1:  # chunks in several places: copied into one buffer
                 total = sum(e - b for _, b, e in locations[name])
                 buf = torch.empty(total, dtype=torch.uint8)
-                view, pos = byte_view(buf) if total else memoryview(b""), 0
+                pos = 0
                 for path, b, e in locations[name]:
                     if e > b:
-                        self.storage.read_into(path, b, view[pos : pos + e - b])
+                        if path not in maps:
+                            maps[path] = self.storage.map_file(path)
+                        mm = maps[path]
+                        if mm is not None and e <= len(mm):
+                            src = torch.frombuffer(mm, dtype=torch.uint8, offset=b, count=e - b)
+                            buf[pos : pos + e - b].copy_(src)
+                        else:
+                            self.storage.read_into(path, b, byte_view(buf[pos : pos + e - b]))
                     pos += e - b
                 out[name] = self._tensor(name, buf, 0, total, verify)
         return out
