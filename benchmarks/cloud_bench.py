@@ -14,8 +14,9 @@ and Azurite (both in memory), SeaweedFS.
 
 Measured, interleaved round-robin (rep 0 of every method, then rep 1, ...):
 
-- per store: ``Checkpointer(url, persist="sync").save(step)`` (write, commit marker,
-  audit); the plain ``open(key, "wb")`` streaming write of the same bytes with the same
+- per store: ``Checkpointer(url, persist="sync", incremental=False).save(step)`` (write,
+  commit marker, audit; full checkpoints, since the state does not change between
+  saves); the plain ``open(key, "wb")`` streaming write of the same bytes with the same
   fsspec filesystem and block size (what the backend's `write` does, without resumable
   around it) and one ``pipe_file`` of them; ``restore()`` into live tensors through a
   fresh ``Checkpointer``; the plain ``cat_file`` of the same bytes;
@@ -100,7 +101,8 @@ def _store_phase(
     log(f"{name}: {len(raw) / MiB:.0f} MiB, {reps} reps, at {server.endpoint}")
 
     ck = resumable.Checkpointer(url, state, keep=resumable.Keep(last=1), persist="sync",
-                                capture_rng=False, storage_options=options)  # fmt: skip
+                                capture_rng=False, storage_options=options,
+                                incremental=False)  # fmt: skip
     ck.save(0)  # warm-up: the probe, the first connections
     ck.wait()
 

@@ -200,6 +200,8 @@ def main() -> None:
         {"engine": DeepSpeedState(a)},
         keep=Keep(last=1),
         save_on_close=False,
+        # full checkpoints, as DeepSpeed writes: the state does not change between saves
+        incremental=False,
     )
     sync = Checkpointer(
         roots["resumable_sync"],
@@ -207,6 +209,7 @@ def main() -> None:
         persist="sync",
         keep=Keep(last=1),
         save_on_close=False,
+        incremental=False,
     )
 
     def tag(i: int) -> str:

@@ -319,6 +319,9 @@ def main() -> None:
         a.scheduler,
         keep=Keep(last=1),
         save_on_close=False,
+        # full checkpoints, as dist_checkpointing writes: the state does not change
+        # between saves
+        incremental=False,
     )
     sync = checkpointer(
         roots["resumable_sync"],
@@ -328,6 +331,7 @@ def main() -> None:
         persist="sync",
         keep=Keep(last=1),
         save_on_close=False,
+        incremental=False,
     )
 
     def tag(name: str, i: int) -> Path:

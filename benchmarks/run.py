@@ -10,8 +10,12 @@ its median) and regenerates ``docs/performance.md`` from it (`report.py`).
 Order of a run: build the state; memory phase (copy floor interleaved with resumable
 memory snapshots); write floors; saves of every method interleaved round-robin (rep 0
 of each, then rep 1, ...; rep 0 is reported apart as "first" since it allocates, spawns
-or warms up); read floors and restores (cold page cache first when this process may
-drop it, then warm), again interleaved; DLRover in its own environment; end to end;
+or warms up; between rounds every byte of the state changes, XORed with a mask of the
+round that the last round undoes, so that each save writes a changed state: a full
+persist, incremental checkpoints (on by default) included, which `incr_bench.py`
+measures on states that change in part); read floors and restores (cold page cache
+first when this process may drop it, then warm), again interleaved; DLRover in its own
+environment; end to end;
 object storage (`s3_bench.py`: a SeaweedFS server on loopback, resumable on ``s3://``
 beside a plain parallel upload and download of the same bytes by the same client);
 several ranks (`dist_bench.py`: an FSDP2 model at world sizes 1, 2 and 4 under torchrun,
@@ -226,11 +230,16 @@ def write_floors(work: Path, nbytes: int, reps: int, out: dict[str, Any]) -> Pat
 
 
 def save_phase(
-    methods: list[peers.SaveMethod], probe: CopyProbe, reps: int, out: dict[str, Any]
+    methods: list[peers.SaveMethod], probe: CopyProbe, tree: Any, reps: int, out: dict[str, Any]
 ) -> None:
     samples: dict[str, dict[str, list[float]]] = {m.name: {} for m in methods}
     alive = list(methods)
+    assert reps < 255, "the masks are bytes"
     for i in range(reps + 1):
+        # Round i saves the built state XORed byte by byte with reps - i: every byte
+        # differs from the round before, and the last round saves the state as built
+        # (what the restores check against).
+        _xor_bytes(tree, (reps - i) ^ (reps - i + 1) if i > 0 else reps)
         if i > 0:
             probe.once("save")
         for m in list(alive):
@@ -252,6 +261,17 @@ def save_phase(
         for k, vals in samples[m.name].items():
             entry[f"save_{k}"] = stat(vals[1:], first=round(vals[0], 6))
     methods[:] = alive
+
+
+def _xor_bytes(tree: Any, mask: int) -> None:
+    """Every byte of every tensor of ``tree`` XORed with ``mask`` (in place; its own
+    inverse)."""
+    if not mask:
+        return
+    with torch.no_grad():
+        for _, t in state_mod.iter_tensors(tree):
+            if t.numel():
+                t.detach().reshape(-1).view(torch.uint8).bitwise_xor_(mask)
 
 
 def restore_phase(
@@ -511,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             out["floors"], "write", lambda: write_floors(work, nbytes, args.reps, out)
         )
         log("saves, round-robin")
-        save_phase(methods, probe, args.reps, out)
+        save_phase(methods, probe, tree, args.reps, out)
         log("restores and read floors")
         restore_phase(methods, probe, tree, ref, read_file, args.reps, not args.no_drop_caches, out)
     finally:

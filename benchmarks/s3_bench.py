@@ -25,6 +25,9 @@ the saves is reported apart as *first*), each round starting with the next metho
   ``put_object`` of them; and the tiered mode ``Checkpointer(local_dir,
   mirror="s3://...", persist="process")``: ``save()`` blocking, ``save()`` + ``wait()``
   (local commit, then the mirror upload), and the mirror upload the library timed;
+  both with ``incremental=False``: the state does not change between saves, so an
+  incremental checkpoint would move nothing after the first (``incr_bench.py``
+  measures incremental checkpoints and their upload);
 - restores into live tensors: a fresh ``Checkpointer`` on an empty local directory with
   the bucket as ``mirror``, and one directly on ``s3://`` (both ``persist="sync"``, so
   no worker process starts during the restore); the plain ``download_fileobj`` of the
@@ -248,6 +251,7 @@ def _measure(
         keep=keep,
         capture_rng=False,
         storage_options=opts,
+        incremental=False,  # the state does not change between saves (module docstring)
     )
     tiered_ck = resumable.Checkpointer(
         root / "tiered-local",
@@ -258,6 +262,7 @@ def _measure(
         mirror_keep=keep,
         capture_rng=False,
         storage_options=opts,
+        incremental=False,
     )
     saves: dict[str, list[float]] = {}
 

@@ -465,6 +465,69 @@ def test_damaged_shared_chunk_fails_every_checkpoint_referring_to_it(
     assert safetensors.torch.load_file(out)["base.weight"].equal(expected[5][EMBEDDING])
 
 
+BANK = "model/bank"
+
+
+def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
+    two_launches: tuple[Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    """The bank of step 10: its first chunk is step 10's own, the rest step 6's. Given a
+    destination, the reader checks the checksum over the chunks where they lie and
+    returns the destination untouched; `fill` then copies the chunks in. A flipped
+    byte in step 6's part fails the read before anything is copied."""
+    src, expected = two_launches
+    root = _copy(src, tmp_path)
+    m = manifest(root, 10)
+    assert [c.get("step") for c in m["tensors"][BANK]["chunks"]] == [None, 6, 6, 6]
+    dest = torch.full((BANK_ROWS, BANK_COLS), -1.0)
+    reader = CheckpointReader(open_storage(root), 10)
+    reader.check_files()
+    got = reader.tensors([BANK, "extra/wide"], into={BANK: dest})
+    assert got[BANK] is dest
+    assert bool((dest == -1.0).all())  # nothing copied yet
+    assert got["extra/wide"].equal(expected[10]["extra/wide"])  # no destination: a buffer
+    reader.fill()
+    assert dest.equal(expected[10][BANK])
+
+    # A restore hands the reader the live bank (a module's buffer) as its destination.
+    filled: list[torch.Tensor] = []
+    fill = CheckpointReader.fill
+
+    def spy(self: CheckpointReader) -> None:
+        filled.extend(d for d, _ in self._fills)
+        fill(self)
+
+    job = Job(seed=99)
+    with (
+        mock.patch.object(CheckpointReader, "fill", spy),
+        Checkpointer(root, job.state, keep=None) as ckpt,
+    ):
+        assert ckpt.restore() == 10
+    assert [d.data_ptr() for d in filled] == [job.model.bank.data_ptr()]
+    assert job.mismatches(expected[10]) == []
+
+    begin, end, holder = _chunk_range(m, BANK, 2)
+    assert holder == 6
+    flip(root / dir_name(6) / DATA, (begin + end) // 2)
+    dest.fill_(-1.0)
+    reader = CheckpointReader(open_storage(root), 10)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'model/bank'"):
+        reader.tensors([BANK], into={BANK: dest})
+    reader.fill()
+    assert bool((dest == -1.0).all())
+
+    # A restore: every checkpoint that reads the damaged chunk fails before the live
+    # state changes; the newest one that does not is restored exactly.
+    job = Job(seed=99)
+    before = job.record()
+    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
+        ckpt.restore(10)
+    assert job.mismatches(before) == []
+    with Checkpointer(root, job.state, keep=None) as ckpt:
+        assert ckpt.restore() == 5
+    assert job.mismatches(expected[5]) == []
+
+
 def test_damage_no_later_checkpoint_refers_to_fails_only_its_holder(
     two_launches: tuple[Path, dict[int, Any]],
     tmp_path: Path,

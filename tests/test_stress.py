@@ -497,8 +497,7 @@ def test_endurance_small_campaign_passes() -> None:
         [
             sys.executable,
             "-c",
-            "import json; from stress import endurance; "
-            "print(json.dumps(endurance.run('small')))",
+            "import json; from stress import endurance; print(json.dumps(endurance.run('small')))",
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},

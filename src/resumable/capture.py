@@ -674,6 +674,7 @@ def restore(
     *,
     borrowed: bool = False,
     strict: bool = True,
+    prepare: Callable[[], None] | None = None,
 ) -> list[str]:
     """Load decoded ``values`` into the live objects of ``state``, and the RNG streams.
 
@@ -693,6 +694,9 @@ def restore(
     the state lacks are ignored. Returns what was left or ignored, one line each (also
     the checkpoint's top-level keys the state lacks, which are ignored in either mode),
     for the caller to report. Shapes, classes and structure must still fit.
+
+    ``prepare``: called once the checks that come before any live object is touched
+    have passed, before the first is (a reader's `fill` of live tensors it verified).
     """
     if not isinstance(values, Mapping):
         raise CorruptCheckpointError(
@@ -714,6 +718,8 @@ def restore(
             "the same state keys it was saved with, or start a new checkpoint directory"
         )
     check_classes(state, values.get(CLASSES_KEY))
+    if prepare is not None:
+        prepare()
     for key, obj in state.items():
         if key not in values:
             continue

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import xxhash
 
 from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, NewerFormatError
@@ -40,14 +41,20 @@ from resumable.storage.base import Storage
 class CheckpointReader:
     """One committed checkpoint of ``storage``; reads lazily and caches the manifest."""
 
-    def __init__(self, storage: Storage, step: int) -> None:
+    def __init__(self, storage: Storage, step: int, *, files_only: bool = False) -> None:
         self.storage = storage
         self.step = step
+        # An earlier checkpoint read only for the files a newer one refers to: its
+        # manifest is checked up to its file entries (`decode_manifest`'s files_only).
+        self._files_only = files_only
         self.dir = step_dir(step)
         self.where = f"checkpoint {self.dir} in {storage.url}"
         self._manifest: dict[str, Any] | None = None
         self.mapped = False  # whether tensors() returned views of mapped files
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
+        # Tensors `tensors` returned unassembled, and where their chunks lie: (the
+        # tensor, [(byte position in it, source bytes)]), for `fill`.
+        self._fills: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = []
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -62,7 +69,7 @@ class CheckpointReader:
                 raw = self.storage.read(path)
             except FileNotFoundError as exc:
                 raise CorruptCheckpointError(f"{self.where}: manifest is missing") from exc
-            m = decode_manifest(raw, where=self.where)
+            m = decode_manifest(raw, where=self.where, files_only=self._files_only)
             if m["step"] != self.step:
                 raise CorruptCheckpointError(
                     f"{self.where}: manifest says step {m['step']}, directory says {self.step}"
@@ -157,7 +164,7 @@ class CheckpointReader:
         """The earlier checkpoint ``step`` that this one refers to, its manifest read."""
         holder = self._holders.get(step)
         if holder is None:
-            holder = CheckpointReader(self.storage, step)
+            holder = CheckpointReader(self.storage, step, files_only=True)
             try:
                 holder.manifest  # noqa: B018 - read and validated now
             except (CorruptCheckpointError, NewerFormatError) as exc:
@@ -200,10 +207,24 @@ class CheckpointReader:
         return merged
 
     def tensors(
-        self, names: Iterable[str] | None = None, *, verify: bool = True
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        verify: bool = True,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Read (and by default checksum) tensors, as CPU tensors. All of a file's
-        tensors are read with one sequential read of its data span."""
+        tensors are read with one sequential read of its data span.
+
+        ``into``: where the caller will copy a tensor anyway (the live tensor of the
+        same name, shape and dtype). A tensor whose bytes lie in several places (a
+        version 2 entry with chunks in earlier checkpoints) is then not assembled in a
+        buffer of its own: its checksum is computed over the chunks where they lie
+        (files mapped), and the tensor returned is the ``into`` one, still unchanged;
+        `fill` copies the chunks into it. The caller calls `fill` once it is about to
+        copy every value into the live state, so that nothing live changes before the
+        whole checkpoint was read and verified."""
+        assert not self._files_only, "a files-only reader reads no tensors"
         m = self.manifest
         index = m["tensors"]
         wanted = list(index) if names is None else list(names)
@@ -230,25 +251,82 @@ class CheckpointReader:
                 for n in names_in_file:
                     _, b, e = locations[n][0]
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
-        maps: dict[str, Any] = {}  # each file mapped once for all its chunks
+        maps: dict[str, torch.Tensor | None] = {}  # each file mapped once for all its chunks
+
+        def mapped(path: str, end: int) -> torch.Tensor | None:
+            if path not in maps:
+                mm = self.storage.map_file(path)
+                maps[path] = None if mm is None else torch.frombuffer(mm, dtype=torch.uint8)
+            whole = maps[path]
+            return whole if whole is not None and end <= whole.numel() else None
+
         for name in wanted:
-            if len(locations[name]) > 1:  # chunks in several places: copied into one buffer
-                total = sum(e - b for _, b, e in locations[name])
-                buf = torch.empty(total, dtype=torch.uint8)
-                pos = 0
-                for path, b, e in locations[name]:
-                    if e > b:
-                        if path not in maps:
-                            maps[path] = self.storage.map_file(path)
-                        mm = maps[path]
-                        if mm is not None and e <= len(mm):
-                            src = torch.frombuffer(mm, dtype=torch.uint8, offset=b, count=e - b)
-                            buf[pos : pos + e - b].copy_(src)
-                        else:
-                            self.storage.read_into(path, b, byte_view(buf[pos : pos + e - b]))
-                    pos += e - b
-                out[name] = self._tensor(name, buf, 0, total, verify)
+            if len(locations[name]) == 1:
+                continue
+            # chunks in several places
+            dest = self._destination(name, (into or {}).get(name))
+            if dest is not None and verify:
+                sources = [mapped(path, e) for path, _, e in locations[name]]
+                if all(src is not None for src in sources):
+                    digest = xxhash.xxh3_64()
+                    copies = []
+                    pos = 0
+                    for src, (_, b, e) in zip(sources, locations[name]):
+                        assert src is not None
+                        digest.update(byte_view(src[b:e]))
+                        copies.append((pos, src[b:e]))
+                        pos += e - b
+                    self._check_sum(name, digest.hexdigest())
+                    self._fills.append((dest, copies))
+                    out[name] = dest
+                    continue
+            total = sum(e - b for _, b, e in locations[name])
+            buf = torch.empty(total, dtype=torch.uint8)
+            pos = 0
+            for path, b, e in locations[name]:
+                if e > b:
+                    src = mapped(path, e)
+                    if src is not None:
+                        buf[pos : pos + e - b].copy_(src[b:e])
+                    else:
+                        self.storage.read_into(path, b, byte_view(buf[pos : pos + e - b]))
+                pos += e - b
+            out[name] = self._tensor(name, buf, 0, total, verify)
         return out
+
+    def _destination(self, name: str, dest: torch.Tensor | None) -> torch.Tensor | None:
+        """``dest`` as a flat byte view, if a verified tensor ``name`` can be copied
+        straight into it: a contiguous CPU tensor of its dtype and shape."""
+        info = self.manifest["tensors"][name]
+        if (
+            not isinstance(dest, torch.Tensor)
+            or type(dest) not in (torch.Tensor, torch.nn.Parameter)
+            or dest.device.type != "cpu"
+            or not dest.is_contiguous()
+            or dest.numel() == 0
+            or dest.dtype != dtype_from_name(info["dtype"])
+            or list(dest.shape) != info["shape"]
+        ):
+            return None
+        return dest
+
+    def fill(self) -> None:
+        """Copy the chunks of the tensors `tensors` returned unassembled (``into``)
+        into them; once."""
+        fills, self._fills = self._fills, []
+        with torch.no_grad():
+            for dest, copies in fills:
+                flat = dest.detach().view(-1).view(torch.uint8)
+                for pos, src in copies:
+                    flat[pos : pos + src.numel()].copy_(src)
+
+    def _check_sum(self, name: str, got: str) -> None:
+        want = self.manifest["tensors"][name][CHECKSUM]
+        if got != want:
+            raise CorruptCheckpointError(
+                f"{self.where}: checksum mismatch in tensor {name!r} "
+                f"(expected {want}, found {got}); the file is damaged"
+            )
 
     def _read(self, path: str, offset: int, length: int) -> torch.Tensor:
         """Bytes ``[offset, offset + length)`` of a data file: a view of the file mapped
@@ -269,12 +347,7 @@ class CheckpointReader:
         info = self.manifest["tensors"][name]
         raw = buf[b:e]
         if verify:
-            got = checksum(byte_view(raw)) if e > b else checksum(b"")
-            if got != info[CHECKSUM]:
-                raise CorruptCheckpointError(
-                    f"{self.where}: checksum mismatch in tensor {name!r} "
-                    f"(expected {info[CHECKSUM]}, found {got}); the file is damaged"
-                )
+            self._check_sum(name, checksum(byte_view(raw)) if e > b else checksum(b""))
         dtype = dtype_from_name(info["dtype"])
         if raw.storage_offset() % _itemsize(dtype) != 0:
             raw = raw.clone()

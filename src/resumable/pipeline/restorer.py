@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,7 +314,7 @@ class Restorer:
             try:
                 # Raises CorruptCheckpointError or StateMismatchError only before
                 # touching a live object.
-                self._apply(values, skip, borrowed=reader.mapped)
+                self._apply(values, skip, borrowed=reader.mapped, prepare=reader.fill)
             except CorruptCheckpointError as exc:
                 last = exc
                 self._skip(s, root, exc, skipped)
@@ -384,7 +384,8 @@ class Restorer:
         if plain and not any(True for _ in capture_mod.global_refs(trees[0])):
             live = capture_mod.capture(self.state, include_rng=False)
             if not live.pieces:
-                tensors = reader.tensors(verify=True)
+                into = _destinations(self.state, live, trees[0])
+                tensors = reader.tensors(verify=True, into=into)
                 return capture_mod.decode(trees[0], tensors, loc), set()
         global_keys = {k for k, v in self.state.items() if capture_mod.is_global_object(v)}
         skip: set[str] = set()
@@ -460,16 +461,46 @@ class Restorer:
                 keys.add(key)
         return keys
 
-    def _apply(self, values: dict[str, Any], skip: set[str], *, borrowed: bool) -> None:
-        """Restore decoded ``values`` into the live state, leaving the ``skip`` keys."""
+    def _apply(
+        self,
+        values: dict[str, Any],
+        skip: set[str],
+        *,
+        borrowed: bool,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        """Restore decoded ``values`` into the live state, leaving the ``skip`` keys.
+        ``prepare``: see `capture.restore`."""
         if not skip:
             self.partial += capture_mod.restore(
-                self.state, values, borrowed=borrowed, strict=self.strict
+                self.state, values, borrowed=borrowed, strict=self.strict, prepare=prepare
             )
             return
         log.warning("restore leaves per-rank state %s as this launch made it", sorted(skip))
         part = {k: v for k, v in self.state.items() if k not in skip}
         values = {k: v for k, v in values.items() if k not in skip}
-        self.partial += capture_mod.restore(part, values, borrowed=borrowed, strict=self.strict)
+        self.partial += capture_mod.restore(
+            part, values, borrowed=borrowed, strict=self.strict, prepare=prepare
+        )
         if isinstance(self.state, dict):
             self.state.update(part)
+
+
+def _destinations(
+    state: Mapping[str, Any], live: capture_mod.Captured, saved: Any
+) -> dict[str, torch.Tensor]:
+    """The live tensors a restore copies the checkpoint's tensors into, by the
+    checkpoint's names: where the saved tree and the live one hold a tensor at the same
+    path, under a module, an optimizer or a tensor at the top level (objects whose
+    loading copies each value into the tensor it came from, or keeps a copy of it).
+    `CheckpointReader.tensors` assembles a tensor stored in chunks straight into its
+    destination instead of a buffer of its own."""
+    at = {path: name for path, tag, name in capture_mod.iter_refs(live.tree) if tag == "tensor"}
+    out: dict[str, torch.Tensor] = {}
+    for path, tag, name in capture_mod.iter_refs(saved):
+        mine = at.get(path)
+        if tag != "tensor" or mine is None or not path:
+            continue
+        if isinstance(state.get(path[0]), (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+            out[name] = live.tensors[mine]
+    return out
