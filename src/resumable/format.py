@@ -519,7 +519,7 @@ def _check_tensor_entry(
         if not isinstance(f, str) or f not in files:
             raise CorruptCheckpointError(f"{bad}: file {str(f)[:100]!r} is not listed")
         offsets: Any = info.get("offsets")
-        if not _int_pair(offsets):
+        if not int_pair(offsets):
             raise CorruptCheckpointError(bad)
         begin, end = offsets
         if end < begin or end - begin != nbytes or end > files[f]["size"]:
@@ -562,7 +562,7 @@ def _check_chunks(
         raise CorruptCheckpointError(f"{bad}: chunks must be a non-empty list")
     total = 0
     for c in chunks:
-        if not isinstance(c, dict) or not set(c) <= _CHUNK_KEYS or not _int_pair(c.get("offsets")):
+        if not isinstance(c, dict) or not set(c) <= _CHUNK_KEYS or not int_pair(c.get("offsets")):
             raise CorruptCheckpointError(f"{bad}: malformed chunk {str(c)[:200]}")
         h = c.get(CHUNK_HASH)
         if not isinstance(h, str) or not _HASH128.fullmatch(h):
@@ -595,7 +595,8 @@ def _check_chunks(
         )
 
 
-def _int_pair(x: Any) -> bool:
+def int_pair(x: Any) -> bool:
+    """A list of two non-negative integers (not booleans): a byte range's ends."""
     return (
         isinstance(x, list)
         and len(x) == 2

@@ -44,6 +44,7 @@ import torch
 import xxhash
 
 from resumable.format import CHUNK_HASH, TensorSlot
+from resumable.retention import referenced
 
 __all__ = ["CHUNK_HASH", "Chunk", "DeltaBase", "Incremental", "Plan", "Record"]
 
@@ -211,14 +212,8 @@ class DeltaBase:
     def closure(self, steps: Iterable[int]) -> set[int]:
         """``steps`` and every step they refer to, directly or through others: what
         retention keeps for a checkpoint that refers to ``steps``."""
-        out: set[int] = set()
-        todo = list(steps)
-        while todo:
-            k = todo.pop()
-            if k not in out:
-                out.add(k)
-                todo.extend(self.refs_of.get(k, ()))
-        return out
+        start = set(steps)
+        return start | referenced(start, self.refs_of)
 
     def plan(self, slots: list[TensorSlot], data: memoryview, step: int) -> Plan:
         """Hash every chunk of the snapshot and decide what to reuse."""

@@ -32,6 +32,7 @@ from resumable.format import (
     checksum,
     decode_manifest,
     dtype_from_name,
+    int_pair,
     parse_safetensors_header,
     tensor_ranges,
 )
@@ -122,7 +123,7 @@ class CheckpointReader:
             at = {
                 tuple(h["data_offsets"]): h
                 for h in header.values()
-                if isinstance(h, dict) and _int_pair(h.get("data_offsets"))
+                if isinstance(h, dict) and int_pair(h.get("data_offsets"))
             }
             for name, dtype, shape, offsets in expect.get(fname, []):
                 h = header.get(name) if name else at.get((offsets[0] - start, offsets[1] - start))
@@ -130,7 +131,7 @@ class CheckpointReader:
                     not isinstance(h, dict)
                     or h.get("dtype") != dtype
                     or h.get("shape") != shape
-                    or not _int_pair(h.get("data_offsets"))
+                    or not int_pair(h.get("data_offsets"))
                     or [start + o for o in h["data_offsets"]] != offsets
                 ):
                     raise CorruptCheckpointError(
@@ -381,14 +382,6 @@ def _contiguous(spans: list[list[int]], own: list[tuple[int, dict[str, Any]]]) -
     """Whether chunks lie back to back in one file (a tensor written whole)."""
     files = {c["file"] for _, c in own}
     return len(files) == 1 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-
-
-def _int_pair(x: Any) -> bool:
-    return (
-        isinstance(x, list)
-        and len(x) == 2
-        and all(isinstance(o, int) and not isinstance(o, bool) for o in x)
-    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:
