@@ -25,6 +25,7 @@ MiB = 1 << 20
 KiB = 1 << 10
 GOAL_FINETUNE_X = 5.0  # whole ÷ incremental, bytes and time per persist
 GOAL_EMBEDDING_PCT = 10.0  # incremental bytes per persist, % of a whole checkpoint
+GOAL_RESTORE_X = 1.1  # restore of an incremental checkpoint ÷ a whole one's
 
 
 def chunk_label(n: int) -> str:
@@ -173,12 +174,18 @@ def _restore_times(e: Any) -> str:
     if not isinstance(t, dict) or not t:
         return ""
     whole = (t.get("full") or {}).get("median")
+    fastest = min((t.get("full") or {}).get("samples") or [0.0])
     parts = []
     for name, v in t.items():
         med = v.get("median") if isinstance(v, dict) else None
         if med is None:
             continue
-        ratio = f" ({med / whole:.2f}x the whole root's)" if whole and name != "full" else ""
+        ratio = ""
+        if whole and name != "full":
+            ratio = f" ({med / whole:.2f}x the whole root's"
+            if fastest and v.get("samples"):
+                ratio += f"; fastest samples {min(v['samples']) / fastest:.2f}x"
+            ratio += ")"
         parts.append(f"{name} {med:.3f} s{ratio}")
     n = max((len(v.get("samples", [])) for v in t.values() if isinstance(v, dict)), default=0)
     return (
@@ -368,14 +375,19 @@ def render(out: dict[str, Any], source: str) -> str:
     for g in out.get("goals", []):
         got = g.get("measured")
         unit = g.get("unit", "")
-        shown = "—" if got is None else (f"{got:.1f}x" if unit == "x" else f"{got:.1f} %")
-        limit = f"≥ {g['limit']:g}x" if unit == "x" else f"≤ {g['limit']:g} %"
+        most = unit == "x at most"
+        fmt = "{:.2f}x" if most else "{:.1f}x" if unit == "x" else "{:.1f} %"
+        shown = "—" if got is None else fmt.format(got)
+        if most:
+            limit = f"≤ {g['limit']:g}x"
+        else:
+            limit = f"≥ {g['limit']:g}x" if unit == "x" else f"≤ {g['limit']:g} %"
         met = {True: "met", False: "**not met**", None: "not measured"}[g.get("met")]
         cross = g.get("cross_check")
         if cross is None:
             shown_cross = "—"
         else:
-            value = f"{cross:.1f}x" if unit == "x" else f"{cross:.1f} %"
+            value = fmt.format(cross)
             shown_cross = f"{value} ({g.get('cross_check_is', '')})"
         rows.append([g["goal"], shown, limit, met, shown_cross])
     if rows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -838,31 +839,30 @@ def write_report(results: Path, docs: Path) -> None:
     (``small_bench.py --docs`` writes ``small-<date>.json``), named as such; the same for
     the DeepSpeed phase (``ds_bench.py --docs``, ``ds-<date>.json``) and the Megatron-Core
     phase (``mcore_bench.py --docs``, ``mcore-<date>.json``) and the incremental
-    checkpoints phase (``incr_bench.py --docs``, ``incr-<date>.json``)."""
+    checkpoints phase (``incr_bench.py --docs``, ``incr-<date>.json``); so does a run
+    older than the newest standalone file of that phase (a phase measured again)."""
     out = json.loads(results.read_text())
     out.setdefault("file", results.name)
-    if not small_report.measured(out.get("small")):
-        found = newest_small(results.parent)
-        if found is not None:
-            out["small"] = json.loads(found.read_text())
-            out["small_file"] = found.name
-    if not ds_bench.measured(out.get("ds")):
-        found = ds_bench.newest(results.parent)
-        if found is not None:
-            out["ds"] = json.loads(found.read_text())
-            out["ds_file"] = found.name
-    if not mcore_bench.measured(out.get("mcore")):
-        found = mcore_bench.newest(results.parent)
-        if found is not None:
-            out["mcore"] = json.loads(found.read_text())
-            out["mcore_file"] = found.name
-    if not incr_report.measured(out.get("incr")):
-        found = incr_report.newest(results.parent)
-        if found is not None:
-            out["incr"] = json.loads(found.read_text())
-            out["incr_file"] = found.name
+    phases: list[tuple[str, Callable[[Any], bool], Callable[[Path], Path | None]]] = [
+        ("small", small_report.measured, newest_small),
+        ("ds", ds_bench.measured, ds_bench.newest),
+        ("mcore", mcore_bench.measured, mcore_bench.newest),
+        ("incr", incr_report.measured, incr_report.newest),
+    ]
+    for key, measured, newest_of in phases:
+        found = newest_of(results.parent)
+        if found is None:
+            continue
+        if not measured(out.get(key)) or _stamp(found) > _stamp(results):
+            out[key] = json.loads(found.read_text())
+            out[f"{key}_file"] = found.name
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render(out))
+
+
+def _stamp(path: Path) -> str:
+    """The UTC time stamp in a results file's name (``<prefix>-YYYYMMDDTHHMMSSZ.json``)."""
+    return path.stem.rsplit("-", 1)[-1]
 
 
 def newest(results_dir: Path) -> Path:

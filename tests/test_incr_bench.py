@@ -7,7 +7,6 @@ decides them (the fine-tuning's frozen base is reused)."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
     assert incr_result["finetune"]["restored_equal"] == {"incremental": True, "full": True}
     timed = incr_result["finetune"]["restore_s"]  # every local root's restore, timed
     assert set(timed) == {"incremental", "full"}
-    assert all(len(t["samples"]) == 3 and t["median"] > 0 for t in timed.values())
+    assert all(len(t["samples"]) == 9 and t["median"] > 0 for t in timed.values())
     s3 = incr_result["finetune_s3"]
     if find_weed() is not None:
         for e in _modes(s3).values():
@@ -79,7 +78,12 @@ def test_results_hold_every_shape(incr_result: dict[str, Any]) -> None:
     touch = incr_result["touch_model"]["patterns"]
     assert set(touch) == {"zipf s=1", "zipf s=1.1", "zipf s=1.2", "zipf s=1.5", "uniform"}
     goals = incr_result["goals"]
-    assert len(goals) == 4 + 2 * len(toy.patterns)
+    # bytes and time (fine-tuning, its mirror), each restore ÷ the whole root's, and per
+    # pattern the embedding's bytes for each chunk size
+    assert len(goals) == 4 + 1 + 4 * len(toy.patterns)
+    restores = [g for g in goals if "restore, incremental ÷ whole" in g["goal"]]
+    assert len(restores) == 1 + 2 * len(toy.patterns)
+    assert all(g["unit"] == "x at most" and g["measured"] > 0 for g in restores)
     assert incr_bench.measured(incr_result)
     assert json.loads(json.dumps(incr_result)) == incr_result
 
@@ -99,6 +103,7 @@ def test_block_renders_the_tables(incr_result: dict[str, Any]) -> None:
     assert "| whole ÷ incremental |" in text
     assert "`Incremental(chunk_bytes=4KiB)`" in text and "| zipf |" in text
     assert "| goal | measured | limit | result | cross-check |" in text
+    assert "| fine-tuning: restore, incremental ÷ whole ≤ 1.1x |" in text
     assert "| zipf s=1.5 |" in text  # the table of what the exponent decides
     assert "Not measured: skipped." in incr_bench.render({"error": "skipped"}, "x")
     broken = {**incr_result, "embedding": {"zipf": {"error": "boom"}}}
@@ -128,20 +133,27 @@ def test_report_renders_the_run_block_or_the_standalone_one(
     results = tmp_path / "results"
     results.mkdir()
     run = results / committed.name
-    shutil.copy(committed, run)
-    (results / "incr-20990101T000000Z.json").write_text(json.dumps(incr_result))
+    whole = json.loads(committed.read_text())
+    whole.pop("incr", None)
+    run.write_text(json.dumps(whole))
+    (results / "incr-20000101T000000Z.json").write_text(json.dumps(incr_result))
     assert report.newest(results) == run  # a phase's own file is not a run
     page = tmp_path / "performance.md"
     report.write_report(run, page)  # the run has no "incr": the standalone file's block
     text = page.read_text()
-    assert "incr-20990101T000000Z.json" in text and incr_bench.BEGIN in text
+    assert "incr-20000101T000000Z.json" in text and incr_bench.BEGIN in text
 
-    whole = json.loads(run.read_text())
     whole["incr"] = incr_result
     run.write_text(json.dumps(whole))
-    report.write_report(run, page)
+    report.write_report(run, page)  # the run's own, newer than the standalone one
     text = page.read_text()
     assert f"`benchmarks/results/{run.name}`" in text and text.count(incr_bench.BEGIN) == 1
+
+    # measured again on its own after the run: the newer standalone block
+    (results / "incr-20990101T000000Z.json").write_text(json.dumps(incr_result))
+    report.write_report(run, page)
+    text = page.read_text()
+    assert "incr-20990101T000000Z.json" in text and text.count(incr_bench.BEGIN) == 1
 
 
 def test_report_lists_a_failed_restore(incr_result: dict[str, Any]) -> None:
