@@ -468,6 +468,19 @@ def test_damaged_shared_chunk_fails_every_checkpoint_referring_to_it(
 BANK = "model/bank"
 
 
+def falls_back(root: Path, *, damaged: int, to: int, expected: dict[str, Any]) -> None:
+    """Restoring step ``damaged`` fails and leaves a fresh job's state as it was; a
+    restore of the newest then gives back step ``to`` exactly."""
+    job = Job(seed=99)
+    before = job.record()
+    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
+        ckpt.restore(damaged)
+    assert job.mismatches(before) == []
+    with Checkpointer(root, job.state, keep=None) as ckpt:
+        assert ckpt.restore() == to
+    assert job.mismatches(expected) == []
+
+
 def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
     two_launches: tuple[Path, dict[int, Any]], tmp_path: Path
 ) -> None:
@@ -518,14 +531,7 @@ def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
 
     # A restore: every checkpoint that reads the damaged chunk fails before the live
     # state changes; the newest one that does not is restored exactly.
-    job = Job(seed=99)
-    before = job.record()
-    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
-        ckpt.restore(10)
-    assert job.mismatches(before) == []
-    with Checkpointer(root, job.state, keep=None) as ckpt:
-        assert ckpt.restore() == 5
-    assert job.mismatches(expected[5]) == []
+    falls_back(root, damaged=10, to=5, expected=expected[5])
 
 
 def test_damage_no_later_checkpoint_refers_to_fails_only_its_holder(
@@ -542,14 +548,7 @@ def test_damage_no_later_checkpoint_refers_to_fails_only_its_holder(
     flip(root / dir_name(6) / DATA, offset)
     assert _verify_all(root, capsys) == {s: s != 6 for s in range(1, 11)}
     assert restored(root, 10).mismatches(expected[10]) == []
-    job = Job(seed=99)
-    before = job.record()
-    with Checkpointer(root, job.state, keep=None) as ckpt, pytest.raises(CorruptCheckpointError):
-        ckpt.restore(6)
-    assert job.mismatches(before) == []
-    with Checkpointer(root, job.state, keep=None) as ckpt:
-        assert ckpt.restore() == 10
-    assert job.mismatches(expected[10]) == []
+    falls_back(root, damaged=6, to=10, expected=expected[10])
 
 
 def test_damaged_first_whole_checkpoint_leaves_nothing_valid(
