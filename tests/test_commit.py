@@ -231,6 +231,27 @@ def test_start_sweeps_only_staging_of_dead_writers(tmp_path: Path, dead_pid: int
     assert content_of(restored) == (1, 0)
 
 
+def test_close_sweeps_what_a_dead_writer_left_meanwhile(tmp_path: Path, dead_pid: int) -> None:
+    """A trash or staging directory of a process that ended while the Checkpointer was
+    open (its persist worker, killed at stop) is removed by a clean close, not left for
+    the next launch; a live process's is kept."""
+    state = make_state()
+    set_content(state, 1, 0)
+    ckpt = open_ckpt(tmp_path, state)
+    ckpt.save(1)
+    dead = tmp_path / f".trash-{step_dir(7)}.{dead_pid}.ab12"
+    live = tmp_path / f".tmp-{step_dir(8)}.{os.getppid()}.cd34"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "f.bin").write_bytes(b"x")
+    ckpt.close()
+    assert not dead.exists() and live.exists()
+    removed = [
+        e["name"] for e in read_audit(LocalStorage(tmp_path)) if e["event"] == "stale_removed"
+    ]
+    assert removed == [dead.name]
+
+
 # --------------------------------------------------------------------------- faulty storage
 
 

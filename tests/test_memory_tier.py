@@ -248,6 +248,40 @@ def test_memory_checksum_mismatch_falls_back_to_storage(
     assert "restored step 10 from" in caplog.text and "skipped: memory snapshot" in caplog.text
 
 
+def test_a_flipped_byte_of_a_large_snapshot_is_found_on_the_copy_threads(
+    tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state of 40 MiB is hashed on the copy threads (`ShmArena.checksums`): a byte
+    flipped in the middle of its largest tensor is found, and the restore takes the
+    committed checkpoint of the same step instead."""
+    torch.manual_seed(0)
+    state = {"big": torch.randn(10 << 20), **{f"t{i}": torch.randn(4096) for i in range(8)}}
+    saved = {k: v.clone() for k, v in state.items()}
+    with resumable.Checkpointer(
+        tmp_path / "ck", state, persist="process", memory_every=resumable.Every(steps=1),
+        shm_dir=shm_dir,
+    ) as ck:  # fmt: skip
+        ck.save(1)
+        ck.wait()  # the worker recorded the snapshot's checksums
+        memory = ck._memory
+        assert memory is not None and memory.newest is not None
+        snap = memory.newest
+        content = memory.readable(snap)
+        assert content is not None and content.checksums is not None
+        memory.verified(snap)  # intact: passes
+        big = next(sl for sl in content.slots if sl.name == "big")
+        data = memory.arena.slots[snap.index].data_tensor()  # type: ignore[union-attr]
+        data[(big.begin + big.end) // 2] ^= 0x10
+        with pytest.raises(resumable.CorruptCheckpointError, match="tensor 'big'"):
+            memory.verified(snap)
+        for v in state.values():
+            v.zero_()
+        caplog.set_level(logging.INFO, logger="resumable")
+        assert ck.restore() == 1
+    assert "skipping the shared-memory snapshot of step 1" in caplog.text
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+
+
 @pytest.mark.parametrize("mode", ["process", "sync"])
 def test_kill9_resumes_from_shared_memory_and_persists_it(
     tmp_path: Path, shm_dir: Path, mode: str

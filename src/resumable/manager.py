@@ -562,6 +562,14 @@ class Checkpointer:
             if self._emergency is not None:
                 self._emergency.close()
             self._persister.close()
+            if ok:
+                # What the persist worker left unfinished (one that had to be killed at
+                # stop, say): its trash and staging directories, removed now rather than
+                # at the next launch.
+                try:
+                    self._remove_stale()
+                except CheckpointError as exc:
+                    log.warning("could not look for stale directories in %s: %s", self.url, exc)
             if self._memory is not None:
                 self._memory.close(unlink=ok)
             self._release_root()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from resumable.errors import CheckpointError, StorageError
-from resumable.format import TensorSlot, byte_view, plan_layout
+from resumable.format import TensorSlot, byte_view, checksum, plan_layout
 from resumable.shm import (
     PREFIX,
     ROOT_KEY,
@@ -167,6 +167,7 @@ class Arena:
 
 _PARALLEL_MIN_BYTES = 32 << 20
 _CHUNK_BYTES = 16 << 20
+_HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy thread
 
 
 def copy_into(
@@ -410,6 +411,22 @@ class ShmArena:
     def content(self, index: int) -> SlotContent | None:
         slot = self.slots[index]
         return slot.read() if slot is not None else None
+
+    def checksums(self, data: memoryview, slots: list[TensorSlot]) -> list[str]:
+        """The XXH3-64 of each slot's bytes in ``data``. A large state is hashed on the
+        copy threads, the largest tensors first (the hash releases the GIL): a restore
+        from shared memory checks every tensor before it copies one, and on one thread
+        the hashing took longer than the copy."""
+        if self._pool is None or (slots[-1].end if slots else 0) < _PARALLEL_MIN_BYTES:
+            return [checksum(data[s.begin : s.end]) for s in slots]
+        futures: dict[int, Future[str]] = {}
+        for i in sorted(range(len(slots)), key=lambda i: slots[i].begin - slots[i].end):
+            if slots[i].end - slots[i].begin >= _HASH_ALONE_BYTES:
+                futures[i] = self._pool.submit(checksum, data[slots[i].begin : slots[i].end])
+        return [
+            futures[i].result() if i in futures else checksum(data[s.begin : s.end])
+            for i, s in enumerate(slots)
+        ]
 
     def tensors(self, index: int, content: SlotContent) -> dict[str, torch.Tensor]:
         """Views of a slot's tensors (valid until the slot is rewritten: clone them)."""

@@ -30,7 +30,7 @@ from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.distributed import is_dtensor, pieces_to_json
 from resumable.errors import CorruptCheckpointError, StorageError
-from resumable.format import checksum, json_metrics
+from resumable.format import json_metrics
 from resumable.runid import snapshot_belongs
 from resumable.shm import (
     ROOT_KEY,
@@ -221,9 +221,9 @@ class MemoryTier:
             raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
         views = self.arena.tensors(snap.index, content)
         if content.checksums is not None:
-            data = self.data(snap).memory()
-            for sl, want in zip(content.slots, content.checksums):
-                if checksum(data[sl.begin : sl.end]) != want:
+            got = self.arena.checksums(self.data(snap).memory(), content.slots)
+            for sl, have, want in zip(content.slots, got, content.checksums):
+                if have != want:
                     raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
         return content, views
 
