@@ -233,9 +233,10 @@ class RetentionMachine(RuleBasedStateMachine):
 
     @rule()
     def restart_and_restore(self) -> None:
+        # Staging of dead writers is removed by the clean close, or else by the start.
+        audit_len = len(read_audit(self.storage))
         self.checkpointer.close()
         self.state = make_state()
-        audit_len = len(read_audit(self.storage))
         self.ckpt = self._new_checkpointer()
         events = read_audit(self.storage)[audit_len:]
         removed = {e["name"] for e in events if e["event"] == "stale_removed"}
