@@ -71,6 +71,7 @@ from small_report import DOCS, GOAL_FIXED_US, GOAL_PER_TENSOR_US, render, write_
 
 import resumable  # noqa: E402
 from resumable import capture as capture_mod  # noqa: E402
+from resumable.capture_plan import CapturePlan, NumpyState  # noqa: E402
 from resumable.pipeline.memory import TreeJSON  # noqa: E402
 from resumable.shm import encode_meta  # noqa: E402
 from resumable.snapshot import CopyPlan  # noqa: E402
@@ -230,15 +231,24 @@ def snapshot_parts(
 
         return run
 
-    tensors = capture_mod.capture(state, include_rng=False).tensors
+    # The captures go through a capture plan, as the memory tier's do (its entries are
+    # reused while the state keeps its structure); the full walk is timed beside them.
+    capture_plan = CapturePlan()
+
+    def planned(rng: bool) -> capture_mod.Captured:
+        return capture_mod.capture(state, include_rng=rng, plan=capture_plan)
+
+    for _ in range(2):
+        tensors = planned(False).tensors
     plan = CopyPlan(tensors)
     buf = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8)
+    numpy_reader = NumpyState()
 
     def metadata(rng: bool) -> Timed:
         tree_json = TreeJSON()  # one per tree: it re-encodes only what changed since the last
 
         def run() -> float:
-            captured = capture_mod.capture(state, include_rng=rng)
+            captured = planned(rng)
             t0 = time.perf_counter()
             meta = {
                 "step": step[0],
@@ -255,14 +265,16 @@ def snapshot_parts(
     return {
         "snapshot": snap(ck),
         "snapshot_no_rng": snap(ck_no_rng),
-        "capture": _timed(lambda: capture_mod.capture(state)),
-        "capture_no_rng": _timed(lambda: capture_mod.capture(state, include_rng=False)),
+        "capture": _timed(lambda: planned(True)),
+        "capture_no_rng": _timed(lambda: planned(False)),
+        "capture_full_no_rng": _timed(lambda: capture_mod.capture(state, include_rng=False)),
         "plan_check": _timed(lambda: plan.matches(tensors)),
         "copy_plan": _timed(lambda: plan.copy(buf, tensors, pool)),
         "metadata": metadata(True),
         "metadata_no_rng": metadata(False),
         "rng_state": _timed(capture_mod.rng_state),
         "numpy_state": _timed(lambda: np.random.get_state(legacy=False)),
+        "numpy_state_planned": _timed(numpy_reader.get),
     }
 
 

@@ -125,7 +125,10 @@ def render(out: dict[str, Any], source: str) -> str:
         lines += [
             "",
             "Where a snapshot's time goes (µs; each part timed alone, interleaved with the "
-            "rest: *capture walk* = `capture(state, include_rng=False)`; *RNG* = the random "
+            "rest: *capture walk* = `capture(state, include_rng=False)` through a warm "
+            "`CapturePlan`, as the memory tier captures (the structure checked, the "
+            "entries of modules and optimizers reused; *full walk*, beside it, is the same "
+            "capture without a plan, as before issue 20); *RNG* = the random "
             "streams' share of `capture(state)` and of the metadata (they change at every "
             "step, so their JSON is made anew each time); *copy* = `CopyPlan.copy` into a "
             "buffer; *structure check* = `CopyPlan.matches` (are names, dtypes and shapes "
@@ -145,7 +148,11 @@ def render(out: dict[str, Any], source: str) -> str:
             f"{first['rng_state']['median_us']:,.0f} µs, of which "
             f"{first['numpy_state']['median_us']:,.0f} µs is NumPy's "
             "`np.random.get_state(legacy=False)` (NumPy copies its 624-word key element by "
-            "element).",
+            "element); the capture plan reads it again only when its words or position "
+            "changed (compared where they lie: "
+            + _numpy_planned(first)
+            + "). Here every call follows a draw from each stream, as a training step that "
+            "uses all three would make.",
             "",
             "`torch.distributed.checkpoint` staging of the same dict of tensors (no process "
             "group needed; µs, and ÷ resumable's `snapshot()`):",
@@ -263,15 +270,24 @@ def render(out: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def _numpy_planned(methods: dict[str, Any]) -> str:
+    got = methods.get("numpy_state_planned")
+    if got is None:
+        return "not measured in this run"
+    return f"{got['median_us']:,.1f} µs after a draw"
+
+
 def _parts_table(
     what: str, entries: list[tuple[str, dict[str, Any]]], floor: bool = False
 ) -> list[str]:
     rows = []
     for label, e in entries:
         p = e["parts_us"]
+        full = e["methods"].get("capture_full_no_rng", {}).get("median_us")
         cells = [
             label,
             f"{p['capture_walk']:,.0f}",
+            "" if full is None else f"{full:,.0f}",
             f"{p['rng']:,.0f}",
             f"{p.get('plan_check', 0):,.0f}",
             f"{p['copy']:,.0f}",
@@ -280,7 +296,7 @@ def _parts_table(
             cells.append(f"{e['methods']['foreach_copy']['median_us']:,.0f}")
         cells += [f"{p['metadata']:,.0f}", f"{p['other']:,.0f}", f"{p['total']:,.0f}"]
         rows.append(cells)
-    header = [what, "capture walk", "RNG", "structure check", "copy"]
+    header = [what, "capture walk", "full walk", "RNG", "structure check", "copy"]
     if floor:
         header.append("floor")
     return _table([*header, "metadata", "other", "`snapshot()`"], rows)
@@ -312,10 +328,19 @@ def _verdict(out: dict[str, Any]) -> list[str]:
         share = ""
         if kind == "models":
             share = f", {floor / (e['median_off_ms'] * 10):.2f} % of the median iteration"
+        loop = ""
+        if kind == "models":
+            inside = e["median_maybe_save_us"]
+            loop = (
+                f" Inside the training loop `maybe_save` took {inside:,.0f} µs, "
+                f"{inside / p['total']:.1f}x the snapshot timed apart: after an iteration "
+                "the snapshot's code and data are no longer in the CPU caches, so each part "
+                "costs several times what it costs in a row of snapshots."
+            )
         lines.append(
             f"- Not met, {what}: the snapshot's {p['total']:,.0f} µs are, largest first, "
             f"{parts_txt} µs; the `_foreach_copy_` floor of the same tensors alone is "
-            f"{floor:,.0f} µs{share}."
+            f"{floor:,.0f} µs{share}.{loop}"
         )
     return lines
 

@@ -24,7 +24,7 @@ from torch import nn
 import resumable
 from resumable import shm
 from resumable.errors import PersistError, StorageError
-from resumable.snapshot import ShmArena
+from resumable.snapshot import MemorySnapshot, ShmArena
 from resumable.storage.memory import MemoryStorage
 
 
@@ -161,7 +161,8 @@ def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     arena.snapshot(5, t, {"step": 5, "tree": {}, "metrics": {}})
     # A kill in the middle of the next copy: the other slot is left WRITING.
     t2 = {"w": torch.zeros(1000)}
-    second = arena.snapshot(6, t2, {"step": 6, "tree": {}, "metrics": {}}).result()
+    second = arena.snapshot(6, t2, {"step": 6, "tree": {}, "metrics": {}})
+    assert isinstance(second, MemorySnapshot)  # no overlap: published on return
     slot = arena.slots[second.index]
     assert slot is not None
     slot.begin_write()

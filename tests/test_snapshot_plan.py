@@ -9,10 +9,7 @@ and Python types."""
 
 from __future__ import annotations
 
-import copy
-import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,88 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-import resumable
 from resumable.snapshot import Arena, CopyPlan
+from state_checks import assert_same, like, restored, shm_dir, snapshot_each
 
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d)
-
-
-def snapshot_each(
-    root: Path,
-    shm_dir: Path,
-    state: dict[str, Any],
-    stages: list[Callable[[], None]],
-    mode: str = "thread",
-) -> list[dict[str, Any]]:
-    """Run each stage (a change of ``state``), snapshot and persist it as step 1, 2, ...;
-    returns a deep copy of the state's plain parts at each step."""
-    expected = []
-    ck = resumable.Checkpointer(
-        root,
-        state,
-        persist=mode,  # type: ignore[arg-type]
-        memory_every=resumable.Every(steps=1),
-        persist_every=resumable.Every(steps=10**9),
-        shm_dir=shm_dir,
-        capture_rng=False,
-        keep=None,
-    )
-    for step, stage in enumerate(stages, start=1):
-        stage()
-        ck.snapshot(step)
-        assert ck.save(step), step  # persists the slot just written
-        ck.wait()
-        expected.append(plain(state))
-    ck.close()
-    return expected
-
-
-def plain(state: dict[str, Any]) -> dict[str, Any]:
-    """The state as plain values (module and optimizer state dicts), deep-copied."""
-    out = {}
-    for key, value in state.items():
-        out[key] = copy.deepcopy(value.state_dict() if hasattr(value, "state_dict") else value)
-    return out
-
-
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    assert type(got) is type(want), f"{where}: {type(got)} != {type(want)}"
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert list(got) == list(want), where
-        for k in want:
-            assert_same(got[k], want[k], f"{where}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
-
-def restored(root: Path, step: int, fresh: dict[str, Any]) -> dict[str, Any]:
-    ck = resumable.Checkpointer(root, fresh, persist="sync", save_on_close=False)
-    assert ck.restore(step, tier="storage") == step
-    ck.close()
-    return plain(fresh)
-
-
-def like(values: dict[str, Any]) -> dict[str, Any]:
-    """Fresh plain containers of the same structure, with other values."""
-    return {
-        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else like(v))
-        if isinstance(v, (torch.Tensor, dict))
-        else v
-        for k, v in values.items()
-    }
+__all__ = ["shm_dir"]  # a fixture
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

@@ -79,6 +79,7 @@ class Captured:
     pieces: dict[str, Piece] = field(default_factory=dict)
     replicated: set[str] = field(default_factory=set)
     live: dict[str, torch.Tensor] = field(default_factory=dict)
+    reused: bool = False  # some entries came from a plan (`capture`'s ``plan``)
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
@@ -101,7 +102,12 @@ def _tensor_name(path: tuple[Any, ...], taken: Mapping[str, Any]) -> str:
     return name
 
 
-class _Encoder:
+class Encoder:
+    """One capture's walk: the tree node of each value (`value`), with the tensors met
+    on the way collected in ``tensors`` under their names, in order, and the classes of
+    the stateful objects met in ``classes`` (`resumable.capture_plan` reuses the nodes
+    and tensors of a walk while the state keeps its structure)."""
+
     def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.rank = rank
@@ -137,11 +143,11 @@ class _Encoder:
         # Runs once per tensor at every snapshot: the common case (a plain CPU or CUDA
         # tensor of one process) takes as few attribute reads as it can (docs/performance.md).
         if (self.in_global and self.world_size > 1) or (
-            type(t) not in _PLAIN_TENSORS and is_dtensor(t)
+            type(t) not in PLAIN_TENSORS and is_dtensor(t)
         ):
             return self._global(t, path)
         if not (
-            type(t) in _PLAIN_TENSORS
+            type(t) in PLAIN_TENSORS
             and t.layout is torch.strided
             and _plain_dtype(t.dtype)
             and not t.is_meta
@@ -154,7 +160,7 @@ class _Encoder:
         return {"tensor": name, "device": "cpu" if t.is_cpu else str(t.device)}
 
     def _check(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
-        if type(t) in _PLAIN_TENSORS and t.layout is torch.strided and _plain_dtype(t.dtype):
+        if type(t) in PLAIN_TENSORS and t.layout is torch.strided and _plain_dtype(t.dtype):
             if not t.is_meta:
                 return
         self._refuse(t, path)
@@ -181,7 +187,7 @@ class _Encoder:
         """The tree node of ``v``, a node ``depth`` levels below the root (its entries are
         at depth 2). Readers refuse tagged nodes deeper than `MAX_TREE_DEPTH`, so such
         a state is refused here, at save."""
-        if type(v) in _PLAIN_TENSORS and depth <= MAX_TREE_DEPTH:  # the most common node
+        if type(v) in PLAIN_TENSORS and depth <= MAX_TREE_DEPTH:  # the most common node
             return self.tensor(v, path)
         if depth > MAX_TREE_DEPTH and not _plain_scalar(v):
             raise UnsupportedStateError(
@@ -248,19 +254,22 @@ class _Encoder:
         if isinstance(v, tuple) and not hasattr(v, "_fields"):
             return {"tuple": self._sequence(v, path, depth + 1)}
         if _is_stateful(v):
-            v = _unwrap(v)
-            self.classes.append((path, class_name(v)))
-            try:
-                sd = v.state_dict()
-            except Exception as exc:  # the user's object failed; say where
-                raise UnsupportedStateError(
-                    f"{_path_str(path)}: {type(v).__name__}.state_dict() raised {exc!r}"
-                ) from exc
-            return {"stateful": self.value(sd, path, depth + 1)}
+            return {"stateful": self.value(self.state_dict_of(v, path), path, depth + 1)}
         raise UnsupportedStateError(
             f"{_path_str(path)}: cannot checkpoint {type(v)!r}; "
             "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
         )
+
+    def state_dict_of(self, v: Any, path: tuple[Any, ...]) -> Any:
+        """``v.state_dict()`` of the stateful object ``v`` at ``path``, its class recorded."""
+        v = unwrap(v)
+        self.classes.append((path, class_name(v)))
+        try:
+            return v.state_dict()
+        except Exception as exc:  # the user's object failed; say where
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: {type(v).__name__}.state_dict() raised {exc!r}"
+            ) from exc
 
     def streams(self, streams: Mapping[str, Any]) -> Any:
         """The node of `rng_state`'s streams: what `value` makes of them, but Python's
@@ -306,7 +315,7 @@ class _Encoder:
         return [self.value(x, (*path, i), depth) for i, x in enumerate(v)]
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _INT_OR_STR = frozenset((int, str))
 _PLAIN_DTYPES: dict[torch.dtype, bool] = {}
 
@@ -329,7 +338,7 @@ def _plain_scalar(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, str))
 
 
-def _unwrap(v: Any) -> Any:
+def unwrap(v: Any) -> Any:
     """The module inside a DistributedDataParallel wrapper: its state is the module's,
     so a DDP checkpoint loads into the bare module (and the reverse)."""
     cls = type(v)
@@ -347,7 +356,7 @@ def class_name(obj: Any) -> str:
         inner = getattr(obj, "_orig_mod", None)
         if isinstance(inner, torch.nn.Module):
             obj = inner
-    mro = type(_unwrap(obj)).__mro__
+    mro = type(unwrap(obj)).__mro__
     cls = next(
         (c for c in mro[:-1] if not c.__module__.startswith("torch.distributed.fsdp")), mro[0]
     )
@@ -409,33 +418,44 @@ def _is_stateful(v: Any) -> bool:
     )
 
 
-def rng_state() -> dict[str, Any]:
-    """The process-wide random streams, as plain values and tensors."""
+def rng_state(numpy_state: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """The process-wide random streams, as plain values and tensors; ``numpy_state``
+    stands in for ``np.random.get_state(legacy=False)`` (`resumable.capture_plan`)."""
     out: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=False),
+        "numpy": np.random.get_state(legacy=False) if numpy_state is None else numpy_state(),
         "torch_cpu": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
         out["torch_cuda"] = torch.cuda.get_rng_state_all()
     return out
 
 
 def capture(
-    state: Mapping[str, Any], *, include_rng: bool = True, rank: int = 0, world_size: int = 1
+    state: Mapping[str, Any],
+    *,
+    include_rng: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    plan: Planner | None = None,
 ) -> Captured:
     """Encode ``state`` (and, by default, the global RNG streams) into a `Captured`.
 
     Called on the training thread at a step boundary. The returned tensors are the live
     tensors (detached, not copied): the caller must copy them before training goes on.
     Raises `UnsupportedStateError` naming the path of anything that cannot be captured.
+
+    With a ``plan`` (`resumable.capture_plan.CapturePlan`), top-level entries it knows
+    are taken from it instead of walked (``reused`` says whether any was), and the
+    tensors of those entries are not detached: they are for copying under
+    ``torch.no_grad()``.
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
             f"state must be a dict of named objects, found {type(state).__name__}; "
             'pass state={"model": model, "optim": optimizer, ...}'
         )
-    enc = _Encoder(rank, world_size)
+    enc = Encoder(rank, world_size)
     top: list[list[Any]] = []
     for key, obj in state.items():
         _refuse_raw_megatron(key, obj)
@@ -446,20 +466,38 @@ def capture(
             )
         _refuse_framework_engine(key, obj)
         enc.in_global = is_global_object(obj)
-        top.append([key, enc.value(obj, (key,), 2)])
+        node = plan.entry(key, obj, enc) if plan is not None else None
+        top.append([key, enc.value(obj, (key,), 2) if node is None else node])
         enc.in_global = False
     if enc.classes:
         entries = [{"list": [{"list": list(p)}, name]} for p, name in enc.classes]
         top.append([CLASSES_KEY, {"list": entries}])
     if include_rng:
-        top.append([RNG_KEY, enc.streams(rng_state())])
+        node = plan.streams(enc) if plan is not None else None
+        top.append([RNG_KEY, enc.streams(rng_state()) if node is None else node])
     return Captured(
         tree={"dict": top},
         tensors=enc.tensors,
         pieces=enc.pieces,
         replicated=enc.replicated,
         live=enc.live,
+        reused=plan is not None and plan.reused(),
     )
+
+
+class Planner(Protocol):
+    """What `capture` asks of a plan (`resumable.capture_plan.CapturePlan`), in this
+    order: `entry` for each top-level entry, `streams` for the random streams (if they
+    are captured), then `reused`."""
+
+    def entry(self, key: str, obj: Any, enc: Encoder) -> Any | None:
+        """The node of ``obj`` (its tensors and classes added to ``enc``), or None."""
+
+    def streams(self, enc: Encoder) -> Any:
+        """The node of `rng_state`'s streams, as `Encoder.streams` makes it."""
+
+    def reused(self) -> bool:
+        """Whether any entry of this capture was reused; starts the next capture."""
 
 
 # --------------------------------------------------------------------------- decoding
@@ -862,7 +900,7 @@ def _restore_into(
                 obj[:] = _own(value) if borrowed else value
             return obj
         if _is_stateful(obj):
-            obj = _unwrap(obj)
+            obj = unwrap(obj)
             if not isinstance(value, dict):
                 raise StateMismatchError(
                     f"{_path_str(path)}: expected a state dict, checkpoint has "

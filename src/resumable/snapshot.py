@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import os
 import time
 from collections.abc import Collection, Mapping
@@ -82,8 +83,8 @@ class CopyPlan:
     """The layout of one state structure, and the copy of its tensors into a buffer laid out
     by it: planned once, reused at every snapshot while the structure stays the same.
 
-    The structure is the tensors' names in order and each one's dtype, shape and whether
-    it is on CUDA; `matches` compares all of them (one list comparison), so a tensor that
+    The structure is the tensors' names in order and each one's dtype, shape and device;
+    `matches` compares all of them (two list comparisons), so a tensor that
     appears (optimizer moments at the first step), disappears, is resized or changes dtype
     makes a new plan, and a plan is never used for a state it was not made for. The layout
     is encoded to JSON once (``layout_json``), and the destination views of each buffer
@@ -100,7 +101,7 @@ class CopyPlan:
         self.layout_json = RawJSON(
             json.dumps(layout_meta(self.slots), separators=(",", ":"), allow_nan=False)
         )
-        self.on_cuda = any(cuda for _, _, cuda in self.specs)
+        self.on_cuda = any(device.type == "cuda" for _, _, device in self.specs)
         by_name = {s.name: s for s in self.slots}
         self._in_order = [by_name[n] for n in self.names]  # each tensor's slot, dict order
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -139,8 +140,12 @@ class CopyPlan:
         self._views.clear()
 
 
-def _specs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.dtype, Any, bool]]:
-    return [(t.dtype, t.shape, t.is_cuda) for t in tensors.values()]
+_SPEC = operator.attrgetter("dtype", "shape", "device")
+
+
+def _specs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.dtype, Any, torch.device]]:
+    """Each tensor's dtype, shape and device (one C-level pass)."""
+    return list(map(_SPEC, tensors.values()))
 
 
 class Arena:
@@ -319,21 +324,20 @@ class ShmArena:
         *,
         deferred: Collection[str] = (),
         executor: ThreadPoolExecutor | None = None,
-    ) -> Future[MemorySnapshot]:
+        plan: CopyPlan | None = None,
+    ) -> MemorySnapshot | Future[MemorySnapshot]:
         """Copy ``tensors`` into a free slot and publish it with ``meta`` (which gets the
-        layout added); returns a future of the published snapshot.
+        layout added); returns the published snapshot. ``plan``: what `plan` returned
+        for these ``tensors`` (else it is called here).
 
-        Without ``deferred`` the copy is done when this returns (the future is already
-        resolved). With ``deferred`` names and an ``executor`` (overlap mode), the other
-        tensors are copied now and the deferred ones by the executor, which then
-        publishes the slot: the caller must not change those tensors until the future
-        is resolved, and must resolve it before the next call. Raises `CheckpointError`
-        if both slots are locked by the persist worker."""
-        plan = self._plan
-        if plan is None or not plan.matches(tensors):
-            if plan is not None:
-                plan.forget()
-            plan = self._plan = CopyPlan(tensors)
+        Without ``deferred`` the copy is done when this returns. With ``deferred`` names
+        and an ``executor`` (overlap mode), the other tensors are copied now and the
+        deferred ones by the executor, which then publishes the slot; a future of the
+        snapshot is returned: the caller must not change those tensors until it is
+        resolved, and must resolve it before the next call. Raises `CheckpointError` if
+        both slots are locked by the persist worker."""
+        if plan is None:
+            plan = self.plan(tensors)[0]
         layout, nbytes = plan.slots, plan.nbytes
         meta = {**meta, "layout": plan.layout_json}
         if self.root is not None:
@@ -360,9 +364,18 @@ class ShmArena:
 
         if later and executor is not None:
             return executor.submit(publish)
-        done: Future[MemorySnapshot] = Future()
-        done.set_result(publish())
-        return done
+        return publish()
+
+    def plan(self, tensors: Mapping[str, torch.Tensor]) -> tuple[CopyPlan, bool]:
+        """The copy plan for ``tensors``: the last one if they have its structure, else
+        a new one (then True)."""
+        plan = self._plan
+        if plan is not None and plan.matches(tensors):
+            return plan, False
+        if plan is not None:
+            plan.forget()
+        plan = self._plan = CopyPlan(tensors)
+        return plan, True
 
     def _choose(self) -> int:
         free = [i for i in (0, 1) if i not in self.locked]

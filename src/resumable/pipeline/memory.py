@@ -14,6 +14,7 @@ where the persist worker recorded them, against their checksums (`verified`).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import marshal
@@ -28,6 +29,7 @@ import torch
 
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
+from resumable.capture_plan import CapturePlan
 from resumable.distributed import is_dtensor, pieces_to_json
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
@@ -81,6 +83,7 @@ class MemoryTier:
         self._hooks: list[tuple[torch.optim.Optimizer, Any]] = []
         self._adopted = False
         self._tree_json = TreeJSON()
+        self._plan = CapturePlan()  # what the captures of one snapshot after another share
 
     @property
     def newest(self) -> MemorySnapshot | None:
@@ -93,9 +96,12 @@ class MemoryTier:
         left to an overlapped copy."""
         self.adopt()
         t0 = time.perf_counter()
-        captured = capture_mod.capture(
-            state, include_rng=rng, rank=self.rank, world_size=self.world_size
-        )
+        captured = self._capture(state, rng)
+        copy_plan, new = self.arena.plan(captured.tensors)
+        if new and captured.reused:  # a tensor changed dtype, shape or device in place
+            self._plan.forget()
+            captured = self._capture(state, rng)
+            copy_plan = self.arena.plan(captured.tensors)[0]
         meta: dict[str, Any] = {
             "step": step,
             "tree": self._tree_json.encode(captured.tree),
@@ -115,18 +121,21 @@ class MemoryTier:
         if self.overlap:
             owned = self._optimizer_owned(state)
             deferred = {n for n, t in captured.tensors.items() if t.data_ptr() in owned}
-        future = self.arena.snapshot(
-            step, captured.tensors, meta, deferred=deferred, executor=self._exec
+        done = self.arena.snapshot(
+            step, captured.tensors, meta, deferred=deferred, executor=self._exec, plan=copy_plan
         )
-        if deferred:
-            self._pending = future  # resolved by the next optimizer.step() or `settle`
-        else:
-            future.result()
+        if isinstance(done, Future):
+            self._pending = done  # resolved by the next optimizer.step() or `settle`
         seconds = time.perf_counter() - t0
         overlapped = sum(
             captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
         )
         return seconds, overlapped
+
+    def _capture(self, state: Mapping[str, Any], rng: bool) -> capture_mod.Captured:
+        return capture_mod.capture(
+            state, include_rng=rng, rank=self.rank, world_size=self.world_size, plan=self._plan
+        )
 
     def settle(self) -> None:
         """Wait for an overlapped copy; raises its error."""
@@ -264,20 +273,22 @@ class TreeJSON:
     keeps its encoding, so a step re-encodes only what changed (an optimizer's learning
     rate, a loader's position), not the reference to every tensor.
 
-    "The same" is decided on `marshal`'s bytes of the entry, which tell 1, 1.0 and True
-    apart (``==`` does not, and their JSON differs); they are compared in memory only and
+    "The same" is the very node of the previous snapshot (a node `CapturePlan` reused:
+    nodes are never changed once made, and the last ones are held, so their ids are not
+    reused), or a node with the same `marshal` bytes, which tell 1, 1.0 and True apart
+    (``==`` does not, and their JSON differs); they are compared in memory only and
     never loaded."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[bytes, str]] = {}
-        self._kids: dict[str, dict[Any, tuple[bytes, str]]] = {}
+        self._last: dict[str, _Encoded] = {}
+        self._kids: dict[str, dict[Any, _Encoded]] = {}
         self._streams = _StreamsJSON()
 
     def encode(self, tree: Any) -> RawJSON:
         entries = tree["dict"]
         parts: list[str] = []
-        seen: dict[Any, tuple[bytes, str]] = {}
-        kids: dict[str, dict[Any, tuple[bytes, str]]] = {}
+        seen: dict[Any, _Encoded] = {}
+        kids: dict[str, dict[Any, _Encoded]] = {}
         for key, node in entries:
             if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
                 parts.append(self._streams.encode(node))
@@ -292,29 +303,30 @@ class TreeJSON:
             head, items, tail = split
             last, mine = self._kids.get(key, {}), kids.setdefault(key, {})
             texts = [self._entry(last, mine, k, n) for k, n in items]
-            parts.append("[" + _dumps(key) + "," + head + ",".join(texts) + tail + "]")
+            parts.append("[" + _key_json(key) + "," + head + ",".join(texts) + tail + "]")
         self._last, self._kids = seen, kids
         return RawJSON('{"dict":[' + ",".join(parts) + "]}")
 
     @staticmethod
-    def _entry(
-        last: Mapping[Any, tuple[bytes, str]],
-        seen: dict[Any, tuple[bytes, str]],
-        key: Any,
-        node: Any,
-    ) -> str:
+    def _entry(last: Mapping[Any, _Encoded], seen: dict[Any, _Encoded], key: Any, node: Any) -> str:
         """``[key, node]``'s JSON, reused from ``last`` if ``node`` is the same."""
+        hit = last.get(key)
+        if hit is not None and hit[2] is node:
+            seen[key] = hit
+            return hit[1]
         try:
             fingerprint = marshal.dumps(node)
         except ValueError:  # not a plain JSON value: never cached
             fingerprint = b""
-        hit = last.get(key)
         if fingerprint and hit is not None and hit[0] == fingerprint:
             text = hit[1]
         else:
             text = _dumps([key, node])
-        seen[key] = (fingerprint, text)
+        seen[key] = (fingerprint, text, node)
         return text
+
+
+_Encoded = tuple[bytes, str, Any]  # an entry's marshal bytes, its JSON, and its node
 
 
 _FEW = 8  # at most this many parts: more (a model's tensors) are cached as one
@@ -345,6 +357,12 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+@functools.lru_cache(maxsize=1024)
+def _key_json(key: str) -> str:
+    """A top-level key's JSON (the same few keys at every snapshot)."""
+    return _dumps(key)
+
+
 class _StreamsJSON:
     """The JSON of the random streams' entry, the same text ``json.dumps`` makes.
 
@@ -357,7 +375,7 @@ class _StreamsJSON:
     JSON agree."""
 
     def __init__(self) -> None:
-        self._last: dict[Any, tuple[bytes, str]] = {}
+        self._last: dict[Any, _Encoded] = {}
         self._words: list[int] | None = None
         self._words_text = ""
 
@@ -366,17 +384,23 @@ class _StreamsJSON:
         if type(items) is not list:
             return _dumps([capture_mod.RNG_KEY, node])
         parts: list[str] = []
-        seen: dict[Any, tuple[bytes, str]] = {}
+        seen: dict[Any, _Encoded] = {}
         for item in items:
             stream, sub = item
+            hit = self._last.get(stream)
+            if hit is not None and hit[2] is sub:  # a node the plan kept: the same state
+                seen[stream] = hit
+                parts.append(hit[1])
+                continue
             text = self._python(sub) if stream == "python" else None
             if text is None:
                 text = TreeJSON._entry(self._last, seen, stream, sub)
             else:
                 text = '["python",' + text + "]"
+                seen[stream] = (b"", text, sub)
             parts.append(text)
         self._last = seen
-        return "[" + _dumps(capture_mod.RNG_KEY) + ',{"dict":[' + ",".join(parts) + "]}]"
+        return "[" + _key_json(capture_mod.RNG_KEY) + ',{"dict":[' + ",".join(parts) + "]}]"
 
     def _python(self, sub: Any) -> str | None:
         """``{"tuple": [version, {"tuple": [words..., position]}, gauss]}``'s JSON, or

@@ -1,0 +1,551 @@
+"""Capture the same state snapshot after snapshot, its structure planned once (issue 20).
+
+`resumable.capture.capture` walks the whole state at every call: ``state_dict()`` of
+every module (a Python call per submodule, a ``detach()`` per tensor), then a tree node
+per tensor. At a memory snapshot every step, that walk cost a small model more than
+copying its bytes. A `CapturePlan` keeps, per top-level module and optimizer, the tree
+node and the live tensors of a walk, and reuses them while a check that costs a few
+C-level passes says the entry still has the structure they were made from:
+
+- a module (an ``nn.Module`` whose classes keep torch's ``state_dict``, with no
+  state-dict hooks and no extra state): the same submodules, parameters and buffers
+  (the same objects under the same names in the same dicts), the same classes, the
+  same non-persistent buffer names, and still no hooks or per-object ``state_dict``;
+  its ``state_dict()`` is then not called;
+- an optimizer: its ``state_dict()`` is called as always (hooks and overrides run),
+  and its ``"state"`` part is reused when it holds the same per-parameter dicts with
+  the same keys and the same value objects (tensors updated in place); the
+  ``"param_groups"`` part (a learning rate changes at every step) is walked anew.
+
+Each tensor's dtype, shape and device can change without its object changing
+(``p.data = ...``): the check does not look at them, the caller does. It compares them
+with those its copy was planned for (`resumable.snapshot.CopyPlan.matches`) and, if
+any differs, calls `forget` and captures again, so a reused node never names a stale
+device. The tensors of a reused entry are the live objects (a parameter is not
+detached): they are for copying under ``torch.no_grad()``.
+
+An entry is planned only in a capture of one process (several ranks capture global
+tensors) and when its tensors are plain and named as a walk would name them. An entry
+that fails its check again and again (a module replacing a buffer at every step), or
+that cannot be planned, is walked the ordinary way for `REST` captures before it is
+tried again.
+
+NumPy's global stream is read anew only when its generator's words or position
+changed (`NumpyState`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import operator
+import sys
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+
+from resumable.capture import PLAIN_TENSORS, Encoder, rng_state, unwrap
+from resumable.tree import RNG_KEY
+
+log = logging.getLogger(__name__)
+
+REST = 100  # captures an entry is walked the ordinary way after it could not be reused
+_MISSES = 3  # consecutive re-plans of an entry before it rests
+
+_MODULE_ATTRS = operator.itemgetter(  # from a module's __dict__
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+)
+_SAVE_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
+_TORCH_MODULE = torch.nn.Module
+_TORCH_SAVE = tuple(getattr(_TORCH_MODULE, m) for m in _SAVE_METHODS)
+_IMMUTABLE = (int, float, bool, str, type(None))
+
+
+class CapturePlan:
+    """The reusable part of this rank's captures (see the module docstring); used by one
+    thread, one capture at a time."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _ModuleEntry | _OptimizerEntry] = {}
+        self._rest: dict[str, int] = {}  # key -> captures left to walk it the usual way
+        self._misses: dict[str, int] = {}
+        self._reused = False
+        self._numpy = NumpyState()
+        self._python: tuple[Any, Any] | None = None  # Python's last state and its node
+        self._numpy_node: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
+
+    def entry(self, key: str, obj: Any, enc: Encoder) -> Any | None:
+        """The tree node of the top-level entry ``state[key] = obj``, its tensors and
+        classes added to ``enc`` as `Encoder.value` would add them; None if this plan
+        does not take it (the caller walks it)."""
+        if enc.world_size != 1 or enc.rank != 0:
+            return None
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._optimizer(key, obj, enc)
+        module = unwrap(obj)
+        if isinstance(module, torch.nn.Module) and _torch_saves_modules():
+            return self._module(key, obj, module, enc)
+        return None
+
+    def streams(self, enc: Encoder) -> Any:
+        """The node of the random streams, as ``enc.streams(rng_state())`` makes it;
+        Python's and NumPy's nodes (and NumPy's tensor) are the last ones while their
+        states are the same."""
+        streams = rng_state(self._numpy.get)
+        if enc.world_size != 1 or enc.rank != 0:
+            return enc.streams(streams)
+        items = []
+        for key, v in streams.items():
+            if key == "python":
+                last = self._python
+                # the words are ints (== is JSON's equality); the Gaussian is the same
+                # object until it changes (-0.0 == 0.0, but their JSON differs)
+                if last is None or v[2] is not last[0][2] or v[:2] != last[0][:2]:
+                    last = self._python = (v, enc.streams({key: v})["dict"][0][1])
+                node = last[1]
+            elif key == "numpy":
+                kept = self._numpy_node
+                if kept is not None and v is kept[0] and _free(enc, kept[2]):
+                    enc.tensors.update(kept[2])
+                    node = kept[1]
+                else:
+                    mark = len(enc.tensors)
+                    node = enc.value(v, (RNG_KEY, key), 3)
+                    made = dict(list(enc.tensors.items())[mark:])
+                    self._numpy_node = (v, node, made) if v is self._numpy.kept else None
+            else:
+                node = enc.value(v, (RNG_KEY, key), 3)
+            items.append([key, node])
+        return {"dict": items}
+
+    def reused(self) -> bool:
+        reused, self._reused = self._reused, False
+        return reused
+
+    def forget(self) -> None:
+        """Drop every planned entry: the next capture walks the whole state."""
+        self._entries.clear()
+        self._reused = False
+
+    # ------------------------------------------------------------------ entries
+
+    def _resting(self, key: str) -> bool:
+        left = self._rest.get(key, 0)
+        if left:
+            self._rest[key] = left - 1
+        return left > 0
+
+    def _missed(self, key: str, why: str) -> None:
+        """The entry of ``key`` was not reused; after `_MISSES` in a row it rests."""
+        self._entries.pop(key, None)
+        n = self._misses[key] = self._misses.get(key, 0) + 1
+        if n >= _MISSES or why:
+            self._rest[key] = REST
+            self._misses[key] = 0
+            log.debug("state[%r] is walked at every snapshot for a while: %s", key, why or n)
+
+    def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
+        hit = self._entries.get(key)
+        if isinstance(hit, _ModuleEntry):
+            if hit.valid(obj, module) and _free(enc, hit.tensors):
+                enc.classes.append(hit.classes)
+                enc.tensors.update(hit.tensors)
+                self._reused = True
+                self._misses[key] = 0
+                return hit.node
+            self._missed(key, "")
+        if self._resting(key):
+            return None
+        mark, classes = len(enc.tensors), len(enc.classes)
+        node = enc.value(obj, (key,), 2)
+        made = list(enc.tensors.items())[mark:]
+        entry, why = _ModuleEntry.make(key, obj, module, node, made, enc.classes[classes:])
+        if entry is None:
+            self._missed(key, why)
+        else:
+            self._entries[key] = entry
+        return node
+
+    def _optimizer(self, key: str, obj: torch.optim.Optimizer, enc: Encoder) -> Any | None:
+        if self._resting(key):
+            return None
+        path = (key,)
+        hit = self._entries.get(key)
+        if isinstance(hit, _OptimizerEntry) and hit.direct(obj) and _free(enc, hit.tensors):
+            # torch's state_dict(), no hooks: its "state" as before, without calling it
+            enc.classes.append(hit.classes)
+            enc.tensors.update(hit.tensors)
+            self._reused = True
+            self._misses[key] = 0
+            groups = enc.value(hit.pack_groups(obj), (key, "param_groups"), 4)
+            return {"stateful": {"dict": [["state", hit.node], ["param_groups", groups]]}}
+        classes = len(enc.classes)
+        sd = enc.state_dict_of(obj, path)
+        if type(sd) is not dict or list(sd) != ["state", "param_groups"]:
+            self._missed(key, f"its state_dict() has keys {list(sd)[:4]}")
+            return {"stateful": enc.value(sd, path, 3)}
+        st = sd["state"]
+        if isinstance(hit, _OptimizerEntry) and hit.valid(obj, st) and _free(enc, hit.tensors):
+            enc.tensors.update(hit.tensors)
+            state_node = hit.node
+            self._reused = True
+            self._misses[key] = 0
+        else:
+            if hit is not None:
+                self._missed(key, "")
+            mark = len(enc.tensors)
+            state_node = enc.value(st, (key, "state"), 4)
+            made = list(enc.tensors.items())[mark:]
+            entry, why = _OptimizerEntry.make(key, obj, sd, state_node, made, enc.classes[classes])
+            if entry is None:
+                self._missed(key, why)
+            else:
+                self._entries[key] = entry
+        groups = enc.value(sd["param_groups"], (key, "param_groups"), 4)
+        return {"stateful": {"dict": [["state", state_node], ["param_groups", groups]]}}
+
+
+def _free(enc: Encoder, names: dict[str, torch.Tensor]) -> bool:
+    """Whether none of ``names`` is taken yet (else a walk would rename them)."""
+    return not enc.tensors or enc.tensors.keys().isdisjoint(names)
+
+
+def _same_tensor(walked: torch.Tensor, live: Any) -> bool:
+    """Whether ``walked`` (a tensor the walk collected) is ``live`` or its detached
+    alias, and ``live`` is a plain tensor."""
+    if type(live) not in PLAIN_TENSORS:
+        return False
+    if walked is live:
+        return True
+    return (
+        walked.data_ptr() == live.data_ptr()
+        and walked.dtype == live.dtype
+        and walked.shape == live.shape
+        and walked.stride() == live.stride()
+    )
+
+
+def _base_names(key: str, paths: Iterable[tuple[Any, ...]]) -> list[str]:
+    return ["/".join(map(str, (key, *p))) for p in paths]
+
+
+def _torch_saves_modules() -> bool:
+    """Whether ``nn.Module``'s own state-dict methods are torch's (not patched)."""
+    return all(
+        getattr(_TORCH_MODULE, m) is f and getattr(f, "__module__", "") == "torch.nn.modules.module"
+        for m, f in zip(_SAVE_METHODS, _TORCH_SAVE)
+    )
+
+
+def _keeps_torch_state_dict(cls: type) -> bool:
+    return all(getattr(cls, m, f) is f for m, f in zip(_SAVE_METHODS, _TORCH_SAVE))
+
+
+def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules in the order (and with the repeats) of
+    ``state_dict()``'s recursion."""
+    out: list[torch.nn.Module] = []
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        out.append(m)
+        todo.extend(reversed([s for s in m._modules.values() if s is not None]))
+    return out
+
+
+class _ModuleEntry:
+    """A module's node and tensors, and what they were made from."""
+
+    def __init__(
+        self,
+        obj: Any,
+        module: torch.nn.Module,
+        node: Any,
+        tensors: dict[str, torch.Tensor],
+        classes: tuple[tuple[Any, ...], str],
+    ) -> None:
+        self.obj, self.module, self.node, self.tensors = obj, module, node, tensors
+        self.classes = classes
+        self.mods = _submodules(module)
+        self.own = [vars(m) for m in self.mods]  # a per-object override would land here
+        attrs = list(map(_MODULE_ATTRS, self.own))
+        self._attrs = attrs  # held: the ids below stay theirs
+        self.attr_ids = list(map(id, chain.from_iterable(attrs)))
+        self.types = list(map(type, self.mods))
+        self.dicts = [d for a in attrs for d in a[0:3]]
+        self.keys = list(chain.from_iterable(self.dicts))
+        self._values = list(chain.from_iterable(map(dict.values, self.dicts)))
+        self.value_ids = list(map(id, self._values))
+        self.sets = [a[3] for a in attrs]
+        self.set_copies = list(map(frozenset, self.sets))
+        self.hooks = [d for a in attrs for d in a[4:6]]
+        # (class, method name) for each class and state-dict method, and torch's methods
+        kinds = list(dict.fromkeys(self.types))
+        self.cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
+        self.names_rep = list(_SAVE_METHODS) * len(kinds)
+        self.torch_rep = list(_TORCH_SAVE) * len(kinds)
+
+    @classmethod
+    def make(
+        cls,
+        key: str,
+        obj: Any,
+        module: torch.nn.Module,
+        node: Any,
+        made: list[tuple[str, torch.Tensor]],
+        classes: list[tuple[tuple[Any, ...], str]],
+    ) -> tuple[_ModuleEntry | None, str]:
+        """The entry of a module just walked (``node``, the tensors ``made``), or None
+        and why it cannot be reused."""
+        mods = _submodules(module)
+        for m in mods:
+            if not _keeps_torch_state_dict(type(m)):
+                return None, f"{type(m).__name__} has its own state_dict methods"
+            if m._state_dict_hooks or m._state_dict_pre_hooks:
+                return None, f"{type(m).__name__} has state_dict hooks"
+            if any(name in vars(m) for name in _SAVE_METHODS):
+                return None, f"a {type(m).__name__} object has its own state_dict"
+        live = module.state_dict(keep_vars=True)
+        if [n for n, _ in made] != _base_names(key, ((k,) for k in live)):
+            return None, "its tensors' names are taken"
+        if len(made) != len(live) or not all(
+            _same_tensor(t, v) for (_, t), v in zip(made, live.values())
+        ):
+            return None, "its state_dict() holds more than its tensors"
+        if len(classes) != 1:
+            return None, "its state holds stateful objects"
+        tensors = {n: v for (n, _), v in zip(made, live.values())}
+        return cls(obj, module, node, tensors, classes[0]), ""
+
+    def valid(self, obj: Any, module: torch.nn.Module) -> bool:
+        """Whether the module has the structure this entry was made from."""
+        return (
+            obj is self.obj
+            and module is self.module
+            and list(map(type, self.mods)) == self.types
+            and list(map(id, chain.from_iterable(map(_MODULE_ATTRS, self.own)))) == self.attr_ids
+            and list(chain.from_iterable(self.dicts)) == self.keys
+            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and not any(map(len, self.hooks))
+            and list(map(frozenset, self.sets)) == self.set_copies
+            and not any(map(_overrides, self.own))
+            and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
+        )
+
+
+def _overrides(attrs: dict[str, Any]) -> bool:
+    return "state_dict" in attrs or "_save_to_state_dict" in attrs or "get_extra_state" in attrs
+
+
+_OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
+_PARAMS = operator.itemgetter("params")
+
+
+class _OptimizerEntry:
+    """The node and tensors of an optimizer's ``state_dict()["state"]``, and the
+    per-parameter dicts and values they were made from.
+
+    Where the optimizer keeps torch's ``state_dict`` with no hooks, and this entry's
+    packing of the parameter groups matched that ``state_dict()``'s when it was made
+    (``can_pack``), `direct` checks the optimizer's own ``state`` and groups instead,
+    and `pack_groups` packs the groups as torch does: ``state_dict()`` is not called."""
+
+    def __init__(
+        self,
+        obj: torch.optim.Optimizer,
+        sd: dict[str, Any],
+        node: Any,
+        tensors: dict[str, torch.Tensor],
+        classes: tuple[tuple[Any, ...], str],
+    ) -> None:
+        st = sd["state"]
+        self.obj, self.node, self.tensors, self.classes = obj, node, tensors, classes
+        self.cls = type(obj)
+        self.keys = list(st)
+        self._inner = list(st.values())  # held: the ids below stay theirs
+        self.inner_ids = list(map(id, self._inner))
+        self.inner_keys = list(chain.from_iterable(self._inner))
+        self._values = list(chain.from_iterable(map(dict.values, self._inner)))
+        self.value_ids = list(map(id, self._values))
+        # what `direct` compares: the optimizer's state keys (its parameters) and groups
+        self._params = list(obj.state)
+        self.param_ids = list(map(id, self._params))
+        self._flat = list(chain.from_iterable(map(_PARAMS, obj.param_groups)))
+        self.flat_ids = list(map(id, self._flat))
+        self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
+        self.indices = [g["params"] for g in sd["param_groups"]]
+        self.can_pack = (
+            self.cls.state_dict is _OPTIMIZER_STATE_DICT
+            and all(type(k) in PLAIN_TENSORS for k in self._params)
+            and _same_groups(self.pack_groups(obj), sd["param_groups"])
+        )
+
+    @classmethod
+    def make(
+        cls,
+        key: str,
+        obj: torch.optim.Optimizer,
+        sd: dict[str, Any],
+        node: Any,
+        made: list[tuple[str, torch.Tensor]],
+        classes: tuple[tuple[Any, ...], str],
+    ) -> tuple[_OptimizerEntry | None, str]:
+        st, groups = sd["state"], sd["param_groups"]
+        if type(st) is not dict:
+            return None, f"its state is a {type(st).__name__}"
+        if type(groups) is not list or not all(type(g) is dict for g in groups):
+            return None, "its param_groups are not a list of dicts"
+        paths: list[tuple[Any, ...]] = []
+        live: list[Any] = []
+        for idx, inner in st.items():
+            if type(inner) is not dict or type(idx) not in (int, str):
+                return None, "its state is not a dict of dicts"
+            for name, v in inner.items():
+                if type(v) in PLAIN_TENSORS:
+                    paths.append(("state", idx, name))
+                    live.append(v)
+                elif not isinstance(v, _IMMUTABLE) or type(name) not in (int, str):
+                    return None, f"its state holds a {type(v).__name__}"
+        if [n for n, _ in made] != _base_names(key, paths):
+            return None, "its tensors' names are taken"
+        if not all(_same_tensor(t, v) for (_, t), v in zip(made, live)):
+            return None, "its state's tensors are not its own"
+        tensors = {n: v for (n, _), v in zip(made, live)}
+        return cls(obj, sd, node, tensors, classes), ""
+
+    def valid(self, obj: Any, st: Any) -> bool:
+        """Whether ``st`` (of ``obj.state_dict()``) holds the per-parameter dicts and
+        values this was made from."""
+        return (
+            obj is self.obj
+            and type(st) is dict
+            and list(st) == self.keys
+            and list(map(id, st.values())) == self.inner_ids
+            and self._same_inner()
+        )
+
+    def direct(self, obj: Any) -> bool:
+        """Whether ``obj.state_dict()`` would have the ``"state"`` this was made from,
+        and groups `pack_groups` packs as it would; checked without calling it."""
+        if not (
+            self.can_pack
+            and obj is self.obj
+            and type(obj) is self.cls
+            and self.cls.state_dict is _OPTIMIZER_STATE_DICT
+            and not obj._optimizer_state_dict_pre_hooks
+            and not obj._optimizer_state_dict_post_hooks
+            and "state_dict" not in vars(obj)
+        ):
+            return False
+        st = obj.state
+        groups = obj.param_groups
+        return (
+            list(map(id, st)) == self.param_ids
+            and list(map(id, st.values())) == self.inner_ids
+            and self._same_inner()
+            and list(map(id, chain.from_iterable(map(_PARAMS, groups)))) == self.flat_ids
+            and list(map(len, map(_PARAMS, groups))) == self.group_lens
+        )
+
+    def _same_inner(self) -> bool:
+        return (
+            list(chain.from_iterable(self._inner)) == self.inner_keys
+            and list(map(id, chain.from_iterable(map(dict.values, self._inner)))) == self.value_ids
+        )
+
+    def pack_groups(self, obj: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """``obj.state_dict()["param_groups"]`` while `direct` holds: each group but its
+        parameters, then their indices."""
+        out = []
+        for group, indices in zip(obj.param_groups, self.indices):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = indices
+            out.append(packed)
+        return out
+
+
+def _same_groups(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bool:
+    """Whether two packings of parameter groups hold the same keys, in order, the same
+    value objects, and equal parameter indices."""
+    if len(mine) != len(theirs):
+        return False
+    for a, b in zip(mine, theirs):
+        if list(a) != list(b) or a["params"] != b["params"]:
+            return False
+        if any(a[k] is not b[k] for k in a if k != "params"):
+            return False
+    return True
+
+
+class NumpyState:
+    """NumPy's global stream (``np.random.get_state(legacy=False)``), read anew only
+    when its Mersenne Twister's 624 words or position changed.
+
+    Reading the state costs ~25 µs (NumPy copies the words one at a time into a new
+    array); comparing them where they lie (``MT19937.ctypes.state_address``: the words,
+    then the position) costs ~1 µs. The Gaussian NumPy keeps for its next ``normal()``
+    lies elsewhere: a normal drawn from it changes neither the words nor the position,
+    so the last state is reused only if it had none (``has_gauss`` 0). Seeding makes a
+    state with none either; only ``set_state`` of a hand-made state with the same words
+    and position could put one there unseen (docs/performance.md).
+
+    The fast path checks itself once against ``get_state``, and is left off if the
+    generator is not an ``MT19937`` or its state does not lie as expected."""
+
+    _WORDS = 624
+
+    def __init__(self) -> None:
+        self._gen: Any = None
+        self._read: Callable[[], bytes] | None = None
+        self._raw = b""
+        self._last: dict[str, Any] | None = None
+
+    @property
+    def kept(self) -> Any:
+        """The state `get` returns while the stream does not change (or None)."""
+        return self._last if self._read is not None else None
+
+    def get(self) -> Any:
+        rs = np.random.mtrand._rand
+        gen = getattr(rs, "_bit_generator", None)
+        if gen is not self._gen:
+            self._attach(gen)
+        read = self._read
+        if read is None:
+            return np.random.get_state(legacy=False)
+        raw = read()
+        last = self._last
+        if last is not None and raw == self._raw and last["has_gauss"] == 0:
+            return last
+        last = np.random.get_state(legacy=False)
+        self._raw, self._last = raw, last
+        return last
+
+    def _attach(self, gen: Any) -> None:
+        self._gen, self._read, self._raw, self._last = gen, None, b"", None
+        if type(gen).__name__ != "MT19937":
+            return
+        try:
+            address = int(gen.ctypes.state_address)
+        except (AttributeError, TypeError, ValueError):
+            return
+        size = self._WORDS * 4 + 4
+
+        def read() -> bytes:
+            return ctypes.string_at(address, size)
+
+        state = np.random.get_state(legacy=False)
+        inner = state.get("state", {})
+        want = np.asarray(inner.get("key"), dtype=np.uint32).tobytes() + int(
+            inner.get("pos", -1)
+        ).to_bytes(4, sys.byteorder, signed=True)
+        if read() == want:
+            self._read = read

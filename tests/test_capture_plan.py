@@ -1,0 +1,395 @@
+"""The capture plan (issue 20): a module's or optimizer's tree node and tensors are reused
+from one snapshot to the next while a cheap check says the structure they were made from
+is unchanged; any change of structure is walked again, and a snapshot through a plan
+is exactly what a full walk gives.
+
+Two levels: `capture` with a plan against `capture` without one after every kind of
+change (the same JSON, names and tensor values), and snapshots through a `Checkpointer`
+persisted and restored at every step (bit-identical values)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from resumable.capture import CLASSES_KEY, Captured, capture, decode
+from resumable.capture_plan import CapturePlan, NumpyState
+from resumable.reader import CheckpointReader
+from resumable.snapshot import CopyPlan
+from resumable.storage.local import LocalStorage
+from state_checks import assert_same, shm_dir, snapshot_each
+
+__all__ = ["shm_dir"]  # a fixture
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+        self.head = nn.Linear(3, 2)
+        self.register_buffer("count", torch.zeros(1))
+
+
+def make_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": optim, "extra": {"epoch": 0}}
+
+
+def train(state: dict[str, Any]) -> None:
+    """An optimizer step on random gradients (any change below leaves it possible)."""
+    optim = state["optim"]
+    for group in optim.param_groups:
+        for p in group["params"]:
+            p.grad = torch.randn_like(p)
+    optim.step()
+    state["model"].count.add_(1)
+
+
+def text(c: Captured) -> str:
+    return json.dumps(c.tree, separators=(",", ":"), allow_nan=False)
+
+
+def assert_equivalent(got: Captured, want: Captured, where: str) -> None:
+    """``got`` (through a plan) is what a full walk ``want`` gave: the same tree JSON,
+    tensor names in order, dtypes, shapes, devices and values."""
+    assert text(got) == text(want), where
+    assert list(got.tensors) == list(want.tensors), where
+    for name, w in want.tensors.items():
+        g = got.tensors[name]
+        assert (g.dtype, g.shape, g.device) == (w.dtype, w.shape, w.device), (where, name)
+        assert torch.equal(g.detach(), w), (where, name)
+
+
+# Changes between captures: (name, change). Each would make a stale plan wrong.
+def _replace_param(s: dict[str, Any]) -> None:
+    s["model"].head.weight = nn.Parameter(torch.randn(2, 3))
+
+
+def _resize_data(s: dict[str, Any]) -> None:
+    bias = s["model"].head.bias
+    bias.data = torch.randn(5)
+    s["optim"].state.pop(bias, None)  # its moments no longer fit
+
+
+def _transpose_data(s: dict[str, Any]) -> None:  # same shape and storage, other strides
+    w = s["model"].body[0].weight
+    w.data = w.data.t()
+
+
+def _other_dtype(s: dict[str, Any]) -> None:
+    bias = s["model"].body[2].bias
+    bias.data = bias.data.double()
+    s["optim"].state.pop(bias, None)
+
+
+def _new_buffer(s: dict[str, Any]) -> None:
+    s["model"].head.register_buffer(f"b{random.randrange(10**6)}", torch.randn(2))
+
+
+def _replace_buffer(s: dict[str, Any]) -> None:
+    s["model"].count = s["model"].count + 1
+
+
+def _non_persistent(s: dict[str, Any]) -> None:
+    m = s["model"]
+    m.register_buffer("count", m.count, persistent=False)
+
+
+def _persistent_again(s: dict[str, Any]) -> None:
+    m = s["model"]
+    m.register_buffer("count", m.count, persistent=True)
+
+
+def _add_submodule(s: dict[str, Any]) -> None:
+    s["model"].body.append(nn.Linear(3, 3))
+
+
+def _submodule_none(s: dict[str, Any]) -> None:
+    s["model"].body[1] = None
+
+
+def _hook(s: dict[str, Any]) -> None:
+    def add(module: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
+        sd[prefix + "hooked"] = torch.full((2,), 7.0)
+
+    s["model"].head.register_state_dict_post_hook(add)
+
+
+def _own_state_dict(s: dict[str, Any]) -> None:
+    head = s["model"].head
+    head.state_dict = lambda *a, **k: {"own": torch.ones(1)}  # type: ignore[method-assign]
+
+
+def _param_group(s: dict[str, Any]) -> None:
+    s["optim"].add_param_group({"params": [nn.Parameter(torch.randn(3))], "lr": 0.5})
+
+
+def _reorder_params(s: dict[str, Any]) -> None:  # the same lengths, other indices
+    params = s["optim"].param_groups[0]["params"]
+    params[0], params[1] = params[1], params[0]
+
+
+def _lr(s: dict[str, Any]) -> None:
+    for g in s["optim"].param_groups:
+        g["lr"] = g["lr"] * 0.5
+
+
+def _reload_optimizer(s: dict[str, Any]) -> None:
+    s["optim"].load_state_dict(s["optim"].state_dict())
+
+
+def _optimizer_float_step(s: dict[str, Any]) -> None:
+    for st_ in s["optim"].state.values():
+        st_["seen"] = float(len(st_)) + random.random()
+
+
+def _optimizer_hook(s: dict[str, Any]) -> None:
+    def post(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        sd["param_groups"][0]["hooked"] = 1
+        sd["extra_key"] = 5
+        return sd
+
+    s["optim"].register_state_dict_post_hook(post)
+
+
+def _renamed(d: dict[Any, Any], old: Any, new: Any) -> None:
+    """Rename ``old`` to ``new`` in place, keeping its position and value object."""
+    items = list(d.items())
+    d.clear()
+    d.update((new if k == old else k, v) for k, v in items)
+
+
+def _rename_param(s: dict[str, Any]) -> None:  # the same objects in the same order
+    params = s["model"].head._parameters
+    _renamed(params, "bias", "bias2") if "bias" in params else _renamed(params, "bias2", "bias")
+
+
+def _aux_moment(s: dict[str, Any]) -> None:  # adds a key, then renames it in place
+    st_ = next(iter(s["optim"].state.values()), None)
+    if st_ is None:
+        return
+    if "aux" in st_:
+        _renamed(st_, "aux", "aux2")
+    elif "aux2" in st_:
+        _renamed(st_, "aux2", "aux")
+    else:
+        st_["aux"] = 1
+
+
+class OwnSave(nn.Linear):
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "own"] = torch.ones(1)
+
+
+def _own_class(s: dict[str, Any]) -> None:  # a submodule's class changes in place
+    s["model"].head.__class__ = OwnSave
+
+
+def _renamed_class(s: dict[str, Any]) -> None:  # the top module's recorded class changes
+    s["model"].__class__ = type("Renamed", (Net,), {})
+
+
+def _new_entry(s: dict[str, Any]) -> None:
+    s["extra"]["more"] = torch.arange(3)
+
+
+def _swap_module(s: dict[str, Any]) -> None:
+    s["model"], s["other"] = Net(), s["model"]
+
+
+def _draws(s: dict[str, Any]) -> None:
+    random.random()
+    np.random.randn()
+    torch.rand(1)
+
+
+def _numpy_cached_gauss(s: dict[str, Any]) -> None:
+    np.random.randn()  # the pair's second is kept: NumPy's words and position stay
+
+
+CHANGES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+    ("train", train),
+    ("nothing", lambda s: None),
+    ("replace-param", _replace_param),
+    ("resize-data", _resize_data),
+    ("transpose-data", _transpose_data),
+    ("other-dtype", _other_dtype),
+    ("new-buffer", _new_buffer),
+    ("replace-buffer", _replace_buffer),
+    ("non-persistent", _non_persistent),
+    ("persistent-again", _persistent_again),
+    ("add-submodule", _add_submodule),
+    ("submodule-none", _submodule_none),
+    ("state-dict-hook", _hook),
+    ("own-state-dict", _own_state_dict),
+    ("param-group", _param_group),
+    ("reorder-params", _reorder_params),
+    ("lr", _lr),
+    ("reload-optimizer", _reload_optimizer),
+    ("optimizer-float", _optimizer_float_step),
+    ("optimizer-hook", _optimizer_hook),
+    ("rename-param", _rename_param),
+    ("aux-moment", _aux_moment),
+    ("own-class", _own_class),
+    ("renamed-class", _renamed_class),
+    ("new-entry", _new_entry),
+    ("swap-module", _swap_module),
+    ("draws", _draws),
+    ("numpy-cached-gauss", _numpy_cached_gauss),
+]
+
+
+@pytest.mark.parametrize("name, change", CHANGES, ids=[n for n, _ in CHANGES])
+def test_each_change_is_captured_as_a_full_walk_would(
+    name: str, change: Callable[[dict[str, Any]], None]
+) -> None:
+    state = make_state()
+    plan = CapturePlan()
+    for step in range(7):
+        if step in (3, 4):  # the change, and the same change again
+            change(state)
+        elif step:
+            train(state)
+        assert_equivalent(capture(state, plan=plan), capture(state), f"{name} step {step}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(range(len(CHANGES))), min_size=1, max_size=10))
+def test_any_sequence_of_changes_is_captured_as_a_full_walk_would(picks: list[int]) -> None:
+    state = make_state()
+    plan = CapturePlan()
+    assert_equivalent(capture(state, plan=plan), capture(state), "start")
+    for i, pick in enumerate(picks):
+        name, change = CHANGES[pick]
+        change(state)
+        for again in range(2):  # the capture after a change, and the one reusing it
+            assert_equivalent(capture(state, plan=plan), capture(state), f"{i} {name} {again}")
+
+
+def test_an_unchanged_structure_is_reused_with_the_live_tensors() -> None:
+    state = make_state()
+    train(state)
+    plan = CapturePlan()
+    assert not capture(state, plan=plan).reused  # planned
+    train(state)
+    got = capture(state, plan=plan)
+    assert got.reused
+    model, optim = state["model"], state["optim"]
+    assert got.tensors["model/head.weight"] is model.head.weight  # not a detached copy
+    moment = optim.state[model.head.weight]["exp_avg"]
+    assert any(t is moment for t in got.tensors.values())
+    _new_buffer(state)
+    capture(state, plan=plan)  # the module walked again (the optimizer's part reused)
+    again = capture(state, plan=plan)
+    assert again.reused and any(n.startswith("model/head.b") for n in again.tensors)
+
+
+def test_a_copy_plan_sees_what_the_capture_check_leaves_to_it() -> None:
+    """A tensor resized or retyped in place keeps its object: the capture plan reuses
+    the entry, and the copy plan's structure check is what refuses it (the memory tier
+    then forgets the capture plan and walks again)."""
+    model = Net()
+    state = {"model": model}
+    plan = CapturePlan()
+    capture(state, plan=plan)
+    for change in (
+        lambda: setattr(model.head.bias, "data", torch.randn(5)),
+        lambda: setattr(model.head.bias, "data", model.head.bias.data.double()),
+    ):
+        before = capture(state, plan=plan)
+        copy_plan = CopyPlan(before.tensors)
+        change()
+        after = capture(state, plan=plan)
+        assert after.reused and not copy_plan.matches(after.tensors)
+
+
+def test_an_entry_that_never_keeps_its_structure_is_walked_each_time() -> None:
+    """A module replacing a buffer at every step fails the check each time: after a few
+    misses it is walked the ordinary way (each capture still exact)."""
+    state = make_state()
+    plan = CapturePlan()
+    for step in range(12):
+        _replace_buffer(state)
+        got = capture(state, plan=plan)
+        assert_equivalent(got, capture(state), f"step {step}")
+
+
+@pytest.mark.parametrize("name, change", CHANGES, ids=[n for n, _ in CHANGES])
+def test_snapshots_across_each_change_hold_the_state_bit_identically(
+    tmp_path: Path, shm_dir: Path, name: str, change: Callable[[dict[str, Any]], None]
+) -> None:
+    """Snapshot at every step through a `Checkpointer` (persisted from its slot), the
+    change in the middle: every step's checkpoint holds the state's state dicts as they
+    were, dtypes, shapes and bytes."""
+    state = make_state()
+    stages: list[Callable[[], None]] = [
+        lambda: train(state),
+        lambda: train(state),
+        lambda: change(state),
+        lambda: train(state),
+        lambda: None,
+    ]
+    expected = snapshot_each(tmp_path / "ck", shm_dir, state, stages)
+    storage = LocalStorage(tmp_path / "ck")
+    for step, want in enumerate(expected, start=1):
+        reader = CheckpointReader(storage, step)
+        got = decode(reader.tree, reader.tensors())
+        got.pop(CLASSES_KEY, None)
+        assert_same(as_dicts(got), as_dicts(want), f"step {step}")
+
+
+def as_dicts(v: Any) -> Any:
+    """``v`` with every mapping a plain dict (a module's state dict is an OrderedDict)."""
+    if isinstance(v, dict):
+        return {k: as_dicts(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [as_dicts(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(as_dicts(x) for x in v)
+    return v
+
+
+def test_numpy_state_is_read_again_exactly_when_it_changed() -> None:
+    reader = NumpyState()
+    for draw in [
+        lambda: None,
+        np.random.rand,
+        np.random.randn,  # a pair: one Gaussian kept
+        np.random.randn,  # the kept one: words and position unchanged
+        lambda: None,
+        lambda: np.random.seed(3),
+        lambda: np.random.set_state(np.random.get_state()),
+    ]:
+        draw()
+        got, want = reader.get(), np.random.get_state(legacy=False)
+        assert got["state"]["pos"] == want["state"]["pos"]
+        assert np.array_equal(got["state"]["key"], want["state"]["key"])
+        assert (got["has_gauss"], got["gauss"]) == (want["has_gauss"], want["gauss"])
+
+
+def test_numpy_state_follows_a_replaced_bit_generator() -> None:
+    rs = np.random.mtrand._rand
+    original = rs._bit_generator
+    reader = NumpyState()
+    reader.get()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(5))
+        assert reader.get()["bit_generator"] == "PCG64"
+        np.random.random()
+        assert reader.get() == np.random.get_state(legacy=False)
+    finally:
+        np.random.set_bit_generator(original)
+    assert reader.get()["bit_generator"] == "MT19937"
