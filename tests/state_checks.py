@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,7 +66,9 @@ def plain(state: dict[str, Any]) -> dict[str, Any]:
 
 def assert_same(got: Any, want: Any, where: str = "state") -> None:
     assert type(got) is type(want), f"{where}: {type(got)} != {type(want)}"
-    if isinstance(want, torch.Tensor):
+    if isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and np.array_equal(got, want), where
+    elif isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape, where
         assert torch.equal(got, want), where
     elif isinstance(want, dict):

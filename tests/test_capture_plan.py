@@ -44,7 +44,14 @@ def make_state() -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return {"model": model, "optim": optim, "extra": {"epoch": 0}}
+    extra = {
+        "epoch": 0,
+        "nested": {"a": {"x": torch.randn(3), "y": torch.randn(2)}, "b": {"z": torch.randn(4)}},
+        "hist": [torch.randn(2), 1.5, (1, "two")],
+        "lists": [[torch.randn(2), torch.randn(3)], [torch.randn(4)]],
+    }
+    model.body[0].register_buffer("extra", torch.randn(2))
+    return {"model": model, "optim": optim, "extra": extra}
 
 
 def train(state: dict[str, Any]) -> None:
@@ -188,6 +195,19 @@ def _aux_moment(s: dict[str, Any]) -> None:  # adds a key, then renames it in pl
         st_["aux"] = 1
 
 
+def _shift_moment(s: dict[str, Any]) -> None:  # adds a key, then moves it to the next dict
+    inner = list(s["optim"].state.values())
+    if len(inner) < 2:
+        return
+    if "aux" in inner[0]:
+        moved = inner[0].pop("aux")
+        rest = dict(inner[1])
+        inner[1].clear()
+        inner[1].update({"aux": moved, **rest})
+    elif "aux" not in inner[1]:
+        inner[0]["aux"] = 1
+
+
 class OwnSave(nn.Linear):
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -200,6 +220,54 @@ def _own_class(s: dict[str, Any]) -> None:  # a submodule's class changes in pla
 
 def _renamed_class(s: dict[str, Any]) -> None:  # the top module's recorded class changes
     s["model"].__class__ = type("Renamed", (Net,), {})
+
+
+def _shift_buffer(s: dict[str, Any]) -> None:
+    """A key moved from one module's dict to the front of the next dict of the walk
+    (the flattened keys and values stay the same; the names do not)."""
+    body = s["model"].body
+    first, second = body[0], body[1]
+    if "extra" in first._buffers:
+        moved = first._buffers.pop("extra")
+        params = dict(second._parameters)
+        second._parameters.clear()
+        second._parameters.update({"extra": moved, **params})
+
+
+def _epoch(s: dict[str, Any]) -> None:
+    s["extra"]["epoch"] += 1
+
+
+def _shift_key(s: dict[str, Any]) -> None:  # the same flattened keys and values, other names
+    nested = s["extra"]["nested"]
+    a, b = nested["a"], nested["b"]
+    if "y" in a:
+        moved = a.pop("y")
+        rest = dict(b)
+        b.clear()
+        b.update({"y": moved, **rest})
+
+
+def _shift_item(s: dict[str, Any]) -> None:  # the same flattened items, other names
+    first, second = s["extra"]["lists"]
+    if len(first) == 2:
+        second.insert(0, first.pop())
+
+
+def _list_append(s: dict[str, Any]) -> None:
+    s["extra"]["hist"].append(torch.ones(2))
+
+
+def _list_replace(s: dict[str, Any]) -> None:
+    s["extra"]["hist"][0] = torch.randn(3)
+
+
+def _extra_in_place(s: dict[str, Any]) -> None:
+    s["extra"]["nested"]["a"]["x"].add_(1)
+
+
+def _numpy_leaf(s: dict[str, Any]) -> None:
+    s["extra"]["arr"] = np.arange(4.0)
 
 
 def _new_entry(s: dict[str, Any]) -> None:
@@ -243,8 +311,17 @@ CHANGES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("optimizer-hook", _optimizer_hook),
     ("rename-param", _rename_param),
     ("aux-moment", _aux_moment),
+    ("shift-moment", _shift_moment),
     ("own-class", _own_class),
     ("renamed-class", _renamed_class),
+    ("shift-buffer", _shift_buffer),
+    ("epoch", _epoch),
+    ("shift-key", _shift_key),
+    ("shift-item", _shift_item),
+    ("list-append", _list_append),
+    ("list-replace", _list_replace),
+    ("extra-in-place", _extra_in_place),
+    ("numpy-leaf", _numpy_leaf),
     ("new-entry", _new_entry),
     ("swap-module", _swap_module),
     ("draws", _draws),

@@ -41,7 +41,7 @@ import logging
 import operator
 import sys
 from collections.abc import Callable, Iterable
-from itertools import chain
+from itertools import chain, islice
 from typing import Any
 
 import numpy as np
@@ -74,7 +74,7 @@ class CapturePlan:
     thread, one capture at a time."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, _ModuleEntry | _OptimizerEntry] = {}
+        self._entries: dict[str, _ModuleEntry | _OptimizerEntry | _ContainerEntry] = {}
         self._rest: dict[str, int] = {}  # key -> captures left to walk it the usual way
         self._misses: dict[str, int] = {}
         self._reused = False
@@ -90,6 +90,8 @@ class CapturePlan:
             return None
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(key, obj, enc)
+        if type(obj) is dict or type(obj) is list:
+            return self._container(key, obj, enc)
         module = unwrap(obj)
         if isinstance(module, torch.nn.Module) and _torch_saves_modules():
             return self._module(key, obj, module, enc)
@@ -119,7 +121,7 @@ class CapturePlan:
                 else:
                     mark = len(enc.tensors)
                     node = enc.value(v, (RNG_KEY, key), 3)
-                    made = dict(list(enc.tensors.items())[mark:])
+                    made = dict(_added(enc, mark))
                     self._numpy_node = (v, node, made) if v is self._numpy.kept else None
             else:
                 node = enc.value(v, (RNG_KEY, key), 3)
@@ -152,6 +154,27 @@ class CapturePlan:
             self._misses[key] = 0
             log.debug("state[%r] is walked at every snapshot for a while: %s", key, why or n)
 
+    def _container(self, key: str, obj: dict[Any, Any] | list[Any], enc: Encoder) -> Any | None:
+        hit = self._entries.get(key)
+        if isinstance(hit, _ContainerEntry):
+            if hit.valid(obj) and _free(enc, hit.tensors):
+                enc.tensors.update(hit.tensors)
+                self._reused = True
+                self._misses[key] = 0
+                return hit.node
+            self._missed(key, "")
+        if self._resting(key):
+            return None
+        mark = len(enc.tensors)
+        node = enc.value(obj, (key,), 2)
+        made = _added(enc, mark)
+        entry, why = _ContainerEntry.make(key, obj, node, made)
+        if entry is None:
+            self._missed(key, why)
+        else:
+            self._entries[key] = entry
+        return node
+
     def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
         hit = self._entries.get(key)
         if isinstance(hit, _ModuleEntry):
@@ -166,7 +189,7 @@ class CapturePlan:
             return None
         mark, classes = len(enc.tensors), len(enc.classes)
         node = enc.value(obj, (key,), 2)
-        made = list(enc.tensors.items())[mark:]
+        made = _added(enc, mark)
         entry, why = _ModuleEntry.make(key, obj, module, node, made, enc.classes[classes:])
         if entry is None:
             self._missed(key, why)
@@ -203,7 +226,7 @@ class CapturePlan:
                 self._missed(key, "")
             mark = len(enc.tensors)
             state_node = enc.value(st, (key, "state"), 4)
-            made = list(enc.tensors.items())[mark:]
+            made = _added(enc, mark)
             entry, why = _OptimizerEntry.make(key, obj, sd, state_node, made, enc.classes[classes])
             if entry is None:
                 self._missed(key, why)
@@ -211,6 +234,12 @@ class CapturePlan:
                 self._entries[key] = entry
         groups = enc.value(sd["param_groups"], (key, "param_groups"), 4)
         return {"stateful": {"dict": [["state", state_node], ["param_groups", groups]]}}
+
+
+def _added(enc: Encoder, mark: int) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``enc`` collected after its first ``mark``, in order."""
+    n = len(enc.tensors) - mark
+    return list(islice(reversed(enc.tensors.items()), n))[::-1] if n else []
 
 
 def _free(enc: Encoder, names: dict[str, torch.Tensor]) -> bool:
@@ -281,6 +310,7 @@ class _ModuleEntry:
         self.attr_ids = list(map(id, chain.from_iterable(attrs)))
         self.types = list(map(type, self.mods))
         self.dicts = [d for a in attrs for d in a[0:3]]
+        self.lens = list(map(len, self.dicts))  # a key moved to the next dict keeps the keys
         self.keys = list(chain.from_iterable(self.dicts))
         self._values = list(chain.from_iterable(map(dict.values, self.dicts)))
         self.value_ids = list(map(id, self._values))
@@ -332,6 +362,7 @@ class _ModuleEntry:
             and module is self.module
             and list(map(type, self.mods)) == self.types
             and list(map(id, chain.from_iterable(map(_MODULE_ATTRS, self.own)))) == self.attr_ids
+            and list(map(len, self.dicts)) == self.lens
             and list(chain.from_iterable(self.dicts)) == self.keys
             and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
             and not any(map(len, self.hooks))
@@ -345,6 +376,74 @@ def _overrides(attrs: dict[str, Any]) -> bool:
     return "state_dict" in attrs or "_save_to_state_dict" in attrs or "get_extra_state" in attrs
 
 
+class _ContainerEntry:
+    """A top-level dict or list of plain dicts, lists, tensors and immutable values: its
+    node and tensors, and the containers they were made from (the same objects, with
+    the same keys, lengths and value objects)."""
+
+    def __init__(
+        self,
+        obj: Any,
+        node: Any,
+        tensors: dict[str, torch.Tensor],
+        dicts: list[dict[Any, Any]],
+        lists: list[list[Any]],
+    ) -> None:
+        self.obj, self.node, self.tensors = obj, node, tensors
+        self.dicts, self.lists = dicts, lists
+        self.dict_lens = list(map(len, dicts))
+        self.keys = list(chain.from_iterable(dicts))
+        self._values = list(chain.from_iterable(map(dict.values, dicts)))  # held
+        self.value_ids = list(map(id, self._values))
+        self.list_lens = list(map(len, lists))
+        self._items = list(chain.from_iterable(lists))  # held
+        self.item_ids = list(map(id, self._items))
+
+    @classmethod
+    def make(
+        cls, key: str, obj: Any, node: Any, made: list[tuple[str, torch.Tensor]]
+    ) -> tuple[_ContainerEntry | None, str]:
+        dicts: list[dict[Any, Any]] = []
+        lists: list[list[Any]] = []
+        paths: list[tuple[Any, ...]] = []
+        live: list[Any] = []
+        todo: list[tuple[Any, tuple[Any, ...]]] = [(obj, ())]
+        while todo:  # depth first, in the walk's order
+            v, path = todo.pop()
+            tv = type(v)
+            if tv is dict:
+                dicts.append(v)
+                todo.extend(reversed([(x, (*path, k)) for k, x in v.items()]))
+            elif tv is list:
+                lists.append(v)
+                todo.extend(reversed([(x, (*path, i)) for i, x in enumerate(v)]))
+            elif tv in PLAIN_TENSORS:
+                paths.append(path)
+                live.append(v)
+            elif tv is tuple:
+                if not all(type(x) in _IMMUTABLE_TYPES for x in v):
+                    return None, "it holds a tuple of containers"
+            elif tv not in _IMMUTABLE_TYPES:
+                return None, f"it holds a {tv.__name__}"
+        if [n for n, _ in made] != _base_names(key, paths):
+            return None, "its tensors' names are taken"
+        if len(made) != len(live) or not all(_same_tensor(t, v) for (_, t), v in zip(made, live)):
+            return None, "its tensors are not its own"
+        tensors = {n: v for (n, _), v in zip(made, live)}
+        return cls(obj, node, tensors, dicts, lists), ""
+
+    def valid(self, obj: Any) -> bool:
+        return (
+            obj is self.obj
+            and list(map(len, self.dicts)) == self.dict_lens
+            and list(chain.from_iterable(self.dicts)) == self.keys
+            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and list(map(len, self.lists)) == self.list_lens
+            and list(map(id, chain.from_iterable(self.lists))) == self.item_ids
+        )
+
+
+_IMMUTABLE_TYPES = (int, float, bool, str, type(None))
 _OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
 _PARAMS = operator.itemgetter("params")
 
@@ -372,6 +471,7 @@ class _OptimizerEntry:
         self.keys = list(st)
         self._inner = list(st.values())  # held: the ids below stay theirs
         self.inner_ids = list(map(id, self._inner))
+        self.inner_lens = list(map(len, self._inner))
         self.inner_keys = list(chain.from_iterable(self._inner))
         self._values = list(chain.from_iterable(map(dict.values, self._inner)))
         self.value_ids = list(map(id, self._values))
@@ -457,7 +557,8 @@ class _OptimizerEntry:
 
     def _same_inner(self) -> bool:
         return (
-            list(chain.from_iterable(self._inner)) == self.inner_keys
+            list(map(len, self._inner)) == self.inner_lens
+            and list(chain.from_iterable(self._inner)) == self.inner_keys
             and list(map(id, chain.from_iterable(map(dict.values, self._inner)))) == self.value_ids
         )
 

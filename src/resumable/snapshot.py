@@ -96,19 +96,25 @@ class CopyPlan:
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.names = list(tensors)
         self.specs = _specs(tensors)
+        # each tensor's device where any is not on the CPU (reading it allocates)
+        self.devices = None if all(cpu for _, _, cpu in self.specs) else _devices(tensors)
         self.slots = plan_layout(tensors)
         self.nbytes = self.slots[-1].end if self.slots else 0
         self.layout_json = RawJSON(
             json.dumps(layout_meta(self.slots), separators=(",", ":"), allow_nan=False)
         )
-        self.on_cuda = any(device.type == "cuda" for _, _, device in self.specs)
+        self.on_cuda = self.devices is not None and any(d.type == "cuda" for d in self.devices)
         by_name = {s.name: s for s in self.slots}
         self._in_order = [by_name[n] for n in self.names]  # each tensor's slot, dict order
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``tensors`` has exactly the structure this plan was made for."""
-        return list(tensors) == self.names and _specs(tensors) == self.specs
+        return (
+            list(tensors) == self.names
+            and _specs(tensors) == self.specs
+            and (self.devices is None or _devices(tensors) == self.devices)
+        )
 
     def copy(
         self,
@@ -140,11 +146,16 @@ class CopyPlan:
         self._views.clear()
 
 
-_SPEC = operator.attrgetter("dtype", "shape", "device")
+_SPEC = operator.attrgetter("dtype", "shape", "is_cpu")
+_DEVICE = operator.attrgetter("device")
 
 
-def _specs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.dtype, Any, torch.device]]:
-    """Each tensor's dtype, shape and device (one C-level pass)."""
+def _devices(tensors: Mapping[str, torch.Tensor]) -> list[torch.device]:
+    return list(map(_DEVICE, tensors.values()))
+
+
+def _specs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.dtype, Any, bool]]:
+    """Each tensor's dtype, shape and whether it is on the CPU (one C-level pass)."""
     return list(map(_SPEC, tensors.values()))
 
 
