@@ -440,8 +440,18 @@ def as_dicts(v: Any) -> Any:
 
 
 def test_numpy_state_is_read_again_exactly_when_it_changed() -> None:
+    """Including a Gaussian restored by ``set_state`` with the words and position the
+    stream already has: only the kept Gaussian differs."""
     reader = NumpyState()
+    np.random.seed(11)
+    np.random.randn()  # a pair: one Gaussian kept
+    pending = np.random.get_state()
+    np.random.randn()  # the kept one: words and position unchanged, none kept now
     for draw in [
+        lambda: None,
+        lambda: np.random.set_state(pending),  # the same words and position, one kept
+        lambda: None,
+        np.random.randn,
         lambda: None,
         np.random.rand,
         np.random.randn,  # a pair: one Gaussian kept

@@ -37,8 +37,10 @@ changed (`NumpyState`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import operator
+import struct
 import sys
 from collections.abc import Callable, Iterable
 from itertools import chain, islice
@@ -588,26 +590,28 @@ def _same_groups(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bo
 
 class NumpyState:
     """NumPy's global stream (``np.random.get_state(legacy=False)``), read anew only
-    when its Mersenne Twister's 624 words or position changed.
+    when it changed.
 
-    Reading the state costs ~25 µs (NumPy copies the words one at a time into a new
-    array); comparing them where they lie (``MT19937.ctypes.state_address``: the words,
-    then the position) costs ~1 µs. The Gaussian NumPy keeps for its next ``normal()``
-    lies elsewhere: a normal drawn from it changes neither the words nor the position,
-    so the last state is reused only if it had none (``has_gauss`` 0). Seeding makes a
-    state with none either; only ``set_state`` of a hand-made state with the same words
-    and position could put one there unseen (docs/performance.md).
+    Reading the state costs ~25 µs: NumPy copies the Mersenne Twister's 624 words one at
+    a time into a new array. Comparing the state where it lies costs ~1 µs: the words
+    and position at the bit generator's ``ctypes.state_address``, and the Gaussian the
+    legacy generator keeps for its next ``normal()`` (``has_gauss``, ``gauss``: a
+    normal drawn from it changes neither the words nor the position) in the generator
+    object's own struct. That struct has no public address, so where it lies is found
+    once on a private ``RandomState`` (the field that points at the generator's state,
+    the field that points at that one, then the Gaussian beside it), checked there with
+    a Gaussian pending and without, and checked again on NumPy's global generator
+    against ``get_state``. Anything unexpected (another NumPy layout, another bit
+    generator, another Python) leaves this off: every call then reads ``get_state``."""
 
-    The fast path checks itself once against ``get_state``, and is left off if the
-    generator is not an ``MT19937`` or its state does not lie as expected."""
-
-    _WORDS = 624
+    _STATE_BYTES = 624 * 4 + 4  # the words, then the position (an int)
 
     def __init__(self) -> None:
         self._gen: Any = None
         self._read: Callable[[], bytes] | None = None
         self._raw = b""
         self._last: dict[str, Any] | None = None
+        self._keep: Any = None  # the object whose memory the read reads
 
     @property
     def kept(self) -> Any:
@@ -618,35 +622,82 @@ class NumpyState:
         rs = np.random.mtrand._rand
         gen = getattr(rs, "_bit_generator", None)
         if gen is not self._gen:
-            self._attach(gen)
+            self._attach(rs, gen)
         read = self._read
         if read is None:
             return np.random.get_state(legacy=False)
         raw = read()
-        last = self._last
-        if last is not None and raw == self._raw and last["has_gauss"] == 0:
-            return last
+        if raw == self._raw and self._last is not None:
+            return self._last
         last = np.random.get_state(legacy=False)
         self._raw, self._last = raw, last
         return last
 
-    def _attach(self, gen: Any) -> None:
+    def _attach(self, rs: Any, gen: Any) -> None:
         self._gen, self._read, self._raw, self._last = gen, None, b"", None
-        if type(gen).__name__ != "MT19937":
+        where = _gaussian_offset()
+        if where is None or type(gen).__name__ != "MT19937":
             return
+        base = id(rs)
         try:
             address = int(gen.ctypes.state_address)
         except (AttributeError, TypeError, ValueError):
             return
-        size = self._WORDS * 4 + 4
+        bit_off, gauss_off = where
+        if _word(base + bit_off) != address or _word(base + gauss_off - 8) != base + bit_off:
+            return
+        size = self._STATE_BYTES
 
         def read() -> bytes:
-            return ctypes.string_at(address, size)
+            return ctypes.string_at(address, size) + ctypes.string_at(base + gauss_off, 16)
 
         state = np.random.get_state(legacy=False)
-        inner = state.get("state", {})
-        want = np.asarray(inner.get("key"), dtype=np.uint32).tobytes() + int(
-            inner.get("pos", -1)
-        ).to_bytes(4, sys.byteorder, signed=True)
-        if read() == want:
-            self._read = read
+        if read() == _expected(state):
+            self._read, self._keep = read, rs
+
+
+def _word(address: int) -> int:
+    return ctypes.c_uint64.from_address(address).value
+
+
+def _expected(state: dict[str, Any]) -> bytes:
+    """What `NumpyState`'s read finds for ``state``: words, position, has_gauss, the
+    4 bytes of padding after it (zero in a struct NumPy keeps zeroed), and gauss."""
+    inner = state["state"]
+    order = sys.byteorder
+    return (
+        np.asarray(inner["key"], dtype=np.uint32).tobytes()
+        + int(inner["pos"]).to_bytes(4, order, signed=True)
+        + int(state["has_gauss"]).to_bytes(4, order, signed=True)
+        + bytes(4)
+        + struct.pack("=d", float(state["gauss"]))
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _gaussian_offset() -> tuple[int, int] | None:
+    """(offset of the bit generator struct, offset of the Gaussian's ``has_gauss``) in a
+    ``RandomState`` object of this NumPy, found and checked on a private one; None if
+    they cannot be found or do not hold what ``get_state`` says."""
+    if sys.implementation.name != "cpython" or struct.calcsize("P") != 8:
+        return None
+    try:
+        probe = np.random.RandomState(20261127)
+        base, size = id(probe), type(probe).__basicsize__
+        address = int(probe._bit_generator.ctypes.state_address)
+        words = [_word(base + off) for off in range(0, size - 7, 8)]
+        bit_off = 8 * words.index(address)
+        gauss_off = 8 * words.index(base + bit_off) + 8
+        if gauss_off + 16 > size:
+            return None
+        for draw in (probe.standard_normal, probe.standard_normal, probe.random_sample):
+            draw()  # a Gaussian pending, then used, then none after another draw
+            state = probe.get_state(legacy=False)
+            got = ctypes.string_at(address, NumpyState._STATE_BYTES) + ctypes.string_at(
+                base + gauss_off, 16
+            )
+            if got != _expected(state):
+                return None
+        return bit_off, gauss_off
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
