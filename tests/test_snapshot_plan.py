@@ -9,6 +9,7 @@ and Python types."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,40 @@ def test_changed_small_values_are_never_served_from_a_stale_encoding(
     ],
     ids=["grown", "reshaped", "dtype", "renamed", "reordered", "added", "removed"],
 )
+@pytest.mark.parametrize("guards", [True, False], ids=["torch-guards", "python-check"])
 def test_a_plan_matches_only_its_own_structure(
-    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+    before: dict[str, torch.Tensor],
+    after: dict[str, torch.Tensor],
+    guards: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With torch's C++ tensor checks, and with the Python comparison used where torch
+    has none (the private module made unimportable)."""
+    if not guards:
+        monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", None)
     plan = CopyPlan(before)
     assert plan.matches(before)
     assert plan.matches({k: v.clone() + 1 for k, v in before.items()})  # values do not count
     assert not plan.matches(after)
+
+
+@pytest.mark.parametrize("guards", [True, False], ids=["torch-guards", "python-check"])
+def test_a_plan_of_tied_tensors_matches_only_while_they_stay_tied(
+    guards: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tied weight is one tensor under two names (torch's guards refuse a tensor
+    given twice: repeats are compared by identity instead)."""
+    if not guards:
+        monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", None)
+    w, b = nn.Parameter(torch.randn(4, 3)), torch.randn(3)
+    plan = CopyPlan({"emb": w, "b": b, "head": w})
+    assert plan.matches({"emb": w, "b": b, "head": w})
+    w.data = torch.randn(5, 3)  # resized in place: both names see it
+    assert not plan.matches({"emb": w, "b": b, "head": w})
+    w.data = torch.randn(4, 3)
+    assert plan.matches({"emb": w, "b": b, "head": w})
+    untied = {"emb": w, "b": b, "head": nn.Parameter(torch.randn(4, 3))}
+    assert plan.matches(untied) is (not guards)  # the Python check sees shapes only
 
 
 def test_one_plan_copies_mixed_dtypes_views_and_empty_tensors_exactly() -> None:

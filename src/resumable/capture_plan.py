@@ -175,6 +175,7 @@ class CapturePlan:
             self._missed(key, why)
         else:
             self._entries[key] = entry
+            enc.tensors.update(entry.tensors)  # the live tensors, as a reuse hands them
         return node
 
     def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
@@ -197,6 +198,7 @@ class CapturePlan:
             self._missed(key, why)
         else:
             self._entries[key] = entry
+            enc.tensors.update(entry.tensors)  # the live tensors, as a reuse hands them
         return node
 
     def _optimizer(self, key: str, obj: torch.optim.Optimizer, enc: Encoder) -> Any | None:
@@ -210,7 +212,7 @@ class CapturePlan:
             enc.tensors.update(hit.tensors)
             self._reused = True
             self._misses[key] = 0
-            groups = enc.value(hit.pack_groups(obj), (key, "param_groups"), 4)
+            groups = hit.groups_node(obj, enc, key)
             return {"stateful": {"dict": [["state", hit.node], ["param_groups", groups]]}}
         classes = len(enc.classes)
         sd = enc.state_dict_of(obj, path)
@@ -234,6 +236,7 @@ class CapturePlan:
                 self._missed(key, why)
             else:
                 self._entries[key] = entry
+                enc.tensors.update(entry.tensors)  # the live tensors, as a reuse hands them
         groups = enc.value(sd["param_groups"], (key, "param_groups"), 4)
         return {"stateful": {"dict": [["state", state_node], ["param_groups", groups]]}}
 
@@ -446,6 +449,14 @@ class _ContainerEntry:
 
 
 _IMMUTABLE_TYPES = (int, float, bool, str, type(None))
+
+
+def _stable(v: Any) -> bool:
+    """Whether ``v``'s node depends only on the object (an immutable value)."""
+    tv = type(v)
+    return tv in _IMMUTABLE_TYPES or (tv is tuple and all(type(x) in _IMMUTABLE_TYPES for x in v))
+
+
 _OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
 _PARAMS = operator.itemgetter("params")
 
@@ -484,6 +495,7 @@ class _OptimizerEntry:
         self.flat_ids = list(map(id, self._flat))
         self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
         self.indices = [g["params"] for g in sd["param_groups"]]
+        self._group_items: list[dict[Any, tuple[Any, list[Any]]]] = []  # groups_node's
         self.can_pack = (
             self.cls.state_dict is _OPTIMIZER_STATE_DICT
             and all(type(k) in PLAIN_TENSORS for k in self._params)
@@ -563,6 +575,37 @@ class _OptimizerEntry:
             and list(chain.from_iterable(self._inner)) == self.inner_keys
             and list(map(id, chain.from_iterable(map(dict.values, self._inner)))) == self.value_ids
         )
+
+    def groups_node(self, obj: torch.optim.Optimizer, enc: Encoder, key: str) -> Any:
+        """The node ``enc.value(self.pack_groups(obj), (key, "param_groups"), 4)``
+        makes, built item by item: an item whose value is the very object of the last
+        call (an unchanged hyperparameter, a tuple of them, the parameter indices) is the
+        same ``[name, node]`` list as then, so `TreeJSON` reuses its text; a changed one
+        (a learning rate) and every tensor are walked."""
+        path = (key, "param_groups")
+        nodes = []
+        kept: list[dict[Any, tuple[Any, list[Any]]]] = []
+        for i, packed in enumerate(self.pack_groups(obj)):
+            last = self._group_items[i] if i < len(self._group_items) else {}
+            mine: dict[Any, tuple[Any, list[Any]]] = {}
+            if not all(type(k) is str for k in packed):  # keys the walk refuses: walk it
+                nodes.append(enc.value(packed, (*path, i), 5))
+                kept.append(mine)
+                continue
+            items = []
+            for k, v in packed.items():
+                hit = last.get(k)
+                if hit is not None and hit[0] is v:
+                    item = hit[1]
+                else:
+                    item = [k, enc.value(v, (*path, i, k), 6)]
+                if _stable(v) or v is self.indices[i]:
+                    mine[k] = (v, item)
+                items.append(item)
+            nodes.append({"dict": items})
+            kept.append(mine)
+        self._group_items = kept
+        return {"list": nodes}
 
     def pack_groups(self, obj: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """``obj.state_dict()["param_groups"]`` while `direct` holds: each group but its

@@ -282,6 +282,8 @@ class TreeJSON:
     def __init__(self) -> None:
         self._last: dict[str, _Encoded] = {}
         self._kids: dict[str, dict[Any, _Encoded]] = {}
+        # (entry, part, group, key) -> the item, its marshal bytes, its JSON
+        self._items: dict[Any, tuple[Any, bytes, str]] = {}
         self._streams = _StreamsJSON()
 
     def encode(self, tree: Any) -> RawJSON:
@@ -289,6 +291,7 @@ class TreeJSON:
         parts: list[str] = []
         seen: dict[Any, _Encoded] = {}
         kids: dict[str, dict[Any, _Encoded]] = {}
+        items_seen: dict[Any, tuple[Any, bytes, str]] = {}
         for key, node in entries:
             if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
                 parts.append(self._streams.encode(node))
@@ -302,10 +305,49 @@ class TreeJSON:
             # re-encodes the groups, not the reference to every moment.
             head, items, tail = split
             last, mine = self._kids.get(key, {}), kids.setdefault(key, {})
-            texts = [self._entry(last, mine, k, n) for k, n in items]
+            texts = [
+                self._entry(last, mine, k, n)
+                if (groups := _dict_list(n)) is None
+                else self._groups((key, k), groups, items_seen)
+                for k, n in items
+            ]
             parts.append("[" + _key_json(key) + "," + head + ",".join(texts) + tail + "]")
-        self._last, self._kids = seen, kids
+        self._last, self._kids, self._items = seen, kids, items_seen
         return RawJSON('{"dict":[' + ",".join(parts) + "]}")
+
+    def _groups(
+        self,
+        where: tuple[str, Any],
+        groups: list[list[list[Any]]],
+        seen: dict[Any, tuple[Any, bytes, str]],
+    ) -> str:
+        """``[name, {"list": [{"dict": items}, ...]}]``'s JSON (an optimizer's parameter
+        groups), item by item: an item that is the very ``[key, node]`` list of the last
+        snapshot (`CapturePlan` keeps those of unchanged values) keeps its text, and so
+        does one with the same `marshal` bytes."""
+        last = self._items
+        texts = []
+        for i, items in enumerate(groups):
+            inner = []
+            for item in items:
+                ck = (where, i, item[0])
+                hit = last.get(ck)
+                if hit is not None and hit[0] is item:
+                    seen[ck] = hit
+                    inner.append(hit[2])
+                    continue
+                try:  # a walked item: the same bytes, the same text (as `_entry`)
+                    fingerprint = marshal.dumps(item)
+                except ValueError:
+                    fingerprint = b""
+                if fingerprint and hit is not None and hit[1] == fingerprint:
+                    text = hit[2]
+                else:
+                    text = _dumps(item)
+                seen[ck] = (item, fingerprint, text)
+                inner.append(text)
+            texts.append('{"dict":[' + ",".join(inner) + "]}")
+        return "[" + _dumps(where[1]) + ',{"list":[' + ",".join(texts) + "]}]"
 
     @staticmethod
     def _entry(last: Mapping[Any, _Encoded], seen: dict[Any, _Encoded], key: Any, node: Any) -> str:
@@ -330,6 +372,26 @@ _Encoded = tuple[bytes, str, Any]  # an entry's marshal bytes, its JSON, and its
 
 
 _FEW = 8  # at most this many parts: more (a model's tensors) are cached as one
+
+
+def _dict_list(node: Any) -> list[list[list[Any]]] | None:
+    """The items of each dict of a ``{"list": [{"dict": items}, ...]}`` node whose items
+    are ``[str or int key, node]`` pairs (an optimizer's parameter groups), else None."""
+    if type(node) is not dict or len(node) != 1:
+        return None
+    groups = node.get("list")
+    if type(groups) is not list or not groups:
+        return None
+    out = []
+    for g in groups:
+        items = g.get("dict") if type(g) is dict and len(g) == 1 else None
+        if type(items) is not list:
+            return None
+        for item in items:
+            if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+                return None
+        out.append(items)
+    return out
 
 
 def _few_entries(node: Any) -> tuple[str, list[list[Any]], str] | None:
