@@ -155,6 +155,33 @@ def test_mutate_after_snapshot_does_not_change_it(tmp_path: Path, shm_dir: Path)
     ck.close()
 
 
+def test_a_slot_keeps_its_layout_head_and_every_snapshot_reads_back_whole(shm_dir: Path) -> None:
+    """The layout's JSON is written into a slot once and each later snapshot writes the
+    rest of its metadata after it: every snapshot still reads back (hash over the whole
+    metadata), a longer or shorter rest leaves nothing stale, a new layout rewrites the
+    head, and a flipped byte in the head is caught."""
+    arena = ShmArena("k-head", shm_dir=shm_dir)
+    t = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3)}
+    for step, note in enumerate(["x" * 300, "", "y" * 10, "z"], start=1):
+        snap = arena.snapshot(step, t, {"step": step, "tree": {}, "metrics": {"n": note}})
+        assert isinstance(snap, MemorySnapshot)
+        content = arena.slots[snap.index].read()  # type: ignore[union-attr]
+        assert content is not None and content.step == step
+        assert content.meta["metrics"] == {"n": note}
+        assert [s.name for s in content.slots] == ["w", "b"]
+    t["c"] = torch.zeros(2)  # a new layout: a new head
+    snap = arena.snapshot(9, t, {"step": 9, "tree": {}, "metrics": {}})
+    assert isinstance(snap, MemorySnapshot)
+    slot = arena.slots[snap.index]
+    assert slot is not None
+    content = slot.read()
+    assert content is not None and [s.name for s in content.slots] == ["w", "b", "c"]
+    at = shm.CONTROL + 5  # inside '{"layout":[...'
+    slot.mm[at] ^= 0x01
+    assert slot.read() is None
+    arena.close(unlink=True)
+
+
 def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     arena = ShmArena("k1", shm_dir=shm_dir)
     t = {"w": torch.arange(1000, dtype=torch.float32)}

@@ -111,6 +111,8 @@ class CopyPlan:
         self.layout_json = RawJSON(
             json.dumps(layout_meta(self.slots), separators=(",", ":"), allow_nan=False)
         )
+        # the start of every snapshot's metadata object with this layout (`ShmSlot.finish_write`)
+        self.meta_head = ('{"layout":' + self.layout_json + ",").encode()
         self.on_cuda = self.devices is not None and any(d.type == "cuda" for d in self.devices)
         by_name = {s.name: s for s in self.slots}
         self._in_order = [by_name[n] for n in self.names]  # each tensor's slot, dict order
@@ -413,14 +415,15 @@ class ShmArena:
         if plan is None:
             plan = self.plan(tensors)[0]
         layout, nbytes = plan.slots, plan.nbytes
-        meta = {**meta, "layout": plan.layout_json}
         if self.root is not None:
-            meta[ROOT_KEY] = self.root
-        blob = encode_meta(meta)
+            meta = {**meta, ROOT_KEY: self.root}
+        # '{"layout":[...],' then the rest of the object: the head is the plan's
+        blob = encode_meta(meta)[1:]
+        head = plan.meta_head
         index = self._choose()
         slot = self.slots[index]
-        if slot is None or not slot.fits(len(blob), len(layout), nbytes):
-            slot = self._allocate(index, len(blob), len(layout), nbytes)
+        if slot is None or not slot.fits(len(head) + len(blob), len(layout), nbytes):
+            slot = self._allocate(index, len(head) + len(blob), len(layout), nbytes)
         slot.begin_write()
         data = slot.data_tensor()
         later = [s for s in layout if s.name in deferred] if deferred and executor else []
@@ -432,7 +435,7 @@ class ShmArena:
         def publish() -> MemorySnapshot:
             if later:
                 copy_into(data, later, tensors, None)
-            seq = slot.finish_write(step=step, blob=blob, data_len=nbytes)
+            seq = slot.finish_write(step=step, blob=blob, data_len=nbytes, head=head)
             self.newest = MemorySnapshot(index, seq, step, nbytes)
             return self.newest
 
