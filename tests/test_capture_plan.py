@@ -451,6 +451,7 @@ def test_numpy_state_is_read_again_exactly_when_it_changed() -> None:
     np.random.randn()  # the kept one: words and position unchanged, none kept now
     for draw in [
         lambda: None,
+        np.random.rand,  # the words and position change: the state made from the bytes
         lambda: np.random.set_state(pending),  # the same words and position, one kept
         lambda: None,
         np.random.randn,
@@ -464,9 +465,15 @@ def test_numpy_state_is_read_again_exactly_when_it_changed() -> None:
     ]:
         draw()
         got, want = reader.get(), np.random.get_state(legacy=False)
-        assert got["state"]["pos"] == want["state"]["pos"]
-        assert np.array_equal(got["state"]["key"], want["state"]["key"])
-        assert (got["has_gauss"], got["gauss"]) == (want["has_gauss"], want["gauss"])
+        assert list(got) == list(want) and list(got["state"]) == list(want["state"])
+        assert got["bit_generator"] == want["bit_generator"]
+        for k in ("pos",):
+            assert type(got["state"][k]) is type(want["state"][k])
+            assert got["state"][k] == want["state"][k]
+        key, want_key = got["state"]["key"], want["state"]["key"]
+        assert key.dtype == want_key.dtype and np.array_equal(key, want_key)
+        for k in ("has_gauss", "gauss"):
+            assert type(got[k]) is type(want[k]) and got[k] == want[k], k
 
 
 def test_numpy_state_follows_a_replaced_bit_generator() -> None:

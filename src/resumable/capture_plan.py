@@ -655,6 +655,7 @@ class NumpyState:
         self._raw = b""
         self._last: dict[str, Any] | None = None
         self._keep: Any = None  # the object whose memory the read reads
+        self._decode = False
 
     @property
     def kept(self) -> Any:
@@ -672,7 +673,7 @@ class NumpyState:
         raw = read()
         if raw == self._raw and self._last is not None:
             return self._last
-        last = np.random.get_state(legacy=False)
+        last = _decoded(raw) if self._decode else np.random.get_state(legacy=False)
         self._raw, self._last = raw, last
         return last
 
@@ -695,8 +696,38 @@ class NumpyState:
             return ctypes.string_at(address, size) + ctypes.string_at(base + gauss_off, 16)
 
         state = np.random.get_state(legacy=False)
-        if read() == _expected(state):
+        raw = read()
+        if raw == _expected(state):
             self._read, self._keep = read, rs
+            # the state made from the bytes read, where it is exactly get_state's
+            self._decode = _same_state(_decoded(raw), state)
+
+
+def _decoded(raw: bytes) -> dict[str, Any]:
+    """``np.random.get_state(legacy=False)`` made from what `NumpyState` read (words,
+    position, has_gauss, padding, gauss), without NumPy's element-by-element copy."""
+    order = sys.byteorder
+    words = NumpyState._STATE_BYTES - 4
+    return {
+        "bit_generator": "MT19937",
+        "state": {
+            "key": np.frombuffer(raw, dtype=np.uint32, count=words // 4).copy(),
+            "pos": int.from_bytes(raw[words : words + 4], order, signed=True),
+        },
+        "has_gauss": int.from_bytes(raw[words + 4 : words + 8], order, signed=True),
+        "gauss": struct.unpack("=d", raw[words + 12 : words + 20])[0],
+    }
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two NumPy states are the same, key for key, type for type."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+    return bool(a == b)
 
 
 def _word(address: int) -> int:
