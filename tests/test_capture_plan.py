@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from resumable.capture import CLASSES_KEY, Captured, capture, decode
-from resumable.capture_plan import CapturePlan, NumpyState
+from resumable.capture_plan import CapturePlan, NumpyState, PythonState
+from resumable.pipeline.memory import TreeJSON
 from resumable.reader import CheckpointReader
 from resumable.snapshot import CopyPlan
 from resumable.storage.local import LocalStorage
@@ -474,6 +475,38 @@ def test_numpy_state_is_read_again_exactly_when_it_changed() -> None:
         assert key.dtype == want_key.dtype and np.array_equal(key, want_key)
         for k in ("has_gauss", "gauss"):
             assert type(got[k]) is type(want[k]) and got[k] == want[k], k
+
+
+def test_python_state_is_read_again_exactly_when_it_changed() -> None:
+    reader = PythonState()
+    random.seed(5)
+    for draw in [
+        lambda: None,
+        random.random,  # past the words: a twist
+        random.random,  # the position only
+        lambda: None,
+        lambda: random.gauss(0, 1),  # a Gaussian kept (gauss_next)
+        lambda: random.gauss(0, 1),  # and used
+        lambda: random.setstate(random.getstate()),
+        lambda: random.seed(5),
+        lambda: [random.random() for _ in range(700)],
+    ]:
+        draw()
+        assert reader.get() == random.getstate()
+
+
+def test_a_python_stream_moving_by_its_position_only_is_encoded_exactly() -> None:
+    """While only Python's position moves, its node reuses the last words: the capture
+    is still exactly a full walk's, and so is its JSON."""
+    state = {"w": torch.zeros(2)}
+    plan = CapturePlan()
+    tree_json = TreeJSON()
+    random.seed(9)
+    for i in range(30):
+        random.random() if i % 3 else random.getrandbits(8)
+        got, want = capture(state, plan=plan), capture(state)
+        assert_equivalent(got, want, f"draw {i}")
+        assert str(tree_json.encode(got.tree)) == text(want)
 
 
 def test_numpy_state_follows_a_replaced_bit_generator() -> None:

@@ -418,11 +418,14 @@ def _is_stateful(v: Any) -> bool:
     )
 
 
-def rng_state(numpy_state: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """The process-wide random streams, as plain values and tensors; ``numpy_state``
-    stands in for ``np.random.get_state(legacy=False)`` (`resumable.capture_plan`)."""
+def rng_state(
+    numpy_state: Callable[[], Any] | None = None, python_state: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """The process-wide random streams, as plain values and tensors; ``numpy_state`` and
+    ``python_state`` stand in for ``np.random.get_state(legacy=False)`` and
+    ``random.getstate()`` (`resumable.capture_plan`)."""
     out: dict[str, Any] = {
-        "python": random.getstate(),
+        "python": random.getstate() if python_state is None else python_state(),
         "numpy": np.random.get_state(legacy=False) if numpy_state is None else numpy_state(),
         "torch_cpu": torch.get_rng_state(),
     }

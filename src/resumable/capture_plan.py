@@ -36,10 +36,12 @@ changed (`NumpyState`).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import logging
 import operator
+import random
 import struct
 import sys
 from collections.abc import Callable, Iterable
@@ -81,7 +83,9 @@ class CapturePlan:
         self._misses: dict[str, int] = {}
         self._reused = False
         self._numpy = NumpyState()
+        self._pystate = PythonState()
         self._python: tuple[Any, Any] | None = None  # Python's last state and its node
+        self._words: list[int] | None = None  # its words, as the node holds them
         self._numpy_node: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
 
     def entry(self, key: str, obj: Any, enc: Encoder) -> Any | None:
@@ -103,18 +107,13 @@ class CapturePlan:
         """The node of the random streams, as ``enc.streams(rng_state())`` makes it;
         Python's and NumPy's nodes (and NumPy's tensor) are the last ones while their
         states are the same."""
-        streams = rng_state(self._numpy.get)
+        streams = rng_state(self._numpy.get, self._pystate.get)
         if enc.world_size != 1 or enc.rank != 0:
             return enc.streams(streams)
         items = []
         for key, v in streams.items():
             if key == "python":
-                last = self._python
-                # the words are ints (== is JSON's equality); the Gaussian is the same
-                # object until it changes (-0.0 == 0.0, but their JSON differs)
-                if last is None or v[2] is not last[0][2] or v[:2] != last[0][:2]:
-                    last = self._python = (v, enc.streams({key: v})["dict"][0][1])
-                node = last[1]
+                node = self._python_node(enc, v)
             elif key == "numpy":
                 kept = self._numpy_node
                 if kept is not None and v is kept[0] and _free(enc, kept[2]):
@@ -129,6 +128,28 @@ class CapturePlan:
                 node = enc.value(v, (RNG_KEY, key), 3)
             items.append([key, node])
         return {"dict": items}
+
+    def _python_node(self, enc: Encoder, v: Any) -> Any:
+        """The node of Python's stream: the last one while the state is the last one;
+        while only its position moved, the same int objects for its 624 words (so
+        `TreeJSON` compares them by identity)."""
+        last = self._python
+        if last is not None and v is last[0]:
+            return last[1]
+        if last is not None and self._pystate.words_kept and self._words is not None:
+            path = (RNG_KEY, "python")
+            node = {
+                "tuple": [
+                    enc.value(v[0], (*path, 0), 4),
+                    {"tuple": [*self._words, v[1][-1]]},
+                    enc.value(v[2], (*path, 2), 4),
+                ]
+            }
+        else:
+            node = enc.streams({"python": v})["dict"][0][1]
+            self._words = list(v[1][:-1]) if type(v) is tuple and len(v) == 3 else None
+        self._python = (v, node)
+        return node
 
     def reused(self) -> bool:
         reused, self._reused = self._reused, False
@@ -629,6 +650,97 @@ def _same_groups(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bo
         if any(a[k] is not b[k] for k in a if k != "params"):
             return False
     return True
+
+
+class PythonState:
+    """Python's global stream (``random.getstate()``), read anew only when it changed.
+
+    ``random.getstate()`` builds a tuple of 625 new ints (~7 µs) that then has to be
+    compared with the last one (~5 µs). The Mersenne Twister's position and 624 words
+    lie in the ``_random.Random`` object's struct; where is found once on a private
+    ``random.Random`` (its words and position searched for and checked after a draw and
+    a reseed), then checked on ``random``'s own instance against ``getstate``; the
+    kept Gaussian (``gauss_next``) is an attribute, compared by identity. Anything
+    unexpected leaves this off: every call then reads ``getstate``. ``words_kept``
+    says whether the last read found the words of the read before it (only the
+    position moved)."""
+
+    _BYTES = 4 + 624 * 4  # the position (an int), then the words
+
+    def __init__(self) -> None:
+        self._inst: Any = None
+        self._read: Callable[[], bytes] | None = None
+        self._raw = b""
+        self._gauss: Any = None
+        self._last: Any = None
+        self.words_kept = False
+
+    def get(self) -> Any:
+        inst: Any = getattr(random, "_inst", None)
+        if inst is not self._inst:
+            self._attach(inst)
+        read = self._read
+        if read is None:
+            self.words_kept = False
+            return random.getstate()
+        raw = read()
+        gauss = inst.gauss_next
+        last = self._last
+        if last is not None and raw == self._raw and gauss is self._gauss:
+            return last
+        self.words_kept = last is not None and raw[4:] == self._raw[4:]
+        last = random.getstate()
+        self._raw, self._gauss, self._last = raw, gauss, last
+        return last
+
+    def _attach(self, inst: Any) -> None:
+        self._inst, self._read, self._raw, self._gauss, self._last = inst, None, b"", None, None
+        self.words_kept = False
+        where = _python_offset()
+        if where is None or not isinstance(inst, random.Random):
+            return
+        address, size = id(inst) + where, self._BYTES
+
+        def read() -> bytes:
+            return ctypes.string_at(address, size)
+
+        if read() == _python_expected(random.getstate()):
+            self._read = read
+
+
+def _python_expected(state: Any) -> bytes:
+    """What `PythonState` reads for ``random.getstate()``'s ``state``."""
+    internal = state[1]
+    return (
+        int(internal[-1]).to_bytes(4, sys.byteorder, signed=True)
+        + array.array("I", internal[:-1]).tobytes()
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _python_offset() -> int | None:
+    """Where a ``random.Random``'s position (then its words) lies in the object, found
+    and checked on a private one; None if not found or not what ``getstate`` says."""
+    if sys.implementation.name != "cpython" or array.array("I").itemsize != 4:
+        return None
+    try:
+        import _random
+
+        probe = random.Random(20261127)
+        size = _random.Random.__basicsize__
+        state = probe.getstate()
+        raw = ctypes.string_at(id(probe), size)
+        at = raw.find(_python_expected(state)[4:]) - 4
+        if at < 0 or at + PythonState._BYTES > size:
+            return None
+        for change in (probe.random, lambda: probe.seed(7), lambda: probe.getrandbits(64)):
+            change()
+            got = ctypes.string_at(id(probe) + at, PythonState._BYTES)
+            if got != _python_expected(probe.getstate()):
+                return None
+        return at
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
 
 
 class NumpyState:
