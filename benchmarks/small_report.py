@@ -148,10 +148,10 @@ def render(out: dict[str, Any], source: str) -> str:
             f"{first['rng_state']['median_us']:,.0f} µs, of which "
             f"{first['numpy_state']['median_us']:,.0f} µs is NumPy's "
             "`np.random.get_state(legacy=False)` (NumPy copies its 624-word key element by "
-            "element); the capture plan reads it again only when its words or position "
-            "changed (compared where they lie: "
+            "element); the capture plan compares the state where it lies and reads it "
+            "again only when it changed, from the bytes it compared: "
             + _numpy_planned(first)
-            + "). Here every call follows a draw from each stream, as a training step that "
+            + ". Here every call follows a draw from each stream, as a training step that "
             "uses all three would make.",
             "",
             "`torch.distributed.checkpoint` staging of the same dict of tensors (no process "
@@ -237,8 +237,9 @@ def render(out: dict[str, Any], source: str) -> str:
         )
         lines += [
             "",
-            "Where the snapshot's time goes on the model's state (µs, as above; the capture "
-            "walk includes the `state_dict()` calls of the model and the optimizer; "
+            "Where the snapshot's time goes on the model's state (µs, as above; the full "
+            "walk includes the `state_dict()` calls of the model and the optimizer, which "
+            "the capture plan's check replaces; "
             "*floor* = `_foreach_copy_` of the same tensors into preallocated memory):",
             "",
         ]
@@ -274,7 +275,7 @@ def _numpy_planned(methods: dict[str, Any]) -> str:
     got = methods.get("numpy_state_planned")
     if got is None:
         return "not measured in this run"
-    return f"{got['median_us']:,.1f} µs after a draw"
+    return f"{got['median_us']:,.1f} µs after a draw (`NumpyState.get`)"
 
 
 def _parts_table(
@@ -329,7 +330,7 @@ def _verdict(out: dict[str, Any]) -> list[str]:
         if kind == "models":
             share = f", {floor / (e['median_off_ms'] * 10):.2f} % of the median iteration"
         loop = ""
-        if kind == "models":
+        if kind == "models" and e["median_maybe_save_us"] >= 1.5 * p["total"]:
             inside = e["median_maybe_save_us"]
             loop = (
                 f" Inside the training loop `maybe_save` took {inside:,.0f} µs, "

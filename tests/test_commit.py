@@ -212,7 +212,8 @@ def test_start_sweeps_only_staging_of_dead_writers(tmp_path: Path, dead_pid: int
         "dead-trash": f".trash-{step_dir(1)}.{dead_pid}.cd34",
         "impossible-pid": f".tmp-{step_dir(3)}.{10**30}.ef56",
         "live-parent": f".tmp-{step_dir(4)}.{parent}.0a0b",
-        "live-self": f".tmp-{step_dir(5)}.{os.getpid()}.0c0d",
+        # this process's pid, but not made by it: a process that had the pid before
+        "earlier-self": f".tmp-{step_dir(5)}.{os.getpid()}.0c0d",
         "not-ours": f".tmp-{step_dir(6)}.{dead_pid}.NOTHEX",
         "user-hidden": ".tmp-mine",
     }
@@ -224,7 +225,7 @@ def test_start_sweeps_only_staging_of_dead_writers(tmp_path: Path, dead_pid: int
     ckpt = open_ckpt(tmp_path, restored)
 
     gone = {k for k, name in names.items() if not (tmp_path / name).exists()}
-    assert gone == {"dead-tmp", "dead-trash", "impossible-pid"}
+    assert gone == {"dead-tmp", "dead-trash", "impossible-pid", "earlier-self"}
     removed = {e["name"] for e in read_audit(ckpt.storage) if e["event"] == "stale_removed"}
     assert removed == {names[k] for k in gone}
     assert ckpt.restore() == 1
@@ -250,6 +251,34 @@ def test_close_sweeps_what_a_dead_writer_left_meanwhile(tmp_path: Path, dead_pid
         e["name"] for e in read_audit(LocalStorage(tmp_path)) if e["event"] == "stale_removed"
     ]
     assert removed == [dead.name]
+
+
+def test_a_reused_pid_does_not_keep_a_dead_writers_directories(tmp_path: Path) -> None:
+    """Pids are reused (32,768 of them on many systems): a trash directory named with this
+    process's pid that this process did not make, and one named with a child's pid that
+    was killed and not reaped yet (a zombie), are stale; this process's own in-flight
+    staging directory is not."""
+    state = make_state()
+    set_content(state, 1, 0)
+    ckpt = open_ckpt(tmp_path, state)
+    ckpt.save(1)
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        time.sleep(0.2)  # it exits and stays a zombie until waitpid below
+        earlier = tmp_path / f".trash-{step_dir(7)}.{os.getpid()}.ab12"
+        zombie = tmp_path / f".tmp-{step_dir(8)}.{child}.cd34"
+        for d in (earlier, zombie):
+            d.mkdir()
+            (d / "f.bin").write_bytes(b"x")
+        mine = RenameCommit(LocalStorage(tmp_path)).begin(9)  # not yet written
+        (tmp_path / mine.staging).mkdir()
+        ckpt.close()
+        assert not earlier.exists() and not zombie.exists()
+        assert (tmp_path / mine.staging).exists()
+    finally:
+        os.waitpid(child, 0)
 
 
 # --------------------------------------------------------------------------- faulty storage

@@ -212,6 +212,7 @@ def abort_quietly(committer: Committer, attempt: Attempt) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs; a zombie (killed, not yet reaped) does not."""
     if pid == os.getpid():
         return True
     try:
@@ -220,7 +221,38 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no procfs: kill's answer stands
+        return True
+
+
+# The staging and trash names this process made (in order): one with this process's pid
+# that is not among them was made by another process that had the pid before (pids are
+# reused: 32,768 of them on many systems), and is stale.
+_MINE: dict[str, None] = {}
+_MINE_MAX = 4096
+
+
+def _own_name(storage: Storage, kind: str, final: str) -> str:
+    name = f".{kind}-{final}.{os.getpid()}.{secrets.token_hex(4)}"
+    if len(_MINE) >= _MINE_MAX:
+        # Keep the names still on disk and the newest (an attempt not yet written).
+        listed = set(storage.list_dir(""))
+        recent = list(_MINE)[-16:]
+        kept = [n for n in _MINE if n in listed] + recent
+        _MINE.clear()
+        _MINE.update(dict.fromkeys(kept))
+    _MINE[name] = None
+    return name
+
+
+def _writer_alive(name: str, pid: int) -> bool:
+    """Whether the process that made staging or trash directory ``name`` still runs."""
+    if pid == os.getpid():
+        return name in _MINE
+    return _pid_alive(pid)
 
 
 class RenameCommit:
@@ -240,7 +272,7 @@ class RenameCommit:
     def begin(self, step: int) -> Attempt:
         final = step_dir(step)
         self._clear_uncommitted(step, final)
-        staging = f".tmp-{final}.{os.getpid()}.{secrets.token_hex(4)}"
+        staging = _own_name(self.storage, "tmp", final)
         return Attempt(step, staging, final)
 
     def commit(self, attempt: Attempt, manifest: bytes) -> bool:
@@ -253,7 +285,7 @@ class RenameCommit:
         trash = None
         self._clear_uncommitted(attempt.step, attempt.final)
         if s.exists(attempt.final):
-            trash = f".trash-{attempt.final}.{os.getpid()}.{secrets.token_hex(4)}"
+            trash = _own_name(s, "trash", attempt.final)
             s.rename_dir(attempt.final, trash)
             replaced = True
         s.rename_dir(attempt.staging, attempt.final)
@@ -296,7 +328,7 @@ class RenameCommit:
         never leaves a listed but damaged checkpoint. (Without the sync, a power loss
         may keep the unlinks inside the renamed directory and lose the rename itself:
         ``step-N`` back, with its data gone and its manifest still there.)"""
-        trash = f".trash-{step_dir(step)}.{os.getpid()}.{secrets.token_hex(4)}"
+        trash = _own_name(self.storage, "trash", step_dir(step))
         self.storage.rename_dir(step_dir(step), trash)
         self.storage.sync_dir("")
         self.discard(trash)
@@ -309,7 +341,7 @@ class RenameCommit:
         out = []
         for name in self.storage.list_dir(""):
             m = _STAGING.match(name)
-            if m and not _pid_alive(int(m.group(3))):
+            if m and not _writer_alive(name, int(m.group(3))):
                 out.append(name)
         return out
 
