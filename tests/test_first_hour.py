@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +24,10 @@ from torch import nn
 
 import resumable
 from resumable.errors import CheckpointError, RootInUseError, StateMismatchError, StorageError
+from state_checks import shm_dir
 from test_memory_tier import run_trainer, slot_files
 
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    """A private stand-in for /dev/shm."""
-    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d)
+__all__ = ["shm_dir"]  # a fixture
 
 
 def make_state(opt: str = "adamw") -> dict[str, Any]:

@@ -181,46 +181,60 @@ class CapturePlan:
         hit = self._entries.get(key)
         if isinstance(hit, _ContainerEntry):
             if hit.valid(obj) and _free(enc, hit.tensors):
-                enc.tensors.update(hit.tensors)
-                self._reused = True
-                self._misses[key] = 0
-                return hit.node
+                return self._reuse(key, hit, enc)
             self._missed(key, "")
-        if self._resting(key):
-            return None
-        mark = len(enc.tensors)
-        node = enc.value(obj, (key,), 2)
-        made = _added(enc, mark)
-        entry, why = _ContainerEntry.make(key, obj, node, made)
-        if entry is None:
-            self._missed(key, why)
-        else:
-            self._entries[key] = entry
-            enc.tensors.update(entry.tensors)  # the live tensors, as a reuse hands them
-        return node
+        return self._walk(
+            key, obj, enc, lambda node, made, _: _ContainerEntry.make(key, obj, node, made)
+        )
 
     def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
         hit = self._entries.get(key)
         if isinstance(hit, _ModuleEntry):
             if hit.valid(obj, module) and _free(enc, hit.tensors):
-                enc.classes.append(hit.classes)
-                enc.tensors.update(hit.tensors)
-                self._reused = True
-                self._misses[key] = 0
-                return hit.node
+                return self._reuse(key, hit, enc)
             self._missed(key, "")
+        return self._walk(
+            key,
+            obj,
+            enc,
+            lambda node, made, classes: _ModuleEntry.make(key, obj, module, node, made, classes),
+        )
+
+    def _reuse(self, key: str, hit: _ModuleEntry | _ContainerEntry, enc: Encoder) -> Any:
+        """``hit``'s node, its classes and live tensors added to ``enc``."""
+        if hit.classes is not None:
+            enc.classes.append(hit.classes)
+        enc.tensors.update(hit.tensors)
+        self._reused = True
+        self._misses[key] = 0
+        return hit.node
+
+    def _walk(
+        self,
+        key: str,
+        obj: Any,
+        enc: Encoder,
+        make: Callable[[Any, list[tuple[str, torch.Tensor]], list[Any]], tuple[Any, str]],
+    ) -> Any | None:
+        """Walk ``obj`` as `Encoder.value` does, and plan its entry (``make``: from its
+        node, the tensors and the classes the walk met) for the next capture; None while
+        the entry rests."""
         if self._resting(key):
             return None
         mark, classes = len(enc.tensors), len(enc.classes)
         node = enc.value(obj, (key,), 2)
-        made = _added(enc, mark)
-        entry, why = _ModuleEntry.make(key, obj, module, node, made, enc.classes[classes:])
+        entry, why = make(node, _added(enc, mark), enc.classes[classes:])
+        self._keep(key, entry, why, enc)
+        return node
+
+    def _keep(self, key: str, entry: Any, why: str, enc: Encoder) -> None:
+        """Keep a new entry (its live tensors handed out now, as a reuse hands them), or
+        count the miss."""
         if entry is None:
             self._missed(key, why)
         else:
             self._entries[key] = entry
-            enc.tensors.update(entry.tensors)  # the live tensors, as a reuse hands them
-        return node
+            enc.tensors.update(entry.tensors)
 
     def _optimizer(self, key: str, obj: torch.optim.Optimizer, enc: Encoder) -> Any | None:
         if self._resting(key):
@@ -253,11 +267,7 @@ class CapturePlan:
             state_node = enc.value(st, (key, "state"), 4)
             made = _added(enc, mark)
             entry, why = _OptimizerEntry.make(key, obj, sd, state_node, made, enc.classes[classes])
-            if entry is None:
-                self._missed(key, why)
-            else:
-                self._entries[key] = entry
-                enc.tensors.update(entry.tensors)  # the live tensors, as a reuse hands them
+            self._keep(key, entry, why, enc)
         groups = enc.value(sd["param_groups"], (key, "param_groups"), 4)
         return {"stateful": {"dict": [["state", state_node], ["param_groups", groups]]}}
 
@@ -416,6 +426,7 @@ class _ContainerEntry:
         lists: list[list[Any]],
     ) -> None:
         self.obj, self.node, self.tensors = obj, node, tensors
+        self.classes = None  # plain containers record no class
         self.dicts, self.lists = dicts, lists
         self.dict_lens = list(map(len, dicts))
         self.keys = list(chain.from_iterable(dicts))
