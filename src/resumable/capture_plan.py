@@ -3,25 +3,30 @@
 `resumable.capture.capture` walks the whole state at every call: ``state_dict()`` of
 every module (a Python call per submodule, a ``detach()`` per tensor), then a tree node
 per tensor. At a memory snapshot every step, that walk cost a small model more than
-copying its bytes. A `CapturePlan` keeps, per top-level module and optimizer, the tree
-node and the live tensors of a walk, and reuses them while a check that costs a few
-C-level passes says the entry still has the structure they were made from:
+copying its bytes. A `CapturePlan` keeps, per top-level entry, the tree node and the
+live tensors of a walk, and reuses them while a check made of a few C-level passes
+(``map`` over lists, no Python loop per item) says the entry still has the structure
+they were made from:
 
 - a module (an ``nn.Module`` whose classes keep torch's ``state_dict``, with no
-  state-dict hooks and no extra state): the same submodules, parameters and buffers
-  (the same objects under the same names in the same dicts), the same classes, the
-  same non-persistent buffer names, and still no hooks or per-object ``state_dict``;
-  its ``state_dict()`` is then not called;
-- an optimizer: its ``state_dict()`` is called as always (hooks and overrides run),
-  and its ``"state"`` part is reused when it holds the same per-parameter dicts with
-  the same keys and the same value objects (tensors updated in place); the
-  ``"param_groups"`` part (a learning rate changes at every step) is walked anew.
+  state-dict hooks and no extra state): the same submodules of the same classes, the
+  same parameter, buffer and submodule dicts holding the same objects under the same
+  names (each dict's length too), the same non-persistent buffer names, and still no
+  hooks or per-object ``state_dict``; its ``state_dict()`` is then not called;
+- an optimizer: the same per-parameter state dicts with the same keys and value objects
+  (tensors updated in place). One keeping torch's ``state_dict`` with no hooks is
+  checked on its own ``state`` and parameter order, without calling ``state_dict()``
+  (others are called as always); its ``"param_groups"`` are packed as torch packs
+  them, an item whose value is the very object of the last snapshot keeping its node
+  (a learning rate changed at every step makes one new item);
+- a plain dict or list of dicts, lists, tensors and immutable values: the same
+  containers, lengths, keys and value objects.
 
 Each tensor's dtype, shape and device can change without its object changing
 (``p.data = ...``): the check does not look at them, the caller does. It compares them
 with those its copy was planned for (`resumable.snapshot.CopyPlan.matches`) and, if
 any differs, calls `forget` and captures again, so a reused node never names a stale
-device. The tensors of a reused entry are the live objects (a parameter is not
+device. The tensors of a planned entry are the live objects (a parameter is not
 detached): they are for copying under ``torch.no_grad()``.
 
 An entry is planned only in a capture of one process (several ranks capture global
@@ -30,8 +35,8 @@ that fails its check again and again (a module replacing a buffer at every step)
 that cannot be planned, is walked the ordinary way for `REST` captures before it is
 tried again.
 
-NumPy's global stream is read anew only when its generator's words or position
-changed (`NumpyState`).
+Python's and NumPy's global streams are read anew only when they changed, compared
+where they lie (`PythonState`, `NumpyState`).
 """
 
 from __future__ import annotations
