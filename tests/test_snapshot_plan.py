@@ -286,3 +286,22 @@ def test_an_entry_of_a_few_parts_is_cached_per_part_and_stays_exact() -> None:
         tree = capture(state, include_rng=False).tree
         want = json.dumps(tree, separators=(",", ":"), allow_nan=False)
         assert str(tree_json.encode(tree)) == want, i
+
+
+def test_a_list_of_dicts_in_a_few_parts_entry_is_encoded_exactly_short_or_long() -> None:
+    """Parameter groups are encoded item by item; a user's list of dicts of the same
+    shape, short or long (past the item-by-item limit), comes out as ``json.dumps``."""
+    import json
+
+    from resumable.capture import capture
+    from resumable.pipeline.memory import TreeJSON
+
+    for n in (3, 100):
+        extra: dict[str, Any] = {"a": 1, "hist": [{"loss": float(i), "ok": True} for i in range(n)]}
+        tree_json = TreeJSON()
+        for step in range(4):
+            extra["hist"][step % n]["loss"] = 1 if step % 2 else 1.0  # equal, but not in JSON
+            tree = capture({"extra": extra}, include_rng=False).tree
+            assert str(tree_json.encode(tree)) == json.dumps(
+                tree, separators=(",", ":"), allow_nan=False
+            ), (n, step)

@@ -372,20 +372,22 @@ _Encoded = tuple[bytes, str, Any]  # an entry's marshal bytes, its JSON, and its
 
 
 _FEW = 8  # at most this many parts: more (a model's tensors) are cached as one
+_GROUP_ITEMS = 64  # at most this many groups, and items per group, encoded item by item
 
 
 def _dict_list(node: Any) -> list[list[list[Any]]] | None:
-    """The items of each dict of a ``{"list": [{"dict": items}, ...]}`` node whose items
-    are ``[str or int key, node]`` pairs (an optimizer's parameter groups), else None."""
+    """The items of each dict of a ``{"list": [{"dict": items}, ...]}`` node of at most
+    `_GROUP_ITEMS` dicts of at most as many items, all ``[str or int key, node]`` pairs
+    (an optimizer's parameter groups), else None."""
     if type(node) is not dict or len(node) != 1:
         return None
     groups = node.get("list")
-    if type(groups) is not list or not groups:
-        return None
+    if type(groups) is not list or not groups or len(groups) > _GROUP_ITEMS:
+        return None  # a long list (a user's history, say) stays one fingerprint
     out = []
     for g in groups:
         items = g.get("dict") if type(g) is dict and len(g) == 1 else None
-        if type(items) is not list:
+        if type(items) is not list or len(items) > _GROUP_ITEMS:
             return None
         for item in items:
             if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
