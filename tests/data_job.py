@@ -17,6 +17,7 @@ side. Phases (the checkpoint roots under ``OUT`` are shared between launches):
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -122,15 +123,22 @@ def user_batch_sampler(n: int, batch_size: int) -> Callable[[], ResumableDataLoa
     return make
 
 
+WORKERS: dict[str, Any] = {"num_workers": 2, "multiprocessing_context": "forkserver", "timeout": 60}
+"""Worker processes started by a fork server, not forked from the rank: on CPython 3.11.7 and
+older (gh-112275) a child forked while another thread of the rank holds the interpreter's
+thread-list lock deadlocks before it runs a line, and these loaders start workers dozens of
+times per rank (launches hung now and then, on CI too). A stuck worker would still fail within
+``timeout`` seconds rather than hang the launch. See docs/data.md, "Limits"."""
+
 CONFIGS: dict[str, Callable[[], ResumableDataLoader]] = {
     "shuffled-pad": own(21, 2, shuffle=True, seed=7),
     "sequential-drop": own(21, 3, shard_end="drop", drop_last=True),
     "shuffled-pad-droplast": own(23, 2, shuffle=True, seed=8, drop_last=True),
-    "workers": own(13, 2, shuffle=True, seed=9, num_workers=2),
+    "workers": own(13, 2, shuffle=True, seed=9, **WORKERS),
     "user-sampler": user_sampler(19, 2),
     "user-batch-sampler": user_batch_sampler(19, 2),
     "iterable": lambda: ResumableDataLoader(RankStream(20, 4), 2),
-    "iterable-workers": lambda: ResumableDataLoader(WorkerRankStream(30, 6), 2, num_workers=2),
+    "iterable-workers": lambda: ResumableDataLoader(WorkerRankStream(30, 6), 2, **WORKERS),
 }
 """Loaders read at every batch boundary; those whose state is per-rank ('user...',
 'iterable') carry their rank in it."""
@@ -254,16 +262,23 @@ PHASES = {"boundaries": phase_boundaries, "save": phase_save, "resume": phase_re
 
 def main() -> None:
     phases, out, args = sys.argv[1].split("+"), Path(sys.argv[2]), sys.argv[3:]
+    # The fork server (started at the first loader with workers) imports these once; each
+    # worker it forks then only runs this file's definitions again.
+    multiprocessing.set_forkserver_preload(["torch", "resumable.data"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     world = dist.get_world_size()
     for phase in phases:
         report: dict[str, Any] = {"rank": rank(), "world": world}
+        path = out / f"{phase}-world{world}-rank{rank()}.json"
         try:
             PHASES[phase](out, report, args)
         except Exception:
+            # Stop this rank: torchrun then stops the others, instead of them waiting in the
+            # next phase's collectives for a rank that is not there.
             report["crash"] = traceback.format_exc()
-        path = out / f"{phase}-world{world}-rank{rank()}.json"
+            path.write_text(json.dumps(report))
+            raise
         path.write_text(json.dumps(report))
     dist.destroy_process_group()
 
