@@ -124,8 +124,10 @@ def test_report_of_a_killed_and_resumed_run_shows_every_restart(
     assert launches[-1]["reached"] == STEPS
     for i, printed in enumerate(campaign.last_printed):
         killed, restart = launches[i], launches[i + 1]
-        # Progress is recorded before the step is printed; the kill may land one step on.
-        assert printed <= killed["reached"] <= printed + 1
+        # Progress is recorded before the step is printed. How far past it the kill lands
+        # depends on how far this reader lags behind the pipe (a loaded machine: several
+        # steps); the exact figure is checked against the audit log below.
+        assert printed <= killed["reached"] < STEPS
         assert restart["steps_lost"] == killed["reached"] - restart["restored_step"]
         assert restart["steps_lost"] >= printed - restart["restored_step"] > 0
         assert restart["tier"] in ("memory", "local")
