@@ -50,6 +50,7 @@ import faulthandler
 import logging
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -231,7 +232,8 @@ def _launch(
                     os.close(fd)
                 log = os.path.join(logs, f"rank{rank}.log")
                 os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-                faulthandler.register(signal.SIGUSR1, all_threads=True)
+                # fd 2, the log: under pytest sys.stderr is its capture, not fd 2
+                faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
                 _job(rank, port, launch, root, shm, w, steps, persist)
             except BaseException as exc:
                 code = 1
@@ -263,11 +265,15 @@ class Rank:
         return None
 
     def phase(self) -> str:
-        """Where it was when it ended: ``joining`` the group, ``restoring`` (from the
-        checkpointer's construction to the end of its restore) or ``saving``."""
+        """Where it was when it ended: ``joining`` the group, ``side group`` (still in
+        torch's gloo handshake of the group the checkpointer creates, per its stacks),
+        ``restoring`` (from the checkpointer's construction to the end of its restore)
+        or ``saving``."""
         if self.restored() is not None:
             return "saving"
-        return "restoring" if "joined" in self.said.splitlines() else "joining"
+        if "joined" not in self.said.splitlines():
+            return "joining"
+        return "side group" if _in_side_group_handshake(self.stacks) else "restoring"
 
     def error(self) -> str | None:
         """The type of the exception it ended with, if it said."""
@@ -275,6 +281,20 @@ class Rank:
             if line.startswith("error "):
                 return line.split()[1]
         return None
+
+
+def _in_side_group_handshake(stacks: str) -> bool:
+    """Whether a thread of these faulthandler stacks is inside torch's construction of
+    a process group (its innermost frame) called from the library's `current_group`."""
+    for thread in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
+        frames = [line.strip() for line in thread.splitlines() if line.strip().startswith("File")]
+        if (
+            frames
+            and frames[0].endswith(" in _new_process_group_helper")
+            and any("resumable" in f and f.endswith(" in current_group") for f in frames)
+        ):
+            return True
+    return False
 
 
 def _until_restored(fd: int, deadline: float) -> str:
@@ -464,10 +484,11 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
                                 )
                             continue
                         phase = rank.phase()
-                        if rank.status is None and phase == "joining":
-                            # in torch's init_process_group, before any of the library's
-                            # code ran: gloo's connection to a peer that died mid-way
-                            # can outlast the timeout; the library promises nothing here
+                        if rank.status is None and phase in ("joining", "side group"):
+                            # in torch's gloo handshake (init_process_group, or the
+                            # new_group the checkpointer's construction calls): gloo's
+                            # connection to a peer that died mid-way can outlast the
+                            # group's timeout; the library cannot bound a wait in there
                             end = "still running (killed)"
                         elif rank.status is None:
                             end = "still running (killed)"

@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -116,6 +117,61 @@ def test_kill_at_two_ranks_small_campaign_passes() -> None:
     # both background pipelines were killed, and the killed trainers' workers ended
     assert all(r["details"]["kills_by_pipeline"].values())
     assert r["details"]["workers_gone_after_their_ranks"]["count"] > 0
+
+
+_HANDSHAKE_RANK = """
+import faulthandler, os, signal, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from resumable.distributed import current_group
+rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+faulthandler.register(signal.SIGUSR1, file=open(out, "w"), all_threads=True)
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+print("joined", flush=True)
+if rank == 1:
+    current_group(60.0)  # rank 0 never comes: waits in torch's handshake
+time.sleep(60)
+"""
+
+
+def test_the_side_group_handshake_is_told_from_the_stacks_of_a_real_rank(
+    tmp_path: Path,
+) -> None:
+    """The campaign counts a survivor apart only while it is in torch's construction
+    of the checkpointer's gloo group, as its faulthandler stacks show: a rank waiting
+    there for a peer that never comes is told, one sleeping elsewhere is not."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO / "src")}
+    dumps = [tmp_path / f"rank{r}.txt" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HANDSHAKE_RANK, str(r), str(port), str(dumps[r])],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"joined\n"
+        time.sleep(2.0)  # rank 1 is in new_group, rank 0 in time.sleep
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        stacks = [d.read_text() for d in dumps]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert "_new_process_group_helper" in stacks[1], stacks[1]
+    assert killranks._in_side_group_handshake(stacks[1])
+    assert not killranks._in_side_group_handshake(stacks[0])
+    assert not killranks._in_side_group_handshake("")
 
 
 def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
