@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import torch
 from torch import nn
@@ -28,6 +29,12 @@ from torch import nn
 import resumable
 
 pytest_plugins = ("s3server", "cloudservers")  # SeaweedFS (S3), fake-gcs-server, Azurite
+
+# Property tests draw new examples at every local run; CI (`.ci/run` sets
+# HYPOTHESIS_PROFILE=ci) draws the same ones at every run, so that a red CI is one that
+# any later run reproduces, not a draw of that day.
+hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # ``progress`` audit notes come at a launch's first step, then every few seconds of wall
 # time, then at close: in tests only the first and the last (subprocesses inherit it), so

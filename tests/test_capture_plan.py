@@ -230,7 +230,7 @@ def _shift_buffer(s: dict[str, Any]) -> None:
     (the flattened keys and values stay the same; the names do not)."""
     body = s["model"].body
     first, second = body[0], body[1]
-    if "extra" in first._buffers:
+    if "extra" in first._buffers and second is not None:  # `_submodule_none` may run first
         moved = first._buffers.pop("extra")
         params = dict(second._parameters)
         second._parameters.clear()
