@@ -9,6 +9,7 @@ and Python types."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from resumable.snapshot import Arena, CopyPlan
+from resumable.snapshot import Arena, CopyPlan, copy_threads
 from state_checks import assert_same, like, restored, shm_dir, snapshot_each
 
 __all__ = ["shm_dir"]  # a fixture
@@ -305,3 +306,27 @@ def test_a_list_of_dicts_in_a_few_parts_entry_is_encoded_exactly_short_or_long()
             assert str(tree_json.encode(tree)) == json.dumps(
                 tree, separators=(",", ":"), allow_nan=False
             ), (n, step)
+
+
+@pytest.mark.parametrize(
+    "cores, total, local, want",
+    [
+        (2, 2, None, 2),  # one process: the machine's cores
+        (2, 2, "2", 1),  # two ranks on two cores: one thread each (no pool)
+        (2, 2, "4", 1),
+        (16, 16, "8", 2),
+        (64, 64, "1", 4),  # at most 4
+        (4, 64, "8", 4),  # pinned by the launcher to 4 cores: already this rank's share
+        (2, 2, "junk", 2),
+    ],
+)
+def test_copy_threads_share_the_cores_with_the_other_ranks_of_the_node(
+    monkeypatch: pytest.MonkeyPatch, cores: int, total: int, local: str | None, want: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: total)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert copy_threads() == want

@@ -251,6 +251,26 @@ _CHUNK_BYTES = 16 << 20
 _HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy thread
 
 
+def copy_threads() -> int:
+    """Threads for one rank's large host copies (snapshots, a restore's hashing): the
+    cores this process may run on, shared with the other ranks of its node (torchrun's
+    ``LOCAL_WORLD_SIZE``) unless a launcher already pinned it to a share of them, and at
+    most 4. Two ranks on two cores copy on one thread each: two threads apiece would
+    only take turns on the cores, while the other rank copies too."""
+    total = os.cpu_count() or 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = total
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    if cores >= total:  # not pinned: the node's cores, shared by its ranks
+        cores //= local
+    return max(1, min(4, cores))
+
+
 def copy_into(
     buf: torch.Tensor,
     slots: list[TensorSlot],
@@ -341,7 +361,7 @@ class ShmArena:
         self.slots: list[ShmSlot | None] = [None, None]
         self.locked: set[int] = set()
         self.newest: MemorySnapshot | None = None
-        threads = min(4, os.cpu_count() or 1)
+        threads = copy_threads()
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="resumable-copy")
             if threads > 1
