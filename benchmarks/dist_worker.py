@@ -40,6 +40,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -268,13 +269,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+SEGMENT = 50  # steps per timed segment: one persist each, with `Every(steps=SEGMENT)`
+
+
 def _loop(
     model: nn.Module, opt: torch.optim.Optimizer, info: dict[str, Any], args: Any, *classes: Any
 ) -> dict[str, Any]:
-    """Seconds for ``args.loop_steps`` training steps without and with checkpointing
-    (slowest rank of each)."""
+    """Training segments of `SEGMENT` steps without and with checkpointing, interleaved
+    in pairs (the first of each pair alternating), ``args.loop_steps`` steps each way;
+    each segment's seconds are the slowest rank's."""
     checkpointer, every, keep = classes
     x = torch.randn(BATCH, info["width"], generator=torch.Generator().manual_seed(2))
+    pairs = max(1, args.loop_steps // SEGMENT)
 
     def step() -> None:
         model(x).square().mean().backward()
@@ -290,41 +296,57 @@ def _loop(
         return float(mine.item())
 
     def plain() -> None:
-        for _ in range(args.loop_steps):
+        for _ in range(SEGMENT):
             step()
 
     ck = checkpointer(
         args.dir / "loop",
         {"model": model, "optim": opt},
         memory_every=every(steps=1),
-        persist_every=every(steps=50),
+        persist_every=every(steps=SEGMENT),
         keep=keep(last=1),
     )
+    done = 0  # the last step checkpointed
 
     def checkpointed() -> None:
-        for s in range(1, args.loop_steps + 1):
+        # a segment's first step is due for a persist, which runs behind its other steps;
+        # the segment ends when that persist is committed
+        nonlocal done
+        for _ in range(SEGMENT):
             step()
-            ck.maybe_save(s)
+            done += 1
+            ck.maybe_save(done)
         ck.wait()
 
     def first_save() -> None:  # starts the workers, allocates and touches the slots
-        ck.maybe_save(0)
+        nonlocal done
+        ck.maybe_save(done)
         ck.wait()
+        done = SEGMENT - 1  # the next segment starts at a persist step
 
     plain()  # warm-up of the loop itself
     first_s = timed(first_save)  # the checkpointer's warm-up, reported apart
-    base = timed(plain)
-    with_ck = timed(checkpointed)
+    base: list[float] = []
+    with_ck: list[float] = []
+    for k in range(pairs):
+        for which in ("plain", "ck") if k % 2 == 0 else ("ck", "plain"):
+            if which == "plain":
+                base.append(timed(plain))
+            else:
+                with_ck.append(timed(checkpointed))
     stats = dict(ck.stats)
     ck.close()
     return {
-        "steps": args.loop_steps,
-        "persist_every": 50,
+        "steps": pairs * SEGMENT,
+        "segment_steps": SEGMENT,
+        "persist_every": SEGMENT,
         "memory_every": 1,
         "first_save_s": round(first_s, 6),
-        "plain_s": round(base, 6),
-        "checkpointed_s": round(with_ck, 6),
-        "throughput_ratio": round(base / with_ck, 4),
+        "plain_segments_s": [round(t, 6) for t in base],
+        "checkpointed_segments_s": [round(t, 6) for t in with_ck],
+        "plain_s": round(sum(base), 6),
+        "checkpointed_s": round(sum(with_ck), 6),
+        "throughput_ratio": round(statistics.median(base) / statistics.median(with_ck), 4),
         "commits": stats.get("commits"),
         "skips": stats.get("skips"),
     }

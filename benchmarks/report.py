@@ -790,14 +790,16 @@ def dist_section(out: Result) -> list[str]:
     lines += [
         "",
         "The background persist against the targets of issue 11 (medians; blocking and "
-        "total are the slowest rank's). *Loop*: training steps timed without "
-        "checkpointing, then with a memory snapshot every step and a persist every 50 "
-        "steps (`maybe_save`, the last persist waited for), slowest rank; throughput "
-        "kept = plain time ÷ checkpointed time. Both loops are warmed up first: the plain "
-        "one by a run of its own, the checkpointed one by the checkpointer's first save "
+        "total are the slowest rank's). *Loop*: segments of 50 training steps without "
+        "checkpointing and with a memory snapshot every step and a persist at the "
+        "segment's first step (`maybe_save`; the segment ends once that persist is "
+        "committed), interleaved in pairs whose first alternates; each segment is the "
+        "slowest rank's; *plain s* and *checkpointed s* sum them; throughput kept = "
+        "median plain segment ÷ median checkpointed segment. Both are warmed up first: "
+        "the plain loop by a run of its own, the checkpointer by its first save "
         "(`maybe_save(0)` + `wait()`: it starts the persist workers and allocates the "
-        "shared memory), timed apart as *first save s* (older runs, without that column, "
-        "counted it inside the checkpointed loop).",
+        "shared memory), timed apart as *first save s*. (Runs before 2026-11-28 timed "
+        "one plain run, then one checkpointed run that included the first save.)",
         "",
     ]
     rows = []
