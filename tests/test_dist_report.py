@@ -1,0 +1,45 @@
+"""The several-rank section of docs/performance.md, rendered from committed results:
+a run with interleaved loop segments and one from before them (no first-save column)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """The issue-11 table's cells by world size."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| ranks | blocking ÷"))
+    rows = {}
+    for line in lines[head + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_interleaved_segments_give_the_ratio_of_their_medians() -> None:
+    raw = json.loads((BENCH / "results" / "dist-20261128T074116Z.json").read_text())
+    rows = _rows("\n".join(report.dist_section(raw)))
+    assert set(rows) == {"1", "2", "4"}
+    for w, cells in rows.items():
+        loop = raw["dist"]["worlds"][w]["loop"]
+        base = statistics.median(loop["plain_segments_s"])
+        ck = statistics.median(loop["checkpointed_segments_s"])
+        assert cells[-1] == f"{100 * round(base / ck, 4):.1f} %"
+        assert cells[5] == report._s(loop["first_save_s"])  # the first save, apart
+
+
+def test_a_run_from_before_the_segments_still_renders() -> None:
+    raw = json.loads((BENCH / "results" / "vm-20261127T093343Z.json").read_text())
+    rows = _rows("\n".join(report.dist_section(raw)))
+    assert rows and all(cells[5] == "—" for cells in rows.values())  # no first-save figure
