@@ -76,7 +76,7 @@ def dtensor_piece(t: Any, fqn: str) -> tuple[torch.Tensor, Piece, bool]:
 def _shard_place(
     shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
 ) -> tuple[tuple[int, ...], bool]:
-    """Where this rank's shard lies, and whether every placement is `Replicate` (an
+    """Where this rank's shard lies, and whether every placement is ``Replicate`` (an
     ``isinstance`` on a placement costs microseconds: torch's placements check it in
     Python)."""
     from torch.distributed.tensor import Replicate
