@@ -26,7 +26,7 @@ from typing import Any
 from unittest import mock
 
 import resumable.worker
-from resumable import Every, Keep
+from resumable import Checkpointer, Every, Keep
 from resumable.commit import list_committed
 from resumable.storage.base import Buffer
 from resumable.storage.local import LocalStorage
@@ -67,12 +67,21 @@ def settled(pid: int, root: str | None = None, timeout: float = 5.0) -> dict[str
     return last
 
 
+def _size(path: str) -> int:
+    """0 for a file gone since it was listed: retention's discard thread removes trash
+    directories while the walk runs (a file listed, then unlinked, failed a CI run)."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
 def _tree_bytes(root: str) -> tuple[int, int, int]:
     """(bytes in step directories, bytes in hidden staging/trash ones, other bytes)."""
     steps = hidden = other = 0
     for d, _, files in os.walk(root):
         rel = os.path.relpath(d, root)
-        size = sum(os.path.getsize(os.path.join(d, f)) for f in files)
+        size = sum(_size(os.path.join(d, f)) for f in files)
         if rel == ".":
             other += size
         elif rel.startswith("step-"):
@@ -157,6 +166,7 @@ def run(size: str, *, saves: int | None = None, broken: str | None = None) -> di
     with tempfile.TemporaryDirectory(prefix="endurance-") as tmp:
         shm = tempfile.mkdtemp(prefix="endurance-", dir="/dev/shm")
         leaking = contextlib.ExitStack()
+        ck: Checkpointer | None = None
         try:
             root = os.path.join(tmp, "root")
             state = make_state()
@@ -198,6 +208,9 @@ def run(size: str, *, saves: int | None = None, broken: str | None = None) -> di
             restored.close()
         finally:
             leaking.close()
+            if ck is not None:  # its threads stop writing before the directory goes
+                with contextlib.suppress(Exception):
+                    ck.close()
             shutil.rmtree(shm, ignore_errors=True)
     if got != saves:
         problems.append(f"restore came back at {got}, not {saves}")

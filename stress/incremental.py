@@ -70,6 +70,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -160,11 +161,13 @@ def _arm(plan: tuple[Any, ...], out: int) -> None:
     if kind == "retention":
         _, nth, phase, unlinks = plan
         original_delete = RenameCommit.delete
-        seen = [0]
+        seen, counting = [0], threading.Lock()
 
         def delete(self: RenameCommit, step: int) -> None:
-            seen[0] += 1
-            if seen[0] != nth:
+            with counting:  # local and mirror retention may delete at once (see commit)
+                seen[0] += 1
+                mine = seen[0]
+            if mine != nth:
                 original_delete(self, step)
                 return
             what = f"retention {phase}"
@@ -196,14 +199,20 @@ def _arm(plan: tuple[Any, ...], out: int) -> None:
     elif kind == "commit":
         _, nth, phase = plan
         original_commit = RenameCommit.commit
-        commits = [0]
+        commits, counting = [0], threading.Lock()
 
         def commit(self: RenameCommit, attempt: Any, manifest: bytes) -> bool:
-            commits[0] += 1
-            if commits[0] == nth and phase == "before":
+            # The storage's persist thread and the mirror's upload commit at once: each
+            # call takes its number under a lock and keeps it. (Reading the shared count
+            # again after the commit missed the n-th whenever the other thread's commit
+            # came in between: the kill never came, in 1 of 3 launches here.)
+            with counting:
+                commits[0] += 1
+                mine = commits[0]
+            if mine == nth and phase == "before":
                 _die(out, "commit before")
             replaced = original_commit(self, attempt, manifest)
-            if commits[0] == nth:
+            if mine == nth:
                 _die(out, "commit after")
             return replaced
 

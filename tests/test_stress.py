@@ -193,6 +193,42 @@ def test_kill_with_incremental_checkpoints_small_campaign_passes() -> None:
     assert d["median_own_bytes"]["v2"] < d["median_own_bytes"]["v1"] / 4
 
 
+@pytest.mark.parametrize("phase", ["before", "after"])
+def test_a_commit_kill_lands_at_its_commit_while_another_thread_commits(phase: str) -> None:
+    """The storage's persist and the mirror's upload commit on two threads. The armed
+    commit must die at its own n-th call, even when the other thread's call comes in
+    while it commits (a CI run's campaign never reached its commit kills: the count was
+    read again after the commit)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: two threads commit through the armed wrapper
+        code = 1
+        try:
+            import threading
+
+            def slow(self: Any, attempt: Any, manifest: bytes) -> bool:
+                time.sleep(0.4)
+                return False
+
+            RenameCommit.commit = slow  # type: ignore[method-assign]
+            incremental._arm(("commit", 1, phase), w)
+            first = threading.Thread(target=RenameCommit.commit, args=(None, None, b""))
+            first.start()  # the 1st call: it commits for 0.4 s
+            time.sleep(0.1)
+            RenameCommit.commit(None, None, b"")  # type: ignore[arg-type]  # the 2nd, meanwhile
+            first.join()
+            os.write(w, b"both returned\n")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    out = incremental._lines(r, 0.0, until=10)
+    os.close(r)
+    assert out == [f"killed commit {phase}"]
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
 def test_kill_with_incremental_checker_catches_a_retention_that_ignores_refs() -> None:
     assert incremental.able_to_fail()["retention ignores references"]["failures"] > 0
 
@@ -570,6 +606,19 @@ def test_endurance_small_campaign_passes() -> None:
 @pytest.mark.parametrize("broken", endurance.BROKEN)
 def test_endurance_checker_catches_a_leaking_save_path(broken: str) -> None:
     assert endurance.run("small", saves=60, broken=broken)["failures"] > 0
+
+
+def test_endurance_sizes_a_tree_whose_files_vanish_while_it_is_walked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention's discard thread removes a trash directory while the campaign sums the
+    root: a file listed, then gone, counts as nothing (it failed a CI run)."""
+    (tmp_path / "step-000000000002").mkdir()
+    (tmp_path / "step-000000000002" / "a").write_bytes(b"x" * 10)
+    walked = list(os.walk(tmp_path))
+    walked.append((str(tmp_path / ".trash-step-000000000001.1.ab"), [], ["gone"]))
+    monkeypatch.setattr(endurance.os, "walk", lambda root: iter(walked))
+    assert endurance._tree_bytes(str(tmp_path)) == (10, 0, 0)
 
 
 # --------------------------------------------------------------------------- the runner
