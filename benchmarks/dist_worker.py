@@ -220,7 +220,7 @@ def main() -> None:
                 if bg is not None:
                     nbytes["resumable_process"] = _per_rank(
                         _files(args.dir / "resumable-process" / step_dir(i + 1)),
-                        1,
+                        world,
                         lambda r: f"rank-{r:05d}.safetensors",
                     )
                 for name, sub in (("dcp_save", "dcp"), ("dcp_async", "dcp-async")):

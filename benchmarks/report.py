@@ -715,6 +715,24 @@ def data_section(out: Result) -> list[str]:
     return lines
 
 
+
+def _rank_files(m: dict[str, Any]) -> tuple[list[Any] | None, dict[str, int]]:
+    """A method's data file sizes per rank, and its other files. Runs before 2026-11-28
+    listed the background persist's files of ranks above 0 under *other* (the worker
+    named rank 0's file only): they are moved back to their ranks here."""
+    per_rank = _get(m, "bytes", "per_rank")
+    other = dict(_get(m, "bytes", "other") or {})
+    ranks = {
+        int(k[5:10]): other.pop(k)
+        for k in list(other)
+        if k.startswith("rank-") and k.endswith(".safetensors") and k[5:10].isdigit()
+    }
+    if ranks and isinstance(per_rank, list):
+        per_rank = list(per_rank) + [0] * (max(ranks) + 1 - len(per_rank))
+        for r, size in ranks.items():
+            per_rank[r] = size
+    return per_rank, other
+
 def dist_section(out: Result) -> list[str]:
     """Several ranks: per world size, each method's blocking and total time (slowest
     rank), total ÷ dcp.save's, and the bytes each rank wrote."""
@@ -757,7 +775,7 @@ def dist_section(out: Result) -> list[str]:
             if not isinstance(m, dict):
                 continue
             b, t = _median(m.get("blocking")), _median(m.get("total"))
-            other = _get(m, "bytes", "other") or {}
+            per_rank, other = _rank_files(m)
             rows.append(
                 [
                     w,
@@ -767,7 +785,7 @@ def dist_section(out: Result) -> list[str]:
                     _x(_ratio(t, base)),
                     _s(_median(m.get("total"), "min")),
                     _s(_get(m, "total", "first")),
-                    _mib_list(_get(m, "bytes", "per_rank")),
+                    _mib_list(per_rank),
                     _f(sum(other.values()) / 2**10 if other else None, "{:.0f}"),
                     str(len(_get(m, "total", "samples") or [])),
                 ]

@@ -43,3 +43,17 @@ def test_a_run_from_before_the_segments_still_renders() -> None:
     raw = json.loads((BENCH / "results" / "vm-20261127T093343Z.json").read_text())
     rows = _rows("\n".join(report.dist_section(raw)))
     assert rows and all(cells[5] == "—" for cells in rows.values())  # no first-save figure
+
+
+def test_the_background_persist_lists_every_ranks_file_as_its_own() -> None:
+    """Runs before the fix named rank 0's file only; the others' files went to *other*."""
+    raw = json.loads((BENCH / "results" / "dist-20261128T074116Z.json").read_text())
+    text = "\n".join(report.dist_section(raw))
+    row = next(
+        line
+        for line in text.splitlines()
+        if line.startswith('| 4 | resumable `save()`, `persist="process"')
+    )
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[7] == "32.1 / 32.1 / 32.1 / 32.1"  # MiB per rank
+    assert float(cells[8]) < 1000  # other KiB: the manifest alone
