@@ -715,7 +715,6 @@ def data_section(out: Result) -> list[str]:
     return lines
 
 
-
 def _rank_files(m: dict[str, Any]) -> tuple[list[Any] | None, dict[str, int]]:
     """A method's data file sizes per rank, and its other files. Runs before 2026-11-28
     listed the background persist's files of ranks above 0 under *other* (the worker
@@ -732,6 +731,7 @@ def _rank_files(m: dict[str, Any]) -> tuple[list[Any] | None, dict[str, int]]:
         for r, size in ranks.items():
             per_rank[r] = size
     return per_rank, other
+
 
 def dist_section(out: Result) -> list[str]:
     """Several ranks: per world size, each method's blocking and total time (slowest
