@@ -1,7 +1,7 @@
 """Distributed phase: an FSDP2 model saved by `resumable` and by
 ``torch.distributed.checkpoint`` at world sizes 1, 2 and 4 on CPU (gloo), in the same run.
 
-    python benchmarks/dist_bench.py                        # this phase alone: 128 MiB, 3 reps
+    python benchmarks/dist_bench.py                        # this phase alone: 128 MiB, 3 + 10
     python benchmarks/dist_bench.py --size-mb 32 --reps 2 --worlds 1 2
     python benchmarks/dist_bench.py --docs                 # ... and rewrite its section
 
@@ -12,16 +12,17 @@ of docs/performance.md from it with `report.dist_section`, as ``make bench`` wou
 For each world size W, one ``torchrun --standalone --nproc-per-node=W`` launch of
 `dist_worker.py` builds an MLP whose parameters plus AdamW's moments take about
 ``size_mb`` MiB in total (sharded over the W ranks by ``fully_shard``, on a one-rank
-mesh at W=1), and interleaves ``reps + 1`` rounds of: resumable ``save()``
+mesh at W=1), and interleaves ``warmup + reps`` rounds of: resumable ``save()``
 (``persist="sync"``: the save returns after the coordinated, durable commit),
 ``dcp.save`` and ``dcp.async_save`` (thread executor, gloo side group), the first method
 rotating each round; also resumable with its default background persist, and the copy
 floor. Each sample is the slowest rank's time after a barrier; round 0 is reported apart
-as *first*. Bytes are the sizes of each rank's data file (``rank-RRRRR.safetensors``,
-``__R_0.distcp``) and of the rest (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the
-machine's cores ÷ W, so the W ranks share the cores as W trainers would. The data
-directories live under the bench directory (on the repository's disk) and are removed at
-the end.
+as *first*, and medians are of the rounds after the warm-up ones (3 by default: the first
+saves into a new directory ran slower here than the later ones). Bytes are the sizes
+of each rank's data file (``rank-RRRRR.safetensors``, ``__R_0.distcp``) and of the rest
+(manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
+ranks share the cores as W trainers would. The data directories live under the bench
+directory (on the repository's disk) and are removed at the end.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
 WORLDS = (1, 2, 4)
+REPS = 10  # timed rounds: one round is about a second at 128 MiB (the loop takes minutes)
+WARMUP = 3  # rounds before them
 LABELS = {
     "resumable": 'resumable `save()`, `persist="sync"` (coordinated commit at W > 1)',
     "resumable_process": 'resumable `save()`, `persist="process"` (background), + `wait()`',
@@ -57,9 +60,10 @@ def _print(msg: str) -> None:
     print(f"[dist {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _stat(samples: list[float]) -> dict[str, Any]:
-    """Rep 0 apart as ``first``, median and min over the rest (as `run.py` does)."""
-    rest = samples[1:] or samples
+def _stat(samples: list[float], warmup: int = 1) -> dict[str, Any]:
+    """Round 0 apart as ``first``, median and min over the rounds after the ``warmup``
+    ones."""
+    rest = samples[warmup:] or samples
     return {
         "samples": [round(s, 6) for s in rest],
         "median": round(statistics.median(rest), 6),
@@ -77,6 +81,7 @@ def launch(
     background: bool,
     timeout_s: float,
     loop_steps: int = 0,
+    warmup: int = 1,
 ) -> dict[str, Any]:
     """One torchrun launch of `dist_worker.py` with ``world`` ranks; its JSON, raw."""
     if workdir.exists():
@@ -93,6 +98,7 @@ def launch(
         str(WORKER),
         f"--size-mb={size_mb:g}",
         f"--reps={reps}",
+        f"--warmup={warmup}",
         f"--dir={workdir}",
         f"--out={out}",
     ]
@@ -122,11 +128,12 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """Per method: blocking and total (slowest rank per sample), bytes per rank; and the
     ratios of resumable's medians to DCP's."""
     methods: dict[str, Any] = {}
+    warmup = int(raw.get("warmup", 1))
     for name, m in raw["methods"].items():
         methods[name] = {
             "label": LABELS.get(name, name),
-            "blocking": _stat(m["blocking"]),
-            "total": _stat(m["total"]),
+            "blocking": _stat(m["blocking"], warmup),
+            "total": _stat(m["total"], warmup),
             "per_rank_blocking": m["per_rank_blocking"],
             "per_rank_total": m["per_rank_total"],
             "bytes": m["bytes"],
@@ -140,6 +147,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "world_size": raw["world_size"],
+        "warmup": warmup,
         "torch_threads": raw["torch_threads"],
         "model": raw["model"],
         "order": raw["order"],
@@ -170,19 +178,21 @@ def run_phase(
     background: bool = True,
     timeout_s: float = 900.0,
     loop_steps: int = 150,
+    warmup: int = WARMUP,
 ) -> dict[str, Any]:
     """Every world size in turn; a world size that fails is recorded with its error and
     the others still run. ``workdir`` is emptied and removed at the end."""
     out: dict[str, Any] = {
         "size_mb": size_mb,
         "reps": reps,
+        "warmup": warmup,
         "cpu_count": os.cpu_count(),
         "how": "torchrun --standalone, gloo, FSDP2 fully_shard on a CPU mesh; rank-max times",
         "worlds": {},
     }
     try:
         for w in worlds:
-            log(f"distributed: {w} rank(s), {size_mb:g} MiB, {reps} reps")
+            log(f"distributed: {w} rank(s), {size_mb:g} MiB, {warmup} + {reps} rounds")
             try:
                 raw = launch(
                     w,
@@ -192,6 +202,7 @@ def run_phase(
                     background=background,
                     timeout_s=timeout_s,
                     loop_steps=loop_steps,
+                    warmup=warmup,
                 )
                 out["worlds"][str(w)] = summarise(raw)
             except Exception as exc:
@@ -207,7 +218,12 @@ def run_phase(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=128, help="model + AdamW state, MiB (128)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions after a first (3)")
+    ap.add_argument(
+        "--reps", type=int, default=REPS, help=f"timed rounds after the warm-up ({REPS})"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=WARMUP, help=f"rounds before the timed ones ({WARMUP})"
+    )
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="(1 2 4)")
     ap.add_argument("--no-background", action="store_true", help="skip persist='process'")
     ap.add_argument("--loop-steps", type=int, default=150, help="training loop steps (150)")
@@ -226,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         background=not args.no_background,
         timeout_s=args.timeout_s,
         loop_steps=args.loop_steps,
+        warmup=max(1, args.warmup),
     )
     print(json.dumps(out, indent=1))
     if args.docs:

@@ -6,8 +6,11 @@ and by ``torch.distributed.checkpoint``, interleaved, timed on every rank.
 
 Every rank builds the same MLP (``fully_shard`` on each Linear and on the root, on a CPU
 mesh of all ranks, world 1 included), trains one step so that AdamW's state exists, and
-then runs ``reps + 1`` rounds; each round saves once with every method, the first method
-rotating from round to round. Before each save all ranks meet at a barrier; each rank
+then runs ``warmup + reps`` rounds; each round saves once with every method, the first
+method rotating from round to round. The warm-up rounds are recorded but not timed: the
+first saves of a method into a new directory run slower here than later ones (a
+background persist's first rounds at 2 ranks took 0.21-0.25 s, later ones 0.09 s), and
+a training job saves many times. Before each save all ranks meet at a barrier; each rank
 times its own call, and the sample kept is the slowest rank's (what a training step
 waits for). Rank 0 writes the samples, the per-rank times and the bytes of each file to
 ``OUT``. Methods:
@@ -110,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-mb", type=float, required=True)
     ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, default=1, help="rounds before the timed ones (1)")
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--background", action="store_true")
@@ -201,7 +205,7 @@ def main() -> None:
     names = list(methods)
     times: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in names}
     nbytes: dict[str, Any] = {}
-    for i in range(args.reps + 1):
+    for i in range(args.warmup + args.reps):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             dist.barrier()
@@ -238,6 +242,7 @@ def main() -> None:
     if rank == 0:
         out = {
             "world_size": world,
+            "warmup": args.warmup,
             "torch_threads": torch.get_num_threads(),
             "model": info,
             "order": names,

@@ -748,8 +748,9 @@ def dist_section(out: Result) -> list[str]:
         "MiB of parameters and optimizer state in total, sharded with FSDP2 `fully_shard` "
         "(each Linear and the root) over a CPU device mesh of all ranks (a one-rank mesh "
         "at 1), one training step taken. Each world size is one `torchrun --standalone` "
-        f"launch (gloo) with {d.get('reps')} reps after a first one, the methods "
-        "interleaved and the first of them rotating each rep; all ranks meet at a barrier "
+        f"launch (gloo) with {d.get('reps')} timed rounds after {d.get('warmup', 1)} "
+        "untimed ones (the first reported apart as *first*), the methods "
+        "interleaved and the first of them rotating each round; all ranks meet at a barrier "
         "before each save, and each sample is the slowest rank's time. DCP's times "
         "include `get_state_dict`, as resumable's `save()` includes its own capture. "
         '*Blocking*: until the call returns; resumable with `persist="sync"` and '

@@ -610,7 +610,12 @@ def main(argv: list[str] | None = None) -> int:
         got = guarded(
             out,
             "dist",
-            lambda: dist_bench.run_phase(work / "dist", args.dist_size_mb, args.reps, log),
+            lambda: dist_bench.run_phase(
+                work / "dist",
+                args.dist_size_mb,
+                args.reps if args.quick else max(args.reps, dist_bench.REPS),
+                log,
+            ),
         )
         if got is not None:
             out["dist"] = got
