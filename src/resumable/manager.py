@@ -26,6 +26,7 @@ that owns ``state``). A background failure is raised by the next ``save``,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -363,13 +364,21 @@ class Checkpointer:
         if busy and self.on_busy == "wait":
             self._persister.wait()
             busy = False
-        busy = self._restorer.group.any(busy)  # all ranks persist this step, or none
+        # All ranks persist this step, or none. The all-reduce runs during the copy:
+        # the snapshot is taken either way.
+        any_busy = self._restorer.group.any_started(busy)
         snap = self._memory.current(step)
-        if snap is None:
-            self.snapshot(step, metrics)
-            self._memory.settle()  # a persist needs the whole copy
-            snap = self._memory.current(step)
-            assert snap is not None
+        try:
+            if snap is None:
+                self.snapshot(step, metrics)
+                self._memory.settle()  # a persist needs the whole copy
+                snap = self._memory.current(step)
+                assert snap is not None
+        except BaseException:
+            with contextlib.suppress(Exception):  # the other ranks took part: finish it
+                any_busy()
+            raise
+        busy = any_busy()
         if busy:
             running = self._persister.running()
             self.audit.record(
