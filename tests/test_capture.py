@@ -219,6 +219,38 @@ def test_parameter_comes_back_as_a_plain_tensor() -> None:
     assert torch.equal(out, p.detach())
 
 
+def test_a_module_is_captured_detached_and_its_post_hooks_see_detached_tensors() -> None:
+    """A module's tensors come out detached, whether its state_dict() detached them (a
+    post-hook in the tree: the hook sees what it always saw) or the walk did."""
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    hooked = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    seen: list[bool] = []
+
+    def hook(module: Any, sd: dict[str, Any], prefix: str, *rest: Any) -> None:
+        seen.extend(type(v) is torch.nn.Parameter or v.requires_grad for v in sd.values())
+
+    hooked[1]._register_state_dict_hook(hook)
+    for model in (plain, hooked):
+        got = capture({"m": model}, include_rng=False).tensors
+        assert len(got) == 4
+        for name, t in got.items():
+            assert not t.requires_grad and type(t) is torch.Tensor, name
+    assert seen and not any(seen)  # the state dict the hook saw held detached tensors
+
+
+def test_a_module_with_its_own_state_dict_is_called_without_keep_vars() -> None:
+    class Own(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+            return {"w": self.w.detach() * 2}
+
+    got = capture({"m": Own()}, include_rng=False).tensors
+    assert [t.tolist() for t in got.values()] == [[2.0, 2.0]]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.recursive(

@@ -265,6 +265,8 @@ class Encoder:
         v = unwrap(v)
         self.classes.append((path, class_name(v)))
         try:
+            if _keeps_vars(v):  # its tensors detached here, once, not by state_dict()
+                return v.state_dict(keep_vars=True)
             return v.state_dict()
         except Exception as exc:  # the user's object failed; say where
             raise UnsupportedStateError(
@@ -336,6 +338,20 @@ def _plain_scalar(v: Any) -> bool:
     if isinstance(v, float):
         return math.isfinite(v)
     return v is None or isinstance(v, (bool, int, str))
+
+
+_MODULE_STATE_DICT = torch.nn.Module.state_dict
+
+
+def _keeps_vars(v: Any) -> bool:
+    """Whether ``v`` is a module whose ``state_dict(keep_vars=True)`` holds what its
+    ``state_dict()`` holds but for the ``detach()``: torch's ``state_dict``, and no
+    state-dict post-hook anywhere in it (a hook sees the values). The walk detaches
+    each tensor it keeps anyway, and a DTensor's ``detach()`` runs torch's dispatch in
+    Python (about 15 us each, at every snapshot of an FSDP2 model)."""
+    if not isinstance(v, torch.nn.Module) or type(v).state_dict is not _MODULE_STATE_DICT:
+        return False
+    return not any(m._state_dict_hooks for m in v.modules())
 
 
 def unwrap(v: Any) -> Any:
