@@ -205,7 +205,7 @@ def _arm(plan: tuple[Any, ...], out: int) -> None:
             # The storage's persist thread and the mirror's upload commit at once: each
             # call takes its number under a lock and keeps it. (Reading the shared count
             # again after the commit missed the n-th whenever the other thread's commit
-            # came in between: the kill never came, in 1 of 3 launches here.)
+            # came in between: a CI run's campaign reached none of its commit kills.)
             with counting:
                 commits[0] += 1
                 mine = commits[0]
