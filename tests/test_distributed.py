@@ -596,6 +596,7 @@ def test_random_sigkills_of_a_two_rank_job_end_bit_identical(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its launch waits up to 480 s; the default 300 s cut it short
 @pytest.mark.parametrize("seed", [1, 2])
 def test_twelve_random_sigkills_of_a_two_rank_job_end_bit_identical(
     tmp_path: Path, campaign_reference: str, seed: int

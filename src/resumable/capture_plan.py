@@ -29,11 +29,17 @@ any differs, calls `forget` and captures again, so a reused node never names a s
 device. The tensors of a planned entry are the live objects (a parameter is not
 detached): they are for copying under ``torch.no_grad()``.
 
-An entry is planned only in a capture of one process (several ranks capture global
-tensors) and when its tensors are plain and named as a walk would name them. An entry
-that fails its check again and again (a module replacing a buffer at every step), or
-that cannot be planned, is walked the ordinary way for `REST` captures before it is
-tried again.
+An entry is planned when its tensors are named as a walk would name them. At several
+ranks (and for DTensors at one) only modules and optimizers are planned, their tensors
+global: a reuse also hands out what the walk noted of each (its shard's place, whether
+it is replicated, the live object under its global name), once a check says each
+DTensor still holds the same local tensor and placement objects; the tensor handed out
+for a DTensor is its local tensor. A module's state-dict pre-hooks are allowed where
+they are FSDP2's (``fully_shard`` registers one that makes sure the parameters are the
+sharded ones): a reuse runs them, as ``state_dict()`` would, before its check. Per-rank
+containers and the random streams are walked. An entry that fails its check again and
+again (a module replacing a buffer at every step), or that cannot be planned, is walked
+the ordinary way for `REST` captures before it is tried again.
 
 Python's and NumPy's global streams are read anew only when they changed, compared
 where they lie (`PythonState`, `NumpyState`).
@@ -50,13 +56,14 @@ import random
 import struct
 import sys
 from collections.abc import Callable, Iterable
-from itertools import chain, islice
+from itertools import chain, compress, islice
 from typing import Any
 
 import numpy as np
 import torch
 
 from resumable.capture import PLAIN_TENSORS, Encoder, rng_state, unwrap
+from resumable.distributed import Piece, is_dtensor
 from resumable.tree import RNG_KEY
 
 log = logging.getLogger(__name__)
@@ -97,8 +104,8 @@ class CapturePlan:
         """The tree node of the top-level entry ``state[key] = obj``, its tensors and
         classes added to ``enc`` as `Encoder.value` would add them; None if this plan
         does not take it (the caller walks it)."""
-        if enc.world_size != 1 or enc.rank != 0:
-            return None
+        if (enc.world_size != 1 or enc.rank != 0) and not enc.in_global:
+            return None  # a per-rank object: walked
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(key, obj, enc)
         if type(obj) is dict or type(obj) is list:
@@ -185,24 +192,33 @@ class CapturePlan:
     def _container(self, key: str, obj: dict[Any, Any] | list[Any], enc: Encoder) -> Any | None:
         hit = self._entries.get(key)
         if isinstance(hit, _ContainerEntry):
-            if hit.valid(obj) and _free(enc, hit.tensors):
-                return self._reuse(key, hit, enc)
-            self._missed(key, "")
-        return self._walk(
-            key, obj, enc, lambda node, made, _: _ContainerEntry.make(key, obj, node, made)
-        )
-
-    def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
-        hit = self._entries.get(key)
-        if isinstance(hit, _ModuleEntry):
-            if hit.valid(obj, module) and _free(enc, hit.tensors):
+            if hit.valid(obj) and _free_entry(enc, hit):
                 return self._reuse(key, hit, enc)
             self._missed(key, "")
         return self._walk(
             key,
             obj,
             enc,
-            lambda node, made, classes: _ModuleEntry.make(key, obj, module, node, made, classes),
+            lambda node, made, _, glob: (
+                _ContainerEntry.make(key, obj, node, made)
+                if glob is None
+                else (None, "it holds global tensors")
+            ),
+        )
+
+    def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
+        hit = self._entries.get(key)
+        if isinstance(hit, _ModuleEntry):
+            if hit.valid(obj, module) and _free_entry(enc, hit):
+                return self._reuse(key, hit, enc)
+            self._missed(key, "")
+        return self._walk(
+            key,
+            obj,
+            enc,
+            lambda node, made, classes, glob: _ModuleEntry.make(
+                key, obj, module, node, made, classes, glob
+            ),
         )
 
     def _reuse(self, key: str, hit: _ModuleEntry | _ContainerEntry, enc: Encoder) -> Any:
@@ -210,6 +226,8 @@ class CapturePlan:
         if hit.classes is not None:
             enc.classes.append(hit.classes)
         enc.tensors.update(hit.tensors)
+        if hit.glob is not None:
+            hit.glob.add(enc)
         self._reused = True
         self._misses[key] = 0
         return hit.node
@@ -219,16 +237,18 @@ class CapturePlan:
         key: str,
         obj: Any,
         enc: Encoder,
-        make: Callable[[Any, list[tuple[str, torch.Tensor]], list[Any]], tuple[Any, str]],
+        make: Callable[
+            [Any, list[tuple[str, torch.Tensor]], list[Any], _Globals | None], tuple[Any, str]
+        ],
     ) -> Any | None:
         """Walk ``obj`` as `Encoder.value` does, and plan its entry (``make``: from its
-        node, the tensors and the classes the walk met) for the next capture; None while
-        the entry rests."""
+        node, the tensors, the classes and the global tensors' notes the walk made) for
+        the next capture; None while the entry rests."""
         if self._resting(key):
             return None
-        mark, classes = len(enc.tensors), len(enc.classes)
+        mark, classes, marks = len(enc.tensors), len(enc.classes), _Globals.marks(enc)
         node = enc.value(obj, (key,), 2)
-        entry, why = make(node, _added(enc, mark), enc.classes[classes:])
+        entry, why = make(node, _added(enc, mark), enc.classes[classes:], _Globals.made(enc, marks))
         self._keep(key, entry, why, enc)
         return node
 
@@ -246,10 +266,12 @@ class CapturePlan:
             return None
         path = (key,)
         hit = self._entries.get(key)
-        if isinstance(hit, _OptimizerEntry) and hit.direct(obj) and _free(enc, hit.tensors):
+        if isinstance(hit, _OptimizerEntry) and hit.direct(obj) and _free_entry(enc, hit):
             # torch's state_dict(), no hooks: its "state" as before, without calling it
             enc.classes.append(hit.classes)
             enc.tensors.update(hit.tensors)
+            if hit.glob is not None:
+                hit.glob.add(enc)
             self._reused = True
             self._misses[key] = 0
             groups = hit.groups_node(obj, enc, key)
@@ -260,18 +282,22 @@ class CapturePlan:
             self._missed(key, f"its state_dict() has keys {list(sd)[:4]}")
             return {"stateful": enc.value(sd, path, 3)}
         st = sd["state"]
-        if isinstance(hit, _OptimizerEntry) and hit.valid(obj, st) and _free(enc, hit.tensors):
+        if isinstance(hit, _OptimizerEntry) and hit.valid(obj, st) and _free_entry(enc, hit):
             enc.tensors.update(hit.tensors)
+            if hit.glob is not None:
+                hit.glob.add(enc)
             state_node = hit.node
             self._reused = True
             self._misses[key] = 0
         else:
             if hit is not None:
                 self._missed(key, "")
-            mark = len(enc.tensors)
+            mark, marks = len(enc.tensors), _Globals.marks(enc)
             state_node = enc.value(st, (key, "state"), 4)
-            made = _added(enc, mark)
-            entry, why = _OptimizerEntry.make(key, obj, sd, state_node, made, enc.classes[classes])
+            made, glob = _added(enc, mark), _Globals.made(enc, marks)
+            entry, why = _OptimizerEntry.make(
+                key, obj, sd, state_node, made, enc.classes[classes], glob
+            )
             self._keep(key, entry, why, enc)
         groups = enc.value(sd["param_groups"], (key, "param_groups"), 4)
         return {"stateful": {"dict": [["state", state_node], ["param_groups", groups]]}}
@@ -286,6 +312,124 @@ def _added(enc: Encoder, mark: int) -> list[tuple[str, torch.Tensor]]:
 def _free(enc: Encoder, names: dict[str, torch.Tensor]) -> bool:
     """Whether none of ``names`` is taken yet (else a walk would rename them)."""
     return not enc.tensors or enc.tensors.keys().isdisjoint(names)
+
+
+def _free_entry(enc: Encoder, entry: _ModuleEntry | _OptimizerEntry | _ContainerEntry) -> bool:
+    """Whether none of ``entry``'s names (its tensors' and global tensors') is taken yet."""
+    if not _free(enc, entry.tensors):
+        return False
+    glob = entry.glob
+    return glob is None or not enc.live or enc.live.keys().isdisjoint(glob.live)
+
+
+_LOCAL = operator.attrgetter("_local_tensor")
+_SPEC = operator.attrgetter("_spec")
+
+
+class _Globals:
+    """What a walk of a module or optimizer notes of its global tensors (at several ranks,
+    or DTensors) beside the tensors it hands out: each tensor's piece (where its shard
+    lies) and whether it is replicated, and the live objects under their global names.
+    Of each DTensor it keeps the local tensor and the spec (mesh and placements) objects:
+    a reuse needs them unchanged (FSDP2 keeps both from step to step; resharding or
+    loading a state dict with ``assign`` makes new ones)."""
+
+    def __init__(
+        self,
+        pieces: dict[str, Piece],
+        replicated: set[str],
+        live: dict[str, Any],
+        world_size: int,
+    ) -> None:
+        self.pieces, self.replicated, self.live = pieces, replicated, live
+        self.world_size = world_size
+        self.dtensors = [t for t in live.values() if is_dtensor(t)]
+        self._locals = list(map(_LOCAL, self.dtensors))  # held: the ids below stay theirs
+        self._specs = list(map(_SPEC, self.dtensors))
+        self.local_ids = list(map(id, self._locals))
+        self.spec_ids = list(map(id, self._specs))
+
+    @staticmethod
+    def marks(enc: Encoder) -> tuple[int, int, frozenset[str]]:
+        return len(enc.pieces), len(enc.live), frozenset(enc.replicated)
+
+    @classmethod
+    def made(cls, enc: Encoder, marks: tuple[int, int, frozenset[str]]) -> _Globals | None:
+        """What a walk noted after ``marks``; None if it met no global tensor (a plain
+        state of one process)."""
+        pieces_at, live_at, replicated = marks
+        live = dict(islice(enc.live.items(), live_at, None))
+        if not live:
+            return None
+        if not all(
+            hasattr(t, "_local_tensor") and hasattr(t, "_spec")
+            for t in live.values()
+            if is_dtensor(t)
+        ):
+            return None
+        pieces = dict(islice(enc.pieces.items(), pieces_at, None))
+        return cls(pieces, set(enc.replicated - replicated), live, enc.world_size)
+
+    def valid(self) -> bool:
+        """Whether each DTensor holds the local tensor and spec it held."""
+        return (
+            list(map(id, map(_LOCAL, self.dtensors))) == self.local_ids
+            and list(map(id, map(_SPEC, self.dtensors))) == self.spec_ids
+        )
+
+    def add(self, enc: Encoder) -> None:
+        enc.pieces.update(self.pieces)
+        enc.replicated.update(self.replicated)
+        enc.live.update(self.live)
+
+    def handout(
+        self, made: list[tuple[str, torch.Tensor]], fqns: list[str], values: list[Any]
+    ) -> dict[str, torch.Tensor] | None:
+        """The tensors a reuse hands out under the names the walk gave them (``made``):
+        for a DTensor its local tensor, else the live tensor; None unless the walk took
+        ``values`` under the names ``fqns`` (the global ones, all at several ranks and
+        the DTensors at one, as live objects) and each tensor it took is the local
+        tensor (or a detached alias) of its own live object."""
+        if len(values) != len(fqns):
+            return None
+        glob = [self.world_size > 1 or is_dtensor(v) for v in values]
+        if list(self.live) != [f for f, g in zip(fqns, glob) if g]:
+            return None
+        if not all(a is b for a, b in zip(self.live.values(), compress(values, glob))):
+            return None
+        plain = {f: v for f, v, g in zip(fqns, values, glob) if not g}
+        out: dict[str, torch.Tensor] = {}
+        for name, walked in made:
+            piece = self.pieces.get(name)
+            if piece is not None:
+                v = self.live.get(piece.fqn)
+                src = _LOCAL(v) if is_dtensor(v) else v
+            else:
+                src = plain.pop(name, None)
+            if src is None or not _same_tensor(walked, src):
+                return None
+            out[name] = src
+        return None if plain else out
+
+
+def _own_tensors(
+    key: str,
+    made: list[tuple[str, torch.Tensor]],
+    paths: list[tuple[Any, ...]],
+    values: list[Any],
+    glob: _Globals | None,
+) -> dict[str, torch.Tensor] | None:
+    """The tensors an entry hands out at a reuse, by name: the live ones where the walk
+    took ``values`` (at ``paths`` under ``key``) under the names a walk gives them; None
+    if it did not (names taken, or values that are not plain tensors of their own)."""
+    names = _base_names(key, paths)
+    if glob is not None:
+        return glob.handout(made, names, values)
+    if [n for n, _ in made] != names or len(made) != len(values):
+        return None
+    if not all(_same_tensor(t, v) for (_, t), v in zip(made, values)):
+        return None
+    return {n: v for (n, _), v in zip(made, values)}
 
 
 def _same_tensor(walked: torch.Tensor, live: Any) -> bool:
@@ -341,9 +485,10 @@ class _ModuleEntry:
         node: Any,
         tensors: dict[str, torch.Tensor],
         classes: tuple[tuple[Any, ...], str],
+        glob: _Globals | None,
     ) -> None:
         self.obj, self.module, self.node, self.tensors = obj, module, node, tensors
-        self.classes = classes
+        self.classes, self.glob = classes, glob
         self.mods = _submodules(module)
         self.own = [vars(m) for m in self.mods]  # a per-object override would land here
         attrs = list(map(_MODULE_ATTRS, self.own))
@@ -357,7 +502,11 @@ class _ModuleEntry:
         self.value_ids = list(map(id, self._values))
         self.sets = [a[3] for a in attrs]
         self.set_copies = list(map(frozenset, self.sets))
-        self.hooks = [d for a in attrs for d in a[4:6]]
+        self.post_hooks = [a[4] for a in attrs]
+        self.pre_hooks = [a[5] for a in attrs]
+        # FSDP2's pre-hooks (`make` allows no other), run before each check
+        self.pre_calls = [(m, h) for m, a in zip(self.mods, attrs) for h in a[5].values()]
+        self.pre_ids = [id(h) for _, h in self.pre_calls]
         # (class, method name) for each class and state-dict method, and torch's methods
         kinds = list(dict.fromkeys(self.types))
         self.cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
@@ -373,44 +522,56 @@ class _ModuleEntry:
         node: Any,
         made: list[tuple[str, torch.Tensor]],
         classes: list[tuple[tuple[Any, ...], str]],
+        glob: _Globals | None,
     ) -> tuple[_ModuleEntry | None, str]:
-        """The entry of a module just walked (``node``, the tensors ``made``), or None
-        and why it cannot be reused."""
+        """The entry of a module just walked (``node``, the tensors ``made``, the notes
+        on its global tensors ``glob``), or None and why it cannot be reused."""
         mods = _submodules(module)
         for m in mods:
             if not _keeps_torch_state_dict(type(m)):
                 return None, f"{type(m).__name__} has its own state_dict methods"
-            if m._state_dict_hooks or m._state_dict_pre_hooks:
+            if m._state_dict_hooks:
                 return None, f"{type(m).__name__} has state_dict hooks"
+            if not all(map(_fsdp_pre_hook, m._state_dict_pre_hooks.values())):
+                return None, f"{type(m).__name__} has state_dict pre-hooks"
             if any(name in vars(m) for name in _SAVE_METHODS):
                 return None, f"a {type(m).__name__} object has its own state_dict"
         live = module.state_dict(keep_vars=True)
-        if [n for n, _ in made] != _base_names(key, ((k,) for k in live)):
-            return None, "its tensors' names are taken"
-        if len(made) != len(live) or not all(
-            _same_tensor(t, v) for (_, t), v in zip(made, live.values())
-        ):
-            return None, "its state_dict() holds more than its tensors"
+        tensors = _own_tensors(key, made, [(k,) for k in live], list(live.values()), glob)
+        if tensors is None:
+            return None, "its tensors' names are taken, or its state_dict() holds more"
         if len(classes) != 1:
             return None, "its state holds stateful objects"
-        tensors = {n: v for (n, _), v in zip(made, live.values())}
-        return cls(obj, module, node, tensors, classes[0]), ""
+        return cls(obj, module, node, tensors, classes[0], glob), ""
 
     def valid(self, obj: Any, module: torch.nn.Module) -> bool:
-        """Whether the module has the structure this entry was made from."""
+        """Whether the module has the structure this entry was made from (its FSDP2
+        pre-hooks run first, as ``state_dict()`` runs them)."""
+        if obj is not self.obj or module is not self.module:
+            return False
+        for m, hook in self.pre_calls:
+            hook(m, "", True)
         return (
-            obj is self.obj
-            and module is self.module
-            and list(map(type, self.mods)) == self.types
+            list(map(type, self.mods)) == self.types
             and list(map(id, chain.from_iterable(map(_MODULE_ATTRS, self.own)))) == self.attr_ids
             and list(map(len, self.dicts)) == self.lens
             and list(chain.from_iterable(self.dicts)) == self.keys
             and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
-            and not any(map(len, self.hooks))
+            and not any(map(len, self.post_hooks))
+            and list(map(id, chain.from_iterable(map(dict.values, self.pre_hooks)))) == self.pre_ids
             and list(map(frozenset, self.sets)) == self.set_copies
             and not any(map(_overrides, self.own))
             and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
+            and (self.glob is None or self.glob.valid())
         )
+
+
+def _fsdp_pre_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the state-dict pre-hook FSDP2's ``fully_shard`` registers (it
+    makes sure the module holds its sharded parameters, and does nothing else)."""
+    return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp") and getattr(
+        hook, "__qualname__", ""
+    ).endswith("._register_state_dict_hooks.<locals>.to_sharded_hook")
 
 
 def _overrides(attrs: dict[str, Any]) -> bool:
@@ -432,6 +593,7 @@ class _ContainerEntry:
     ) -> None:
         self.obj, self.node, self.tensors = obj, node, tensors
         self.classes = None  # plain containers record no class
+        self.glob: _Globals | None = None  # of one process, plain tensors only
         self.dicts, self.lists = dicts, lists
         self.dict_lens = list(map(len, dicts))
         self.keys = list(chain.from_iterable(dicts))
@@ -514,9 +676,11 @@ class _OptimizerEntry:
         node: Any,
         tensors: dict[str, torch.Tensor],
         classes: tuple[tuple[Any, ...], str],
+        glob: _Globals | None,
     ) -> None:
         st = sd["state"]
         self.obj, self.node, self.tensors, self.classes = obj, node, tensors, classes
+        self.glob = glob
         self.cls = type(obj)
         self.keys = list(st)
         self._inner = list(st.values())  # held: the ids below stay theirs
@@ -535,7 +699,7 @@ class _OptimizerEntry:
         self._group_items: list[dict[Any, tuple[Any, list[Any]]]] = []  # groups_node's
         self.can_pack = (
             self.cls.state_dict is _OPTIMIZER_STATE_DICT
-            and all(type(k) in PLAIN_TENSORS for k in self._params)
+            and all(type(k) in PLAIN_TENSORS or is_dtensor(k) for k in self._params)
             and _same_groups(self.pack_groups(obj), sd["param_groups"])
         )
 
@@ -548,6 +712,7 @@ class _OptimizerEntry:
         node: Any,
         made: list[tuple[str, torch.Tensor]],
         classes: tuple[tuple[Any, ...], str],
+        glob: _Globals | None,
     ) -> tuple[_OptimizerEntry | None, str]:
         st, groups = sd["state"], sd["param_groups"]
         if type(st) is not dict:
@@ -560,17 +725,15 @@ class _OptimizerEntry:
             if type(inner) is not dict or type(idx) not in (int, str):
                 return None, "its state is not a dict of dicts"
             for name, v in inner.items():
-                if type(v) in PLAIN_TENSORS:
+                if type(v) in PLAIN_TENSORS or is_dtensor(v):
                     paths.append(("state", idx, name))
                     live.append(v)
                 elif not isinstance(v, _IMMUTABLE) or type(name) not in (int, str):
                     return None, f"its state holds a {type(v).__name__}"
-        if [n for n, _ in made] != _base_names(key, paths):
-            return None, "its tensors' names are taken"
-        if not all(_same_tensor(t, v) for (_, t), v in zip(made, live)):
-            return None, "its state's tensors are not its own"
-        tensors = {n: v for (n, _), v in zip(made, live)}
-        return cls(obj, sd, node, tensors, classes), ""
+        tensors = _own_tensors(key, made, paths, live, glob)
+        if tensors is None:
+            return None, "its tensors' names are taken, or its state's tensors are not its own"
+        return cls(obj, sd, node, tensors, classes, glob), ""
 
     def valid(self, obj: Any, st: Any) -> bool:
         """Whether ``st`` (of ``obj.state_dict()``) holds the per-parameter dicts and
@@ -581,6 +744,7 @@ class _OptimizerEntry:
             and list(st) == self.keys
             and list(map(id, st.values())) == self.inner_ids
             and self._same_inner()
+            and (self.glob is None or self.glob.valid())
         )
 
     def direct(self, obj: Any) -> bool:
@@ -604,6 +768,7 @@ class _OptimizerEntry:
             and self._same_inner()
             and list(map(id, chain.from_iterable(map(_PARAMS, groups)))) == self.flat_ids
             and list(map(len, map(_PARAMS, groups))) == self.group_lens
+            and (self.glob is None or self.glob.valid())
         )
 
     def _same_inner(self) -> bool:
