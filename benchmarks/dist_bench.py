@@ -138,6 +138,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "per_rank_total": m["per_rank_total"],
             "bytes": m["bytes"],
         }
+        if "snapshot" in m:  # the background save's own snapshot time (slowest rank)
+            methods[name]["snapshot"] = _stat(m["snapshot"], warmup)
+            methods[name]["per_rank_snapshot"] = m["per_rank_snapshot"]
 
     def ratio(a: str, b: str, key: str) -> float | None:
         x, y = methods.get(a, {}).get(key, {}), methods.get(b, {}).get(key, {})
@@ -177,7 +180,7 @@ def run_phase(
     worlds: tuple[int, ...] = WORLDS,
     background: bool = True,
     timeout_s: float = 900.0,
-    loop_steps: int = 150,
+    loop_steps: int = 300,
     warmup: int = WARMUP,
 ) -> dict[str, Any]:
     """Every world size in turn; a world size that fails is recorded with its error and
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="(1 2 4)")
     ap.add_argument("--no-background", action="store_true", help="skip persist='process'")
-    ap.add_argument("--loop-steps", type=int, default=150, help="training loop steps (150)")
+    ap.add_argument("--loop-steps", type=int, default=300, help="training loop steps (300)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per launch (900)")
     ap.add_argument("--bench-dir", type=Path, default=HERE.parent / "runs" / "bench-dist")
     ap.add_argument(

@@ -147,6 +147,7 @@ def main() -> None:
             keep=Keep(last=1),
             incremental=False,
         )
+    snapshots: list[float] = []  # the background save's own snapshot time, per round
     local = [_local(p) for p in model.parameters()]
     local += [_local(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     floor_dst = [torch.empty_like(t) for t in local]
@@ -172,6 +173,7 @@ def main() -> None:
         t0 = time.perf_counter()
         bg.save(i + 1)
         blocking = time.perf_counter() - t0
+        snapshots.append(float(bg.last_snapshot_s or 0.0))  # its capture and copy
         bg.wait()
         return blocking, time.perf_counter() - t0
 
@@ -204,15 +206,20 @@ def main() -> None:
         methods["resumable_process"] = save_bg
     names = list(methods)
     times: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in names}
+    snap_times: list[list[float]] = []  # per round, each rank's snapshot inside save()
     nbytes: dict[str, Any] = {}
     for i in range(args.warmup + args.reps):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             dist.barrier()
-            mine = torch.tensor(methods[name](i), dtype=torch.float64)
-            every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            blocking, total = methods[name](i)
+            snap = snapshots[-1] if name == "resumable_process" else float("nan")
+            mine = torch.tensor([blocking, total, snap], dtype=torch.float64)
+            every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, mine)
             times[name].append([(float(t[0]), float(t[1])) for t in every])
+            if name == "resumable_process":
+                snap_times.append([float(t[2]) for t in every])
         dist.barrier()
         if rank == 0:
             if i == 0:
@@ -258,6 +265,10 @@ def main() -> None:
                 for name, reps in times.items()
             },
         }
+        if snap_times:  # the snapshot (capture + copy) inside the background save
+            bgm = out["methods"]["resumable_process"]
+            bgm["snapshot"] = [max(rep) for rep in snap_times]
+            bgm["per_rank_snapshot"] = [[round(x, 6) for x in rep] for rep in snap_times]
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()

@@ -809,7 +809,10 @@ def dist_section(out: Result) -> list[str]:
     lines += [
         "",
         "The background persist against the targets of issue 11 (medians; blocking and "
-        "total are the slowest rank's). *Loop*: segments of 50 training steps without "
+        "total are the slowest rank's). *Snapshot*: the capture and copy inside the "
+        "background `save()` (`Checkpointer.last_snapshot_s`, the slowest rank's; the rest "
+        "of *blocking* is the busy-flag all-reduce's answer and handing the job to the "
+        "worker; — for runs before 2026-11-28T14). *Loop*: segments of 50 training steps without "
         "checkpointing and with a memory snapshot every step and a persist at the "
         "segment's first step (`maybe_save`; the segment ends once that persist is "
         "committed), interleaved in pairs whose first alternates; each segment is the "
@@ -827,9 +830,13 @@ def dist_section(out: Result) -> list[str]:
             continue
         r = e["ratios"]
         loop = e.get("loop") or {}
+        bgm = _get(e, "methods", "resumable_process") or {}
         rows.append(
             [
                 w,
+                _s(_median(bgm.get("blocking"))),
+                _s(_median(bgm.get("snapshot"))),
+                _s(_median(_get(e, "methods", "copy_floor", "blocking"))),
                 _x(r.get("background_over_dcp_async_blocking")),
                 _x(r.get("background_over_copy_floor_blocking")),
                 _x(r.get("background_over_dcp_save_total")),
@@ -846,6 +853,9 @@ def dist_section(out: Result) -> list[str]:
     lines += _table(
         [
             "ranks",
+            "blocking s",
+            "snapshot s",
+            "copy floor s",
             "blocking ÷ dcp.async_save's (≤ 1)",
             "blocking ÷ copy floor (≤ 1.5)",
             "total ÷ dcp.save's (≤ 1.1)",

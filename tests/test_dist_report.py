@@ -17,7 +17,7 @@ import report  # noqa: E402
 def _rows(text: str) -> dict[str, list[str]]:
     """The issue-11 table's cells by world size."""
     lines = text.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("| ranks | blocking ÷"))
+    head = next(i for i, line in enumerate(lines) if line.startswith("| ranks | blocking s | snapshot s"))
     rows = {}
     for line in lines[head + 2 :]:
         if not line.startswith("|"):
@@ -36,13 +36,14 @@ def test_interleaved_segments_give_the_ratio_of_their_medians() -> None:
         base = statistics.median(loop["plain_segments_s"])
         ck = statistics.median(loop["checkpointed_segments_s"])
         assert cells[-1] == f"{100 * round(base / ck, 4):.1f} %"
-        assert cells[5] == report._s(loop["first_save_s"])  # the first save, apart
+        assert cells[8] == report._s(loop["first_save_s"])  # the first save, apart
+        assert cells[2] == "—"  # no snapshot time recorded before 2026-11-28T14
 
 
 def test_a_run_from_before_the_segments_still_renders() -> None:
     raw = json.loads((BENCH / "results" / "vm-20261127T093343Z.json").read_text())
     rows = _rows("\n".join(report.dist_section(raw)))
-    assert rows and all(cells[5] == "—" for cells in rows.values())  # no first-save figure
+    assert rows and all(cells[8] == "—" for cells in rows.values())  # no first-save figure
 
 
 def test_the_background_persist_lists_every_ranks_file_as_its_own() -> None:
