@@ -17,7 +17,9 @@ import report  # noqa: E402
 def _rows(text: str) -> dict[str, list[str]]:
     """The issue-11 table's cells by world size."""
     lines = text.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("| ranks | blocking s | snapshot s"))
+    head = next(
+        i for i, line in enumerate(lines) if line.startswith("| ranks | blocking s | snapshot s")
+    )
     rows = {}
     for line in lines[head + 2 :]:
         if not line.startswith("|"):
