@@ -291,9 +291,9 @@ SEGMENT = 50  # steps per timed segment: one persist each, with `Every(steps=SEG
 def _loop(
     model: nn.Module, opt: torch.optim.Optimizer, info: dict[str, Any], args: Any, *classes: Any
 ) -> dict[str, Any]:
-    """Training segments of `SEGMENT` steps without and with checkpointing, interleaved
-    in pairs (the first of each pair alternating), ``args.loop_steps`` steps each way;
-    each segment's seconds are the slowest rank's."""
+    """Training segments of `SEGMENT` steps without checkpointing, with it, and with it
+    in overlap mode, interleaved in triples (the first of each rotating),
+    ``args.loop_steps`` steps each way; each segment's seconds are the slowest rank's."""
     checkpointer, every, keep = classes
     x = torch.randn(BATCH, info["width"], generator=torch.Generator().manual_seed(2))
     pairs = max(1, args.loop_steps // SEGMENT)
@@ -315,56 +315,76 @@ def _loop(
         for _ in range(SEGMENT):
             step()
 
-    ck = checkpointer(
-        args.dir / "loop",
-        {"model": model, "optim": opt},
-        memory_every=every(steps=1),
-        persist_every=every(steps=SEGMENT),
-        keep=keep(last=1),
-    )
-    done = 0  # the last step checkpointed
+    def make(name: str, **kw: Any) -> Any:
+        return checkpointer(
+            args.dir / name,
+            {"model": model, "optim": opt},
+            memory_every=every(steps=1),
+            persist_every=every(steps=SEGMENT),
+            keep=keep(last=1),
+            **kw,
+        )
 
-    def checkpointed() -> None:
-        # a segment's first step is due for a persist, which runs behind its other steps;
-        # the segment ends when that persist is committed
-        nonlocal done
-        for _ in range(SEGMENT):
-            step()
-            done += 1
-            ck.maybe_save(done)
-        ck.wait()
+    # the default (the copy inside maybe_save), and overlap=True (the parameters' and
+    # moments' copy runs behind the next forward and backward; optimizer.step() waits)
+    cks = {"ck": make("loop"), "overlap": make("loop-overlap", overlap=True)}
+    done = dict.fromkeys(cks, 0)  # the last step each checkpointed
 
-    def first_save() -> None:  # starts the workers, allocates and touches the slots
-        nonlocal done
-        ck.maybe_save(done)
-        ck.wait()
-        done = SEGMENT - 1  # the next segment starts at a persist step
+    def checkpointed(which: str) -> Callable[[], None]:
+        ck = cks[which]
+
+        def run() -> None:
+            # a segment's first step is due for a persist, which runs behind its other
+            # steps; the segment ends when that persist is committed
+            for _ in range(SEGMENT):
+                step()
+                done[which] += 1
+                ck.maybe_save(done[which])
+            ck.wait()
+
+        return run
+
+    def first_save(which: str) -> Callable[[], None]:
+        def run() -> None:  # starts the workers, allocates and touches the slots
+            cks[which].maybe_save(done[which])
+            cks[which].wait()
+            done[which] = SEGMENT - 1  # the next segment starts at a persist step
+
+        return run
 
     plain()  # warm-up of the loop itself
-    first_s = timed(first_save)  # the checkpointer's warm-up, reported apart
-    base: list[float] = []
-    with_ck: list[float] = []
+    first_s = {w: timed(first_save(w)) for w in cks}  # the checkpointers' warm-ups, apart
+    segments: dict[str, list[float]] = {"plain": [], **{w: [] for w in cks}}
+    order = list(segments)
     for k in range(pairs):
-        for which in ("plain", "ck") if k % 2 == 0 else ("ck", "plain"):
-            if which == "plain":
-                base.append(timed(plain))
-            else:
-                with_ck.append(timed(checkpointed))
-    stats = dict(ck.stats)
-    ck.close()
+        for which in order[k % len(order) :] + order[: k % len(order)]:
+            run = plain if which == "plain" else checkpointed(which)
+            segments[which].append(timed(run))
+    stats = {w: dict(ck.stats) for w, ck in cks.items()}
+    for ck in cks.values():
+        ck.close()
+    base, with_ck, ov = segments["plain"], segments["ck"], segments["overlap"]
     return {
         "steps": pairs * SEGMENT,
         "segment_steps": SEGMENT,
         "persist_every": SEGMENT,
         "memory_every": 1,
-        "first_save_s": round(first_s, 6),
+        "first_save_s": round(first_s["ck"], 6),
         "plain_segments_s": [round(t, 6) for t in base],
         "checkpointed_segments_s": [round(t, 6) for t in with_ck],
         "plain_s": round(sum(base), 6),
         "checkpointed_s": round(sum(with_ck), 6),
         "throughput_ratio": round(statistics.median(base) / statistics.median(with_ck), 4),
-        "commits": stats.get("commits"),
-        "skips": stats.get("skips"),
+        "commits": stats["ck"].get("commits"),
+        "skips": stats["ck"].get("skips"),
+        "overlap": {
+            "first_save_s": round(first_s["overlap"], 6),
+            "segments_s": [round(t, 6) for t in ov],
+            "checkpointed_s": round(sum(ov), 6),
+            "throughput_ratio": round(statistics.median(base) / statistics.median(ov), 4),
+            "commits": stats["overlap"].get("commits"),
+            "skips": stats["overlap"].get("skips"),
+        },
     }
 
 
