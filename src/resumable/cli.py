@@ -63,6 +63,7 @@ from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR, apply_retention, pinned_steps
 from resumable.storage import LocalStorage, Storage, open_storage
+from resumable.storage.writeback import write_all
 
 log = logging.getLogger(__name__)
 
@@ -681,10 +682,7 @@ def _write_atomic(chunks: Iterable[Any], out: Path) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while view:
-                    view = view[os.write(fd, view) :]
+            write_all(fd, chunks)
             os.fsync(fd)
         finally:
             os.close(fd)

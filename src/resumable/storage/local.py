@@ -37,6 +37,7 @@ from resumable.errors import (
 )
 from resumable.format import check_relpath
 from resumable.storage.base import Buffer, Storage
+from resumable.storage.writeback import write_all
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -380,14 +381,8 @@ class LocalStorage(Storage):
 
     def _write_at(self, dfd: int, rel: str, name: str, chunks: Iterable[Buffer]) -> int:
         fd = self._open_file(dfd, rel, name, _WRITE | os.O_TRUNC, write=True)
-        written = 0
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                    written += n
+            written = write_all(fd, chunks)  # the disk starts on each piece at once
             os.fsync(fd)
         except OSError as exc:
             raise _storage_error("write", self.root / rel, exc) from exc
