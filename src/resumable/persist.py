@@ -13,9 +13,10 @@ write their shards into one checkpoint directory side by side.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -75,9 +76,13 @@ def write_checkpoint(
     t0 = time.perf_counter()
     attempt = committer.begin(step)
     fname = attempt.key(rank_file(0))
+    sums: Checksums | None = None
     try:
-        header, data, tensors, plan = _index_with_refs(storage, snapshot, fname, step, pieces, base)
+        header, data, tensors, plan, sums = _index_with_refs(
+            storage, snapshot, fname, step, pieces, base
+        )
         size = storage.write(attempt.path(rank_file(0)), [header, *data])
+        _fill_checksums(tensors, plan, sums.result())
         manifest = build_manifest(
             step=step,
             metrics=metrics,
@@ -92,9 +97,72 @@ def write_checkpoint(
     except BaseException:
         abort_quietly(committer, attempt)
         raise
+    finally:
+        if sums is not None:
+            sums.join()  # nothing reads the snapshot once this returns
     if base is not None and plan is not None:
         base.committed(step, plan)
     return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
+
+
+class Checksums:
+    """The XXH3-64 of every tensor of a data file, hashed on a thread of its own while the
+    file is written (the hash and the writes release the GIL), where there are enough
+    bytes for it to pay: a persist's CPU work and the disk's then overlap, instead of the
+    write waiting for a pass over the whole snapshot. ``known`` are checksums already
+    known (tensors whose every chunk hashes as before)."""
+
+    def __init__(self, data: memoryview, slots: list[TensorSlot], known: Mapping[str, str]):
+        self._sums = {s.name: known[s.name] for s in slots if s.name in known}
+        todo = [s for s in slots if s.name not in known]
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if sum(s.end - s.begin for s in todo) < CHECKSUMS_BEHIND_MIN_BYTES:
+            self._hash(data, todo)
+            return
+        self._thread = threading.Thread(
+            target=self._guarded, args=(data, todo), name="resumable-checksums", daemon=True
+        )
+        self._thread.start()
+
+    def _hash(self, data: memoryview, todo: list[TensorSlot]) -> None:
+        for s in todo:
+            self._sums[s.name] = checksum(data[s.begin : s.end])
+
+    def _guarded(self, data: memoryview, todo: list[TensorSlot]) -> None:
+        try:
+            self._hash(data, todo)
+        except BaseException as exc:  # handed to whoever asks for the result
+            self._error = exc
+
+    def join(self) -> None:
+        """Wait until nothing hashes any more (the snapshot may be reused after)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def result(self) -> dict[str, str]:
+        """Every tensor's checksum, by name (waits for the hashing; raises its error)."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._sums
+
+
+CHECKSUMS_BEHIND_MIN_BYTES = 8 << 20
+"""Below this many bytes to hash, a file's checksums are computed before it is written
+(a thread would cost more than it hides)."""
+
+
+def _fill_checksums(
+    tensors: dict[str, dict[str, Any]], plan: Plan | None, sums: Mapping[str, str]
+) -> None:
+    """Put each tensor's checksum into its manifest entry and the plan's record."""
+    for name, entry in tensors.items():
+        entry[CHECKSUM] = sums[name]
+    if plan is not None:
+        for name, record in plan.records.items():
+            plan.records[name] = replace(record, checksum=sums[name])
 
 
 def _index_with_refs(
@@ -104,7 +172,7 @@ def _index_with_refs(
     step: int,
     pieces: Mapping[str, Piece] | None,
     base: DeltaBase | None,
-) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None]:
+) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None, Checksums]:
     """`file_index`, written whole if a checkpoint it would refer to was deleted."""
     out = file_index(snapshot, fname, step, pieces, base)
     plan = out[3]
@@ -115,6 +183,7 @@ def _index_with_refs(
                 plan.refs,
                 step,
             )
+            out[4].join()
             base.reset()
             out = file_index(snapshot, fname, step, pieces, base)
     return out
@@ -126,9 +195,11 @@ def file_index(
     step: int,
     pieces: Mapping[str, Piece] | None = None,
     base: DeltaBase | None = None,
-) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None]:
+) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None, Checksums]:
     """The safetensors header, the data buffers and the manifest's tensor entries of one
-    data file (``pieces``: where global tensors lie, for several ranks).
+    data file (``pieces``: where global tensors lie, for several ranks), and its
+    `Checksums`, being hashed: `_fill_checksums` puts them into the entries (and the
+    plan's records) once the file is written.
 
     With a ``base`` (incremental checkpoints), chunks unchanged since the base's commit
     are not in the file: their entries refer to the earlier checkpoint (format version
@@ -139,7 +210,27 @@ def file_index(
     # A tensor whose every chunk hashes as before has the checksum it had (its bytes
     # are the same): hashing a frozen model's bytes once per persist is enough.
     known = {p.slot.name: p.checksum for p in plan.slots if p.checksum} if plan else {}
-    sums = {s.name: known.get(s.name) or checksum(data[s.begin : s.end]) for s in snapshot.slots}
+    checksums = Checksums(data, snapshot.slots, known)
+    try:
+        header, buffers, tensors = _layout(snapshot, data, fname, meta, plan)
+    except BaseException:
+        checksums.join()
+        raise
+    for name, entry in tensors.items():
+        piece = (pieces or {}).get(name)
+        if piece is not None:
+            entry["fqn"] = piece.fqn
+            entry["global_shape"] = list(piece.global_shape)
+            entry["global_offset"] = list(piece.global_offset)
+    return header, buffers, tensors, plan, checksums
+
+
+def _layout(
+    snapshot: Snapshot, data: memoryview, fname: str, meta: dict[str, str], plan: Plan | None
+) -> tuple[bytes, list[Any], dict[str, dict[str, Any]]]:
+    """The header, buffers and tensor entries of a data file, and the plan's records,
+    with empty checksums (`_fill_checksums` fills them in)."""
+    sums = {s.name: "" for s in snapshot.slots}  # placeholders, in the entries' key order
     if plan is not None and plan.incremental:
         header, buffers, tensors = _incremental_file(snapshot, data, fname, meta, sums, plan)
     else:
@@ -170,13 +261,7 @@ def file_index(
                     sums[p.slot.name],
                 )
             plan.held = snapshot.nbytes
-    for name, entry in tensors.items():
-        piece = (pieces or {}).get(name)
-        if piece is not None:
-            entry["fqn"] = piece.fqn
-            entry["global_shape"] = list(piece.global_shape)
-            entry["global_offset"] = list(piece.global_offset)
-    return header, buffers, tensors, plan
+    return header, buffers, tensors
 
 
 def _incremental_file(
@@ -330,15 +415,22 @@ def write_distributed(
     attempt = Attempt(**shared)
     report: dict[str, Any]
     plan: Plan | None = None
+    sums: Checksums | None = None
     try:
         fname = attempt.key(rank_file(group.rank))
-        header, data, tensors, plan = _index_with_refs(storage, snapshot, fname, step, pieces, base)
+        header, data, tensors, plan, sums = _index_with_refs(
+            storage, snapshot, fname, step, pieces, base
+        )
         size = storage.write(attempt.path(rank_file(group.rank)), [header, *data])
+        _fill_checksums(tensors, plan, sums.result())
         if check is not None:
             check()
         report = {"file": fname, "size": size, "tensors": tensors, "tree": tree, "step": step}
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
+    finally:
+        if sums is not None:
+            sums.join()  # nothing reads the snapshot once this returns
     try:
         reports = group.gather(report, "reports")
     except PersistError as exc:  # a rank died or hung: nobody will commit
