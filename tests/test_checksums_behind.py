@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import resumable.persist as persist_mod
-from resumable import Checkpointer, Keep, StorageError
+from resumable import Checkpointer, Incremental, Keep, StorageError
 from resumable.commit import list_committed
 from resumable.format import checksum
 from resumable.reader import CheckpointReader
@@ -138,3 +138,42 @@ def test_no_hashing_outlives_a_persist_that_failed(
     assert len(spans) == count  # nothing hashed after the persist returned
     ck.close()
     assert list_committed(LocalStorage(tmp_path)) == []
+
+
+def test_no_hashing_outlives_a_persist_whose_reference_check_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An incremental persist checks that the checkpoints it refers to are still there
+    after its checksums started; when that check fails, they are stopped there too."""
+    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    state = make_state(1)
+    incremental = Incremental(chunk_bytes=4096, min_bytes=0)
+    ck = Checkpointer(tmp_path, state, persist="sync", capture_rng=False, incremental=incremental)
+    ck.save(1)
+    spans: list[tuple[float, float]] = []
+    real = persist_mod.checksum
+
+    def slow(data: Any) -> str:
+        t0 = time.monotonic()
+        time.sleep(0.05)
+        out = real(data)
+        spans.append((t0, time.monotonic()))
+        return out
+
+    def unreachable(storage: Any, refs: list[int]) -> bool:
+        raise StorageError(errno.EACCES, "injected: could not look for the referred steps")
+
+    monkeypatch.setattr(persist_mod, "checksum", slow)
+    monkeypatch.setattr(persist_mod, "check_refs", unreachable)
+    with torch.no_grad():
+        state["big"][0].add_(1.0)  # the rest is reused: an incremental persist
+    with pytest.raises(StorageError, match="injected"):
+        ck.save(2)
+    failed_at = time.monotonic()
+    assert spans and all(end <= failed_at for _, end in spans)
+    count = len(spans)
+    time.sleep(0.2)
+    assert len(spans) == count
+    monkeypatch.setattr(persist_mod, "check_refs", lambda storage, refs: True)
+    ck.close()
+    assert list_committed(LocalStorage(tmp_path)) == [1]

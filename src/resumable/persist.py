@@ -177,7 +177,12 @@ def _index_with_refs(
     out = file_index(snapshot, fname, step, pieces, base)
     plan = out[3]
     if base is not None and plan is not None and plan.incremental:
-        if not check_refs(storage, plan.refs):
+        try:
+            gone = not check_refs(storage, plan.refs)
+        except BaseException:
+            out[4].join()  # the caller never sees these checksums: stop them here
+            raise
+        if gone:
             log.warning(
                 "a checkpoint among steps %s was deleted by someone else; step %d is written whole",
                 plan.refs,
