@@ -137,7 +137,7 @@ def _collective_marks(ops: TimedOps) -> Iterator[None]:
     ``"all"`` (every rank's data reaches every rank) or ``"from0"`` (a broadcast)."""
     from resumable.distributed import Group
 
-    originals = {name: getattr(Group, name) for name in ("gather", "broadcast", "any_started")}
+    originals = {name: getattr(Group, name) for name in ("gather", "broadcast", "any")}
     seq = [0]
 
     def wrap(name: str, kind: str) -> Callable[..., Any]:
@@ -153,24 +153,9 @@ def _collective_marks(ops: TimedOps) -> Iterator[None]:
 
         return call
 
-    def started(self: Group, flag: bool) -> Callable[[], bool]:
-        # `Group.any` calls this too: an all-reduce started now, answered later (a save
-        # asks after its snapshot copy); it has returned once it is answered
-        seq[0] += 1
-        n = seq[0]
-        ops.mark("enter", n)
-        answer = originals["any_started"](self, flag)
-
-        def answered() -> bool:
-            out = answer()
-            ops.mark("leave", (n, "all"))
-            return bool(out)
-
-        return answered
-
     Group.gather = wrap("gather", "all")  # type: ignore[method-assign]
     Group.broadcast = wrap("broadcast", "from0")  # type: ignore[method-assign]
-    Group.any_started = started  # type: ignore[method-assign]
+    Group.any = wrap("any", "all")  # type: ignore[method-assign]
     try:
         yield
     finally:

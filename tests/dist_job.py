@@ -16,6 +16,7 @@ phases share the checkpoint roots under ``OUT``:
 - ``load2`` (world 2): same-world restores (``got-fsdp2``, ``got-ddp2``), 4->2 and 1->2
   (``plain1`` is saved by a plain process), and the next start of ``fail2``.
 - ``hang`` (world 2): rank 1's data-file write of step 2 sleeps past ``dist_timeout_s``.
+- ``agree`` (world 2): background persists agreed without a collective (`phase_agree`).
 
 The helpers (`build`, `train`, `full_state`, `dump`) are imported by the pytest side
 for its single-process cases, so the model and data are the same everywhere.
@@ -28,6 +29,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -489,7 +491,140 @@ def phase_overlap(out: Path, report: dict[str, Any]) -> None:
     dump(out, "got-overlap", model, optim)
 
 
+class HeldCommitAudit(ForwardingStorage):
+    """Holds the audit entry of the commit of each step in ``steps`` until the file
+    ``release<step>`` exists in ``out``: rank 0's (thread) worker records it after the
+    commit's outcome is posted, so the other ranks' workers are free while this one is
+    still busy with the persist."""
+
+    def __init__(self, inner: Storage, out: Path, steps: Iterable[int]) -> None:
+        super().__init__(inner)
+        self.out, self.steps = out, set(steps)
+
+    def append(self, path: str, data: bytes) -> None:
+        for step in self.steps:
+            if b'"event": "commit"' in data and f'"step": {step},'.encode() in data:
+                await_mark(self.out, f"release{step}")
+        self.inner.append(path, data)
+
+
+def mark(out: Path, name: str) -> None:
+    (out / name).write_text("1")
+
+
+def await_mark(out: Path, name: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (out / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank()}: {name} never appeared")
+        time.sleep(0.01)
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_object",
+    "gather_object",
+    "barrier",
+)
+
+
+def without_collectives(fn: Callable[[], Any], seen: list[str]) -> Any:
+    """``fn()``, noting in ``seen`` each ``torch.distributed`` collective it calls."""
+    saved = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def noting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kw: Any) -> Any:
+            seen.append(name)
+            return saved[name](*args, **kw)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, noting(name))
+    try:
+        return fn()
+    finally:
+        for name, f in saved.items():
+            setattr(dist, name, f)
+
+
+def phase_agree(out: Path, report: dict[str, Any]) -> None:
+    """Two ranks persisting in the background agree on each due persist without a
+    collective: a rank's save never waits for another rank's save. Rank 0's worker is
+    held busy after the commits of steps 2 and 4 (`HeldCommitAudit`)."""
+    (out / "shm").mkdir(exist_ok=True)
+    model, optim = build("fsdp")
+    storage: Storage = LocalStorage(out / "agree")
+    if rank() == 0:
+        storage = HeldCommitAudit(storage, out, [2, 4])
+    ck = Checkpointer(
+        storage,
+        {"model": model, "optim": optim},
+        persist="thread",
+        keep=None,
+        shm_dir=out / "shm",
+        dist_timeout_s=BG_TIMEOUT_S,
+    )
+    seen: list[str] = []
+
+    def save(step: int) -> Any:
+        return outcome(lambda: without_collectives(lambda: ck.save(step), seen))
+
+    # Rank 1 saves step 1 only once rank 0's save returned.
+    train(model, optim, [1])
+    if rank() == 1:
+        await_mark(out, "saved1")
+    report["save1"] = save(1)
+    if rank() == 0:
+        mark(out, "saved1")
+    ck.wait()
+
+    # Rank 1, its worker free, decides step 3 first: rank 0, whose worker still holds
+    # step 2's persist, is told to persist too, waits for its worker and does.
+    train(model, optim, [2])
+    report["save2"] = save(2)
+    train(model, optim, [3])
+    if rank() == 1:
+        ck.wait()
+        report["save3"] = save(3)
+        mark(out, "saved3")
+    else:
+        await_mark(out, "saved3")
+        stats = ck.stats
+        report["pending3"] = stats["persists_started"] - stats["commits"]
+        timer = threading.Timer(1.0, mark, (out, "release2"))
+        timer.start()
+        report["save3"] = save(3)
+        timer.join()
+    ck.wait()
+    report["steps3"] = ck.steps()
+
+    # Rank 0, its worker holding step 4's persist, decides step 5 first: both skip it.
+    train(model, optim, [4])
+    report["save4"] = save(4)
+    train(model, optim, [5])
+    if rank() == 0:
+        stats = ck.stats
+        report["pending5"] = stats["persists_started"] - stats["commits"]
+        report["save5"] = save(5)
+        mark(out, "saved5")
+        mark(out, "release4")
+    else:
+        ck.wait()
+        await_mark(out, "saved5")
+        report["save5"] = save(5)
+    ck.wait()
+    report["steps5"] = ck.steps()
+    report["skips"] = ck.stats["skips"]
+    report["collectives"] = seen
+    ck.close()
+
+
 PHASES = {
+    "agree": phase_agree,
     "overlap": phase_overlap,
     "mirror": phase_mirror,
     "background": phase_background,

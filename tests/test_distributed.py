@@ -638,3 +638,29 @@ def test_overlap_mode_with_several_ranks_snapshots_the_right_step(tmp_path: Path
         assert report["overlapped"] >= report["state_bytes"] > 0
         assert restored(report, "overlap_restore") == 5
     assert_same_state(runs, "ref-overlap", "got-overlap")
+
+
+# ------------------------------------------------------------ 11. agreed without a collective
+
+
+def test_background_persists_are_agreed_without_a_collective(tmp_path: Path) -> None:
+    """Two ranks persisting in the background: a save never waits for the other rank's
+    save (rank 1 saves step 1 only once rank 0's save returned) and calls no
+    collective; the first rank to reach a due persist decides for both. Rank 1, free,
+    decides step 3 first: rank 0, its worker still busy with step 2, waits for it and
+    persists step 3 too. Rank 0, busy with step 4, decides step 5 first: both skip it."""
+    torchrun(2, JOB, "agree", tmp_path)
+    r0, r1 = Runs(tmp_path).reports("agree", 2)
+    assert r0["pending3"] == 1 and r0["pending5"] == 1  # rank 0's worker was busy
+    for report in (r0, r1):
+        assert [restored(report, f"save{step}") for step in range(1, 6)] == [
+            True,
+            True,
+            True,
+            True,
+            False,
+        ], report
+        assert report["steps3"] == [1, 2, 3]
+        assert report["steps5"] == [1, 2, 3, 4]
+        assert report["skips"] == 1
+        assert report["collectives"] == []

@@ -11,6 +11,11 @@ every rank the outcome (``broadcast``). Two transports implement them:
   of rank 0 hosts (`CoordinationStore`), used by the persist workers in the background,
   so the training processes take part in no collective while a persist runs.
 
+The trainers agree through the same store on what must be the same on every rank while
+training runs (`Agreement`: whether a due persist starts or is deferred, whether a
+clock-based policy is due): the first rank to reach a decision takes it for all, with
+one atomic compare-and-set, so no rank waits for another.
+
 Why a store of the checkpointer's own rather than torchrun's: it exists however the
 process group was initialised, and it lives exactly as long as rank 0's trainer, so a
 dead rank 0 fails every waiting worker at once instead of after the timeout. Why not
@@ -97,6 +102,23 @@ class CoordinationStore:
             "timeout": self.timeout_s,
         }
 
+    def first(self, key: str, value: str) -> str:
+        """The value the first rank to get here set under ``key`` (``value``, if this
+        rank is the first): an atomic compare-and-set in the store, answered without
+        waiting for any other rank. The last of the ranks to read it removes it."""
+        try:
+            decided = self._store.compare_set(key, "", value)
+            if int(self._store.add(f"{key}/n", 1)) >= self.world_size:
+                self._store.delete_key(key)
+                self._store.delete_key(f"{key}/n")
+        except Exception as exc:
+            raise PersistError(
+                f"rank {self.rank}: cannot reach the checkpoint coordination store at "
+                f"{self.host}:{self.port} to agree on {key!r} ({_first_line(exc)}); rank "
+                "0's trainer is gone or the address is unreachable"
+            ) from exc
+        return bytes(decided).decode()
+
     def give_up(self, key: str, reason: str) -> None:
         """Report ``reason`` in place of this rank's worker for persist ``key`` (and,
         on rank 0, its outcome), unless the worker already did: the others stop
@@ -111,6 +133,40 @@ class CoordinationStore:
 
     def close(self) -> None:
         self._store = None
+
+
+class Agreement:
+    """Decisions every rank must take alike during training (whether a due persist
+    starts, or is deferred because a worker is still busy; whether a clock-based
+    policy is due), made without a collective on the training processes.
+
+    With the coordination store (several ranks persisting in the background), the
+    first rank to reach a decision takes it for every rank (`CoordinationStore.first`):
+    no rank waits for another, and every rank gets the same answer. With
+    ``persist="sync"`` the training threads are in collectives anyway: rank 0 decides
+    and broadcasts over the side group. With one process a rank's own answer stands.
+
+    A decision's key is its name, the step and how many decisions of that name this
+    rank has taken at that step: every rank asks the same questions at the same steps,
+    so the keys match, and a rank that left one out (a `PersistError` raised before it)
+    meets the others again at the next step.
+    """
+
+    def __init__(self, group: Any, store: CoordinationStore | None) -> None:
+        self.group = group
+        self.store = store
+        self._taken: dict[str, tuple[int, int]] = {}  # name -> (step, decisions at it)
+
+    def decide(self, name: str, step: int, mine: bool) -> bool:
+        """One rank's ``mine``, the same on every rank."""
+        if self.group.world_size == 1:
+            return mine
+        if self.store is None:
+            return bool(self.group.broadcast(mine, name))
+        last, n = self._taken.get(name, (step, 0))
+        n = n + 1 if last == step else 1
+        self._taken[name] = (step, n)
+        return self.store.first(f"agree/{name}/{step}/{n}", "1" if mine else "0") == "1"
 
 
 class StoreCoordinator:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -192,30 +192,16 @@ class Group:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a one-integer all-reduce)."""
-        return self.any_started(flag)()
-
-    def any_started(self, flag: bool) -> Callable[[], bool]:
-        """`any`, started now and answered by the call it returns: the all-reduce runs
-        on gloo's threads meanwhile (a save starts it before its snapshot copy and asks
-        after it, so the copy hides its round trip)."""
         if self.world_size == 1:
-            return lambda: flag
+            return flag
         import torch.distributed as dist
 
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         try:
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg, async_op=True)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         except RuntimeError as exc:
             raise self._failed(exc) from exc
-
-        def answer() -> bool:
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                raise self._failed(exc) from exc
-            return bool(t.item())
-
-        return answer
+        return bool(t.item())
 
     def _failed(self, exc: BaseException) -> PersistError:
         return PersistError(

@@ -26,7 +26,6 @@ that owns ``state``). A background failure is raised by the next ``save``,
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import sys
@@ -47,7 +46,8 @@ from resumable.commit import (
     step_dir,
     warn_uncommitted,
 )
-from resumable.distributed import Group, current_group
+from resumable.coordination import Agreement, CoordinationStore
+from resumable.distributed import DEFAULT_TIMEOUT_S, Group, current_group
 from resumable.errors import CheckpointError, NoCheckpointError, StorageError
 from resumable.incremental import Incremental, incremental_option
 from resumable.lock import RootLock, acquire_root
@@ -214,10 +214,19 @@ class Checkpointer:
                 prometheus_registry=prometheus_registry,
                 url=self.url,
             )
+            # Several ranks persisting in the background: their workers meet in a store
+            # that rank 0 hosts, created now, collectively (every rank builds its
+            # Checkpointer); the trainers agree on each due persist through it too.
+            self._store = (
+                CoordinationStore(group, dist_timeout_s or DEFAULT_TIMEOUT_S)
+                if mode != "sync" and self.world_size > 1
+                else None
+            )
+            self._agreement = Agreement(group, self._store)
             self._schedule = Schedule(
                 memory_every,
                 persist_every if persist_every is not None else Every(steps=100),
-                group,
+                self._agreement,
             )
             self._schedule.on_absorbed = lambda step: self.monitor.skipped(
                 step, "the previous persist is still running"
@@ -261,7 +270,7 @@ class Checkpointer:
                         if self.mirror is not None
                         else None
                     ),
-                    dist_timeout_s=dist_timeout_s,
+                    store=self._store,
                     **parts,
                 )
             )
@@ -360,32 +369,29 @@ class Checkpointer:
             self._progress.snapshot(self.last_snapshot_s)
             self._schedule.persisted(step)
             return True
-        busy = self._persister.busy
-        if busy and self.on_busy == "wait":
+        if self.on_busy == "wait" and self._persister.busy:
             self._persister.wait()
-            busy = False
-        # All ranks persist this step, or none. The all-reduce runs during the copy:
-        # the snapshot is taken either way.
-        any_busy = self._restorer.group.any_started(busy)
         snap = self._memory.current(step)
-        try:
-            if snap is None:
-                self.snapshot(step, metrics)
-                self._memory.settle()  # a persist needs the whole copy
-                snap = self._memory.current(step)
-                assert snap is not None
-        except BaseException:
-            with contextlib.suppress(Exception):  # the other ranks took part: finish it
-                any_busy()
-            raise
-        busy = any_busy()
+        if snap is None:  # the snapshot is taken either way
+            self.snapshot(step, metrics)
+            self._memory.settle()  # a persist needs the whole copy
+            snap = self._memory.current(step)
+            assert snap is not None
+        # All ranks persist this step, or none: the first rank to get here decides
+        # for all, from whether its worker is busy. A rank told to persist while its
+        # own worker still finishes the previous persist waits for it: that persist
+        # has ended on the rank that decided, so it is about to end here too.
+        busy = self._persister.busy
+        if self.on_busy == "skip" and self.persist_mode != "sync":
+            busy = self._agreement.decide("busy", step, busy)
+            if not busy and self._persister.busy:
+                self._persister.wait()
         if busy:
             running = self._persister.running()
-            self.audit.record(
-                "skip", step=step, reason=f"persist of step(s) {running} still running"
-            )
-            log.info("persist of step %d deferred: step(s) %s still persisting", step, running)
-            self.monitor.skipped(step, f"step(s) {running} still persisting")
+            what = f"step(s) {running}" if running else "another rank's previous persist"
+            self.audit.record("skip", step=step, reason=f"persist of {what} still running")
+            log.info("persist of step %d deferred: %s still persisting", step, what)
+            self.monitor.skipped(step, f"{what} still persisting")
             self._schedule.deferred()
             return False
         self._persist(snap)
@@ -571,6 +577,8 @@ class Checkpointer:
             if self._emergency is not None:
                 self._emergency.close()
             self._persister.close()
+            if self._store is not None:
+                self._store.close()
             if ok:
                 # What the persist worker left unfinished (one that had to be killed at
                 # stop, say): its trash and staging directories, removed now rather than

@@ -32,7 +32,7 @@ from typing import Any
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.coordination import CoordinationStore
-from resumable.distributed import DEFAULT_TIMEOUT_S, Group, owned_tensors, pieces_from_json
+from resumable.distributed import Group, owned_tensors, pieces_from_json
 from resumable.errors import PersistError
 from resumable.format import json_metrics
 from resumable.incremental import Incremental
@@ -307,7 +307,7 @@ class BackgroundPersister(Persister):
         mirror_keep: Keep | None,
         storage_options: dict[str, Any] | None,
         mirror_options: dict[str, Any] | None,
-        dist_timeout_s: float | None,
+        store: CoordinationStore | None,
         incremental: Incremental | None = None,
         **kw: Any,
     ) -> None:
@@ -321,13 +321,9 @@ class BackgroundPersister(Persister):
         self._worker: PersistWorker | None = None
         self._jobs: dict[int, tuple[int, int]] = {}  # job id -> (slot index, step)
         self._job_keys: dict[int, str] = {}  # job id -> its coordinated persist's key
-        # Several ranks: their workers meet in a store that rank 0 hosts, created now,
-        # collectively (every rank builds its Checkpointer).
-        self._store: CoordinationStore | None = (
-            CoordinationStore(self.group, dist_timeout_s or DEFAULT_TIMEOUT_S)
-            if self.group.world_size > 1
-            else None
-        )
+        # Several ranks: their workers meet in the store that rank 0 hosts (None for
+        # one process). Closed by the owner, which also agrees on decisions through it.
+        self._store = store
 
     @property
     def busy(self) -> bool:
@@ -437,5 +433,3 @@ class BackgroundPersister(Persister):
         if self._worker is not None:
             self._worker.stop()
             self._worker = None
-        if self._store is not None:
-            self._store.close()

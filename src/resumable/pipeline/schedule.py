@@ -8,16 +8,16 @@ first step that finds the worker free, once, however many persists fell due mean
 
 With several ranks every decision must be the same on every rank, or ranks would
 snapshot different steps: step-based cadences are, clock-based ones are not (clocks and
-costs differ between ranks), so for those rank 0 decides and broadcasts; whether the
-worker is free is agreed with a one-integer all-reduce. With one process the
-coordination returns at once.
+costs differ between ranks), so those, and whether the worker is free to take an owed
+persist, are agreed (`resumable.coordination.Agreement`: the first rank to ask decides
+for all, without waiting for the others). With one process a rank's own answer stands.
 """
 
 from __future__ import annotations
 
 import time
 
-from resumable.distributed import Group
+from resumable.coordination import Agreement
 from resumable.policy import CostEstimate, Every
 
 
@@ -28,11 +28,11 @@ class Schedule:
     (`snapshotted`, `persisted`, `deferred`, `restored`, `observe_cost`)."""
 
     def __init__(
-        self, memory_every: Every | None, persist_every: Every, coordination: Group
+        self, memory_every: Every | None, persist_every: Every, agreement: Agreement
     ) -> None:
         self.memory_every = memory_every
         self.persist_every = persist_every
-        self._group = coordination
+        self._agreement = agreement
         self.last_persist: int | None = None
         self.last_memory: int | None = None
         self._persist_clock = self._memory_clock = time.monotonic()
@@ -47,7 +47,7 @@ class Schedule:
         (now free) worker can take."""
         now = time.monotonic()
         if self.owed:
-            worker_free = not self._group.any(not worker_free)  # taken on all ranks at once
+            worker_free = self._agreement.decide("free", step, worker_free)  # all or none
         last = self.last_persist
         if self._last_absorbed >= 0:
             last = max(last or 0, self._last_absorbed)
@@ -58,7 +58,7 @@ class Schedule:
             cost_s=self.cost.value,
         )
         if _timed(self.persist_every):
-            policy_due = bool(self._group.broadcast(policy_due))  # rank 0 decides
+            policy_due = self._agreement.decide("due", step, policy_due)  # one rank's clock
         if not self.owed:
             return policy_due
         if not worker_free and policy_due:
