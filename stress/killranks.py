@@ -15,9 +15,10 @@ step it came back at, then saves one step after another until it is killed.
 A kill lands at a random moment (uniform over the first ``window_s`` seconds after both
 ranks restored; a fifth of the kills land in the first 50 ms of the launch, during
 start-up, the group's rendezvous or the collective restore). When one rank is killed,
-the other must end by itself: its next collective (the per-save agreement on whether a
-persist starts, or the restore) fails on the dead peer, and a wait in the coordinated
-commit ends at ``dist_timeout_s``. A survivor still running `SURVIVOR_TIMEOUT_S` after
+the other must end by itself: its next collective (the all-reduce each step makes, as
+a training step's gradients would, or the restore) fails on the dead peer, its next
+save fails if the dead rank hosted the coordination store, and a wait in the
+coordinated commit ends at ``dist_timeout_s``. A survivor still running `SURVIVOR_TIMEOUT_S` after
 the kill is counted as hung (and killed, its stacks kept), unless it is still in
 torch's ``init_process_group``: none of the library's code has run yet, and gloo's
 connection to a peer killed during the handshake can outlast the group's timeout. Then
@@ -164,8 +165,13 @@ def _job(
     same = got == 0 or _same(state, expected)
     os.write(out, f"restored {got} {'ok' if same else 'mismatch'}\n".encode())
     step = got
+    gradients = torch.zeros(1)
     while steps is None or step < got + steps:
         step += 1
+        # A training step's collective (its gradients' all-reduce): the ranks of a job
+        # meet in it every step. The checkpointer calls no collective while saving, so
+        # without it the ranks would save at their own pace, far apart.
+        dist.all_reduce(gradients)
         _set(state, step, rank)
         ck.save(step)
     ck.close()
