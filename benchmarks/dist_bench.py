@@ -284,7 +284,9 @@ def write_docs(
     if start < 0:
         text = text.rstrip("\n") + "\n" + section + "\n"
     else:
-        end = text.find("\n## ", start + len(SECTION))
+        # up to the next section, or the marker another phase's section begins with
+        ends = [text.find(m, start + len(SECTION)) for m in ("\n## ", "\n<!-- ")]
+        end = min((e for e in ends if e >= 0), default=-1)
         rest = text[end:] if end >= 0 else "\n"
         text = text[:start] + section + "\n" + rest
     docs.write_text(text)

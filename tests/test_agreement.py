@@ -7,7 +7,9 @@ two-rank gloo group (two processes, a file store) and the real coordination stor
 - a decision taken again at the same step is a decision of its own; a rank that left
   one out meets the other again at the next step; every key is removed once both ranks
   read it;
-- without the store (``persist="sync"``) rank 0 decides;
+- a stop asked on one rank (`Agreement.any_since`) is answered True on every rank from
+  the first decision after it, at one step;
+- without the store (``persist="sync"``) rank 0 decides, and a stop is all-reduced;
 - the store gone, a decision raises `PersistError` instead of hanging;
 - `Group.any` is true on every rank when one rank's flag is, and a peer that left makes
   it raise `PersistError`.
@@ -72,6 +74,20 @@ RANK = textwrap.dedent(
         done("r1-8")
     answers.append(Agreement(group, None).decide("sync", 9, rank == 1))  # rank 0 decides
     print("answers", answers, flush=True)
+    # a stop asked on rank 1 after rank 0 decided step 21: every rank stops at 22
+    if rank == 0:
+        stops = [agree.any_since("stop", 20, False), agree.any_since("stop", 21, False)]
+        done("r0-21")
+        after("r1-21")
+        stops.append(agree.any_since("stop", 22, False))
+    else:
+        stops = [agree.any_since("stop", 20, False)]
+        after("r0-21")
+        stops.append(agree.any_since("stop", 21, True))
+        done("r1-21")
+        stops.append(agree.any_since("stop", 22, True))
+    stops.append(Agreement(group, None).any_since("stop", 23, rank == 1))  # an all-reduce
+    print("stops", stops, flush=True)
     answers = [group.any(rank == 1), group.any(False)]
     print("any", answers, flush=True)
 
@@ -80,7 +96,8 @@ RANK = textwrap.dedent(
         store.host, store.port, is_master=False, wait_for_workers=False,
         timeout=timedelta(seconds=10),
     )
-    keys = [f"agree/busy/5/1", "agree/busy/6/1", "agree/busy/6/2", "agree/due/8/1"]
+    keys = ["agree/busy/5/1", "agree/busy/6/1", "agree/busy/6/2", "agree/due/8/1"]
+    keys += [f"agree/stop/{step}/1" for step in (20, 21, 22)]
     keys += [k + "/n" for k in keys]
     print("left", [k for k in keys if client.check([k])], flush=True)
     group.any(False)
@@ -117,6 +134,7 @@ def test_the_first_rank_decides_for_both_without_waiting(tmp_path: Path) -> None
         assert p.returncode == 0, err[-3000:]
         assert "any [True, False]" in out, (out, err[-2000:])
         assert "left []" in out, (out, err[-2000:])
+        assert "stops [False, False, True, True]" in out, (out, err[-2000:])
     (out0, err0), (out1, err1) = outs
     # rank 0 answers: 5 (its own), 6 (rank 1's), 6 again (its own, first), 7 (alone,
     # its own), 8 (rank 1's); rank 1: 5 (rank 0's), 6 (its own), 6 again (rank 0's),

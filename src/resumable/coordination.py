@@ -106,18 +106,33 @@ class CoordinationStore:
         """The value the first rank to get here set under ``key`` (``value``, if this
         rank is the first): an atomic compare-and-set in the store, answered without
         waiting for any other rank. The last of the ranks to read it removes it."""
-        try:
+
+        def agree() -> bytes:
             decided = self._store.compare_set(key, "", value)
             if int(self._store.add(f"{key}/n", 1)) >= self.world_size:
                 self._store.delete_key(key)
                 self._store.delete_key(f"{key}/n")
+            return bytes(decided)
+
+        return str(self._op(f"agree on {key!r}", agree).decode())
+
+    def raise_flag(self, name: str) -> None:
+        """Set the flag ``name`` for every rank to see (`flag`); it stays set."""
+        self._op(f"set flag {name!r}", lambda: self._store.set(f"flag/{name}", "1"))
+
+    def flag(self, name: str) -> bool:
+        """Whether some rank raised the flag ``name``."""
+        return bool(self._op(f"read flag {name!r}", lambda: self._store.check([f"flag/{name}"])))
+
+    def _op(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
         except Exception as exc:
             raise PersistError(
                 f"rank {self.rank}: cannot reach the checkpoint coordination store at "
-                f"{self.host}:{self.port} to agree on {key!r} ({_first_line(exc)}); rank "
-                "0's trainer is gone or the address is unreachable"
+                f"{self.host}:{self.port} to {what} ({_first_line(exc)}); rank 0's trainer "
+                "is gone or the address is unreachable"
             ) from exc
-        return bytes(decided).decode()
 
     def give_up(self, key: str, reason: str) -> None:
         """Report ``reason`` in place of this rank's worker for persist ``key`` (and,
@@ -156,6 +171,28 @@ class Agreement:
         self.group = group
         self.store = store
         self._taken: dict[str, tuple[int, int]] = {}  # name -> (step, decisions at it)
+        self._raised: set[str] = set()
+
+    def any_since(self, name: str, step: int, mine: bool) -> bool:
+        """Whether any rank's ``mine`` has been true, the same on every rank at every
+        step: a rank whose ``mine`` is true raises the flag ``name`` (`raise_flag`), and
+        from the first decision taken after that, every rank is told True. Through
+        the store no rank waits for another; the answer can come one step later than
+        an all-reduce's when ranks meet in no collective between their calls. Without
+        the store, a one-integer all-reduce."""
+        if self.group.world_size == 1:
+            return mine
+        if self.store is None:
+            return bool(self.group.any(mine))
+        if mine:
+            self.raise_flag(name)
+        return self.decide(name, step, mine or self.store.flag(name))
+
+    def raise_flag(self, name: str) -> None:
+        """Raise the flag ``name`` in the store (once; a no-op without the store)."""
+        if self.store is not None and name not in self._raised:
+            self.store.raise_flag(name)
+            self._raised.add(name)
 
     def decide(self, name: str, step: int, mine: bool) -> bool:
         """One rank's ``mine``, the same on every rank."""

@@ -284,7 +284,9 @@ class Checkpointer:
             )
             self._remove_stale()
             _live.add(self)
-            self._emergency = Emergency(preemption, group) if preemption is not None else None
+            self._emergency = (
+                Emergency(preemption, group, self._agreement) if preemption is not None else None
+            )
         except BaseException:
             self._release_root()
             raise
@@ -463,7 +465,7 @@ class Checkpointer:
         _check_step(step)
         self._seen.saw(step, metrics)
         self._progress.saw(step)
-        if self._emergency is not None and not self.should_stop and self._emergency.requested():
+        if self._emergency is not None and not self.should_stop and self._emergency.requested(step):
             self._preempted(step, metrics)
             return True
         self._collect()

@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -71,6 +71,9 @@ class PreemptionMonitor:
         self.reason: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._lock = threading.Lock()
+        # Called by the handler (on the main thread) once a signal asked to stop: the
+        # owner tells the other ranks at once rather than at the next maybe_save.
+        self.on_signal: Callable[[], None] = lambda: None
 
     @property
     def requested(self) -> bool:
@@ -86,6 +89,7 @@ class PreemptionMonitor:
         if self.requested_at is None:
             self.requested_at = time.monotonic()
             self.reason = f"signal {signal.Signals(signum).name}"
+            self.on_signal()
 
     def notice(self, reason: str) -> None:
         """Called by a watcher thread when a termination notice appears."""

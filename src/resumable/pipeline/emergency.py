@@ -2,8 +2,12 @@
 
 A preemption (a signal, a cloud notice: `resumable.preemption`) is noticed at the next
 `maybe_save`. With several ranks the notice reaches them at different moments, so every
-rank stops at the first step at which any rank has it (a one-integer all-reduce a
-step). Then: wait for a persist already running (within the grace), and persist this
+rank stops at one step, the first at which any rank has it: persisting in the
+background, the rank that has it raises a flag in the coordination store (from the
+signal handler at once, else at its next `maybe_save`), and the first rank to reach a
+step decides for all whether it is the one (`Agreement.any_since`: no collective while
+training runs); with ``persist="sync"``, a one-integer all-reduce a step. Then: wait
+for a persist already running (within the grace), and persist this
 step's memory snapshot if there is one, else a fresh snapshot if its measured cost
 fits what is left of the grace (rank 0 decides: timings differ), else the newest older
 snapshot. The outcome and whether it fit are recorded in the audit log.
@@ -17,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from resumable.audit import AuditLog
+from resumable.coordination import Agreement
 from resumable.distributed import Group
 from resumable.errors import PersistError
 from resumable.pipeline.persister import Persister
@@ -29,11 +34,21 @@ log = logging.getLogger("resumable")
 class Emergency:
     """Watches for a preemption and takes the emergency checkpoint."""
 
-    def __init__(self, config: Preemption, coordination: Group) -> None:
+    def __init__(self, config: Preemption, coordination: Group, agreement: Agreement) -> None:
         self.monitor = PreemptionMonitor(config)
         self.group = coordination
+        self.agreement = agreement
         self.deadline: float | None = None  # the end of the grace, once preempted
+        self.monitor.on_signal = self._tell_others
         self.monitor.install()
+
+    def _tell_others(self) -> None:
+        """From the signal handler: raise the stop flag for the other ranks now. A
+        failure is left to the next `maybe_save`, which raises the flag again."""
+        try:
+            self.agreement.raise_flag("stop")
+        except Exception as exc:
+            log.debug("could not tell the other ranks of the preemption yet: %s", exc)
 
     @property
     def config(self) -> Preemption:
@@ -42,9 +57,10 @@ class Emergency:
     def reclaim_signals(self) -> None:
         self.monitor.reclaim()
 
-    def requested(self) -> bool:
-        """Whether any rank was asked to stop (the same answer on every rank)."""
-        return self.group.any(self.monitor.requested)
+    def requested(self, step: int) -> bool:
+        """Whether any rank was asked to stop (the same answer on every rank at
+        ``step``)."""
+        return self.agreement.any_since("stop", step, self.monitor.requested)
 
     def checkpoint(
         self,
