@@ -622,6 +622,37 @@ def phase_agree(out: Path, report: dict[str, Any]) -> None:
     report["collectives"] = seen
     ck.close()
 
+    # Rank 1 decides step 13 first; rank 0's worker never finishes step 12 within the
+    # timeout: rank 0 forgoes its part of step 13 and raises; rank 1's worker learns it
+    # from rank 0's report, not at its own timeout; step 14 commits on both ranks.
+    storage = LocalStorage(out / "agree-timeout")
+    if rank() == 0:
+        storage = HeldCommitAudit(storage, out, [12])
+    ck = Checkpointer(
+        storage,
+        {"model": model, "optim": optim},
+        persist="thread",
+        keep=None,
+        shm_dir=out / "shm",
+        dist_timeout_s=DIST_TIMEOUT_S,
+    )
+    ck.save(11)
+    ck.wait()
+    ck.save(12)
+    if rank() == 1:
+        ck.wait()
+        ck.save(13)
+        mark(out, "saved13")
+        report["wait13"] = outcome(ck.wait)
+    else:
+        await_mark(out, "saved13")
+        report["save13"] = outcome(lambda: ck.save(13))
+        mark(out, "release12")
+    train(model, optim, [14])
+    report["save14"] = outcome(lambda: (ck.save(14), ck.wait())[0])
+    report["steps14"] = ck.steps()
+    ck.close()
+
 
 PHASES = {
     "agree": phase_agree,

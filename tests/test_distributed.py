@@ -648,7 +648,10 @@ def test_background_persists_are_agreed_without_a_collective(tmp_path: Path) -> 
     save (rank 1 saves step 1 only once rank 0's save returned) and calls no
     collective; the first rank to reach a due persist decides for both. Rank 1, free,
     decides step 3 first: rank 0, its worker still busy with step 2, waits for it and
-    persists step 3 too. Rank 0, busy with step 4, decides step 5 first: both skip it."""
+    persists step 3 too. Rank 0, busy with step 4, decides step 5 first: both skip it.
+    Then, with another checkpointer: rank 0's worker never finishes step 12, rank 1
+    decides step 13: rank 0 waits up to the timeout, forgoes its part of step 13 and
+    raises; rank 1 learns it from rank 0's report; step 14 commits on both."""
     torchrun(2, JOB, "agree", tmp_path)
     r0, r1 = Runs(tmp_path).reports("agree", 2)
     assert r0["pending3"] == 1 and r0["pending5"] == 1  # rank 0's worker was busy
@@ -664,3 +667,14 @@ def test_background_persists_are_agreed_without_a_collective(tmp_path: Path) -> 
         assert report["steps5"] == [1, 2, 3, 4]
         assert report["skips"] == 1
         assert report["collectives"] == []
+        assert restored(report, "save14") is True
+        assert report["steps14"] == [11, 12, 14]
+    # rank 0, told to persist step 13 while its worker never finished step 12
+    assert r0["save13"].get("error") == "PersistError", r0["save13"]
+    assert "did not finish within" in r0["save13"]["message"], r0["save13"]
+    # rank 1's worker stopped at rank 0's report (not at its own timeout: that says
+    # "wait for rank 0's attempt")
+    assert r1["wait13"].get("error") == "PersistError", r1["wait13"]
+    assert (
+        "rank 0: its previous persist did not finish before step 13's" in (r1["wait13"]["message"])
+    ), r1["wait13"]

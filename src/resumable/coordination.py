@@ -136,12 +136,13 @@ class CoordinationStore:
 
     def give_up(self, key: str, reason: str) -> None:
         """Report ``reason`` in place of this rank's worker for persist ``key`` (and,
-        on rank 0, its outcome), unless the worker already did: the others stop
-        waiting now rather than at the timeout."""
+        on rank 0, its attempt and its outcome), unless the worker already did: the
+        others stop waiting now rather than at the timeout."""
         error = json.dumps({"error": f"rank {self.rank}: {reason}"})
         try:
             self._store.compare_set(f"{key}/{REPORTS}/{self.rank}", "", error)
-            if self.rank == 0:
+            if self.rank == 0:  # the others may still wait for the attempt itself
+                self._store.compare_set(f"{key}/{ATTEMPT}", "", error)
                 self._store.compare_set(f"{key}/{OUTCOME}", "", error)
         except Exception as exc:  # the store is gone: the others fail on it anyway
             log.debug("could not post the failure of %s: %s", key, exc)

@@ -186,6 +186,7 @@ class Checkpointer:
         self.map_location = map_location
         self.capture_rng = capture_rng
         self.on_busy = on_busy
+        self._dist_timeout_s = dist_timeout_s or DEFAULT_TIMEOUT_S
         self.overlap = overlap
         self.should_stop = False
         self.save_on_close = save_on_close
@@ -218,7 +219,7 @@ class Checkpointer:
             # that rank 0 hosts, created now, collectively (every rank builds its
             # Checkpointer); the trainers agree on each due persist through it too.
             self._store = (
-                CoordinationStore(group, dist_timeout_s or DEFAULT_TIMEOUT_S)
+                CoordinationStore(group, self._dist_timeout_s)
                 if mode != "sync" and self.world_size > 1
                 else None
             )
@@ -387,7 +388,7 @@ class Checkpointer:
         if self.on_busy == "skip" and self.persist_mode != "sync":
             busy = self._agreement.decide("busy", step, busy)
             if not busy and self._persister.busy:
-                self._persister.wait()
+                self._finish_before(step)
         if busy:
             running = self._persister.running()
             what = f"step(s) {running}" if running else "another rank's previous persist"
@@ -398,6 +399,20 @@ class Checkpointer:
             return False
         self._persist(snap)
         return True
+
+    def _finish_before(self, step: int) -> None:
+        """Told to persist ``step`` by a rank whose worker is free while this rank's
+        still runs: wait for it, at most ``dist_timeout_s``. If it fails or does not
+        end, this rank forgoes its part of the persist of ``step`` (the other ranks'
+        workers stop waiting for it, and every later persist keeps its key) and raises
+        `PersistError`."""
+        try:
+            self._persister.wait(self._dist_timeout_s)
+        except BaseException as exc:
+            self._persister.forgo(
+                f"its previous persist did not finish before step {step}'s: {exc}"
+            )
+            raise
 
     def _before_first_save(self, step: int) -> None:
         """Once, at the first snapshot or save: warn if the root holds an earlier run's

@@ -101,6 +101,10 @@ class Persister:
         """Take in what finished; raise the first failure as `PersistError`."""
         self._take([])
 
+    def forgo(self, reason: str) -> None:
+        """This rank cannot take part in the persist every rank agreed to start now
+        (several ranks, in the background; a no-op otherwise)."""
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every persist finished; raise a failure as `PersistError`."""
         self._take([])
@@ -375,6 +379,13 @@ class BackgroundPersister(Persister):
         self._jobs[job.id] = (snap.index, snap.step)
         if group is not None:
             self._job_keys[job.id] = group["key"]
+
+    def forgo(self, reason: str) -> None:
+        """Take this rank's key of the persist the other ranks just started, so that
+        the keys of every later persist stay the same on every rank, and report
+        ``reason`` in this rank's place, so that their workers stop waiting now."""
+        if self._store is not None:
+            self._store.give_up(self._store.next_job()["key"], reason)
 
     def collect(self) -> None:
         messages: list[Reply | Report] = []
