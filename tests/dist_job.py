@@ -54,6 +54,9 @@ DIST_TIMEOUT_S = 5.0
 # The background hang case: long enough that the next persist, which starts a new worker
 # process on rank 1, never meets it on a loaded machine.
 BG_TIMEOUT_S = 20.0
+# The agree phase's timeout case: rank 0 waits half of it for its worker, then rank 1's
+# worker, waiting up to all of it, must hear from rank 0 first.
+AGREE_TIMEOUT_S = 10.0
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -634,7 +637,7 @@ def phase_agree(out: Path, report: dict[str, Any]) -> None:
         persist="thread",
         keep=None,
         shm_dir=out / "shm",
-        dist_timeout_s=DIST_TIMEOUT_S,
+        dist_timeout_s=AGREE_TIMEOUT_S,
     )
     ck.save(11)
     ck.wait()

@@ -402,12 +402,13 @@ class Checkpointer:
 
     def _finish_before(self, step: int) -> None:
         """Told to persist ``step`` by a rank whose worker is free while this rank's
-        still runs: wait for it, at most ``dist_timeout_s``. If it fails or does not
-        end, this rank forgoes its part of the persist of ``step`` (the other ranks'
-        workers stop waiting for it, and every later persist keeps its key) and raises
-        `PersistError`."""
+        still runs: wait for it, at most half of ``dist_timeout_s`` (it should end at
+        once: the deciding rank's part of the same persist has). If it fails or does
+        not end, this rank forgoes its part of the persist of ``step`` and raises
+        `PersistError`: the other ranks' workers, which wait up to ``dist_timeout_s``
+        for that part, stop waiting then, and every later persist keeps its key."""
         try:
-            self._persister.wait(self._dist_timeout_s)
+            self._persister.wait(self._dist_timeout_s / 2)
         except BaseException as exc:
             self._persister.forgo(
                 f"its previous persist did not finish before step {step}'s: {exc}"
