@@ -560,17 +560,23 @@ def phase_agree(out: Path, report: dict[str, Any]) -> None:
     held busy after the commits of steps 2 and 4 (`HeldCommitAudit`)."""
     (out / "shm").mkdir(exist_ok=True)
     model, optim = build("fsdp")
-    storage: Storage = LocalStorage(out / "agree")
-    if rank() == 0:
-        storage = HeldCommitAudit(storage, out, [2, 4])
-    ck = Checkpointer(
-        storage,
-        {"model": model, "optim": optim},
-        persist="thread",
-        keep=None,
-        shm_dir=out / "shm",
-        dist_timeout_s=BG_TIMEOUT_S,
-    )
+
+    def held_ck(root: str, held: list[int], timeout_s: float) -> Checkpointer:
+        """Persisting on threads into ``out/root``; rank 0's worker held after the
+        commits of ``held``."""
+        storage: Storage = LocalStorage(out / root)
+        if rank() == 0:
+            storage = HeldCommitAudit(storage, out, held)
+        return Checkpointer(
+            storage,
+            {"model": model, "optim": optim},
+            persist="thread",
+            keep=None,
+            shm_dir=out / "shm",
+            dist_timeout_s=timeout_s,
+        )
+
+    ck = held_ck("agree", [2, 4], BG_TIMEOUT_S)
     seen: list[str] = []
 
     def save(step: int) -> Any:
@@ -628,17 +634,7 @@ def phase_agree(out: Path, report: dict[str, Any]) -> None:
     # Rank 1 decides step 13 first; rank 0's worker never finishes step 12 within the
     # timeout: rank 0 forgoes its part of step 13 and raises; rank 1's worker learns it
     # from rank 0's report, not at its own timeout; step 14 commits on both ranks.
-    storage = LocalStorage(out / "agree-timeout")
-    if rank() == 0:
-        storage = HeldCommitAudit(storage, out, [12])
-    ck = Checkpointer(
-        storage,
-        {"model": model, "optim": optim},
-        persist="thread",
-        keep=None,
-        shm_dir=out / "shm",
-        dist_timeout_s=AGREE_TIMEOUT_S,
-    )
+    ck = held_ck("agree-timeout", [12], AGREE_TIMEOUT_S)
     ck.save(11)
     ck.wait()
     ck.save(12)

@@ -48,6 +48,22 @@ def hash_behind(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return threads
 
 
+def slow_checksums(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
+    """Make each checksum take 50 ms more; returns the (start, end) of each one hashed."""
+    spans: list[tuple[float, float]] = []
+    real = persist_mod.checksum
+
+    def slow(data: Any) -> str:
+        t0 = time.monotonic()
+        time.sleep(0.05)
+        out = real(data)
+        spans.append((t0, time.monotonic()))
+        return out
+
+    monkeypatch.setattr(persist_mod, "checksum", slow)
+    return spans
+
+
 @pytest.mark.parametrize("incremental", [False, True])
 def test_checksums_hashed_behind_the_write_are_the_tensors_own(
     tmp_path: Path, hash_behind: list[str], incremental: bool
@@ -114,17 +130,7 @@ def test_no_hashing_outlives_a_persist_that_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
-    spans: list[tuple[float, float]] = []
-    real = persist_mod.checksum
-
-    def slow(data: Any) -> str:
-        t0 = time.monotonic()
-        time.sleep(0.05)  # still hashing when the write fails
-        out = real(data)
-        spans.append((t0, time.monotonic()))
-        return out
-
-    monkeypatch.setattr(persist_mod, "checksum", slow)
+    spans = slow_checksums(monkeypatch)  # still hashing when the write fails
     state = make_state(1)
     ck = Checkpointer(
         FailingWrite(LocalStorage(tmp_path)), state, persist="sync", capture_rng=False
@@ -150,20 +156,11 @@ def test_no_hashing_outlives_a_persist_whose_reference_check_failed(
     incremental = Incremental(chunk_bytes=4096, min_bytes=0)
     ck = Checkpointer(tmp_path, state, persist="sync", capture_rng=False, incremental=incremental)
     ck.save(1)
-    spans: list[tuple[float, float]] = []
-    real = persist_mod.checksum
-
-    def slow(data: Any) -> str:
-        t0 = time.monotonic()
-        time.sleep(0.05)
-        out = real(data)
-        spans.append((t0, time.monotonic()))
-        return out
+    spans = slow_checksums(monkeypatch)
 
     def unreachable(storage: Any, refs: list[int]) -> bool:
         raise StorageError(errno.EACCES, "injected: could not look for the referred steps")
 
-    monkeypatch.setattr(persist_mod, "checksum", slow)
     monkeypatch.setattr(persist_mod, "check_refs", unreachable)
     with torch.no_grad():
         state["big"][0].add_(1.0)  # the rest is reused: an incremental persist
