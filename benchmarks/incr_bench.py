@@ -443,11 +443,19 @@ class SideBySide:
                 vals = [p[key] for p in persists if isinstance(p.get(key), (int, float))]
                 if vals and len(vals) == len(persists):
                     entry[key] = _stat([float(v) for v in vals])
-            entry["v2_persists"] = sum(1 for p in persists if p.get("format_version") == 2)
+            # persists that refer to earlier checkpoints (format version 2 or 3; the
+            # key keeps its name for the results already stored)
+            entry["v2_persists"] = sum(1 for p in persists if _refers(p.get("format_version")))
             entry["root_bytes_end"] = _tree_bytes(root)
             entry["steps_kept"] = _steps_on_disk(root)
             out[name] = entry
         return out
+
+
+def _refers(version: Any) -> bool:
+    """Whether a manifest's ``format_version`` is that of a checkpoint that refers to
+    earlier ones: 2 (chunks, read only now) or 3 (extents)."""
+    return type(version) is int and version >= 2
 
 
 def _compare(

@@ -100,7 +100,7 @@ def _finetune_lines(ft: Any, mirror: bool) -> list[str]:
     header = ["mode", "MiB written per persist", "commit s", "`save()` s", "first: MiB / commit s"]
     if mirror:
         header = ["mode", "MiB uploaded per checkpoint", "upload s", "first: MiB / upload s"]
-    header += ["v2 persists", "on disk at the end, MiB"]
+    header += ["referring persists", "on disk at the end, MiB"]
     rows = []
     for name, label in (("full", "`incremental=False`"), ("incremental", "`Incremental()`")):
         e = ft["modes"].get(name, {})
@@ -279,7 +279,7 @@ def _embedding_lines(emb: Any, touch: Any = None) -> list[str]:
             "MiB written per persist",
             "% of whole",
             "commit s",
-            "v2 persists",
+            "referring persists",
             "on disk at the end: checkpoints, MiB",
         ],
         rows,
@@ -345,7 +345,8 @@ def render(out: dict[str, Any], source: str) -> str:
         "`save(step)` + `wait()`. *MiB written*: the audit log's `commit` event's `bytes` "
         "(the checkpoint's own data files and manifest); *commit s*: its `duration_s` "
         "(write, fsync, commit); `save()` s: the call's wall time (it also copies the "
-        "state). *v2 persists*: checkpoints that refer to earlier ones (format version 2); "
+        "state). *referring persists*: checkpoints that refer to earlier ones (format "
+        "version 3; 2 before it); "
         "the others were written whole. *On disk at the end*: the bytes of the root's "
         "committed checkpoints, those kept plus the earlier ones they refer to. *Restored "
         "… equal*: after the last persist, a freshly built state (another seed) restored by a new "

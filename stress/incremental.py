@@ -1,7 +1,7 @@
 """Campaign 1c, kill -9 with incremental checkpoints: campaign 1 (`stress.kill`) for a job
 whose state has a large part that never changes, so that its checkpoints are written
-incrementally (format version 2: a manifest that refers to chunks of earlier
-checkpoints), while retention deletes constantly and references keep old checkpoints
+incrementally (format version 3: a manifest that refers to byte ranges of earlier
+checkpoints' data files), while retention deletes constantly and references keep old checkpoints
 alive.
 
 The state (`Net`, ~400 KiB, cut into 16 KiB chunks by ``Incremental(chunk_bytes=16 KiB,
@@ -13,7 +13,7 @@ min_live=0.5, min_bytes=0)``, the other settings the defaults):
   others, which lie in up to 16 earlier checkpoints; ``min_live=0.5`` would have the
   first, whole checkpoint of a launch written again after 12 of its slow chunks
   changed (the cleaner), but with the default ``max_overhead`` and ``whole_every`` a
-  whole checkpoint usually releases the chain first (the details count the version 2
+  whole checkpoint usually releases the chain first (the details count the referring
   checkpoints that rewrote frozen chunks);
 - ``fast``: a Linear(64, 64) whose values change at every step.
 
@@ -26,7 +26,7 @@ on (a snapshot in shared memory every step, ``on_busy="skip"``: the relaunch res
 from shared memory when it holds something newer); on a thread with the memory tier off
 (every save is a persist, ``on_busy="wait"``), shared memory emptied before each
 relaunch, as by a node restart, so that the relaunch restores from disk, mostly from a
-version 2 checkpoint; and the same in a persist worker process (which must end by itself
+version 3 checkpoint; and the same in a persist worker process (which must end by itself
 within `ORPHAN_TIMEOUT_S` of its trainer's kill, found by a tag in its environment;
 only timer kills there, and the window starts at the restore). The launch
 restores, checks every restored tensor bit for bit against the values of that step,
@@ -48,8 +48,8 @@ Kills, three kinds (``plan``):
 A targeted kill whose moment does not come within ``3 * window_s`` becomes a timer
 kill. After each kill this process checks, in the root and the mirror: every listed
 checkpoint verifies (`CheckpointReader.verify`, which follows every reference); every
-step a listed checkpoint refers to is listed too, and every chunk that lies in another
-checkpoint names a step of its ``refs``; the next launch restores the newest step whose
+step a listed checkpoint refers to is listed too, and every byte range that lies in
+another checkpoint names a step of its ``refs``; the next launch restores the newest step whose
 commit the audit log recorded, or a newer one, with exactly that step's values. Chains
 of ``kills_per_chain`` kills share a root; each chain ends with a launch that is not
 killed and must leave no staging or trash directory. Broken path: a retention that
@@ -81,7 +81,7 @@ from torch import nn
 from resumable import Every, Incremental, Keep
 from resumable.audit import read_audit
 from resumable.commit import RenameCommit, committer_for, list_committed, step_dir
-from resumable.format import MANIFEST
+from resumable.format import MANIFEST, tensor_ranges
 from stress.workload import checkpointer, local, newest_commit, torn
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -329,23 +329,41 @@ def _manifests(root: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _refers(m: dict[str, Any]) -> bool:
+    """Whether manifest ``m`` is of a checkpoint that refers to earlier ones: format
+    version 3 (what the writer writes) or 2 (its predecessor, still read). The details'
+    ``v2_*`` keys count these (their names predate version 3)."""
+    version = m.get("format_version")
+    return type(version) is int and version >= 2
+
+
+def _ranges(info: Any) -> list[tuple[int | None, str, int, int]]:
+    """`tensor_ranges` of a tensor entry; none where it is malformed (the listed
+    checkpoint's `verify` in `torn` reports that)."""
+    try:
+        return tensor_ranges(info)
+    except (KeyError, TypeError, IndexError, ValueError):
+        return []
+
+
 def _refs_problems(root: str, manifests: dict[int, dict[str, Any]]) -> list[str]:
-    """Every step a listed checkpoint refers to is listed; every chunk held by another
-    checkpoint names one of its refs; refs appear exactly in version 2 manifests."""
+    """Every step a listed checkpoint refers to is listed; every byte range held by
+    another checkpoint names one of its refs; refs appear exactly in version 2 and 3
+    manifests."""
     bad = []
     listed = set(manifests)
     for step, m in manifests.items():
         refs = m.get("refs", [])
         version = m.get("format_version")
-        if bool(refs) != (version == 2):
+        if bool(refs) != _refers(m):
             bad.append(f"step {step} of {root}: format_version {version} with refs {refs}")
         missing = sorted(set(refs) - listed)
         if missing:
             bad.append(f"step {step} of {root} refers to {missing}, which are not committed")
         for name, info in m.get("tensors", {}).items():
-            for c in info.get("chunks", []):
-                if "step" in c and c["step"] not in refs:
-                    bad.append(f"step {step} of {root}: {name} lies in step {c['step']}, not a ref")
+            for held, *_ in _ranges(info):
+                if held is not None and held not in refs:
+                    bad.append(f"step {step} of {root}: {name} lies in step {held}, not a ref")
     return bad
 
 
@@ -585,14 +603,14 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                             refs = m.get("refs", [])
                             most_refs = max(most_refs, len(refs))
                             own = sum(f["size"] for f in m["files"].values())
-                            if m.get("format_version") == 2 and any(
-                                "step" not in c
+                            if _refers(m) and any(
+                                held is None
                                 for name, t in m["tensors"].items()
                                 if "frozen" in name
-                                for c in t.get("chunks", [])
+                                for held, *_ in _ranges(t)
                             ):
                                 cleaned.add((chain, where, s))
-                            if m.get("format_version") == 2:
+                            if _refers(m):
                                 if (chain, where, s) not in seen_v2 and where == "root":
                                     bytes_v2.append(own)
                                 seen_v2.add((chain, where, s))
@@ -611,7 +629,10 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
         finally:
             shutil.rmtree(shm, ignore_errors=True)
     if not seen_v2:
-        problems.append("no version 2 checkpoint was written: the campaign tested nothing new")
+        problems.append(
+            "no checkpoint referring to earlier ones (format version 3) was written: the "
+            "campaign tested nothing new"
+        )
     return {
         "trials": kills,
         "failures": len(problems),

@@ -1,4 +1,4 @@
-"""Incremental checkpoints (format version 2): correct, verifiable and safe to load.
+"""Incremental checkpoints (format version 3): correct, verifiable and safe to load.
 
 A job whose model has a frozen part (an embedding and a gate that no optimizer step
 changes) beside a trainable head trained by AdamW, and a buffer whose rows change one
@@ -7,12 +7,12 @@ an earlier one refers to the chunks that did not change instead of writing them 
 These tests check, with real training loops in one process:
 
 - every checkpoint that retention keeps restores bit for bit to the state saved at its
-  step, later checkpoints are v2 with ``refs``, and no committed checkpoint refers to a
+  step, later checkpoints are v3 with ``refs``, and no committed checkpoint refers to a
   step that is not committed (retention keeps what a kept checkpoint refers to);
 - a flipped byte in a chunk that later checkpoints share fails every checkpoint that
   refers to it, in ``verify`` and in restore, which falls back past all of them;
 - ``resumable export`` of an incremental checkpoint equals that of a whole one;
-- hand-edited (re-signed) v2 manifests are refused with `CorruptCheckpointError`, and
+- hand-edited (re-signed) v3 manifests are refused with `CorruptCheckpointError`, and
   no file outside the root is opened;
 - ``min_saving``/``min_live``/``incremental=False`` write whole (v1) checkpoints, and
   changes of structure (resized, reshaped, retyped or new tensors, new optimizer state)
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import itertools
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep, S
 from resumable.audit import read_audit
 from resumable.cli import main as cli
 from resumable.commit import list_committed
-from resumable.format import checksum, dtype_from_name, manifest_digest
+from resumable.format import checksum, dtype_from_name, manifest_digest, tensor_ranges
 from resumable.policy import Entry
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, Storage, open_storage
@@ -242,7 +243,7 @@ def committed(root: Path) -> list[int]:
 
 
 def chunk_steps(m: dict[str, Any]) -> set[int]:
-    return {c["step"] for t in m["tensors"].values() for c in t.get("chunks", []) if "step" in c}
+    return {s for t in m["tensors"].values() for s, *_ in tensor_ranges(t) if s is not None}
 
 
 def own_bytes(m: dict[str, Any]) -> int:
@@ -250,27 +251,35 @@ def own_bytes(m: dict[str, Any]) -> int:
 
 
 def check_references(root: Path) -> None:
-    """Every committed v2 checkpoint refers only to earlier committed checkpoints, by
-    data files they hold and byte ranges inside them; its chunks tile each tensor."""
+    """Every committed v3 checkpoint refers only to earlier committed checkpoints, by
+    data files they hold and byte ranges inside them; its extents tile each tensor,
+    each source used, and no two extents in a row lie back to back in one source (the
+    writer merges those)."""
     steps = set(committed(root))
     for s in sorted(steps):
         m = manifest(root, s)
         if m["format_version"] == 1:
-            assert "refs" not in m and all("chunks" not in t for t in m["tensors"].values())
+            assert "refs" not in m
+            assert all("sources" not in t and "extents" not in t for t in m["tensors"].values())
             continue
-        assert m["format_version"] == 2, (s, m["format_version"])
+        assert m["format_version"] == 3, (s, m["format_version"])
         refs = m["refs"]
         assert refs == sorted(set(refs)) and all(r < s for r in refs), (s, refs)
         assert set(refs) <= steps, f"{dir_name(s)} refers to {set(refs) - steps}: not committed"
         assert chunk_steps(m) <= set(refs), (s, chunk_steps(m), refs)
         for name, t in m["tensors"].items():
-            assert "file" not in t and "offsets" not in t, (s, name)
+            assert "file" not in t and "offsets" not in t and "chunks" not in t, (s, name)
+            assert len(t["extents"]) % 3 == 0, (s, name)
+            used = set(t["extents"][::3])
+            assert used == set(range(len(t["sources"]))), (s, name, t["sources"], used)
+            ranges = tensor_ranges(t)
+            for a, b in itertools.pairwise(ranges):
+                assert not (a[:2] == b[:2] and a[3] == b[2]), (s, name, "unmerged", a, b)
             total = 0
-            for c in t["chunks"]:
-                holder = manifest(root, c["step"]) if "step" in c else m
-                assert c["file"] in holder["files"], (s, name, c)
-                begin, end = c["offsets"]
-                assert 0 <= begin <= end <= holder["files"][c["file"]]["size"], (s, name, c)
+            for step, fname, begin, end in ranges:
+                holder = m if step is None else manifest(root, step)
+                assert fname in holder["files"], (s, name, step, fname)
+                assert 0 <= begin <= end <= holder["files"][fname]["size"], (s, name, begin, end)
                 total += end - begin
             numel = int(np.prod(t["shape"])) if t["shape"] else 1
             assert (
@@ -300,7 +309,7 @@ def test_long_run_with_retention_restores_every_kept_checkpoint_exactly(tmp_path
     """120 saves with Keep(last=2, every_steps=25, best by loss) and two pins (one by
     the API, one by the CLI). After every save no committed checkpoint refers to a
     missing one; at the end exactly the kept steps and what they refer to remain,
-    each restores bit for bit, and the v2 ones wrote a fraction of a whole one."""
+    each restores bit for bit, and the v3 ones wrote a fraction of a whole one."""
     root = tmp_path / "ckpt"
     keep = Keep(last=2, every_steps=25, best=("loss", "min", 1))
     best_step, api_pin, cli_pin, total = 42, 37, 61, 120
@@ -332,8 +341,9 @@ def test_long_run_with_retention_restores_every_kept_checkpoint_exactly(tmp_path
     assert 1 in steps and whole["format_version"] == 1  # the first persist is whole
     for s in steps[1:]:
         m = manifest(root, s)
-        assert m["format_version"] == 2 and 1 in m["refs"], (s, m.get("refs"))
-        assert {c.get("step") for c in m["tensors"][EMBEDDING]["chunks"]} == {1}
+        assert m["format_version"] == 3 and 1 in m["refs"], (s, m.get("refs"))
+        # frozen, written whole at step 1: one extent there
+        assert [r[0] for r in tensor_ranges(m["tensors"][EMBEDDING])] == [1], s
         assert own_bytes(m) < own_bytes(whole) // 4, (s, own_bytes(m), own_bytes(whole))
     commits = {e["step"]: e for e in audit(root, "commit")}
     for s in steps:
@@ -355,12 +365,12 @@ def test_worker_process_writes_incrementally_and_a_relaunch_writes_whole(tmp_pat
     expected = run(root, job, range(1, 9), keep=Keep(last=2), persist="process")
     check_references(root)
     assert committed(root) == [1, 7, 8]
-    assert [manifest(root, s)["format_version"] for s in (1, 7, 8)] == [1, 2, 2]
+    assert [manifest(root, s)["format_version"] for s in (1, 7, 8)] == [1, 3, 3]
     expected |= run(root, job, range(9, 13), keep=None, persist="process", restore=8)
     check_references(root)
     assert manifest(root, 9)["format_version"] == 1
     for s in (10, 11, 12):
-        assert manifest(root, s)["format_version"] == 2
+        assert manifest(root, s)["format_version"] == 3
         assert min(manifest(root, s)["refs"]) >= 9, manifest(root, s)["refs"]
     for s in committed(root):
         assert restored(root, s).mismatches(expected[s]) == [], s
@@ -369,23 +379,25 @@ def test_worker_process_writes_incrementally_and_a_relaunch_writes_whole(tmp_pat
 # --------------------------------------------------------------------------- 2. damage
 
 
-def _chunk_range(m: dict[str, Any], name: str, index: int) -> tuple[int, int, int | None]:
-    c = m["tensors"][name]["chunks"][index]
-    return c["offsets"][0], c["offsets"][1], c.get("step")
+def locate(m: dict[str, Any], name: str, at: int) -> tuple[int | None, int]:
+    """Where byte ``at`` of tensor ``name`` lies: (the step holding it, None for the
+    manifest's own; the offset in that step's data file)."""
+    pos = 0
+    for step, _, begin, end in tensor_ranges(m["tensors"][name]):
+        if pos <= at < pos + end - begin:
+            return step, begin + at - pos
+        pos += end - begin
+    raise AssertionError(f"{name} has only {pos} bytes, not {at + 1}")
 
 
 def refers_to(m: dict[str, Any], step: int, own: int, offset: int) -> bool:
     """Whether the checkpoint of manifest ``m`` (of step ``own``) reads byte ``offset``
     of step ``step``'s data file."""
-    for t in m["tensors"].values():
-        if "chunks" not in t:
-            if own == step and t["offsets"][0] <= offset < t["offsets"][1]:
-                return True
-            continue
-        for c in t["chunks"]:
-            if c.get("step", own) == step and c["offsets"][0] <= offset < c["offsets"][1]:
-                return True
-    return False
+    return any(
+        (own if s is None else s) == step and begin <= offset < end
+        for t in m["tensors"].values()
+        for s, _, begin, end in tensor_ranges(t)
+    )
 
 
 def flip(path: Path, offset: int) -> None:
@@ -403,7 +415,7 @@ def two_launches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[i
     expected = run(root, job, range(1, 6))
     expected |= run(root, job, range(6, 11), restore=5)
     check_references(root)
-    assert [manifest(root, s)["format_version"] for s in range(1, 11)] == [1, 2, 2, 2, 2] * 2
+    assert [manifest(root, s)["format_version"] for s in range(1, 11)] == [1, 3, 3, 3, 3] * 2
     for s in range(7, 11):
         assert min(manifest(root, s)["refs"]) == 6
     return root, expected
@@ -431,9 +443,8 @@ def test_damaged_shared_chunk_fails_every_checkpoint_referring_to_it(
 ) -> None:
     src, expected = two_launches
     root = _copy(src, tmp_path)
-    begin, end, holder = _chunk_range(manifest(root, 8), EMBEDDING, 5)
+    holder, offset = locate(manifest(root, 8), EMBEDDING, 5 * CHUNK + CHUNK // 2)  # chunk 5
     assert holder == 6
-    offset = (begin + end) // 2
     flip(root / dir_name(6) / DATA, offset)
     referring = {s for s in range(1, 11) if refers_to(manifest(root, s), 6, s, offset)}
     assert referring == set(range(6, 11))
@@ -484,14 +495,16 @@ def falls_back(root: Path, *, damaged: int, to: int, expected: dict[str, Any]) -
 def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
     two_launches: tuple[Path, dict[int, Any]], tmp_path: Path
 ) -> None:
-    """The bank of step 10: its first chunk is step 10's own, the rest step 6's. Given a
+    """The bank of step 10: its first chunk is step 10's own, the rest step 6's (one
+    extent, merged). Given a
     destination, the reader checks the checksum over the chunks where they lie and
     returns the destination untouched; `fill` then copies the chunks in. A flipped
     byte in step 6's part fails the read before anything is copied."""
     src, expected = two_launches
     root = _copy(src, tmp_path)
     m = manifest(root, 10)
-    assert [c.get("step") for c in m["tensors"][BANK]["chunks"]] == [None, 6, 6, 6]
+    assert [r[0] for r in tensor_ranges(m["tensors"][BANK])] == [None, 6]
+    assert [locate(m, BANK, i * CHUNK)[0] for i in range(4)] == [None, 6, 6, 6]
     dest = torch.full((BANK_ROWS, BANK_COLS), -1.0)
     reader = CheckpointReader(open_storage(root), 10)
     reader.check_files()
@@ -519,9 +532,9 @@ def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
     assert [d.data_ptr() for d in filled] == [job.model.bank.data_ptr()]
     assert job.mismatches(expected[10]) == []
 
-    begin, end, holder = _chunk_range(m, BANK, 2)
+    holder, offset = locate(m, BANK, 2 * CHUNK + CHUNK // 2)  # the middle of chunk 2
     assert holder == 6
-    flip(root / dir_name(6) / DATA, (begin + end) // 2)
+    flip(root / dir_name(6) / DATA, offset)
     dest.fill_(-1.0)
     reader = CheckpointReader(open_storage(root), 10)
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'model/bank'"):
@@ -559,9 +572,9 @@ def test_damaged_first_whole_checkpoint_leaves_nothing_valid(
     checkpoints that are all corrupt) and leaves the state untouched."""
     root = tmp_path / "ckpt"
     run(root, Job(), range(1, 5))
-    begin, _, holder = _chunk_range(manifest(root, 4), EMBEDDING, 0)
+    holder, offset = locate(manifest(root, 4), EMBEDDING, 3)
     assert holder == 1
-    flip(root / dir_name(1) / DATA, begin + 3)
+    flip(root / dir_name(1) / DATA, offset)
     assert _verify_all(root, capsys) == {1: False, 2: False, 3: False, 4: False}
     job = Job(seed=99)
     before = job.record()
@@ -586,7 +599,7 @@ def test_export_of_incremental_equals_export_of_whole(
     inc, whole = tmp_path / "inc", tmp_path / "whole"
     expected = run(inc, Job(), range(1, 7), incremental=incremental)
     assert run(whole, Job(), range(1, 7), incremental=False).keys() == expected.keys()
-    assert manifest(inc, 6)["format_version"] == 2
+    assert manifest(inc, 6)["format_version"] == 3
     assert manifest(whole, 6)["format_version"] == 1
     outs = []
     for root in (inc, whole):
@@ -614,7 +627,7 @@ def hostile_template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, di
     job = Job()
     expected = run(root, job, range(1, 4))
     expected |= run(root, job, [4], restore=3)
-    assert [manifest(root, s)["format_version"] for s in (1, 2, 3, 4)] == [1, 2, 2, 1]
+    assert [manifest(root, s)["format_version"] for s in (1, 2, 3, 4)] == [1, 3, 3, 1]
     return root, expected
 
 
@@ -622,28 +635,70 @@ def _data(root: Path, step: int, begin: int, end: int, fname: str = DATA) -> byt
     return (root / dir_name(step) / fname).read_bytes()[begin:end]
 
 
+Range = tuple[int | None, str, int, int]  # (step or None for the manifest's own, file, begin, end)
+
+
 def _rehash(root: Path, m: dict[str, Any], name: str) -> None:
-    """Recompute a tensor's chunk and whole checksums from the bytes its (edited) chunks
-    name, so that only the structural checks can catch the edit."""
-    whole = b""
-    for c in m["tensors"][name]["chunks"]:
-        raw = _data(root, c.get("step", m["step"]), *c["offsets"], fname=c["file"])
-        c["xxh3_128"] = xxhash.xxh3_128_hexdigest(raw)
-        whole += raw
+    """Recompute a tensor's checksum from the bytes its (edited) extents name, so that
+    only the structural checks can catch the edit."""
+    whole = b"".join(
+        _data(root, m["step"] if step is None else step, begin, end, fname=fname)
+        for step, fname, begin, end in tensor_ranges(m["tensors"][name])
+    )
     m["tensors"][name]["xxh3_64"] = checksum(whole)
 
 
+def _set_ranges(t: dict[str, Any], ranges: Iterable[Range]) -> None:
+    """Write ``ranges`` (as `tensor_ranges` gives them) into entry ``t`` as its sources
+    and extents, one extent each (none merged)."""
+    sources: dict[tuple[int | None, str], int] = {}
+    extents: list[int] = []
+    for step, fname, begin, end in ranges:
+        extents += (sources.setdefault((step, fname), len(sources)), begin, end)
+    t["sources"] = [{"file": f} if s is None else {"step": s, "file": f} for s, f in sources]
+    t["extents"] = extents
+
+
+def _chunked(t: dict[str, Any]) -> list[Range]:
+    """``t``'s ranges cut at every `CHUNK` bytes of the tensor: the chunks the writer
+    compared, one by one (as version 2 listed them), which version 3 merges."""
+    out: list[Range] = []
+    pos = 0  # the tensor's bytes before the range
+    for step, fname, begin, end in tensor_ranges(t):
+        while begin < end:
+            cut = min(end, begin + CHUNK - pos % CHUNK)
+            out.append((step, fname, begin, cut))
+            pos += cut - begin
+            begin = cut
+    return out
+
+
+def _unmerged(m: dict[str, Any], name: str) -> dict[str, Any]:
+    """Tensor ``name``'s entry with an extent per chunk: an edit of chunk i edits the
+    i-th extent, and the rest stays valid (as `test_unedited_template_is_valid` checks)."""
+    t: dict[str, Any] = m["tensors"][name]
+    _set_ranges(t, _chunked(t))
+    return t
+
+
 def _own_tensor(m: dict[str, Any], prefix: str) -> str:
-    """A tensor of step 3 lying in its own file, one chunk."""
+    """A tensor of step 3 lying in its own file, one extent."""
     return next(
         n
         for n, t in m["tensors"].items()
-        if n.startswith(prefix) and len(t["chunks"]) == 1 and "step" not in t["chunks"][0]
+        if n.startswith(prefix) and [r[0] for r in tensor_ranges(t)] == [None]
     )
 
 
+def _emb_source(m: dict[str, Any]) -> dict[str, Any]:
+    """The embedding's one source: step 1's data file (it was written whole there)."""
+    sources: list[dict[str, Any]] = m["tensors"][EMBEDDING]["sources"]
+    assert sources == [{"step": 1, "file": DATA}], sources
+    return sources[0]
+
+
 def h_own_step(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][0]["step"] = 3
+    _emb_source(m)["step"] = 3
     m["refs"] = sorted(set(m["refs"]) | {3})
 
 
@@ -651,11 +706,11 @@ def h_later_step(root: Path, m: dict[str, Any]) -> None:
     """Step 4 holds the very same embedding bytes: only "a chunk's step is earlier than
     its own" refuses this one."""
     b4, _ = manifest(root, 4)["tensors"][EMBEDDING]["offsets"]
-    b1 = m["tensors"][EMBEDDING]["chunks"][0]["offsets"][0]
-    for c in m["tensors"][EMBEDDING]["chunks"]:
-        assert c["step"] == 1
-        c["step"] = 4
-        c["offsets"] = [o - b1 + b4 for o in c["offsets"]]
+    t = m["tensors"][EMBEDDING]
+    ranges = tensor_ranges(t)
+    assert all(r[:2] == (1, DATA) for r in ranges), ranges
+    b1 = ranges[0][2]
+    _set_ranges(t, [(4, f, begin - b1 + b4, end - b1 + b4) for _, f, begin, end in ranges])
     _rehash(root, m, EMBEDDING)
     m["refs"] = sorted(set(m["refs"]) | {4})
 
@@ -664,14 +719,21 @@ def h_not_in_refs(root: Path, m: dict[str, Any]) -> None:
     m["refs"] = [r for r in m["refs"] if r != 1]
 
 
+def _chunk_to_step(m: dict[str, Any], index: int, step: int) -> None:
+    """The embedding's chunk ``index`` read from the same range of step ``step``."""
+    t = _unmerged(m, EMBEDDING)
+    ranges = tensor_ranges(t)
+    ranges[index] = (step, *ranges[index][1:])
+    _set_ranges(t, ranges)
+    m["refs"] = sorted(set(m["refs"]) | {step})
+
+
 def h_ref_missing(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][2]["step"] = 2  # step 2 holds no embedding
-    m["refs"] = sorted(set(m["refs"]) | {2})
+    _chunk_to_step(m, 2, 2)  # step 2 holds no embedding
 
 
 def h_ref_absent_step(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][1]["step"] = 0
-    m["refs"] = sorted(set(m["refs"]) | {0})
+    _chunk_to_step(m, 1, 0)
 
 
 def h_holder_uncommitted(root: Path, m: dict[str, Any]) -> None:
@@ -682,28 +744,26 @@ def h_holder_uncommitted(root: Path, m: dict[str, Any]) -> None:
 def h_manifest_as_data(root: Path, m: dict[str, Any]) -> None:
     """A small tensor read from step 1's manifest.json, checksums forged to match."""
     name = _own_tensor(m, "model/head.bias")
-    c = m["tensors"][name]["chunks"][0]
-    c["step"], c["file"] = 1, MANIFEST
-    c["offsets"] = [0, c["offsets"][1] - c["offsets"][0]]
+    [(_, _, begin, end)] = tensor_ranges(m["tensors"][name])
+    _set_ranges(m["tensors"][name], [(1, MANIFEST, 0, end - begin)])
     _rehash(root, m, name)
 
 
 def h_other_rank_file(root: Path, m: dict[str, Any]) -> None:
     shutil.copy(root / dir_name(1) / DATA, root / dir_name(1) / "rank-00001.safetensors")
-    m["tensors"][EMBEDDING]["chunks"][0]["file"] = "rank-00001.safetensors"
+    _emb_source(m)["file"] = "rank-00001.safetensors"
 
 
 def h_own_file_unlisted(root: Path, m: dict[str, Any]) -> None:
     name = _own_tensor(m, "model/head.bias")
-    c = m["tensors"][name]["chunks"][0]
-    c["file"] = MANIFEST
-    c["offsets"] = [0, c["offsets"][1] - c["offsets"][0]]
+    [(_, _, begin, end)] = tensor_ranges(m["tensors"][name])
+    _set_ranges(m["tensors"][name], [(None, MANIFEST, 0, end - begin)])
     _rehash(root, m, name)
 
 
 def h_overlap_in_tensor(root: Path, m: dict[str, Any]) -> None:
-    c = m["tensors"][EMBEDDING]["chunks"][1]
-    c["offsets"] = [o - 8 for o in c["offsets"]]
+    t = _unmerged(m, EMBEDDING)
+    t["extents"][4:6] = [o - 8 for o in t["extents"][4:6]]  # chunk 1: 8 bytes of chunk 0
     _rehash(root, m, EMBEDDING)
 
 
@@ -711,48 +771,50 @@ def h_overlap_across_tensors(root: Path, m: dict[str, Any]) -> None:
     """exp_avg_sq read from exp_avg's bytes (same shape): checksums all agree."""
     a = next(n for n in m["tensors"] if n.endswith("/exp_avg"))
     b = a.replace("exp_avg", "exp_avg_sq")
-    m["tensors"][b]["chunks"] = copy.deepcopy(m["tensors"][a]["chunks"])
-    m["tensors"][b]["xxh3_64"] = m["tensors"][a]["xxh3_64"]
+    for key in ("sources", "extents", "xxh3_64"):
+        m["tensors"][b][key] = copy.deepcopy(m["tensors"][a][key])
 
 
 def h_chunks_short(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"].pop()
+    t = _unmerged(m, EMBEDDING)
+    del t["extents"][-3:]  # the last chunk
     _rehash(root, m, EMBEDDING)
 
 
 def h_chunk_shortened(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][-1]["offsets"][1] -= 4
+    m["tensors"][EMBEDDING]["extents"][-1] -= 4
     _rehash(root, m, EMBEDDING)
 
 
 def h_chunk_longer(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][0]["offsets"][1] += 4
+    m["tensors"][EMBEDDING]["extents"][2] += 4
 
 
 def h_past_end(root: Path, m: dict[str, Any]) -> None:
     size = (root / dir_name(1) / DATA).stat().st_size
-    c = m["tensors"][EMBEDDING]["chunks"][-1]
-    n = c["offsets"][1] - c["offsets"][0]
-    c["offsets"] = [size, size + n]  # no byte inside the file: no overlap to catch
+    t = _unmerged(m, EMBEDDING)
+    n = t["extents"][-1] - t["extents"][-2]
+    t["extents"][-2:] = [size, size + n]  # no byte inside the file: no overlap to catch
 
 
 def h_reversed_range(root: Path, m: dict[str, Any]) -> None:
-    c = m["tensors"][EMBEDDING]["chunks"][3]
-    c["offsets"] = c["offsets"][::-1]
+    t = _unmerged(m, EMBEDDING)
+    t["extents"][10:12] = t["extents"][10:12][::-1]  # chunk 3's begin and end
 
 
 def h_dotdot_outside(root: Path, m: dict[str, Any]) -> None:
     """The file outside the root is a copy of step 1's data: it would checksum fine."""
-    m["tensors"][EMBEDDING]["chunks"][0]["file"] = "../../outside.safetensors"
+    _emb_source(m)["file"] = "../../outside.safetensors"
 
 
 def h_dotdot_sibling(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][0]["file"] = f"../{dir_name(1)}/{DATA}"
-    del m["tensors"][EMBEDDING]["chunks"][0]["step"]
+    source = _emb_source(m)
+    source["file"] = f"../{dir_name(1)}/{DATA}"
+    del source["step"]
 
 
 def h_path_not_basename(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][0]["file"] = f"{dir_name(1)}/{DATA}"
+    _emb_source(m)["file"] = f"{dir_name(1)}/{DATA}"
 
 
 def h_holder_file_symlink(root: Path, m: dict[str, Any]) -> None:
@@ -763,7 +825,11 @@ def h_holder_file_symlink(root: Path, m: dict[str, Any]) -> None:
 
 
 def h_step_bool(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"][0]["step"] = True  # == 1 in Python
+    _emb_source(m)["step"] = True  # == 1 in Python
+
+
+def h_extent_bool(root: Path, m: dict[str, Any]) -> None:
+    m["tensors"][EMBEDDING]["extents"][0] = False  # == 0 in Python: source 0
 
 
 def h_refs_not_list(root: Path, m: dict[str, Any]) -> None:
@@ -774,47 +840,103 @@ def h_refs_missing(root: Path, m: dict[str, Any]) -> None:
     del m["refs"]
 
 
-def h_v1_with_chunks(root: Path, m: dict[str, Any]) -> None:
+def h_v1_with_extents(root: Path, m: dict[str, Any]) -> None:
     m["format_version"] = 1
+    del m["refs"]  # (a version 1 manifest has none; with them it fails for them)
 
 
-def h_chunks_not_list(root: Path, m: dict[str, Any]) -> None:
-    m["tensors"][EMBEDDING]["chunks"] = {"0": m["tensors"][EMBEDDING]["chunks"][0]}
+def h_v2_with_extents(root: Path, m: dict[str, Any]) -> None:
+    m["format_version"] = 2
 
 
-def h_chunk_no_hash(root: Path, m: dict[str, Any]) -> None:
-    del m["tensors"][EMBEDDING]["chunks"][0]["xxh3_128"]
+def h_v3_with_chunks(root: Path, m: dict[str, Any]) -> None:
+    """The embedding as version 2 wrote it (a well-formed chunk list) in a v3 manifest."""
+    t = m["tensors"][EMBEDDING]
+    t["chunks"] = [
+        {
+            "file": f,
+            "offsets": [begin, end],
+            "xxh3_128": xxhash.xxh3_128_hexdigest(_data(root, s, begin, end, f)),
+            "step": s,
+        }
+        for s, f, begin, end in _chunked(t)
+    ]
+    del t["sources"], t["extents"]
+
+
+def h_sources_not_list(root: Path, m: dict[str, Any]) -> None:
+    t = m["tensors"][EMBEDDING]
+    t["sources"] = {"0": t["sources"][0]}
+
+
+def h_source_unknown_key(root: Path, m: dict[str, Any]) -> None:
+    """A key a source does not have: version 2's chunk hash (of the right bytes)."""
+    [(s, f, begin, end)] = tensor_ranges(m["tensors"][EMBEDDING])
+    _emb_source(m)["xxh3_128"] = xxhash.xxh3_128_hexdigest(_data(root, s, begin, end, f))
+
+
+def h_extents_not_flat(root: Path, m: dict[str, Any]) -> None:
+    t = _unmerged(m, EMBEDDING)
+    t["extents"] = [t["extents"][i : i + 3] for i in range(0, len(t["extents"]), 3)]
+
+
+def h_extents_not_triples(root: Path, m: dict[str, Any]) -> None:
+    t = _unmerged(m, EMBEDDING)
+    t["extents"].pop()  # the last chunk's end
+
+
+def h_extent_source_out_of_range(root: Path, m: dict[str, Any]) -> None:
+    t = _unmerged(m, EMBEDDING)
+    t["extents"][6] = len(t["sources"])  # chunk 2 in a source the entry does not list
 
 
 # name: (edit, the step a plain restore falls back to once step 4 is removed, or None
-# where the edit needs step 4; 0: nothing valid is left)
-HOSTILE: dict[str, tuple[Callable[[Path, dict[str, Any]], None], int | None]] = {
-    "chunk-step-is-own": (h_own_step, 2),
-    "chunk-step-is-later": (h_later_step, None),
-    "chunk-step-not-in-refs": (h_not_in_refs, 2),
-    "chunk-in-step-without-that-file-range": (h_ref_missing, 2),
-    "ref-to-absent-step": (h_ref_absent_step, 2),
-    "ref-to-uncommitted-step": (h_holder_uncommitted, 0),
-    "basename-is-manifest": (h_manifest_as_data, 2),
-    "basename-not-listed": (h_other_rank_file, 2),
-    "own-file-not-listed": (h_own_file_unlisted, 2),
-    "overlapping-chunks": (h_overlap_in_tensor, 2),
-    "overlapping-tensors": (h_overlap_across_tensors, 2),
-    "chunks-short-of-size": (h_chunks_short, 2),
-    "chunk-shortened": (h_chunk_shortened, 2),
-    "chunk-longer": (h_chunk_longer, 2),
-    "chunk-past-file-end": (h_past_end, 2),
-    "chunk-range-reversed": (h_reversed_range, 2),
-    "dotdot-outside-root": (h_dotdot_outside, 2),
-    "dotdot-inside-root": (h_dotdot_sibling, 2),
-    "path-not-basename": (h_path_not_basename, 2),
-    "holder-data-file-is-a-symlink-out": (h_holder_file_symlink, 0),
-    "step-is-bool": (h_step_bool, 2),
-    "refs-not-list": (h_refs_not_list, 2),
-    "refs-missing": (h_refs_missing, 2),
-    "version-1-with-chunks": (h_v1_with_chunks, 2),
-    "chunks-not-list": (h_chunks_not_list, 2),
-    "chunk-without-hash": (h_chunk_no_hash, 2),
+# where the edit needs step 4 (0: nothing valid is left), what the refusal says)
+HOSTILE: dict[str, tuple[Callable[[Path, dict[str, Any]], None], int | None, str]] = {
+    "chunk-step-is-own": (h_own_step, 2, "refs must be increasing steps before step 3"),
+    "chunk-step-is-later": (h_later_step, None, "refs must be increasing steps before step 3"),
+    "chunk-step-not-in-refs": (h_not_in_refs, 2, "refers to step 1, which is not among"),
+    "chunk-in-step-without-that-file-range": (h_ref_missing, 2, "lies outside the data of"),
+    "ref-to-absent-step": (h_ref_absent_step, 2, "refers to step 0, which cannot be read"),
+    "ref-to-uncommitted-step": (
+        h_holder_uncommitted,
+        0,
+        "step 1, which cannot be read.*manifest is missing",
+    ),
+    "basename-is-manifest": (h_manifest_as_data, 2, "a file 'manifest.json' .* has no such file"),
+    "basename-not-listed": (
+        h_other_rank_file,
+        2,
+        "a file 'rank-00001.safetensors' .* has no such file",
+    ),
+    "own-file-not-listed": (h_own_file_unlisted, 2, "source file 'manifest.json' is not listed"),
+    "overlapping-chunks": (h_overlap_in_tensor, 2, "overlap in"),
+    "overlapping-tensors": (h_overlap_across_tensors, 2, "overlap in"),
+    "chunks-short-of-size": (h_chunks_short, 2, "its extents hold"),
+    "chunk-shortened": (h_chunk_shortened, 2, "its extents hold"),
+    "chunk-longer": (h_chunk_longer, 2, "its extents hold"),
+    "chunk-past-file-end": (h_past_end, 2, "lies outside the data of"),
+    "chunk-range-reversed": (h_reversed_range, 2, r"extent 3 \[0, \d+, \d+\] is not"),
+    "dotdot-outside-root": (h_dotdot_outside, 2, "names its file by basename"),
+    "dotdot-inside-root": (h_dotdot_sibling, 2, "is not listed"),
+    "path-not-basename": (h_path_not_basename, 2, "names its file by basename"),
+    "holder-data-file-is-a-symlink-out": (
+        h_holder_file_symlink,
+        0,
+        "is a symbolic link inside the checkpoint root",
+    ),
+    "step-is-bool": (h_step_bool, 2, "refers to step True"),
+    "extent-is-bool": (h_extent_bool, 2, "flat list of integer triples"),
+    "refs-not-list": (h_refs_not_list, 2, "refs must be increasing steps"),
+    "refs-missing": (h_refs_missing, 2, "refs must be increasing steps"),
+    "version-1-with-extents": (h_v1_with_extents, 2, "extents are a format version 3 feature"),
+    "version-2-with-extents": (h_v2_with_extents, 2, "extents are a format version 3 feature"),
+    "version-3-with-chunks": (h_v3_with_chunks, 2, "chunks are a format version 2 feature"),
+    "sources-not-list": (h_sources_not_list, 2, "sources must be a non-empty list"),
+    "source-with-unknown-key": (h_source_unknown_key, 2, "malformed source"),
+    "extents-not-flat": (h_extents_not_flat, 2, "flat list of integer triples"),
+    "extents-not-triples": (h_extents_not_triples, 2, "flat list of integer triples"),
+    "extent-source-out-of-range": (h_extent_source_out_of_range, 2, r"extent 2 \[1, "),
 }
 
 
@@ -846,7 +968,7 @@ def _outside(tmp_path: Path, root: Path, paths: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_v2_manifest_is_refused(
+def test_hostile_v3_manifest_is_refused(
     case: str,
     hostile_template: tuple[Path, dict[int, Any]],
     tmp_path: Path,
@@ -855,13 +977,13 @@ def test_hostile_v2_manifest_is_refused(
     src, expected = hostile_template
     root = _copy(src, tmp_path)
     shutil.copy(root / dir_name(1) / DATA, tmp_path / "outside.safetensors")
-    edit, fallback = HOSTILE[case]
+    edit, fallback, reason = HOSTILE[case]
     m = manifest(root, 3)
     edit(root, m)
     write_manifest(root, 3, m)
     storage = open_storage(root)
 
-    with opened_paths() as seen, pytest.raises(CorruptCheckpointError):
+    with opened_paths() as seen, pytest.raises(CorruptCheckpointError, match=reason):
         CheckpointReader(storage, 3).verify()
     assert _outside(tmp_path, root, seen) == []
     capsys.readouterr()
@@ -896,17 +1018,32 @@ def test_hostile_v2_manifest_is_refused(
         assert 3 in [e["step"] for e in audit(root, "skip")]
 
 
-def test_unedited_template_is_valid(hostile_template: tuple[Path, dict[int, Any]]) -> None:
-    """The hostile cases start from valid checkpoints: each fails only by its edit."""
+def test_unedited_template_is_valid(
+    hostile_template: tuple[Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    """The hostile cases start from valid checkpoints: each fails only by its edit. The
+    embedding of step 3 is one extent, all of step 1's copy; cut into an extent per
+    chunk (as the edits of one chunk cut it), step 3 still verifies and restores."""
     src, expected = hostile_template
     storage = open_storage(src)
     for s in (1, 2, 3, 4):
         CheckpointReader(storage, s).verify()
     m = manifest(src, 3)
     assert m["refs"] == [1] or m["refs"] == [1, 2]
-    assert all(c["step"] == 1 for c in m["tensors"][EMBEDDING]["chunks"])
-    assert len(m["tensors"][EMBEDDING]["chunks"]) == VOCAB * DIM * 4 // CHUNK
+    begin, end = manifest(src, 1)["tensors"][EMBEDDING]["offsets"]
+    assert tensor_ranges(m["tensors"][EMBEDDING]) == [(1, DATA, begin, end)]
     assert restored(src, 3).mismatches(expected[3]) == []
+
+    root = _copy(src, tmp_path)
+    for name in (EMBEDDING, BANK):
+        before = tensor_ranges(m["tensors"][name])
+        t = _unmerged(m, name)
+        assert len(t["extents"]) // 3 == -(-(np.prod(t["shape"]) * 4) // CHUNK) > len(before)
+        assert _chunked(t) == tensor_ranges(t)
+    assert len(m["tensors"][EMBEDDING]["extents"]) // 3 == VOCAB * DIM * 4 // CHUNK
+    write_manifest(root, 3, m)
+    CheckpointReader(open_storage(root), 3).verify()
+    assert restored(root, 3).mismatches(expected[3]) == []
 
 
 # --------------------------------------------------------------------------- 5. whole
@@ -954,7 +1091,7 @@ def test_whole_checkpoints_when_incremental_is_off_or_not_worth_it(
 
 
 def test_reused_part_is_large_enough_for_min_saving(tmp_path: Path) -> None:
-    """The counterpart of the min_saving case above: at 0.5 the same job writes v2."""
+    """The counterpart of the min_saving case above: at 0.5 the same job writes v3."""
     root = tmp_path / "ckpt"
     run(
         root,
@@ -962,7 +1099,7 @@ def test_reused_part_is_large_enough_for_min_saving(tmp_path: Path) -> None:
         range(1, 4),
         incremental=Incremental(chunk_bytes=CHUNK, min_saving=0.5, **ALWAYS),
     )
-    assert _versions(root) == [1, 2, 2]
+    assert _versions(root) == [1, 3, 3]
 
 
 def _change_structure(job: Job, step: int) -> None:
@@ -986,7 +1123,7 @@ def test_structure_changes_are_written_and_restored_exactly(tmp_path: Path) -> N
     job = Job()
     expected = run(root, job, range(1, 10), before_train=_change_structure)
     check_references(root)
-    assert _versions(root) == [1] + [2] * 8
+    assert _versions(root) == [1] + [3] * 8
     buf = {s: manifest(root, s)["tensors"].get("extra/buf") for s in range(1, 10)}
     assert [buf[s]["shape"] for s in (2, 3, 4, 5)] == [[16], [48], [6, 8], [6, 8]]
     assert [buf[s]["dtype"] for s in (4, 5)] == ["F32", "I32"]
@@ -1077,7 +1214,7 @@ def test_min_live_releases_an_old_checkpoint(tmp_path: Path) -> None:
 
 def test_mirror_holds_every_checkpoint_its_checkpoints_refer_to(tmp_path: Path) -> None:
     """A local mirror with its own retention: every checkpoint committed there refers
-    only to checkpoints committed there, a v2 upload is its own files and manifest,
+    only to checkpoints committed there, a v3 upload is its own files and manifest,
     and the mirror alone (the local root gone) restores every step it kept exactly."""
     root, mirror = tmp_path / "ckpt", tmp_path / "mirror"
     job = Job()
@@ -1099,10 +1236,10 @@ def test_mirror_holds_every_checkpoint_its_checkpoints_refer_to(tmp_path: Path) 
             check_references(mirror)
             check_references(root)
     assert committed(mirror) == sorted(closure(mirror, [10, 11, 12]))
-    assert 1 in committed(mirror) and manifest(mirror, 12)["format_version"] == 2
+    assert 1 in committed(mirror) and manifest(mirror, 12)["format_version"] == 3
     uploads = {e["step"]: e["bytes"] for e in audit(mirror, "commit")}
     for s in committed(mirror):
-        if manifest(mirror, s)["format_version"] == 2:
+        if manifest(mirror, s)["format_version"] == 3:
             blob = (mirror / dir_name(s) / MANIFEST).stat().st_size
             assert uploads[s] == own_bytes(manifest(mirror, s)) + blob, s
     shutil.rmtree(root)
@@ -1173,7 +1310,7 @@ def test_a_failed_persist_is_never_referred_to(crash_in: int, tmp_path: Path) ->
             expected[step] = job.record()
     assert committed(root) == [1, 2, 4, 5]
     check_references(root)
-    assert [manifest(root, s)["format_version"] for s in (4, 5)] == [2, 2]
+    assert [manifest(root, s)["format_version"] for s in (4, 5)] == [3, 3]
     for s in (1, 2, 4, 5):
         CheckpointReader(open_storage(root), s).verify()
         assert restored(root, s).mismatches(expected[s]) == [], s
@@ -1259,8 +1396,8 @@ def test_a_tensor_named_like_a_chunk_entry_does_not_stop_saves(
             expected[step] = {k: v.clone() for k, v in state.items()}
     assert committed(root) == [1, 2, 3]
     check_references(root)
-    w = manifest(root, 3)["tensors"]["w"]["chunks"]  # the first chunk written, the rest not
-    assert ["step" in c for c in w] == [False, True, True, True]
+    w = tensor_ranges(manifest(root, 3)["tensors"]["w"])  # the first chunk written, the rest not
+    assert [(s, end - begin) for s, _, begin, end in w] == [(None, 4096), (1, 3 * 4096)]
     for s in (1, 2, 3):
         fresh: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
         with Checkpointer(root, fresh, keep=None, persist="sync") as ckpt:
@@ -1286,7 +1423,7 @@ def test_mirror_after_resuming_from_an_older_step_stays_valid(
             job.train(step)
             ckpt.save(step)
             ckpt.wait()
-    assert [manifest(mirror, s)["format_version"] for s in (1, 2, 3)] == [1, 2, 2]
+    assert [manifest(mirror, s)["format_version"] for s in (1, 2, 3)] == [1, 3, 3]
     job = Job(seed=5)
     expected: dict[int, dict[str, Any]] = {}
     with (
@@ -1327,11 +1464,11 @@ def check_stored_references(storage: Storage) -> None:
         refs = m.get("refs", [])
         assert set(refs) <= steps and all(r < s for r in refs), (s, refs, steps)
         for t in m["tensors"].values():
-            for c in t.get("chunks", []):
-                if "step" in c:
-                    files = stored_manifest(storage, c["step"])["files"]
+            for step, fname, begin, end in tensor_ranges(t):
+                if step is not None:
+                    files = stored_manifest(storage, step)["files"]
                     sizes = {k.rsplit("/", 1)[-1]: v["size"] for k, v in files.items()}
-                    assert c["step"] in refs and c["offsets"][1] <= sizes[c["file"]], (s, c)
+                    assert step in refs and end <= sizes[fname], (s, step, fname, begin, end)
 
 
 def test_incremental_checkpoints_on_object_storage(s3_env: Any, tmp_path: Path) -> None:
@@ -1344,7 +1481,7 @@ def test_incremental_checkpoints_on_object_storage(s3_env: Any, tmp_path: Path) 
     storage = open_storage(url)
     check_stored_references(storage)
     assert list_committed(storage) == [1, 5, 6]
-    assert stored_manifest(storage, 6)["format_version"] == 2
+    assert stored_manifest(storage, 6)["format_version"] == 3
     new = run(url, Job(seed=5), (6, 7), keep=None, restore=5)
     check_stored_references(storage)
     for s in list_committed(storage):

@@ -99,7 +99,7 @@ def test_mirror_receives_only_new_chunks_and_keeps_referenced_checkpoints(
     assert list_committed(remote) == [1, 5, 6]
     for s in (5, 6):
         manifest = CheckpointReader(remote, s).manifest
-        assert manifest["format_version"] == 2 and manifest["refs"] == [1]
+        assert manifest["format_version"] == 3 and manifest["refs"] == [1]
         assert objects_bytes(s3, bucket, f"ft/{step_dir(s)}/") < full / 10
     assert objects_bytes(s3, bucket, f"ft/{step_dir(1)}/") >= full
     for s in list_committed(remote):

@@ -179,8 +179,9 @@ def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
 
 
 def test_kill_with_incremental_checkpoints_small_campaign_passes() -> None:
-    """Version 2 checkpoints, killed in saves and in retention deletes: every listed one
-    verifies, its refs are committed, and relaunches restore bit for bit."""
+    """Version 3 checkpoints, killed in saves and in retention deletes: every listed one
+    verifies, its refs are committed, and relaunches restore bit for bit. (The ``v2_*``
+    details count the checkpoints that refer to earlier ones: version 3 now.)"""
     r = incremental.run("small")
     d = r["details"]
     assert r["failures"] == 0, d["problems"]
@@ -188,8 +189,8 @@ def test_kill_with_incremental_checkpoints_small_campaign_passes() -> None:
     assert d["most_refs_of_one_checkpoint"] > 1 and d["held_only_by_a_reference_after_a_kill"] > 0
     assert any(k.startswith("retention") for k in d["kills"])
     assert any(k.startswith("commit") for k in d["kills"])
-    assert d["restores"].get("storage v2", 0) > 0  # a relaunch read a version 2 checkpoint
-    # a version 2 checkpoint writes its own chunks only: much less than a whole one
+    assert d["restores"].get("storage v3", 0) > 0  # a relaunch read a version 3 checkpoint
+    # a version 3 checkpoint writes its own chunks only: much less than a whole one
     assert d["median_own_bytes"]["v2"] < d["median_own_bytes"]["v1"] / 4
 
 

@@ -58,6 +58,7 @@ from resumable.format import (
     human_bytes,
     itemsize,
     safetensors_header,
+    tensor_ranges,
 )
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
@@ -425,8 +426,8 @@ def _tensor_line(label: str, kind: str, name: str, index: dict[str, Any]) -> str
         return f"{label}: {kind} {name} (not in the tensor index)"
     nbytes = math.prod(info["shape"]) * itemsize(info["dtype"])
     where = ""
-    if "chunks" in info:
-        steps = sorted({c["step"] for c in info["chunks"] if "step" in c})
+    if "chunks" in info or "extents" in info:
+        steps = sorted({s for s, *_ in tensor_ranges(info) if s is not None})
         if steps:
             where = f" (in step {', '.join(map(str, steps))})"
     return f"{label}: {kind} {name} {info['dtype']} {info['shape']} {_human_bytes(nbytes)}{where}"

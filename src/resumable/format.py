@@ -41,8 +41,8 @@ from resumable.errors import CorruptCheckpointError, NewerFormatError, Unsupport
 from resumable.tree import check_tree
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 2  # the highest this reads; a writer writes 1 unless it refers (2)
-CHUNK_HASH = "xxh3_128"
+FORMAT_VERSION = 3  # the highest this reads; a writer writes 1 unless it refers (3)
+CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_SAFETENSORS_HEADER = 100 << 20
@@ -268,11 +268,14 @@ def build_manifest(
     tensors: Mapping[str, Mapping[str, Any]],
     world_size: int = 1,
 ) -> dict[str, Any]:
-    refs = sorted({c["step"] for t in tensors.values() for c in t.get("chunks", ()) if "step" in c})
-    chunked = any("chunks" in t for t in tensors.values())
+    refs = sorted({s for t in tensors.values() for s, *_ in tensor_ranges(t) if s is not None})
+    chunked = any("chunks" in t or "extents" in t for t in tensors.values())
+    version = 1
+    if chunked:
+        version = 3 if any("extents" in t for t in tensors.values()) else 2
     m: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": 2 if chunked else 1,
+        "format_version": version,
         "step": int(step),
         "created": time.time(),
         "metrics": json_metrics(metrics or {}),
@@ -415,7 +418,7 @@ def _decode_manifest(data: bytes, *, where: str, files_only: bool) -> dict[str, 
         return m
     refs = _check_refs(m, version, where)
     for name, info in m["tensors"].items():
-        _check_tensor_entry(name, info, m["files"], where, refs)
+        _check_tensor_entry(name, info, m["files"], where, refs, version)
     _check_disjoint(m["tensors"], where)
     fqns = global_tensors(m["tensors"])
     for fqn, spec in fqns.items():
@@ -426,12 +429,12 @@ def _decode_manifest(data: bytes, *, where: str, files_only: bool) -> dict[str, 
 
 
 def _check_refs(m: Mapping[str, Any], version: int, where: str) -> set[int] | None:
-    """Version 2's ``refs``: the earlier steps whose data files the chunks refer to,
+    """Versions 2 and 3's ``refs``: the earlier steps whose data files the chunks refer to,
     strictly increasing and each before the manifest's own step (so references never
     form a cycle). None for version 1, which has none."""
     if version == 1:
         if "refs" in m:
-            raise CorruptCheckpointError(f"{where}: refs are a format version 2 feature")
+            raise CorruptCheckpointError(f"{where}: refs are a format version 2 and 3 feature")
         return None
     refs = m.get("refs")
     if (
@@ -489,11 +492,17 @@ def _check_type(m: Mapping[str, Any], key: str, typ: type, where: str) -> None:
 
 
 def _check_tensor_entry(
-    name: str, info: Any, files: Mapping[str, Any], where: str, refs: set[int] | None
+    name: str,
+    info: Any,
+    files: Mapping[str, Any],
+    where: str,
+    refs: set[int] | None,
+    version: int = FORMAT_VERSION,
 ) -> None:
     """One entry of the tensor index: a whole tensor in one of this checkpoint's files
-    (``file``, ``offsets``), or, in version 2 (``refs`` not None), a list of ``chunks``
-    of this checkpoint's files or of the earlier checkpoints it refers to."""
+    (``file``, ``offsets``), or, where the manifest refers (``refs`` not None), its
+    bytes in pieces of this checkpoint's files or of the earlier checkpoints it refers
+    to: version 2's list of ``chunks``, version 3's ``sources`` and ``extents``."""
     bad = f"{where}: bad tensor index entry {name[:100]!r}"
     if not isinstance(info, dict):
         raise CorruptCheckpointError(bad)
@@ -511,9 +520,13 @@ def _check_tensor_entry(
         raise CorruptCheckpointError(f"{bad}: no {CHECKSUM} checksum")
     nbytes = _numel(shape) * _ITEMSIZE[dtype]
     if "chunks" in info:
-        if refs is None:
+        if refs is None or version != 2:
             raise CorruptCheckpointError(f"{bad}: chunks are a format version 2 feature")
         _check_chunks(info["chunks"], nbytes, files, refs, bad)
+    elif "extents" in info or "sources" in info:
+        if refs is None or version < 3:
+            raise CorruptCheckpointError(f"{bad}: extents are a format version 3 feature")
+        _check_extents(info.get("sources"), info.get("extents"), nbytes, files, refs, bad)
     else:
         f = info.get("file")
         if not isinstance(f, str) or f not in files:
@@ -572,17 +585,7 @@ def _check_chunks(
         if end < begin:
             raise CorruptCheckpointError(f"{bad}: chunk range [{begin}, {end}) is reversed")
         if "step" in c:
-            if not _nonneg_int(c["step"]) or c["step"] not in refs:
-                raise CorruptCheckpointError(
-                    f"{bad}: chunk refers to step {str(c['step'])[:40]}, which is not "
-                    "among the manifest's refs"
-                )
-            if not isinstance(f, str) or "/" in f:
-                raise CorruptCheckpointError(
-                    f"{bad}: a chunk of another checkpoint names its file by basename, "
-                    f"found {str(f)[:100]!r}"
-                )
-            check_relpath(f)
+            _check_referred_file(c["step"], f, refs, bad)
         elif not isinstance(f, str) or f not in files or end > files[f]["size"]:
             raise CorruptCheckpointError(
                 f"{bad}: chunk [{begin}, {end}) of file {str(f)[:100]!r} is not within a "
@@ -593,6 +596,86 @@ def _check_chunks(
         raise CorruptCheckpointError(
             f"{bad}: its chunks hold {total} bytes, its dtype and shape need {nbytes}"
         )
+
+
+_SOURCE_KEYS = {"file", "step"}
+_NUMPY_FROM = 96  # integers in an extents list from which NumPy checks it (32 extents)
+
+
+def _check_extents(
+    sources: Any, extents: Any, nbytes: int, files: Mapping[str, Any], refs: set[int], bad: str
+) -> None:
+    """The pieces of a version 3 entry: ``sources``, the files its bytes lie in (one of
+    this checkpoint's by its key, or a data file of a step in ``refs`` by its basename),
+    and ``extents``, a flat list of (source index, begin, end) triples; in order they
+    hold exactly the tensor's bytes, each inside its file's declared size."""
+    if not isinstance(sources, list) or not sources:
+        raise CorruptCheckpointError(f"{bad}: sources must be a non-empty list")
+    limits = []  # the end no extent of a source may pass
+    for src in sources:
+        if not isinstance(src, dict) or not set(src) <= _SOURCE_KEYS:
+            raise CorruptCheckpointError(f"{bad}: malformed source {str(src)[:200]}")
+        f = src.get("file")
+        if "step" in src:
+            _check_referred_file(src["step"], f, refs, bad)
+            limits.append(_ARRAY_LIMIT - 1)  # the reader checks it against that file
+        elif not isinstance(f, str) or f not in files:
+            raise CorruptCheckpointError(f"{bad}: source file {str(f)[:100]!r} is not listed")
+        else:
+            limits.append(min(files[f]["size"], _ARRAY_LIMIT - 1))
+    if (
+        not isinstance(extents, list)
+        or not extents
+        or len(extents) % 3
+        or not all(type(x) is int for x in extents)
+    ):
+        raise CorruptCheckpointError(
+            f"{bad}: extents must be a non-empty flat list of integer triples (source, begin, end)"
+        )
+    if max(extents) >= _ARRAY_LIMIT or min(extents) < -_ARRAY_LIMIT:
+        raise CorruptCheckpointError(f"{bad}: an extent's integer exceeds 2**63")
+    if len(extents) < _NUMPY_FROM:
+        total = 0
+        for i in range(0, len(extents), 3):
+            s, b, e = extents[i : i + 3]
+            if not (0 <= s < len(limits) and 0 <= b <= e <= limits[s]):
+                raise _bad_extent(bad, i // 3, (s, b, e), len(limits))
+            total += e - b
+    else:
+        a = np.array(extents, dtype=np.int64).reshape(-1, 3)
+        ok = (a[:, 0] >= 0) & (a[:, 0] < len(limits)) & (a[:, 1] >= 0) & (a[:, 1] <= a[:, 2])
+        if ok.all():
+            ok = a[:, 2] <= np.array(limits, dtype=np.int64)[a[:, 0]]
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise _bad_extent(bad, i, tuple(a[i].tolist()), len(limits))
+        total = sum((a[:, 2] - a[:, 1]).tolist())  # Python integers: no overflow
+    if total != nbytes:
+        raise CorruptCheckpointError(
+            f"{bad}: its extents hold {total} bytes, its dtype and shape need {nbytes}"
+        )
+
+
+def _bad_extent(bad: str, i: int, extent: tuple[int, ...], n: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{bad}: extent {i} {list(extent)} is not [source below {n}, begin, end] with "
+        "0 <= begin <= end within that source's file"
+    )
+
+
+def _check_referred_file(step: Any, f: Any, refs: set[int], bad: str) -> None:
+    """A piece in an earlier checkpoint: its step among ``refs``, its file a basename."""
+    if not _nonneg_int(step) or step not in refs:
+        raise CorruptCheckpointError(
+            f"{bad}: a chunk refers to step {str(step)[:40]}, which is not among the "
+            "manifest's refs"
+        )
+    if not isinstance(f, str) or "/" in f:
+        raise CorruptCheckpointError(
+            f"{bad}: a chunk of another checkpoint names its file by basename, "
+            f"found {str(f)[:100]!r}"
+        )
+    check_relpath(f)
 
 
 def int_pair(x: Any) -> bool:
@@ -607,6 +690,10 @@ def int_pair(x: Any) -> bool:
 def tensor_ranges(info: Mapping[str, Any]) -> list[tuple[int | None, str, int, int]]:
     """Where a validated tensor entry's bytes lie, in order: (step or None for this
     checkpoint, file, begin, end); one range for a version 1 entry."""
+    if "extents" in info:
+        where = [(s.get("step"), s["file"]) for s in info["sources"]]
+        ext = info["extents"]
+        return [(*where[ext[i]], ext[i + 1], ext[i + 2]) for i in range(0, len(ext), 3)]
     if "chunks" in info:
         return [
             (c.get("step"), c["file"], c["offsets"][0], c["offsets"][1]) for c in info["chunks"]
@@ -616,23 +703,39 @@ def tensor_ranges(info: Mapping[str, Any]) -> list[tuple[int | None, str, int, i
 
 def _check_disjoint(tensors: Mapping[str, Mapping[str, Any]], where: str) -> None:
     """No two tensors (or chunks) share a byte of a file, this checkpoint's or one it
-    refers to, so all tensors together hold at most the files' bytes (sort and sweep:
-    O(n log n))."""
-    by_file: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
-    for name, info in tensors.items():
+    refers to, so all tensors together hold at most the files' bytes. Sort and sweep,
+    O(n log n), in NumPy: a version 3 entry may have thousands of extents."""
+    keys: dict[tuple[int, str], int] = {}  # (step, or -1 for this checkpoint; file) -> id
+    names = list(tensors)
+    small: list[tuple[int, int, int, int]] = []  # (file id, begin, end, tensor)
+    parts: list[np.ndarray] = []  # rows of the same, a long extents list at a time
+    for i, info in enumerate(tensors.values()):
+        if len(info.get("extents", ())) >= _NUMPY_FROM:
+            ids = np.array(
+                [
+                    keys.setdefault((s.get("step", -1), s["file"]), len(keys))
+                    for s in info["sources"]
+                ],
+                dtype=np.int64,
+            )
+            a = np.array(info["extents"], dtype=np.int64).reshape(-1, 3)
+            parts.append(np.stack([ids[a[:, 0]], a[:, 1], a[:, 2], np.full(len(a), i)], axis=1))
+            continue
         for step, fname, begin, end in tensor_ranges(info):
             key = (-1 if step is None else step, fname)
-            by_file.setdefault(key, []).append((begin, end, name))
-    for (step, fname), ranges in by_file.items():
-        ranges.sort()
-        reach, last = 0, ""
-        for begin, end, name in ranges:
-            if begin < reach:
-                in_file = fname if step < 0 else f"{fname} of step {step}"
-                raise CorruptCheckpointError(
-                    f"{where}: tensors {last[:100]!r} and {name[:100]!r} overlap in "
-                    f"{in_file} at byte {begin}; each byte of a data file belongs to at "
-                    "most one tensor"
-                )
-            if end >= reach:
-                reach, last = end, name
+            small.append((keys.setdefault(key, len(keys)), begin, end, i))
+    rows = np.concatenate([np.array(small, dtype=np.int64).reshape(-1, 4), *parts])
+    rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    # Sorted by file and begin, ranges are disjoint iff each begins at or after the
+    # end of the one before it in the same file.
+    clash = (rows[1:, 0] == rows[:-1, 0]) & (rows[1:, 1] < rows[:-1, 2])
+    if clash.any():
+        j = int(np.argmax(clash))
+        step, fname = next(k for k, v in keys.items() if v == rows[j, 0])
+        in_file = fname if step < 0 else f"{fname} of step {step}"
+        first, second = names[rows[j, 3]], names[rows[j + 1, 3]]
+        raise CorruptCheckpointError(
+            f"{where}: tensors {first[:100]!r} and {second[:100]!r} overlap in "
+            f"{in_file} at byte {rows[j + 1, 1]}; each byte of a data file belongs to at "
+            "most one tensor"
+        )

@@ -34,7 +34,7 @@ from resumable.format import (
     encode_manifest,
     safetensors_header,
 )
-from resumable.incremental import CHUNK_HASH, Chunk, DeltaBase, Plan, Record
+from resumable.incremental import Chunk, DeltaBase, Plan, Record
 from resumable.snapshot import Snapshot
 from resumable.storage.base import Storage
 
@@ -279,9 +279,11 @@ def _incremental_file(
 ) -> tuple[bytes, list[Any], dict[str, dict[str, Any]]]:
     """Lay out the chunks ``plan`` writes: tensors written whole first (as in a full
     file, largest element size first, so each stays aligned to its element size), then
-    the changed chunks of partly reused tensors as ``U8`` entries named
-    ``<tensor>#chunk<index>`` (readers go by their offsets, never by these names). The
-    file stays a valid safetensors file."""
+    the changed chunks of partly reused tensors, each run of consecutive ones as one
+    ``U8`` entry named ``<tensor>#chunk<first index>`` (readers go by their offsets,
+    never by these names). The file stays a valid safetensors file. A partly reused
+    tensor's entry is version 3's: its sources and extents, chunks that lie back to
+    back in one file merged into one extent."""
     names = {s.name for s in snapshot.slots}
     file_slots: list[TensorSlot] = []
     spans: list[tuple[int, int]] = []  # arena ranges, in file order
@@ -300,45 +302,57 @@ def _incremental_file(
     for p in plan.slots:
         if p.whole:
             continue
+        # changed chunks lie back to back in the file; each run of them is one entry
+        runs: list[list[int]] = []  # [first chunk, data offset, bytes]
+        after_changed = False
         for i, ((b, e), old) in enumerate(zip(p.ranges, p.reuse, strict=True)):
             if old is not None:
+                after_changed = False
                 continue
-            name, n = f"{p.slot.name}#chunk{i}", 0
+            where[(p.slot.name, i)] = offset
+            spans.append((p.slot.begin + b, p.slot.begin + e))
+            if after_changed:
+                runs[-1][2] += e - b
+            else:
+                runs.append([i, offset, e - b])
+            after_changed = True
+            offset += e - b
+        for first, at, size in runs:
+            name, n = f"{p.slot.name}#chunk{first}", 0
             while name in names:  # a name is only a header key: any unused one will do
                 n += 1
-                name = f"{p.slot.name}#chunk{i}.{n}"
+                name = f"{p.slot.name}#chunk{first}.{n}"
             names.add(name)
-            file_slots.append(TensorSlot(name, torch.uint8, (e - b,), offset, offset + e - b))
-            spans.append((p.slot.begin + b, p.slot.begin + e))
-            where[(p.slot.name, i)] = offset
-            offset += e - b
+            file_slots.append(TensorSlot(name, torch.uint8, (size,), at, at + size))
     header = safetensors_header(file_slots, meta)
     start = len(header)
     base_name = fname.rsplit("/", 1)[-1]
     tensors: dict[str, dict[str, Any]] = {}
     for p in plan.slots:
-        chunks: list[dict[str, Any]] = []
+        sources: dict[tuple[int | None, str], int] = {}  # (step, file) -> index
+        extents: list[int] = []  # (source, begin, end) triples; adjacent ones merged
         records: list[Chunk] = []
         for i, ((b, e), h, old) in enumerate(zip(p.ranges, p.hashes, p.reuse, strict=True)):
             if old is not None:
-                chunks.append(
-                    {
-                        "file": old.file,
-                        "offsets": [old.begin, old.end],
-                        CHUNK_HASH: h,
-                        "step": old.step,
-                    }
-                )
+                key, begin, end = (old.step, old.file), old.begin, old.end
                 records.append(old)
             else:
                 at = start + where[(p.slot.name, i)]
-                chunks.append({"file": fname, "offsets": [at, at + e - b], CHUNK_HASH: h})
+                key, begin, end = (None, fname), at, at + e - b
                 records.append(Chunk(h, None, base_name, at, at + e - b))
+            src = sources.setdefault(key, len(sources))
+            if extents and extents[-3] == src and extents[-1] == begin:
+                extents[-1] = end
+            else:
+                extents += (src, begin, end)
         tensors[p.slot.name] = {
             "dtype": dtype_name(p.slot.dtype),
             "shape": list(p.slot.shape),
             CHECKSUM: sums[p.slot.name],
-            "chunks": chunks,
+            "sources": [
+                {"file": f} if step is None else {"step": step, "file": f} for step, f in sources
+            ],
+            "extents": extents,
         }
         plan.records[p.slot.name] = Record(
             p.slot.dtype, tuple(p.slot.shape), tuple(records), sums[p.slot.name]

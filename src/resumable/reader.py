@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -55,7 +56,7 @@ class CheckpointReader:
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
         # Tensors `tensors` returned unassembled, and where their chunks lie: (the
         # tensor, [(byte position in it, source bytes)]), for `fill`.
-        self._fills: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = []
+        self._fills: list[tuple[torch.Tensor, list[tuple[int, np.ndarray]]]] = []
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -91,27 +92,30 @@ class CheckpointReader:
         expect: dict[str, list[tuple[str, str, list[int], list[int]]]] = defaultdict(list)
         chunks: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
         for name, info in m["tensors"].items():
-            if "chunks" not in info:
+            if "chunks" not in info and "extents" not in info:
                 expect[info["file"]].append((name, info["dtype"], info["shape"], info["offsets"]))
                 continue
-            own = [(i, c) for i, c in enumerate(info["chunks"]) if "step" not in c]
-            for c in info["chunks"]:
-                if "step" in c:
-                    chunks[(c["step"], c["file"])].append(tuple(c["offsets"]))
-            spans = [c["offsets"] for _, c in own]
-            if own and len(own) == len(info["chunks"]) and _contiguous(spans, own):
+            ranges = tensor_ranges(info)
+            own = [(f, b, e) for step, f, b, e in ranges if step is None]
+            for step, f, b, e in ranges:
+                if step is not None:
+                    chunks[(step, f)].append((b, e))
+            if own and len(own) == len(ranges) and _contiguous(own):
                 # written whole: one entry, as in a full file
-                span = [spans[0][0], spans[-1][1]]
-                expect[own[0][1]["file"]].append((name, info["dtype"], info["shape"], span))
+                expect[own[0][0]].append(
+                    (name, info["dtype"], info["shape"], [own[0][1], own[-1][2]])
+                )
             else:  # changed chunks: U8 entries, whatever their names
-                for _, c in own:
-                    b, e = c["offsets"]
-                    expect[c["file"]].append(("", "U8", [e - b], [b, e]))
+                for f, b, e in own:
+                    expect[f].append(("", "U8", [e - b], [b, e]))
         for step, fname in sorted(chunks):
             holder = self._holder(step)
             key = self._holder_file(holder, fname)
             size = holder.manifest["files"][key]["size"]
-            start, _ = holder._check_file(key, size)
+            # Where its data starts is all this checkpoint uses of that file's header:
+            # the bytes it reads there are checked against its own checksums, and that
+            # checkpoint's header is checked in full whenever it is itself read.
+            start = 8 + holder._header_length(key, size)
             for b, e in chunks[(step, fname)]:
                 if b < start or e > size:
                     raise CorruptCheckpointError(
@@ -142,6 +146,17 @@ class CheckpointReader:
     def _check_file(self, fname: str, size: int) -> tuple[int, dict[str, Any]]:
         """One data file: present, of the declared size, with a valid safetensors
         header; returns where its data starts and the header."""
+        n = self._header_length(fname, size)
+        path = f"{self.dir}/{fname}"
+        head = n.to_bytes(8, "little") + self.storage.read_range(path, 8, n)
+        try:
+            return parse_safetensors_header(head, size)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{self.where}: {fname}: {exc}") from None
+
+    def _header_length(self, fname: str, size: int) -> int:
+        """A data file present, of the declared ``size``, whose first 8 bytes give a
+        safetensors header length that fits in it: its data starts at 8 plus that."""
         path = f"{self.dir}/{fname}"
         try:
             actual = self.storage.size(path)
@@ -156,10 +171,7 @@ class CheckpointReader:
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 0 or 8 + n > actual or n > MAX_SAFETENSORS_HEADER:
             raise CorruptCheckpointError(f"{self.where}: {fname} is not a safetensors file")
-        try:
-            return parse_safetensors_header(head + self.storage.read_range(path, 8, n), actual)
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(f"{self.where}: {fname}: {exc}") from None
+        return n
 
     def _holder(self, step: int) -> CheckpointReader:
         """The earlier checkpoint ``step`` that this one refers to, its manifest read."""
@@ -252,14 +264,17 @@ class CheckpointReader:
                 for n in names_in_file:
                     _, b, e = locations[n][0]
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
-        maps: dict[str, torch.Tensor | None] = {}  # each file mapped once for all its chunks
+        # Each file mapped once for all its chunks, as a NumPy array: a tensor may have
+        # thousands of extents, and slicing, hashing and copying NumPy views costs a
+        # fraction of the same on torch tensors, per extent.
+        maps: dict[str, np.ndarray | None] = {}
 
-        def mapped(path: str, end: int) -> torch.Tensor | None:
+        def mapped(path: str, end: int) -> np.ndarray | None:
             if path not in maps:
                 mm = self.storage.map_file(path)
-                maps[path] = None if mm is None else torch.frombuffer(mm, dtype=torch.uint8)
+                maps[path] = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
             whole = maps[path]
-            return whole if whole is not None and end <= whole.numel() else None
+            return whole if whole is not None and end <= whole.size else None
 
         for name in wanted:
             if len(locations[name]) == 1:
@@ -274,8 +289,9 @@ class CheckpointReader:
                     pos = 0
                     for src, (_, b, e) in zip(sources, locations[name]):
                         assert src is not None
-                        digest.update(byte_view(src[b:e]))
-                        copies.append((pos, src[b:e]))
+                        piece = src[b:e]
+                        digest.update(piece.data)
+                        copies.append((pos, piece))
                         pos += e - b
                     self._check_sum(name, digest.hexdigest())
                     self._fills.append((dest, copies))
@@ -283,12 +299,13 @@ class CheckpointReader:
                     continue
             total = sum(e - b for _, b, e in locations[name])
             buf = torch.empty(total, dtype=torch.uint8)
+            flat = buf.numpy()
             pos = 0
             for path, b, e in locations[name]:
                 if e > b:
                     src = mapped(path, e)
                     if src is not None:
-                        buf[pos : pos + e - b].copy_(src[b:e])
+                        flat[pos : pos + e - b] = src[b:e]
                     else:
                         self.storage.read_into(path, b, byte_view(buf[pos : pos + e - b]))
                 pos += e - b
@@ -315,11 +332,10 @@ class CheckpointReader:
         """Copy the chunks of the tensors `tensors` returned unassembled (``into``)
         into them; once."""
         fills, self._fills = self._fills, []
-        with torch.no_grad():
-            for dest, copies in fills:
-                flat = dest.detach().view(-1).view(torch.uint8)
-                for pos, src in copies:
-                    flat[pos : pos + src.numel()].copy_(src)
+        for dest, copies in fills:
+            flat = dest.detach().view(-1).view(torch.uint8).numpy()  # dest's own memory
+            for pos, src in copies:
+                flat[pos : pos + src.size] = src
 
     def _check_sum(self, name: str, got: str) -> None:
         want = self.manifest["tensors"][name][CHECKSUM]
@@ -378,10 +394,11 @@ class CheckpointReader:
         return sum(f["size"] for f in self.manifest["files"].values())
 
 
-def _contiguous(spans: list[list[int]], own: list[tuple[int, dict[str, Any]]]) -> bool:
-    """Whether chunks lie back to back in one file (a tensor written whole)."""
-    files = {c["file"] for _, c in own}
-    return len(files) == 1 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+def _contiguous(own: list[tuple[str, int, int]]) -> bool:
+    """Whether pieces lie back to back in one file (a tensor written whole)."""
+    return len({f for f, _, _ in own}) == 1 and all(
+        a[2] == b[1] for a, b in itertools.pairwise(own)
+    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -85,7 +85,7 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
     for info in relocated["tensors"].values():
         if "file" in info:
             info["file"] = renamed[info["file"]]
-        for c in info.get("chunks", ()):
+        for c in [*info.get("chunks", ()), *info.get("sources", ())]:
             if "step" not in c:  # a chunk of another checkpoint is named by basename
                 c["file"] = renamed[c["file"]]
     relocated.pop("digest", None)

@@ -192,8 +192,9 @@ def draws(state: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def make(out: Path, version: int = 1) -> dict[str, Any]:
-    """Version 1: two checkpoints written whole. Version 2: the second refers to the
-    first for every tensor that did not change (incremental, whatever it saves)."""
+    """Version 1: two checkpoints written whole. Version 3 (and version 2, written by
+    resumable 0.1.0 until version 3 replaced it): the second refers to the first for every tensor
+    that did not change (incremental, whatever it saves)."""
     random.seed(11)
     np.random.seed(12)
     torch.manual_seed(13)
@@ -244,7 +245,7 @@ def make(out: Path, version: int = 1) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "v1")
-    parser.add_argument("--version", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--version", type=int, default=1, choices=(1, 3))
     parser.add_argument("--force", action="store_true", help="replace an existing fixture")
     args = parser.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
