@@ -47,9 +47,11 @@ gradient to the touched rows only, so every other row keeps its bytes) on the ta
 AdamW on the MLP. Two touch patterns, each its own training run: *Zipf*: ids drawn with
 probability proportional to ``1 / (id + 1) ** s`` (s = 1.2) over a table sorted by
 frequency (hot ids first, as production tables usually are); *uniform*: ids drawn
-uniformly, where rows changed are spread over the whole table (chunking cannot help).
+uniformly, where rows changed are spread over the whole table (large chunks cannot help).
 Each run compares whole checkpoints with incremental ones at ``chunk_bytes`` 4 MiB
-(the default: 8,192 rows per chunk) and 64 KiB (128 rows). Between persists ``every``
+(the default: 8,192 rows per chunk), 64 KiB (128 rows) and 4 KiB (8 rows, the
+smallest chunk ``Incremental`` takes: rows changed at random leave most such chunks
+unchanged, at the price of many extents to restore). Between persists ``every``
 steps of ``batch x ids`` draws (full size: 4 x 256 x 4 = 4,096); the rows that actually
 changed are counted by comparing the table with a copy taken at the previous persist
 (and the share of chunks holding one), so that the bytes written can be read against
@@ -141,7 +143,7 @@ class Settings:
     emb_persists: int = 24
     zipf_s: float = 1.2
     patterns: tuple[str, ...] = ("zipf", "uniform")
-    chunk_bytes: tuple[int, ...] = (4 * MiB, 64 * KiB)
+    chunk_bytes: tuple[int, ...] = (4 * MiB, 64 * KiB, 4 * KiB)
     threads: int = 2
     seed: int = 0
     min_bytes: int | None = None  # None: the library's default (toy states pass 0)

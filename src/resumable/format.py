@@ -456,10 +456,16 @@ def _depth_within(doc: Any, limit: int) -> bool:
         value, depth = stack.pop()
         if depth > limit:
             return False
-        for child in value.values() if type(value) is dict else value:
+        children = value.values() if type(value) is dict else value
+        if type(value) is list and _SCALARS.issuperset(map(type, value)):
+            continue  # a list of numbers (extents): the types gathered in C, not one by one
+        for child in children:
             if type(child) is dict or type(child) is list:
                 stack.append((child, depth + 1))
     return True
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
 
 
 def _nonneg_int(x: Any) -> bool:

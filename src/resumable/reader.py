@@ -33,7 +33,6 @@ from resumable.format import (
     checksum,
     decode_manifest,
     dtype_from_name,
-    int_pair,
     parse_safetensors_header,
     tensor_ranges,
 )
@@ -124,18 +123,14 @@ class CheckpointReader:
                     )
         for fname, finfo in m["files"].items():
             start, header = self._check_file(fname, finfo["size"])
-            at = {
-                tuple(h["data_offsets"]): h
-                for h in header.values()
-                if isinstance(h, dict) and int_pair(h.get("data_offsets"))
-            }
+            # parse_safetensors_header checked every entry but the metadata
+            at = {tuple(h["data_offsets"]): h for k, h in header.items() if k != "__metadata__"}
             for name, dtype, shape, offsets in expect.get(fname, []):
                 h = header.get(name) if name else at.get((offsets[0] - start, offsets[1] - start))
                 if (
                     not isinstance(h, dict)
                     or h.get("dtype") != dtype
                     or h.get("shape") != shape
-                    or not int_pair(h.get("data_offsets"))
                     or [start + o for o in h["data_offsets"]] != offsets
                 ):
                     raise CorruptCheckpointError(
@@ -200,17 +195,25 @@ class CheckpointReader:
     def _locations(self, info: dict[str, Any]) -> list[tuple[str, int, int]]:
         """Where a tensor's bytes lie, in order, as (path in storage, begin, end)."""
         out = []
+        referred: dict[tuple[int, str], tuple[str, int]] = {}  # -> (path, file size)
         for step, fname, b, e in tensor_ranges(info):
             if step is None:
                 out.append((f"{self.dir}/{fname}", b, e))
                 continue
-            holder = self._holder(step)
-            key = self._holder_file(holder, fname)
-            if e > holder.manifest["files"][key]["size"]:
-                raise CorruptCheckpointError(
-                    f"{self.where}: a chunk [{b}, {e}) lies past the end of {fname} in {holder.dir}"
+            found = referred.get((step, fname))
+            if found is None:
+                holder = self._holder(step)
+                key = self._holder_file(holder, fname)
+                found = referred[(step, fname)] = (
+                    f"{holder.dir}/{key}",
+                    holder.manifest["files"][key]["size"],
                 )
-            out.append((f"{holder.dir}/{key}", b, e))
+            if e > found[1]:
+                raise CorruptCheckpointError(
+                    f"{self.where}: a chunk [{b}, {e}) lies past the end of {fname} in "
+                    f"{step_dir(step)}"
+                )
+            out.append((found[0], b, e))
         merged: list[tuple[str, int, int]] = []
         for path, b, e in out:  # chunks back to back in one file read as one range
             if merged and merged[-1][0] == path and merged[-1][2] == b:
