@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -390,15 +391,17 @@ class SideBySide:
     def time_restores(self, build: Callable[[], Any], reps: int = 9) -> dict[str, Any]:
         """Per local root (not a mirror run's): seconds of ``restore()`` (the newest
         checkpoint, checksums verified, into a freshly built state) over ``reps`` rounds,
-        the roots interleaved and the first rotating; the files were just written, so
-        the page cache is warm for all alike. An incremental root reads its references
-        from the earlier checkpoints' files."""
+        the roots interleaved and the first rotating, a garbage collection before each;
+        the files were just written, so the page cache is warm for all alike. An
+        incremental root reads its references from the earlier checkpoints' files."""
         names = [n for n in self.roots if not self.mirror_kw[n]]
         times: dict[str, list[float]] = {n: [] for n in names}
         for i in range(reps):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 fresh = build()
                 ck = _checkpointer(self.roots[name], fresh, self.modes[name])
+                # the last sample's state and mappings freed here, not inside this one
+                gc.collect()
                 try:
                     t0 = time.perf_counter()
                     ck.restore()
