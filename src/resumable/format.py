@@ -310,6 +310,12 @@ def json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
+    """One-space indentation, except where tensors have extents (version 3): those
+    lists can hold hundreds of thousands of integers, which Python's JSON encoder
+    writes one per line, in Python, when indenting; without indentation it writes them
+    in C, tens of times faster."""
+    if any("extents" in t for t in manifest.get("tensors", {}).values()):
+        return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
     return json.dumps(manifest, indent=1, allow_nan=False).encode()
 
 

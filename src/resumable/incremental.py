@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -142,9 +142,9 @@ def incremental_option(value: Any) -> Incremental | None:
     )
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Where one chunk of a tensor lies: ``step`` None while it is this persist's own."""
+class Chunk(NamedTuple):
+    """Where one chunk of a tensor lies: ``step`` None while it is this persist's own.
+    (A tuple: a persist makes one per chunk, 65,536 for 256 MiB at 4 KiB chunks.)"""
 
     hash: str
     step: int | None

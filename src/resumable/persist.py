@@ -287,7 +287,10 @@ def _incremental_file(
     names = {s.name for s in snapshot.slots}
     file_slots: list[TensorSlot] = []
     spans: list[tuple[int, int]] = []  # arena ranges, in file order
-    where: dict[tuple[str, int], int] = {}  # (tensor, chunk) -> data offset in the file
+    # Where each tensor's own bytes lie, as data offsets in the file: for a tensor
+    # written whole, where it starts; else, per chunk, where it lies (None: reused).
+    starts: dict[str, int] = {}
+    own_at: dict[str, list[int | None]] = {}
     offset = 0
     for p in plan.slots:
         if p.whole:
@@ -296,20 +299,21 @@ def _incremental_file(
                 TensorSlot(p.slot.name, p.slot.dtype, p.slot.shape, offset, offset + n)
             )
             spans.append((p.slot.begin, p.slot.end))
-            for i, (b, _) in enumerate(p.ranges):
-                where[(p.slot.name, i)] = offset + b
+            starts[p.slot.name] = offset
             offset += n
     for p in plan.slots:
         if p.whole:
             continue
         # changed chunks lie back to back in the file; each run of them is one entry
         runs: list[list[int]] = []  # [first chunk, data offset, bytes]
+        at: list[int | None] = []
         after_changed = False
         for i, ((b, e), old) in enumerate(zip(p.ranges, p.reuse, strict=True)):
             if old is not None:
+                at.append(None)
                 after_changed = False
                 continue
-            where[(p.slot.name, i)] = offset
+            at.append(offset)
             spans.append((p.slot.begin + b, p.slot.begin + e))
             if after_changed:
                 runs[-1][2] += e - b
@@ -317,46 +321,54 @@ def _incremental_file(
                 runs.append([i, offset, e - b])
             after_changed = True
             offset += e - b
-        for first, at, size in runs:
+        own_at[p.slot.name] = at
+        for first, begin, size in runs:
             name, n = f"{p.slot.name}#chunk{first}", 0
             while name in names:  # a name is only a header key: any unused one will do
                 n += 1
                 name = f"{p.slot.name}#chunk{first}.{n}"
             names.add(name)
-            file_slots.append(TensorSlot(name, torch.uint8, (size,), at, at + size))
+            file_slots.append(TensorSlot(name, torch.uint8, (size,), begin, begin + size))
     header = safetensors_header(file_slots, meta)
     start = len(header)
     base_name = fname.rsplit("/", 1)[-1]
     tensors: dict[str, dict[str, Any]] = {}
     for p in plan.slots:
-        sources: dict[tuple[int | None, str], int] = {}  # (step, file) -> index
-        extents: list[int] = []  # (source, begin, end) triples; adjacent ones merged
-        records: list[Chunk] = []
-        for i, ((b, e), h, old) in enumerate(zip(p.ranges, p.hashes, p.reuse, strict=True)):
-            if old is not None:
-                key, begin, end = (old.step, old.file), old.begin, old.end
-                records.append(old)
-            else:
-                at = start + where[(p.slot.name, i)]
-                key, begin, end = (None, fname), at, at + e - b
-                records.append(Chunk(h, None, base_name, at, at + e - b))
-            src = sources.setdefault(key, len(sources))
-            if extents and extents[-3] == src and extents[-1] == begin:
-                extents[-1] = end
-            else:
-                extents += (src, begin, end)
-        tensors[p.slot.name] = {
-            "dtype": dtype_name(p.slot.dtype),
-            "shape": list(p.slot.shape),
-            CHECKSUM: sums[p.slot.name],
-            "sources": [
+        name = p.slot.name
+        entry = {"dtype": dtype_name(p.slot.dtype), "shape": list(p.slot.shape)}
+        entry[CHECKSUM] = sums[name]
+        if p.whole:  # one extent of its own file
+            at0 = start + starts[name]
+            entry["sources"] = [{"file": fname}]
+            entry["extents"] = [0, at0, at0 + p.slot.end - p.slot.begin]
+            records = [
+                Chunk(h, None, base_name, at0 + b, at0 + e)
+                for (b, e), h in zip(p.ranges, p.hashes, strict=True)
+            ]
+        else:
+            sources: dict[tuple[int | None, str], int] = {}  # (step, file) -> index
+            extents: list[int] = []  # (source, begin, end) triples; adjacent ones merged
+            records = []
+            ats = own_at[name]
+            for (b, e), h, old, own in zip(p.ranges, p.hashes, p.reuse, ats, strict=True):
+                if old is not None:
+                    key, begin, end = (old.step, old.file), old.begin, old.end
+                    records.append(old)
+                else:
+                    assert own is not None
+                    key, begin, end = (None, fname), start + own, start + own + e - b
+                    records.append(Chunk(h, None, base_name, begin, end))
+                src = sources.setdefault(key, len(sources))
+                if extents and extents[-3] == src and extents[-1] == begin:
+                    extents[-1] = end
+                else:
+                    extents += (src, begin, end)
+            entry["sources"] = [
                 {"file": f} if step is None else {"step": step, "file": f} for step, f in sources
-            ],
-            "extents": extents,
-        }
-        plan.records[p.slot.name] = Record(
-            p.slot.dtype, tuple(p.slot.shape), tuple(records), sums[p.slot.name]
-        )
+            ]
+            entry["extents"] = extents
+        tensors[name] = entry
+        plan.records[name] = Record(p.slot.dtype, tuple(p.slot.shape), tuple(records), sums[name])
     plan.held = offset
     buffers: list[Any] = []
     for b, e in _coalesce(spans):

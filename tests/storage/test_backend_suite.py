@@ -482,7 +482,8 @@ def test_full_disk_midway_through_a_multi_chunk_write(
 
     monkeypatch.setattr(os, "write", write_then_fill)
     with pytest.raises(StorageError, match="disk is full"):
-        local_storage.write("part.bin", [b"first", b"second"])
+        # a MiB each: buffers smaller than a thirty-second of a piece are gathered
+        local_storage.write("part.bin", [b"1" * (1 << 20), b"2" * (1 << 20)])
     monkeypatch.undo()
     assert calls["n"] == 2
 

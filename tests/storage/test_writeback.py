@@ -90,7 +90,7 @@ def test_a_refused_request_is_not_asked_again_and_the_write_goes_on(
     finally:
         os.close(fd)
     assert path.read_bytes() == data
-    assert recorder.calls == [(0, 100, 2)]  # the first write, then never again
+    assert recorder.calls == [(0, 512, 2)]  # the first piece, then never again
 
 
 @linux_only
@@ -106,7 +106,7 @@ def test_a_pipe_refuses_writeback_and_is_written_all_the_same(tmp_path: Path) ->
         os.close(write_end)
     with os.fdopen(read_end, "rb") as r:
         assert r.read() == b"abcdefgh"
-    assert recorder.calls == [(0, 3, 2)]  # refused at once, never asked again
+    assert recorder.calls == [(0, 4, 2)]  # refused at once, never asked again
 
 
 def test_without_the_call_files_are_written_as_before(
