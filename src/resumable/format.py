@@ -208,20 +208,17 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        bad = f"safetensors header entry {name[:100]!r}"
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
-            raise CorruptCheckpointError(f"{bad} is not an object with a known dtype")
+        dtype = entry.get("dtype") if type(entry) is dict else None
+        if type(dtype) is not str or dtype not in _ITEMSIZE:
+            raise CorruptCheckpointError(f"{_entry(name)} is not an object with a known dtype")
         offsets = entry.get("data_offsets")
-        if not _shape_ok(entry.get("shape"), _ITEMSIZE[entry["dtype"]]) or not (
-            isinstance(offsets, list) and len(offsets) == 2 and all(map(_nonneg_int, offsets))
-        ):
-            raise CorruptCheckpointError(f"{bad} has a malformed shape or data_offsets")
+        shape = entry.get("shape")
+        if not _shape_ok(shape, _ITEMSIZE[dtype]) or not int_pair(offsets):
+            raise CorruptCheckpointError(f"{_entry(name)} has a malformed shape or data_offsets")
         begin, end = offsets
-        if end - begin != _numel(entry["shape"]) * _ITEMSIZE[entry["dtype"]]:
+        if end - begin != _numel(shape) * _ITEMSIZE[dtype]:
             raise CorruptCheckpointError(
-                f"{bad}: data_offsets {offsets} do not hold shape {entry['shape']} of "
-                f"{entry['dtype']}"
+                f"{_entry(name)}: data_offsets {offsets} do not hold shape {shape} of {dtype}"
             )
         ranges.append((begin, end))
     ranges.sort()
@@ -238,6 +235,10 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
             f"safetensors header describes {at} data bytes, the file holds {file_size - 8 - n}"
         )
     return 8 + n, header
+
+
+def _entry(name: str) -> str:
+    return f"safetensors header entry {name[:100]!r}"
 
 
 # --------------------------------------------------------------------------- manifest
@@ -475,7 +476,7 @@ _SCALARS = frozenset({int, float, str, bool, type(None)})
 
 
 def _nonneg_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return type(x) is int and x >= 0  # a bool is an int, but not of type int
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -488,12 +489,19 @@ def _numel(shape: Iterable[int]) -> int:
 def _shape_ok(shape: Any, itemsize: int) -> bool:
     """A list of at most `MAX_NDIM` non-negative integers that numpy and torch can lay
     out: the product of its non-zero dimensions times ``itemsize`` stays below 2**63
-    (an empty tensor may not claim a dimension that overflows a stride)."""
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+    (an empty tensor may not claim a dimension that overflows a stride). A loop, not
+    generators: a safetensors header may have thousands of entries."""
+    if type(shape) is not list or len(shape) > MAX_NDIM:
         return False
-    if not all(_nonneg_int(d) and d < _ARRAY_LIMIT for d in shape):
-        return False
-    return _numel(max(d, 1) for d in shape) * itemsize < _ARRAY_LIMIT
+    n = itemsize
+    for d in shape:
+        if type(d) is not int or d < 0 or d >= _ARRAY_LIMIT:
+            return False
+        if d:
+            n *= d
+            if n >= _ARRAY_LIMIT:
+                return False
+    return True
 
 
 def _check_type(m: Mapping[str, Any], key: str, typ: type, where: str) -> None:
@@ -693,9 +701,12 @@ def _check_referred_file(step: Any, f: Any, refs: set[int], bad: str) -> None:
 def int_pair(x: Any) -> bool:
     """A list of two non-negative integers (not booleans): a byte range's ends."""
     return (
-        isinstance(x, list)
+        type(x) is list
         and len(x) == 2
-        and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in x)
+        and type(x[0]) is int
+        and type(x[1]) is int
+        and x[0] >= 0
+        and x[1] >= 0
     )
 
 

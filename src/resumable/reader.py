@@ -53,6 +53,7 @@ class CheckpointReader:
         self._manifest: dict[str, Any] | None = None
         self.mapped = False  # whether tensors() returned views of mapped files
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
+        self._range_cache: dict[str, list[tuple[int | None, str, int, int]]] = {}
         # Tensors `tensors` returned unassembled, and where their chunks lie: (the
         # tensor, [(byte position in it, source bytes)]), for `fill`.
         self._fills: list[tuple[torch.Tensor, list[tuple[int, np.ndarray]]]] = []
@@ -94,7 +95,7 @@ class CheckpointReader:
             if "chunks" not in info and "extents" not in info:
                 expect[info["file"]].append((name, info["dtype"], info["shape"], info["offsets"]))
                 continue
-            ranges = tensor_ranges(info)
+            ranges = self._ranges(name)
             own = [(f, b, e) for step, f, b, e in ranges if step is None]
             for step, f, b, e in ranges:
                 if step is not None:
@@ -192,11 +193,19 @@ class CheckpointReader:
             f"{self.where} refers to a file {basename!r} of {holder.dir}, which has no such file"
         )
 
-    def _locations(self, info: dict[str, Any]) -> list[tuple[str, int, int]]:
+    def _ranges(self, name: str) -> list[tuple[int | None, str, int, int]]:
+        """`tensor_ranges` of a tensor of this manifest, made once (several checks
+        walk them; a tensor may have thousands)."""
+        got = self._range_cache.get(name)
+        if got is None:
+            got = self._range_cache[name] = tensor_ranges(self.manifest["tensors"][name])
+        return got
+
+    def _locations(self, name: str) -> list[tuple[str, int, int]]:
         """Where a tensor's bytes lie, in order, as (path in storage, begin, end)."""
         out = []
         referred: dict[tuple[int, str], tuple[str, int]] = {}  # -> (path, file size)
-        for step, fname, b, e in tensor_ranges(info):
+        for step, fname, b, e in self._ranges(name):
             if step is None:
                 out.append((f"{self.dir}/{fname}", b, e))
                 continue
@@ -247,7 +256,7 @@ class CheckpointReader:
         for name in wanted:
             if name not in index:
                 raise CorruptCheckpointError(f"{self.where}: no tensor {name!r} in the index")
-        locations = {n: self._locations(index[n]) for n in wanted}
+        locations = {n: self._locations(n) for n in wanted}
         by_path: dict[str, list[str]] = defaultdict(list)
         for name in wanted:
             if len(locations[name]) == 1:
