@@ -194,7 +194,10 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
         raise CorruptCheckpointError(f"safetensors header length {n} is out of bounds")
     try:
         # Decoded as UTF-8 here: json.loads would take bytes in UTF-16 or -32 as well.
-        header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
+        # The collector paused, as for a manifest (`decode_manifest`): a header with
+        # thousands of entries set off full collections that took 0.1 s.
+        with _no_gc():
+            header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
     except RecursionError:
         raise CorruptCheckpointError("safetensors header is nested too deeply") from None
     except ValueError as exc:

@@ -90,7 +90,9 @@ class CheckpointReader:
         m = self.manifest
         # What each own file's safetensors header must say: (name, dtype, shape, bytes).
         expect: dict[str, list[tuple[str, str, list[int], list[int]]]] = defaultdict(list)
-        chunks: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+        # Per file of another checkpoint, the chunk that begins first and the one that
+        # ends last there: those two decide whether all lie inside its data.
+        bounds: dict[tuple[int, str], tuple[tuple[int, int], tuple[int, int]]] = {}
         for name, info in m["tensors"].items():
             if "chunks" not in info and "extents" not in info:
                 expect[info["file"]].append((name, info["dtype"], info["shape"], info["offsets"]))
@@ -99,7 +101,11 @@ class CheckpointReader:
             own = [(f, b, e) for step, f, b, e in ranges if step is None]
             for step, f, b, e in ranges:
                 if step is not None:
-                    chunks[(step, f)].append((b, e))
+                    first, last = bounds.get((step, f), ((b, e), (b, e)))
+                    bounds[(step, f)] = (
+                        (b, e) if b < first[0] else first,
+                        (b, e) if e > last[1] else last,
+                    )
             if own and len(own) == len(ranges) and _contiguous(own):
                 # written whole: one entry, as in a full file
                 expect[own[0][0]].append(
@@ -108,7 +114,7 @@ class CheckpointReader:
             else:  # changed chunks: U8 entries, whatever their names
                 for f, b, e in own:
                     expect[f].append(("", "U8", [e - b], [b, e]))
-        for step, fname in sorted(chunks):
+        for step, fname in sorted(bounds):
             holder = self._holder(step)
             key = self._holder_file(holder, fname)
             size = holder.manifest["files"][key]["size"]
@@ -116,7 +122,7 @@ class CheckpointReader:
             # the bytes it reads there are checked against its own checksums, and that
             # checkpoint's header is checked in full whenever it is itself read.
             start = 8 + holder._header_length(key, size)
-            for b, e in chunks[(step, fname)]:
+            for b, e in bounds[(step, fname)]:
                 if b < start or e > size:
                     raise CorruptCheckpointError(
                         f"{self.where}: a chunk [{b}, {e}) lies outside the data of "
