@@ -8,7 +8,7 @@ one chunk) and where each chunk's bytes lie (a step, a data file, a byte range).
 next persist every chunk is hashed again (XXH3 runs at memory speed, ~24 GiB/s here, so
 hashing 1 GiB costs ~45 ms beside a write of a second or more); a chunk of a tensor whose
 dtype and shape are unchanged and whose hash equals the remembered one is not written:
-the new manifest (format version 2, ``docs/format.md``) refers to the earlier
+the new manifest (format version 3, ``docs/format.md``) refers to the earlier
 checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
 
 - **Content, not version counters**, decides "unchanged": torch's per-tensor version

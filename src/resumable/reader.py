@@ -249,7 +249,7 @@ class CheckpointReader:
 
         ``into``: where the caller will copy a tensor anyway (the live tensor of the
         same name, shape and dtype). A tensor whose bytes lie in several places (a
-        version 2 entry with chunks in earlier checkpoints) is then not assembled in a
+        version 2 or 3 entry with pieces in earlier checkpoints) is then not assembled in a
         buffer of its own: its checksum is computed over the chunks where they lie
         (files mapped), and the tensor returned is the ``into`` one, still unchanged;
         `fill` copies the chunks into it. The caller calls `fill` once it is about to
