@@ -797,6 +797,18 @@ def h_past_end(root: Path, m: dict[str, Any]) -> None:
     t["extents"][-2:] = [size, size + n]  # no byte inside the file: no overlap to catch
 
 
+def h_own_run_split(root: Path, m: dict[str, Any]) -> None:
+    """The bank's changed chunk, written to step 3's own file as one U8 entry, listed as
+    two extents: the same bytes, so the same checksum, and still tiling the tensor; but
+    no entry of that file holds either half."""
+    t = m["tensors"][BANK]
+    ext = t["extents"]
+    own = [i for i, src in enumerate(t["sources"]) if "step" not in src]
+    at = next(i for i in range(0, len(ext), 3) if ext[i] in own)
+    s, b, e = ext[at : at + 3]
+    ext[at : at + 3] = [s, b, (b + e) // 2, s, (b + e) // 2, e]
+
+
 def h_reversed_range(root: Path, m: dict[str, Any]) -> None:
     t = _unmerged(m, EMBEDDING)
     t["extents"][10:12] = t["extents"][10:12][::-1]  # chunk 3's begin and end
@@ -917,6 +929,7 @@ HOSTILE: dict[str, tuple[Callable[[Path, dict[str, Any]], None], int | None, str
     "chunk-longer": (h_chunk_longer, 2, "its extents hold"),
     "chunk-past-file-end": (h_past_end, 2, "lies outside the data of"),
     "chunk-range-reversed": (h_reversed_range, 2, r"extent 3 \[0, \d+, \d+\] is not"),
+    "own-run-split-in-two": (h_own_run_split, 2, "disagrees with the manifest about a chunk at"),
     "dotdot-outside-root": (h_dotdot_outside, 2, "names its file by basename"),
     "dotdot-inside-root": (h_dotdot_sibling, 2, "is not listed"),
     "path-not-basename": (h_path_not_basename, 2, "names its file by basename"),

@@ -622,6 +622,7 @@ def _check_chunks(
 
 
 _SOURCE_KEYS = {"file", "step"}
+_INT_ONLY = {int}
 _NUMPY_FROM = 96  # integers in an extents list from which NumPy checks it (32 extents)
 
 
@@ -650,14 +651,15 @@ def _check_extents(
         not isinstance(extents, list)
         or not extents
         or len(extents) % 3
-        or not all(type(x) is int for x in extents)
+        or set(map(type, extents)) != _INT_ONLY  # gathered in C; bool is not int here
     ):
         raise CorruptCheckpointError(
             f"{bad}: extents must be a non-empty flat list of integer triples (source, begin, end)"
         )
-    if max(extents) >= _ARRAY_LIMIT or min(extents) < -_ARRAY_LIMIT:
-        raise CorruptCheckpointError(f"{bad}: an extent's integer exceeds 2**63")
+    too_big = f"{bad}: an extent's integer exceeds 2**63"
     if len(extents) < _NUMPY_FROM:
+        if max(extents) >= _ARRAY_LIMIT or min(extents) < -_ARRAY_LIMIT:
+            raise CorruptCheckpointError(too_big)
         total = 0
         for i in range(0, len(extents), 3):
             s, b, e = extents[i : i + 3]
@@ -665,7 +667,10 @@ def _check_extents(
                 raise _bad_extent(bad, i // 3, (s, b, e), len(limits))
             total += e - b
     else:
-        a = np.array(extents, dtype=np.int64).reshape(-1, 3)
+        try:  # NumPy refuses what does not fit in 64 bits, as the check above does
+            a = np.array(extents, dtype=np.int64).reshape(-1, 3)
+        except OverflowError:
+            raise CorruptCheckpointError(too_big) from None
         ok = (a[:, 0] >= 0) & (a[:, 0] < len(limits)) & (a[:, 1] >= 0) & (a[:, 1] <= a[:, 2])
         if ok.all():
             ok = a[:, 2] <= np.array(limits, dtype=np.int64)[a[:, 0]]

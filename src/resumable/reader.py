@@ -13,7 +13,6 @@ here, and every path goes through the storage's root check.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -53,10 +52,9 @@ class CheckpointReader:
         self._manifest: dict[str, Any] | None = None
         self.mapped = False  # whether tensors() returned views of mapped files
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
-        self._range_cache: dict[str, list[tuple[int | None, str, int, int]]] = {}
-        # Tensors `tensors` returned unassembled, and where their chunks lie: (the
-        # tensor, [(byte position in it, source bytes)]), for `fill`.
-        self._fills: list[tuple[torch.Tensor, list[tuple[int, np.ndarray]]]] = []
+        self._table_cache: dict[str, tuple[list[tuple[int | None, str]], np.ndarray]] = {}
+        # Tensors `tensors` returned unassembled, and where their bytes lie, for `fill`.
+        self._fills: list[tuple[torch.Tensor, _Pieces]] = []
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -90,30 +88,43 @@ class CheckpointReader:
         m = self.manifest
         # What each own file's safetensors header must say: (name, dtype, shape, bytes).
         expect: dict[str, list[tuple[str, str, list[int], list[int]]]] = defaultdict(list)
-        # Per file of another checkpoint, the chunk that begins first and the one that
-        # ends last there: those two decide whether all lie inside its data.
-        bounds: dict[tuple[int, str], tuple[tuple[int, int], tuple[int, int]]] = {}
+        # Per own file, the changed chunks written there, each a U8 entry: (k, 2) arrays
+        # of (begin, end).
+        chunks: dict[str, list[np.ndarray]] = defaultdict(list)
+        # Per file of another checkpoint, the lowest begin and the highest end of the
+        # chunks this one reads there: those two decide whether all lie inside its data.
+        bounds: dict[tuple[int, str], tuple[int, int]] = {}
         for name, info in m["tensors"].items():
             if "chunks" not in info and "extents" not in info:
                 expect[info["file"]].append((name, info["dtype"], info["shape"], info["offsets"]))
                 continue
-            ranges = self._ranges(name)
-            own = [(f, b, e) for step, f, b, e in ranges if step is None]
-            for step, f, b, e in ranges:
-                if step is not None:
-                    first, last = bounds.get((step, f), ((b, e), (b, e)))
-                    bounds[(step, f)] = (
-                        (b, e) if b < first[0] else first,
-                        (b, e) if e > last[1] else last,
-                    )
-            if own and len(own) == len(ranges) and _contiguous(own):
-                # written whole: one entry, as in a full file
-                expect[own[0][0]].append(
-                    (name, info["dtype"], info["shape"], [own[0][1], own[-1][2]])
+            keys, a = self._table(name)
+            own_files: list[str] = []  # the own files among the sources
+            fid = np.full(len(keys), -1, dtype=np.int64)  # source -> own file, or -1
+            for i, (step, fname) in enumerate(keys):
+                if step is None:
+                    if fname not in own_files:
+                        own_files.append(fname)
+                    fid[i] = own_files.index(fname)
+                    continue
+                sel = a[a[:, 0] == i]
+                if len(sel):
+                    lo, hi = int(sel[:, 1].min()), int(sel[:, 2].max())
+                    was = bounds.get((step, fname), (lo, hi))
+                    bounds[(step, fname)] = (min(was[0], lo), max(was[1], hi))
+            where = fid[a[:, 0]]
+            own = a[where >= 0]
+            if (
+                len(own) == len(a)
+                and len(own_files) == 1
+                and bool((own[1:, 1] == own[:-1, 2]).all())
+            ):  # written whole: one entry, as in a full file
+                expect[own_files[0]].append(
+                    (name, info["dtype"], info["shape"], [int(own[0, 1]), int(own[-1, 2])])
                 )
             else:  # changed chunks: U8 entries, whatever their names
-                for f, b, e in own:
-                    expect[f].append(("", "U8", [e - b], [b, e]))
+                for k, fname in enumerate(own_files):
+                    chunks[fname].append(a[where == k][:, 1:])
         for step, fname in sorted(bounds):
             holder = self._holder(step)
             key = self._holder_file(holder, fname)
@@ -122,18 +133,17 @@ class CheckpointReader:
             # the bytes it reads there are checked against its own checksums, and that
             # checkpoint's header is checked in full whenever it is itself read.
             start = 8 + holder._header_length(key, size)
-            for b, e in bounds[(step, fname)]:
-                if b < start or e > size:
-                    raise CorruptCheckpointError(
-                        f"{self.where}: a chunk [{b}, {e}) lies outside the data of "
-                        f"{fname} in {holder.dir}"
-                    )
+            lo, hi = bounds[(step, fname)]
+            if lo < start or hi > size:
+                raise CorruptCheckpointError(
+                    f"{self.where}: a chunk lies outside the data of {fname} in "
+                    f"{holder.dir} (bytes [{start}, {size})): one begins at {lo}, one ends "
+                    f"at {hi}"
+                )
         for fname, finfo in m["files"].items():
             start, header = self._check_file(fname, finfo["size"])
-            # parse_safetensors_header checked every entry but the metadata
-            at = {tuple(h["data_offsets"]): h for k, h in header.items() if k != "__metadata__"}
             for name, dtype, shape, offsets in expect.get(fname, []):
-                h = header.get(name) if name else at.get((offsets[0] - start, offsets[1] - start))
+                h = header.get(name)
                 if (
                     not isinstance(h, dict)
                     or h.get("dtype") != dtype
@@ -142,8 +152,12 @@ class CheckpointReader:
                 ):
                     raise CorruptCheckpointError(
                         f"{self.where}: {fname}'s safetensors header disagrees with the "
-                        f"manifest about {f'tensor {name!r}' if name else f'a chunk at {offsets}'}"
+                        f"manifest about tensor {name!r}"
                     )
+            if fname in chunks:
+                _check_chunk_entries(
+                    np.concatenate(chunks[fname]), header, start, self.where, fname
+                )
 
     def _check_file(self, fname: str, size: int) -> tuple[int, dict[str, Any]]:
         """One data file: present, of the declared size, with a valid safetensors
@@ -199,43 +213,56 @@ class CheckpointReader:
             f"{self.where} refers to a file {basename!r} of {holder.dir}, which has no such file"
         )
 
-    def _ranges(self, name: str) -> list[tuple[int | None, str, int, int]]:
-        """`tensor_ranges` of a tensor of this manifest, made once (several checks
-        walk them; a tensor may have thousands)."""
-        got = self._range_cache.get(name)
+    def _table(self, name: str) -> tuple[list[tuple[int | None, str]], np.ndarray]:
+        """Where the bytes of a tensor with pieces lie, in order: its sources (step, or
+        None for this checkpoint; file) and an (n, 3) array of (source index, begin,
+        end). Made once per tensor: several checks walk it, and a version 3 entry may
+        have thousands of extents."""
+        got = self._table_cache.get(name)
         if got is None:
-            got = self._range_cache[name] = tensor_ranges(self.manifest["tensors"][name])
+            info = self.manifest["tensors"][name]
+            if "extents" in info:
+                keys = [(s.get("step"), s["file"]) for s in info["sources"]]
+                a = np.array(info["extents"], dtype=np.int64).reshape(-1, 3)
+            else:
+                ids: dict[tuple[int | None, str], int] = {}
+                rows = [
+                    (ids.setdefault((st, f), len(ids)), b, e) for st, f, b, e in tensor_ranges(info)
+                ]
+                keys, a = list(ids), np.array(rows, dtype=np.int64).reshape(-1, 3)
+            got = self._table_cache[name] = (keys, a)
         return got
 
-    def _locations(self, name: str) -> list[tuple[str, int, int]]:
-        """Where a tensor's bytes lie, in order, as (path in storage, begin, end)."""
-        out = []
-        referred: dict[tuple[int, str], tuple[str, int]] = {}  # -> (path, file size)
-        for step, fname, b, e in self._ranges(name):
+    def _locations(self, name: str) -> tuple[list[str], np.ndarray]:
+        """Where the bytes of a tensor with pieces lie, in order: paths in storage and
+        an (n, 3) array of (path index, begin, end), pieces back to back in one file
+        merged into one."""
+        keys, a = self._table(name)
+        paths: list[str] = []
+        pid = np.empty(len(keys), dtype=np.int64)  # source -> path index
+        for i, (step, fname) in enumerate(keys):
             if step is None:
-                out.append((f"{self.dir}/{fname}", b, e))
-                continue
-            found = referred.get((step, fname))
-            if found is None:
+                path = f"{self.dir}/{fname}"  # its size checked against the manifest's
+            else:
                 holder = self._holder(step)
                 key = self._holder_file(holder, fname)
-                found = referred[(step, fname)] = (
-                    f"{holder.dir}/{key}",
-                    holder.manifest["files"][key]["size"],
-                )
-            if e > found[1]:
-                raise CorruptCheckpointError(
-                    f"{self.where}: a chunk [{b}, {e}) lies past the end of {fname} in "
-                    f"{step_dir(step)}"
-                )
-            out.append((found[0], b, e))
-        merged: list[tuple[str, int, int]] = []
-        for path, b, e in out:  # chunks back to back in one file read as one range
-            if merged and merged[-1][0] == path and merged[-1][2] == b:
-                merged[-1] = (path, merged[-1][1], e)
-            else:
-                merged.append((path, b, e))
-        return merged
+                path = f"{holder.dir}/{key}"
+                size = holder.manifest["files"][key]["size"]
+                sel = a[a[:, 0] == i]
+                if len(sel) and int(sel[:, 2].max()) > size:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: a chunk ends at {int(sel[:, 2].max())}, past the end "
+                        f"of {fname} in {step_dir(step)} ({size} bytes)"
+                    )
+            if path not in paths:
+                paths.append(path)
+            pid[i] = paths.index(path)
+        p = pid[a[:, 0]]
+        # a piece that begins where the one before it ended, in the same file, joins it
+        joins = (p[1:] == p[:-1]) & (a[1:, 1] == a[:-1, 2])
+        first = np.flatnonzero(np.concatenate(([True], ~joins)))
+        last = np.concatenate((first[1:] - 1, [len(a) - 1]))
+        return paths, np.stack([p[first], a[first, 1], a[last, 2]], axis=1)
 
     def tensors(
         self,
@@ -262,71 +289,68 @@ class CheckpointReader:
         for name in wanted:
             if name not in index:
                 raise CorruptCheckpointError(f"{self.where}: no tensor {name!r} in the index")
-        locations = {n: self._locations(n) for n in wanted}
-        by_path: dict[str, list[str]] = defaultdict(list)
+        single: dict[str, tuple[str, int, int]] = {}  # bytes in one place: (path, b, e)
+        pieces: dict[str, tuple[list[str], np.ndarray]] = {}  # in several: `_locations`
         for name in wanted:
-            if len(locations[name]) == 1:
-                by_path[locations[name][0][0]].append(name)
+            info = index[name]
+            if "chunks" not in info and "extents" not in info:
+                single[name] = (f"{self.dir}/{info['file']}", *info["offsets"])
+                continue
+            paths, a = self._locations(name)
+            if len(a) == 1:
+                single[name] = (paths[int(a[0, 0])], int(a[0, 1]), int(a[0, 2]))
+            else:
+                pieces[name] = (paths, a)
+        by_path: dict[str, list[str]] = defaultdict(list)
+        for name, (path, _, _) in single.items():
+            by_path[path].append(name)
         out: dict[str, torch.Tensor] = {}
         for path, names_in_file in by_path.items():
-            ranges = [locations[n][0][1:] for n in names_in_file]
+            ranges = [single[n][1:] for n in names_in_file]
             lo = min(r[0] for r in ranges)
             hi = max(r[1] for r in ranges)
             span = sum(r[1] - r[0] for r in ranges)
             if hi - lo <= 2 * span:
                 buf = self._read(path, lo, hi - lo)
                 for n in names_in_file:
-                    _, b, e = locations[n][0]
+                    _, b, e = single[n]
                     out[n] = self._tensor(n, buf, b - lo, e - lo, verify)
             else:
                 for n in names_in_file:
-                    _, b, e = locations[n][0]
+                    _, b, e = single[n]
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
-        # Each file mapped once for all its chunks, as a NumPy array: a tensor may have
-        # thousands of extents, and slicing, hashing and copying NumPy views costs a
-        # fraction of the same on torch tensors, per extent.
-        maps: dict[str, np.ndarray | None] = {}
+        # Each file mapped once for all its pieces: a tensor may have thousands.
+        maps: dict[str, memoryview | None] = {}
 
-        def mapped(path: str, end: int) -> np.ndarray | None:
+        def mapped(path: str, end: int) -> memoryview | None:
             if path not in maps:
                 mm = self.storage.map_file(path)
-                maps[path] = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
+                maps[path] = None if mm is None else memoryview(mm)
             whole = maps[path]
-            return whole if whole is not None and end <= whole.size else None
+            return whole if whole is not None and end <= whole.nbytes else None
 
-        for name in wanted:
-            if len(locations[name]) == 1:
-                continue
-            # chunks in several places
+        for name, (paths, a) in pieces.items():
+            ends = [int(a[a[:, 0] == i, 2].max(initial=0)) for i in range(len(paths))]
+            sources = [mapped(path, end) for path, end in zip(paths, ends)]
+            found = [src for src in sources if src is not None]
+            gather = _Pieces(found, a) if len(found) == len(sources) else None
             dest = self._destination(name, (into or {}).get(name))
-            if dest is not None and verify:
-                sources = [mapped(path, e) for path, _, e in locations[name]]
-                if all(src is not None for src in sources):
-                    digest = xxhash.xxh3_64()
-                    copies = []
-                    pos = 0
-                    for src, (_, b, e) in zip(sources, locations[name]):
-                        assert src is not None
-                        piece = src[b:e]
-                        digest.update(piece.data)
-                        copies.append((pos, piece))
-                        pos += e - b
-                    self._check_sum(name, digest.hexdigest())
-                    self._fills.append((dest, copies))
-                    out[name] = dest
-                    continue
-            total = sum(e - b for _, b, e in locations[name])
+            if gather is not None and dest is not None and verify:
+                # the checksum over the pieces where they lie; copied by `fill`
+                self._check_sum(name, gather.digest())
+                self._fills.append((dest, gather))
+                out[name] = dest
+                continue
+            total = int((a[:, 2] - a[:, 1]).sum())
             buf = torch.empty(total, dtype=torch.uint8)
-            flat = buf.numpy()
-            pos = 0
-            for path, b, e in locations[name]:
-                if e > b:
-                    src = mapped(path, e)
-                    if src is not None:
-                        flat[pos : pos + e - b] = src[b:e]
-                    else:
-                        self.storage.read_into(path, b, byte_view(buf[pos : pos + e - b]))
-                pos += e - b
+            if gather is not None:
+                gather.copy_into(buf.numpy().data)
+            else:
+                pos = 0
+                for i, b, e in a.tolist():
+                    if e > b:
+                        self.storage.read_into(paths[i], b, byte_view(buf[pos : pos + e - b]))
+                    pos += e - b
             out[name] = self._tensor(name, buf, 0, total, verify)
         return out
 
@@ -350,10 +374,8 @@ class CheckpointReader:
         """Copy the chunks of the tensors `tensors` returned unassembled (``into``)
         into them; once."""
         fills, self._fills = self._fills, []
-        for dest, copies in fills:
-            flat = dest.detach().view(-1).view(torch.uint8).numpy()  # dest's own memory
-            for pos, src in copies:
-                flat[pos : pos + src.size] = src
+        for dest, gather in fills:
+            gather.copy_into(dest.detach().view(-1).view(torch.uint8).numpy().data)
 
     def _check_sum(self, name: str, got: str) -> None:
         want = self.manifest["tensors"][name][CHECKSUM]
@@ -412,11 +434,56 @@ class CheckpointReader:
         return sum(f["size"] for f in self.manifest["files"].values())
 
 
-def _contiguous(own: list[tuple[str, int, int]]) -> bool:
-    """Whether pieces lie back to back in one file (a tensor written whole)."""
-    return len({f for f, _, _ in own}) == 1 and all(
-        a[2] == b[1] for a, b in itertools.pairwise(own)
+def _check_chunk_entries(
+    want: np.ndarray, header: Mapping[str, Any], start: int, where: str, fname: str
+) -> None:
+    """Each (begin, end) row of ``want``, file positions of changed chunks, is a
+    one-dimensional U8 entry of ``fname``'s safetensors ``header`` (its data at
+    ``start``), whatever the entry's name."""
+    got = [
+        h["data_offsets"]
+        for k, h in header.items()
+        if k != "__metadata__" and h["dtype"] == "U8" and len(h["shape"]) == 1
+    ]  # parse_safetensors_header checked each entry's shape against its offsets
+    have = np.array(got, dtype=np.int64).reshape(-1, 2) + start
+    have = have[np.argsort(have[:, 0], kind="stable")]
+    at = np.minimum(np.searchsorted(have[:, 0], want[:, 0]), max(len(have) - 1, 0))
+    ok = (
+        (have[at, 0] == want[:, 0]) & (have[at, 1] == want[:, 1])
+        if len(have)
+        else np.zeros(len(want), dtype=bool)
     )
+    if not ok.all():
+        b, e = want[int(np.argmin(ok))].tolist()
+        raise CorruptCheckpointError(
+            f"{where}: {fname}'s safetensors header disagrees with the manifest about a "
+            f"chunk at {[b, e]} (no U8 entry holds exactly those bytes)"
+        )
+
+
+class _Pieces:
+    """The bytes of a tensor whose pieces lie in mapped files, in the tensor's order,
+    hashed or copied a piece at a time through memoryviews: of what a piece costs in
+    Python, slicing a memoryview is the cheapest (NumPy views cost more per piece, and
+    gathering rows with NumPy fancy indexing or torch's index ops more than that)."""
+
+    def __init__(self, sources: list[memoryview], a: np.ndarray) -> None:
+        self.sources = sources  # the mapped files, by path index
+        self.rows: list[list[int]] = a.tolist()  # (path index, begin, end), in order
+
+    def digest(self) -> str:
+        h = xxhash.xxh3_64()
+        update, sources = h.update, self.sources
+        for i, b, e in self.rows:
+            update(sources[i][b:e])
+        return h.hexdigest()
+
+    def copy_into(self, flat: memoryview) -> None:
+        """Write the tensor's bytes into ``flat`` (their total length, format ``B``)."""
+        sources, pos = self.sources, 0
+        for i, b, e in self.rows:
+            flat[pos : pos + e - b] = sources[i][b:e]
+            pos += e - b
 
 
 def _itemsize(dtype: torch.dtype) -> int:
