@@ -547,6 +547,43 @@ def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
     falls_back(root, damaged=10, to=5, expected=expected[5])
 
 
+def test_pieces_of_every_size_are_copied_exactly(tmp_path: Path) -> None:
+    """A 6 MiB table cut into 4 KiB chunks, a few rows changed per save: its pieces are
+    changed runs of a chunk or two and unchanged runs of up to megabytes, in four
+    files. Assembled in a buffer and in a destination (large pieces are copied by
+    torch, small ones a piece at a time), the bytes are the saved ones, and a flipped
+    byte in a large piece fails the checksum."""
+    rows, cols = 6 * 1024, 256  # 1 KiB rows
+    table = torch.zeros(rows, cols)
+    state = {"table": table}
+    gen = torch.Generator().manual_seed(7)
+    inc = Incremental(chunk_bytes=4096, **ALWAYS)
+    with Checkpointer(tmp_path, state, persist="sync", keep=None, incremental=inc) as ckpt:
+        for step in range(1, 5):
+            picked = torch.randint(0, rows, (3 + step,), generator=gen)
+            table[picked] += torch.rand(len(picked), cols, generator=gen)
+            if step == 4:
+                table[rows // 2 : rows // 2 + 2048] += 1.0  # a 2 MiB run of step 4's own
+            ckpt.save(step)
+    m = manifest(tmp_path, 4)
+    lengths = [end - begin for _, _, begin, end in tensor_ranges(m["tensors"]["table"])]
+    assert max(lengths) >= 2 << 20 and min(lengths) <= 8192
+    assert len({step for step, *_ in tensor_ranges(m["tensors"]["table"])}) == 4
+    reader = CheckpointReader(open_storage(tmp_path), 4)
+    reader.check_files()
+    assert reader.tensors(["table"])["table"].equal(table)  # assembled in a buffer
+    dest = torch.full_like(table, -1.0)
+    assert reader.tensors(["table"], into={"table": dest})["table"] is dest
+    reader.fill()
+    assert dest.equal(table)
+
+    holder, offset = locate(m, "table", rows // 2 * cols * 4 + 4096)  # in the 2 MiB run
+    assert holder is None
+    flip(tmp_path / dir_name(4) / DATA, offset)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'table'"):
+        CheckpointReader(open_storage(tmp_path), 4).tensors(["table"], into={"table": dest})
+
+
 def test_damage_no_later_checkpoint_refers_to_fails_only_its_holder(
     two_launches: tuple[Path, dict[int, Any]],
     tmp_path: Path,

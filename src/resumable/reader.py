@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -52,7 +52,8 @@ class CheckpointReader:
         self._manifest: dict[str, Any] | None = None
         self.mapped = False  # whether tensors() returned views of mapped files
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
-        self._table_cache: dict[str, tuple[list[tuple[int | None, str]], np.ndarray]] = {}
+        self._extents_cache: _Extents | None = None
+        self._locations_cache: _Locations | None = None
         # Tensors `tensors` returned unassembled, and where their bytes lie, for `fill`.
         self._fills: list[tuple[torch.Tensor, _Pieces]] = []
 
@@ -97,34 +98,32 @@ class CheckpointReader:
         for name, info in m["tensors"].items():
             if "chunks" not in info and "extents" not in info:
                 expect[info["file"]].append((name, info["dtype"], info["shape"], info["offsets"]))
-                continue
-            keys, a = self._table(name)
-            own_files: list[str] = []  # the own files among the sources
-            fid = np.full(len(keys), -1, dtype=np.int64)  # source -> own file, or -1
-            for i, (step, fname) in enumerate(keys):
-                if step is None:
-                    if fname not in own_files:
-                        own_files.append(fname)
-                    fid[i] = own_files.index(fname)
-                    continue
-                sel = a[a[:, 0] == i]
-                if len(sel):
-                    lo, hi = int(sel[:, 1].min()), int(sel[:, 2].max())
-                    was = bounds.get((step, fname), (lo, hi))
-                    bounds[(step, fname)] = (min(was[0], lo), max(was[1], hi))
-            where = fid[a[:, 0]]
-            own = a[where >= 0]
-            if (
-                len(own) == len(a)
-                and len(own_files) == 1
-                and bool((own[1:, 1] == own[:-1, 2]).all())
-            ):  # written whole: one entry, as in a full file
-                expect[own_files[0]].append(
-                    (name, info["dtype"], info["shape"], [int(own[0, 1]), int(own[-1, 2])])
-                )
-            else:  # changed chunks: U8 entries, whatever their names
-                for k, fname in enumerate(own_files):
-                    chunks[fname].append(a[where == k][:, 1:])
+        x = self._extents()
+        t, key, begin, end = x.rows.T
+        for k, (step, fname) in enumerate(x.keys):
+            sel = key == k
+            if step is not None and sel.any():
+                bounds[(step, fname)] = (int(begin[sel].min()), int(end[sel].max()))
+        own = np.array([step is None for step, _ in x.keys], dtype=bool)[key]
+        # A tensor all of whose pieces lie back to back in one own file was written
+        # whole: one entry, as in a full file. Others' own pieces are changed chunks:
+        # U8 entries, whatever their names.
+        inside = t[1:] == t[:-1]
+        breaks = inside & ((key[1:] != key[:-1]) | (begin[1:] != end[:-1]))
+        n = len(x.names)
+        whole = (np.bincount(t[~own], minlength=n) == 0) & (
+            np.bincount(t[1:][breaks], minlength=n) == 0
+        )
+        for i in np.flatnonzero(whole).tolist():
+            name, first, last = x.names[i], int(x.starts[i]), int(x.starts[i + 1]) - 1
+            info = m["tensors"][name]
+            fname = x.keys[int(key[first])][1]
+            expect[fname].append(
+                (name, info["dtype"], info["shape"], [int(begin[first]), int(end[last])])
+            )
+        changed = own & ~whole[t]
+        for k in np.unique(key[changed]).tolist():
+            chunks[x.keys[k][1]].append(x.rows[changed & (key == k)][:, 2:])
         for step, fname in sorted(bounds):
             holder = self._holder(step)
             key = self._holder_file(holder, fname)
@@ -213,56 +212,81 @@ class CheckpointReader:
             f"{self.where} refers to a file {basename!r} of {holder.dir}, which has no such file"
         )
 
-    def _table(self, name: str) -> tuple[list[tuple[int | None, str]], np.ndarray]:
-        """Where the bytes of a tensor with pieces lie, in order: its sources (step, or
-        None for this checkpoint; file) and an (n, 3) array of (source index, begin,
-        end). Made once per tensor: several checks walk it, and a version 3 entry may
-        have thousands of extents."""
-        got = self._table_cache.get(name)
-        if got is None:
-            info = self.manifest["tensors"][name]
-            if "extents" in info:
-                keys = [(s.get("step"), s["file"]) for s in info["sources"]]
-                a = np.array(info["extents"], dtype=np.int64).reshape(-1, 3)
-            else:
-                ids: dict[tuple[int | None, str], int] = {}
-                rows = [
-                    (ids.setdefault((st, f), len(ids)), b, e) for st, f, b, e in tensor_ranges(info)
-                ]
-                keys, a = list(ids), np.array(rows, dtype=np.int64).reshape(-1, 3)
-            got = self._table_cache[name] = (keys, a)
-        return got
+    def _extents(self) -> _Extents:
+        """The pieces of every tensor with pieces (version 2 and 3 entries), in one
+        table, made once: a manifest may have thousands of such tensors, or a tensor
+        thousands of extents, and each check then runs once over all of them."""
+        if self._extents_cache is None:
+            names: list[str] = []
+            keys: dict[tuple[int | None, str], int] = {}  # (step or None, file) -> id
+            small: list[tuple[int, int, int, int]] = []  # (tensor, key, begin, end)
+            parts: list[np.ndarray] = []  # the same, a long extents list at a time
+            for name, info in self.manifest["tensors"].items():
+                if "extents" in info:
+                    i = len(names)
+                    ids = [
+                        keys.setdefault((src.get("step"), src["file"]), len(keys))
+                        for src in info["sources"]
+                    ]
+                    ext = info["extents"]
+                    if len(ext) < _SHORT:
+                        small.extend(
+                            (i, ids[ext[j]], ext[j + 1], ext[j + 2]) for j in range(0, len(ext), 3)
+                        )
+                    else:
+                        a = np.array(ext, dtype=np.int64).reshape(-1, 3)
+                        lookup = np.array(ids, dtype=np.int64)
+                        parts.append(
+                            np.stack(
+                                [np.full(len(a), i), lookup[a[:, 0]], a[:, 1], a[:, 2]], axis=1
+                            )
+                        )
+                elif "chunks" in info:
+                    i = len(names)
+                    small.extend(
+                        (i, keys.setdefault((st, f), len(keys)), b, e)
+                        for st, f, b, e in tensor_ranges(info)
+                    )
+                else:
+                    continue
+                names.append(name)
+            rows = np.concatenate([np.array(small, dtype=np.int64).reshape(-1, 4), *parts])
+            rows = rows[np.argsort(rows[:, 0], kind="stable")]  # by tensor, in order
+            starts = np.searchsorted(rows[:, 0], np.arange(len(names) + 1))
+            self._extents_cache = _Extents(names, list(keys), rows, starts)
+        return self._extents_cache
 
-    def _locations(self, name: str) -> tuple[list[str], np.ndarray]:
-        """Where the bytes of a tensor with pieces lie, in order: paths in storage and
-        an (n, 3) array of (path index, begin, end), pieces back to back in one file
-        merged into one."""
-        keys, a = self._table(name)
-        paths: list[str] = []
-        pid = np.empty(len(keys), dtype=np.int64)  # source -> path index
-        for i, (step, fname) in enumerate(keys):
-            if step is None:
-                path = f"{self.dir}/{fname}"  # its size checked against the manifest's
-            else:
+    def _locations(self) -> _Locations:
+        """Where the pieces of every tensor with pieces lie: a path in storage per key
+        of `_extents`, and the pieces with those back to back in one file merged."""
+        if self._locations_cache is None:
+            x = self._extents()
+            t, key, begin, end = x.rows.T
+            paths: list[str] = []
+            for k, (step, fname) in enumerate(x.keys):
+                if step is None:
+                    paths.append(f"{self.dir}/{fname}")  # size checked against the manifest
+                    continue
                 holder = self._holder(step)
-                key = self._holder_file(holder, fname)
-                path = f"{holder.dir}/{key}"
-                size = holder.manifest["files"][key]["size"]
-                sel = a[a[:, 0] == i]
-                if len(sel) and int(sel[:, 2].max()) > size:
+                hkey = self._holder_file(holder, fname)
+                paths.append(f"{holder.dir}/{hkey}")
+                size = holder.manifest["files"][hkey]["size"]
+                sel = key == k
+                if sel.any() and int(end[sel].max()) > size:
                     raise CorruptCheckpointError(
-                        f"{self.where}: a chunk ends at {int(sel[:, 2].max())}, past the end "
+                        f"{self.where}: a chunk ends at {int(end[sel].max())}, past the end "
                         f"of {fname} in {step_dir(step)} ({size} bytes)"
                     )
-            if path not in paths:
-                paths.append(path)
-            pid[i] = paths.index(path)
-        p = pid[a[:, 0]]
-        # a piece that begins where the one before it ended, in the same file, joins it
-        joins = (p[1:] == p[:-1]) & (a[1:, 1] == a[:-1, 2])
-        first = np.flatnonzero(np.concatenate(([True], ~joins)))
-        last = np.concatenate((first[1:] - 1, [len(a) - 1]))
-        return paths, np.stack([p[first], a[first, 1], a[last, 2]], axis=1)
+            # a piece that begins where the one before it in the same tensor ended, in
+            # the same file, joins it
+            joins = (t[1:] == t[:-1]) & (key[1:] == key[:-1]) & (begin[1:] == end[:-1])
+            first = np.flatnonzero(np.concatenate(([True], ~joins)))
+            last = np.concatenate((first[1:] - 1, [len(t) - 1]))
+            merged = np.stack([key[first], begin[first], end[last]], axis=1)
+            starts = np.searchsorted(t[first], np.arange(len(x.names) + 1))
+            where = {name: (int(starts[i]), int(starts[i + 1])) for i, name in enumerate(x.names)}
+            self._locations_cache = _Locations(paths, merged, where)
+        return self._locations_cache
 
     def tensors(
         self,
@@ -290,17 +314,20 @@ class CheckpointReader:
             if name not in index:
                 raise CorruptCheckpointError(f"{self.where}: no tensor {name!r} in the index")
         single: dict[str, tuple[str, int, int]] = {}  # bytes in one place: (path, b, e)
-        pieces: dict[str, tuple[list[str], np.ndarray]] = {}  # in several: `_locations`
+        pieces: dict[str, np.ndarray] = {}  # in several: (path index, begin, end) rows
+        at = None
         for name in wanted:
             info = index[name]
             if "chunks" not in info and "extents" not in info:
                 single[name] = (f"{self.dir}/{info['file']}", *info["offsets"])
                 continue
-            paths, a = self._locations(name)
-            if len(a) == 1:
-                single[name] = (paths[int(a[0, 0])], int(a[0, 1]), int(a[0, 2]))
+            at = at or self._locations()
+            lo, hi = at.where[name]
+            if hi - lo == 1:
+                k, b, e = at.merged[lo].tolist()
+                single[name] = (at.paths[k], b, e)
             else:
-                pieces[name] = (paths, a)
+                pieces[name] = at.merged[lo:hi]
         by_path: dict[str, list[str]] = defaultdict(list)
         for name, (path, _, _) in single.items():
             by_path[path].append(name)
@@ -320,20 +347,23 @@ class CheckpointReader:
                     _, b, e = single[n]
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
         # Each file mapped once for all its pieces: a tensor may have thousands.
-        maps: dict[str, memoryview | None] = {}
+        maps: dict[int, memoryview | None] = {}
 
-        def mapped(path: str, end: int) -> memoryview | None:
-            if path not in maps:
-                mm = self.storage.map_file(path)
-                maps[path] = None if mm is None else memoryview(mm)
-            whole = maps[path]
-            return whole if whole is not None and end <= whole.nbytes else None
+        def mapped(k: int) -> memoryview | None:
+            if k not in maps:
+                assert at is not None
+                mm = self.storage.map_file(at.paths[k])
+                maps[k] = None if mm is None else memoryview(mm)
+            return maps[k]
 
-        for name, (paths, a) in pieces.items():
-            ends = [int(a[a[:, 0] == i, 2].max(initial=0)) for i in range(len(paths))]
-            sources = [mapped(path, end) for path, end in zip(paths, ends)]
-            found = [src for src in sources if src is not None]
-            gather = _Pieces(found, a) if len(found) == len(sources) else None
+        for name, a in pieces.items():
+            assert at is not None
+            ends: dict[int, int] = {}
+            for k, e in zip(a[:, 0].tolist(), a[:, 2].tolist()):
+                ends[k] = max(e, ends.get(k, 0))
+            views = {k: mapped(k) for k in ends}
+            found = {k: v for k, v in views.items() if v is not None and ends[k] <= v.nbytes}
+            gather = _Pieces(found, a) if len(found) == len(views) else None
             dest = self._destination(name, (into or {}).get(name))
             if gather is not None and dest is not None and verify:
                 # the checksum over the pieces where they lie; copied by `fill`
@@ -344,12 +374,12 @@ class CheckpointReader:
             total = int((a[:, 2] - a[:, 1]).sum())
             buf = torch.empty(total, dtype=torch.uint8)
             if gather is not None:
-                gather.copy_into(buf.numpy().data)
+                gather.copy_into(buf)
             else:
                 pos = 0
-                for i, b, e in a.tolist():
+                for k, b, e in a.tolist():
                     if e > b:
-                        self.storage.read_into(paths[i], b, byte_view(buf[pos : pos + e - b]))
+                        self.storage.read_into(at.paths[k], b, byte_view(buf[pos : pos + e - b]))
                     pos += e - b
             out[name] = self._tensor(name, buf, 0, total, verify)
         return out
@@ -375,7 +405,7 @@ class CheckpointReader:
         into them; once."""
         fills, self._fills = self._fills, []
         for dest, gather in fills:
-            gather.copy_into(dest.detach().view(-1).view(torch.uint8).numpy().data)
+            gather.copy_into(dest.detach().view(-1).view(torch.uint8))
 
     def _check_sum(self, name: str, got: str) -> None:
         want = self.manifest["tensors"][name][CHECKSUM]
@@ -461,13 +491,37 @@ def _check_chunk_entries(
         )
 
 
+class _Extents(NamedTuple):
+    """`CheckpointReader._extents`: the tensors with pieces, the files their pieces lie
+    in (step or None for this checkpoint; file), and one row per piece, grouped by
+    tensor and in order: (tensor index, file key, begin, end); tensor i's rows are
+    ``rows[starts[i]:starts[i + 1]]``."""
+
+    names: list[str]
+    keys: list[tuple[int | None, str]]
+    rows: np.ndarray
+    starts: np.ndarray
+
+
+class _Locations(NamedTuple):
+    """`CheckpointReader._locations`: a path per file key, the merged pieces as (key,
+    begin, end) rows, and each tensor's rows among them, as [lo, hi)."""
+
+    paths: list[str]
+    merged: np.ndarray
+    where: dict[str, tuple[int, int]]
+
+
 class _Pieces:
     """The bytes of a tensor whose pieces lie in mapped files, in the tensor's order,
     hashed or copied a piece at a time through memoryviews: of what a piece costs in
-    Python, slicing a memoryview is the cheapest (NumPy views cost more per piece, and
-    gathering rows with NumPy fancy indexing or torch's index ops more than that)."""
+    Python, slicing a memoryview is the cheapest. Measured against it (4 KiB and 64 KiB
+    chunks): NumPy views cost more per piece; gathering rows of a common piece size
+    with NumPy fancy indexing was slower still (scattered rows copy element-wise), and
+    torch's scatter ops too; `ctypes.memmove` costs more per call, and two threads
+    sharing the pieces gained nothing where pieces are small."""
 
-    def __init__(self, sources: list[memoryview], a: np.ndarray) -> None:
+    def __init__(self, sources: Mapping[int, memoryview], a: np.ndarray) -> None:
         self.sources = sources  # the mapped files, by path index
         self.rows: list[list[int]] = a.tolist()  # (path index, begin, end), in order
 
@@ -478,12 +532,23 @@ class _Pieces:
             update(sources[i][b:e])
         return h.hexdigest()
 
-    def copy_into(self, flat: memoryview) -> None:
-        """Write the tensor's bytes into ``flat`` (their total length, format ``B``)."""
-        sources, pos = self.sources, 0
+    def copy_into(self, dest: torch.Tensor) -> None:
+        """Write the tensor's bytes into ``dest``, flat bytes of their total length. A
+        piece of `_BIG` bytes or more is copied by torch, on its intra-op threads."""
+        flat, sources, pos = dest.numpy().data, self.sources, 0
+        big: dict[int, torch.Tensor] = {}  # sources as tensors, for big pieces
         for i, b, e in self.rows:
-            flat[pos : pos + e - b] = sources[i][b:e]
+            if e - b < _BIG:
+                flat[pos : pos + e - b] = sources[i][b:e]
+            else:
+                if i not in big:
+                    big[i] = torch.frombuffer(sources[i], dtype=torch.uint8)
+                dest[pos : pos + e - b].copy_(big[i][b:e])
             pos += e - b
+
+
+_BIG = 1 << 20  # bytes of a piece from which `_Pieces` copies it with torch
+_SHORT = 96  # integers in an extents list below which `_extents` makes its rows in Python
 
 
 def _itemsize(dtype: torch.dtype) -> int:
