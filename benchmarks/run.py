@@ -230,9 +230,21 @@ def write_floors(work: Path, nbytes: int, reps: int, out: dict[str, Any]) -> Pat
 
 
 def save_phase(
-    methods: list[peers.SaveMethod], probe: CopyProbe, tree: Any, reps: int, out: dict[str, Any]
+    methods: list[peers.SaveMethod],
+    probe: CopyProbe,
+    tree: Any,
+    reps: int,
+    out: dict[str, Any],
+    floor_dir: Path | None = None,
 ) -> None:
+    """Rounds of every method's save. With ``floor_dir``, each timed round also writes
+    the state's size through the fsync write floor first (`floors.write_floor_python`,
+    one sample), so that persists are compared with a floor measured at the same time:
+    this disk's throughput drifts by several times over minutes, and a floor timed
+    in a block of its own before the saves once measured 0.52 of a persist that the
+    fastest samples put at 1.19 (`vm-20261128T162359Z`)."""
     samples: dict[str, dict[str, list[float]]] = {m.name: {} for m in methods}
+    floor_samples: list[float] = []
     alive = list(methods)
     assert reps < 255, "the masks are bytes"
     for i in range(reps + 1):
@@ -242,6 +254,11 @@ def save_phase(
         _xor_bytes(tree, (reps - i) ^ (reps - i + 1) if i > 0 else reps)
         if i > 0:
             probe.once("save")
+            if floor_dir is not None:
+                floor_dir.mkdir(parents=True, exist_ok=True)
+                floor_samples += floors.write_floor_python(floor_dir, state_mod.nbytes(tree), 1)
+                for f in floor_dir.iterdir():
+                    f.unlink()
         for m in list(alive):
             log(f"save {m.name} rep {i}")
             try:
@@ -261,6 +278,12 @@ def save_phase(
         for k, vals in samples[m.name].items():
             entry[f"save_{k}"] = stat(vals[1:], first=round(vals[0], 6))
     methods[:] = alive
+    if floor_samples:
+        out["floors"]["write_python_rounds"] = stat(
+            floor_samples,
+            bytes=state_mod.nbytes(tree),
+            how="as write_python, one sample at the start of each timed save round",
+        )
 
 
 def _xor_bytes(tree: Any, mask: int) -> None:
@@ -374,9 +397,7 @@ def dlrover_entry(raw: dict[str, Any]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (1024)")
-    ap.add_argument(
-        "--reps", type=int, default=None, help="timed repetitions per measure (3; --quick: 5)"
-    )
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measure (5)")
     ap.add_argument("--quick", action="store_true", help="64 MiB smoke run, short end to end")
     ap.add_argument("--bench-dir", type=Path, default=REPO / "runs" / "bench-tmp")
     ap.add_argument("--results-dir", type=Path, default=HERE / "results")
@@ -442,7 +463,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
-        args.reps = 5 if args.quick else 3
+        args.reps = 5
     if args.quick:
         args.size_mb = 64 if args.size_mb == 1024 else args.size_mb
         args.e2e_rounds = min(args.e2e_rounds, 4)
@@ -531,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             out["floors"], "write", lambda: write_floors(work, nbytes, args.reps, out)
         )
         log("saves, round-robin")
-        save_phase(methods, probe, tree, args.reps, out)
+        save_phase(methods, probe, tree, args.reps, out, floor_dir=work / "floors" / "rounds")
         log("restores and read floors")
         restore_phase(methods, probe, tree, ref, read_file, args.reps, not args.no_drop_caches, out)
     finally:
