@@ -191,7 +191,10 @@ def run_fake_gcs(workdir: Path) -> Iterator[GcsServer]:
 
 
 @contextlib.contextmanager
-def run_azurite(workdir: Path) -> Iterator[AzuriteServer]:
+def run_azurite(workdir: Path, memory_mib: int = 2048) -> Iterator[AzuriteServer]:
+    """Azurite on a free loopback port, blobs in memory: at most ``memory_mib`` of them
+    (uploads beyond it fail with MemoryExtentStoreAtSizeLimit, which adlfs reports as
+    `FileExistsError`; deleted blobs' memory comes back only later)."""
     binary = find_azurite()
     if binary is None:
         raise ServerUnavailable(
@@ -200,7 +203,7 @@ def run_azurite(workdir: Path) -> Iterator[AzuriteServer]:
     (port,) = free_ports(1)
     cmd = [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port)]
     cmd += ["--inMemoryPersistence", "--skipApiVersionCheck", "--silent"]
-    cmd += ["--extentMemoryLimit", "2048"]  # MiB; the default is half the machine's memory
+    cmd += ["--extentMemoryLimit", str(memory_mib)]  # the default: half the machine's memory
     log_path = workdir / "azurite.log"
     with _serve(cmd, port, f"/{AZURITE_ACCOUNT}?comp=list", log_path, "Azurite"):
         yield AzuriteServer(f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}", log_path)
