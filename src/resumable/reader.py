@@ -358,9 +358,7 @@ class CheckpointReader:
 
         for name, a in pieces.items():
             assert at is not None
-            ends: dict[int, int] = {}
-            for k, e in zip(a[:, 0].tolist(), a[:, 2].tolist()):
-                ends[k] = max(e, ends.get(k, 0))
+            ends = {k: int(a[a[:, 0] == k, 2].max()) for k in np.unique(a[:, 0]).tolist()}
             views = {k: mapped(k) for k in ends}
             found = {k: v for k, v in views.items() if v is not None and ends[k] <= v.nbytes}
             gather = _Pieces(found, a) if len(found) == len(views) else None
