@@ -547,12 +547,16 @@ def test_a_partly_changed_tensor_is_assembled_in_its_destination_once_verified(
     falls_back(root, damaged=10, to=5, expected=expected[5])
 
 
-def test_pieces_of_every_size_are_copied_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pieces_of_every_size_are_copied_exactly(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 6 MiB table cut into 4 KiB chunks, a few rows changed per save: its pieces are
     changed runs of a chunk or two and unchanged runs of up to megabytes, in four
-    files. Assembled in a buffer and in a destination (large pieces are copied by
-    torch, small ones a piece at a time), the bytes are the saved ones, and a flipped
-    byte in a large piece fails the checksum."""
+    files. Assembled in a buffer and in a destination (large pieces shared among
+    ``threads`` threads, small ones a piece at a time), the bytes are the saved ones,
+    and a flipped byte in a large piece fails the checksum."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     rows, cols = 6 * 1024, 256  # 1 KiB rows
     table = torch.zeros(rows, cols)
     state = {"table": table}
@@ -582,6 +586,54 @@ def test_pieces_of_every_size_are_copied_exactly(tmp_path: Path) -> None:
     flip(tmp_path / dir_name(4) / DATA, offset)
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'table'"):
         CheckpointReader(open_storage(tmp_path), 4).tensors(["table"], into={"table": dest})
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_pieces_copied_on_threads_land_where_they_belong(threads: int) -> None:
+    """`_Pieces.copy_into` with pieces from 3 bytes to 300 KiB in three sources, in an
+    order that jumps between them: every byte lands at its place, whether a piece is
+    copied by the calling thread, whole by one of ``threads`` threads, or cut between
+    two of them."""
+    from resumable.reader import _SPLIT, _Pieces
+
+    rng = np.random.default_rng(threads)
+    sources = {
+        k: memoryview(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for k in (0, 2, 5)
+    }
+    rows, sizes = [], [3, 4096, _SPLIT - 1, _SPLIT, _SPLIT + 5, 300 << 10, 17]
+    for n in sizes * 4:
+        k = int(rng.choice([0, 2, 5]))
+        b = int(rng.integers(0, (1 << 20) - n))
+        rows.append((k, b, b + n))
+    want = b"".join(bytes(sources[k][b:e]) for k, b, e in rows)
+    dest = torch.full((len(want),), 7, dtype=torch.uint8)
+    with mock.patch.object(torch, "get_num_threads", return_value=threads):
+        _Pieces(sources, np.array(rows, dtype=np.int64)).copy_into(dest)
+    assert bytes(dest.numpy()) == want
+
+
+@pytest.mark.parametrize(
+    "row, dest_bytes",
+    [
+        ((0, (1 << 20) - 10, (1 << 20) + 100_000), 10 + 100_010),  # past its file's end
+        ((0, -5, 100_000), 10 + 100_005),  # before its start
+        ((0, 1000, 900), 0),  # ends before it begins
+        ((0, 0, 100_000), 10 + 99_999),  # one byte more than the destination holds
+    ],
+)
+def test_pieces_out_of_bounds_are_refused_before_any_copy(
+    row: tuple[int, int, int], dest_bytes: int
+) -> None:
+    """The raw copies trust no caller: a piece outside its file, a negative one, or
+    pieces that do not add up to the destination raise `CorruptCheckpointError`, and
+    the destination is untouched."""
+    from resumable.reader import _Pieces
+
+    sources = {0: memoryview(bytes(1 << 20))}
+    dest = torch.full((max(dest_bytes, 1),), 7, dtype=torch.uint8)[:dest_bytes]
+    with pytest.raises(CorruptCheckpointError, match="do not fit"):
+        _Pieces(sources, np.array([(0, 0, 10), row], dtype=np.int64)).copy_into(dest)
+    assert bool((dest == 7).all())
 
 
 def test_damage_no_later_checkpoint_refers_to_fails_only_its_holder(
