@@ -22,7 +22,11 @@ coordinated commit ends at ``dist_timeout_s``. A survivor still running `SURVIVO
 the kill is counted as hung (and killed, its stacks kept), unless it is still in
 torch's ``init_process_group``: none of the library's code has run yet, and gloo's
 connection to a peer killed during the handshake can outlast the group's timeout. Then
-both ranks are relaunched.
+both ranks are relaunched. A launch neither of whose ranks got through
+``init_process_group`` (its rendezvous timed out, as it can on a loaded machine) is
+counted apart too (``launches_whose_ranks_never_joined``, with how each rank ended):
+nothing of the library's ran in it. Any other launch without a restore is a failure
+that says where each rank was.
 
 After every kill, once both ranks are gone, this process reads the audit log for the
 steps whose commit was recorded and checks that every listed checkpoint verifies and
@@ -370,6 +374,15 @@ def _end(
         rank.said += _rest(rank.fd)
 
 
+def _status(status: int | None) -> str:
+    """How a rank ended, from its wait status."""
+    if status is None:
+        return "still running"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit status {os.WEXITSTATUS(status)}"
+
+
 def _exited_0(status: int) -> bool:
     return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
@@ -432,6 +445,7 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
     victims: dict[str, int] = {"rank 0": 0, "rank 1": 0, "both": 0}
     survivors: dict[str, list[float]] = {}  # how a survivor ended: seconds after the kill
     restored_from: dict[str, int] = {"start (nothing committed)": 0, "committed or newer": 0}
+    never_joined: list[str] = []  # launches neither of whose ranks joined the group
     pipelines: dict[str, int] = {"thread": 0, "process": 0}  # kills per persist mode
     orphans_ended: list[float] = []  # seconds for a killed launch's workers to end
     store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
@@ -512,7 +526,19 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
                             "committed or newer" if step else "start (nothing committed)"
                         ] += 1
                     elif not early_kill:
-                        problems.append(f"{where}: no restore within {LAUNCH_TIMEOUT_S}s")
+                        how = "; ".join(
+                            f"rank {r}: {rank.phase()}, {rank.error() or _status(rank.status)}"
+                            for r, rank in enumerate(ranks)
+                        )
+                        if not last and all(rank.phase() == "joining" for rank in ranks):
+                            # Neither rank got through torch's init_process_group (its
+                            # rendezvous has the group's timeout): no code of the
+                            # library's ran, and nothing was restored or saved.
+                            never_joined.append(f"{where}: {how}")
+                        else:
+                            problems.append(
+                                f"{where}: no restore within {LAUNCH_TIMEOUT_S}s ({how})"
+                            )
                     if os.path.isdir(root):
                         want = max(want, newest_commit(root))
                         problems += torn(root)
@@ -538,6 +564,7 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
             "dist_timeout_s": DIST_TIMEOUT_S,
             "survivors_ended": {k: _spread(v) for k, v in sorted(survivors.items())},
             "restores": restored_from,
+            "launches_whose_ranks_never_joined": never_joined[:10],
             "kills_by_pipeline": pipelines,
             "workers_gone_after_their_ranks": _spread(orphans_ended) if orphans_ended else None,
             "problems": problems[:10],
