@@ -612,6 +612,46 @@ def test_pieces_copied_on_threads_land_where_they_belong(threads: int) -> None:
     assert bytes(dest.numpy()) == want
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pieces_in_place_in_a_file_are_copied_as_one_range_then_overwritten(threads: int) -> None:
+    """A tensor that one file held whole (at byte 100), of which 300 scattered chunks
+    (1 KiB to 80 KiB, some back to back) lie in two other files: `_Pieces` copies the
+    whole range from the first file, then every other piece over it, and the result
+    is the tensor's bytes, not the first file's."""
+    from resumable.reader import _in_place, _Pieces
+
+    rng = np.random.default_rng(threads)
+    n = 8 << 20
+    held = rng.integers(0, 256, n + 200, dtype=np.uint8)
+    newer = {k: rng.integers(0, 256, 8 << 20, dtype=np.uint8) for k in (1, 2)}
+    want = held[100 : 100 + n].copy()
+    rows, at, free = [], 0, {1: 0, 2: 0}
+    for pos in sorted(rng.choice(n // 1024 - 100, 300, replace=False).tolist()):
+        pos *= 1024
+        if pos < at:
+            continue
+        size = int(rng.choice([1024, 4096, 80 << 10], p=[0.6, 0.35, 0.05]))
+        if pos > at:
+            rows.append((0, 100 + at, 100 + pos))  # in place in the first file
+        k = int(rng.integers(1, 3))
+        rows.append((k, free[k], free[k] + size))
+        want[pos : pos + size] = newer[k][free[k] : free[k] + size]
+        free[k] += size
+        at = pos + size
+    rows.append((0, 100 + at, 100 + n))
+    a = np.array(rows, dtype=np.int64)
+    lengths = a[:, 2] - a[:, 1]
+    assert _in_place(a, np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) is not None
+    sources = {
+        0: memoryview(held.tobytes()),
+        **{k: memoryview(v.tobytes()) for k, v in newer.items()},
+    }
+    dest = torch.zeros(n, dtype=torch.uint8)
+    with mock.patch.object(torch, "get_num_threads", return_value=threads):
+        _Pieces(sources, a).copy_into(dest)
+    assert np.array_equal(dest.numpy(), want)
+
+
 @pytest.mark.parametrize(
     "row, dest_bytes",
     [

@@ -537,9 +537,13 @@ class _Pieces:
 
     def copy_into(self, dest: torch.Tensor) -> None:
         """Write the tensor's bytes into ``dest``, contiguous bytes of their total
-        length: the pieces of `_SPLIT` bytes or more first, shared by byte count among
-        torch's intra-op thread count of threads, then the others, one memoryview
-        slice each."""
+        length. First, where many pieces lie in one file as they lie in the tensor (a
+        file that held the tensor whole, of which later checkpoints replaced chunks),
+        the whole range they span, in one copy (`_in_place`); then the other pieces:
+        those of `_SPLIT` bytes or more shared by byte count among torch's intra-op
+        thread count of threads, the rest one memoryview slice each. Every piece is
+        copied after the range, so what the range copied of another piece's place is
+        overwritten."""
         a, sources = self.table, self.sources
         lengths = a[:, 2] - a[:, 1]
         # Raw copies: every bound checked here again, whatever the caller checked.
@@ -554,22 +558,63 @@ class _Pieces:
             or any(int(a[a[:, 0] == k, 2].max()) > sources[k].nbytes for k in np.unique(a[:, 0]))
         ):
             raise CorruptCheckpointError("pieces that do not fit their files or destination")
-        flat = dest.numpy().data
-        positions = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        big = lengths >= _SPLIT
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        threads = max(1, torch.get_num_threads())
+        base = dest.data_ptr()
+        addresses: dict[int, int] = {}
+
+        def address(k: int) -> int:
+            if k not in addresses:
+                addresses[k] = int(np.frombuffer(sources[k], dtype=np.uint8).ctypes.data)
+            return addresses[k]
+
+        rest = np.ones(len(a), dtype=bool)  # the pieces still to copy one by one
+        found = _in_place(a, starts, lengths)
+        if found is not None:
+            done, k, lo, hi, shift = found
+            _memmove_on_threads([(base + lo, address(k) + lo - shift, hi - lo)], threads)
+            rest &= ~done
+        big = rest & (lengths >= _SPLIT)
         if big.any():
-            arrays = {k: np.frombuffer(sources[k], dtype=np.uint8) for k in sources}
-            addresses = {k: int(v.ctypes.data) for k, v in arrays.items()}
-            base = dest.data_ptr()
             moves = []
             for j in np.flatnonzero(big).tolist():
                 i, b, e = self.rows[j]
-                moves.append((base + positions[j], addresses[i] + b, e - b))
-            _memmove_on_threads(moves, max(1, torch.get_num_threads()))
-        for j in np.flatnonzero(~big).tolist():
+                moves.append((base + int(starts[j]), address(i) + b, e - b))
+            _memmove_on_threads(moves, threads)
+        flat, positions = dest.numpy().data, starts.tolist()
+        for j in np.flatnonzero(rest & ~big).tolist():
             i, b, e = self.rows[j]
             pos = positions[j]
             flat[pos : pos + e - b] = sources[i][b:e]
+
+
+def _in_place(
+    a: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, int, int, int, int] | None:
+    """The largest set of pieces (rows of ``a``, placed at ``starts`` in the tensor)
+    that lie in one file at one offset from their place in the tensor, if they are at
+    least `_IN_PLACE_MIN` and the tensor range they span holds at most twice their
+    bytes: (which rows, file, begin and end in the tensor, tensor place minus file
+    offset). Its source range lies between the lowest begin and the highest end of
+    those pieces, so inside their file."""
+    if len(a) < _IN_PLACE_MIN:
+        return None
+    shift = starts - a[:, 1]
+    best: tuple[int, int, int] | None = None  # (count, file, shift)
+    for k in np.unique(a[:, 0]).tolist():
+        values, counts = np.unique(shift[a[:, 0] == k], return_counts=True)
+        g = int(np.argmax(counts))
+        if best is None or int(counts[g]) > best[0]:
+            best = (int(counts[g]), k, int(values[g]))
+    assert best is not None
+    count, k, d = best
+    if count < _IN_PLACE_MIN:
+        return None
+    rows = (a[:, 0] == k) & (shift == d)
+    lo, hi = int(starts[rows].min()), int((starts + lengths)[rows].max())
+    if hi - lo > 2 * int(lengths[rows].sum()):
+        return None
+    return rows, k, lo, hi, d
 
 
 def _memmove_on_threads(moves: list[tuple[int, int, int]], threads: int) -> None:
@@ -608,6 +653,7 @@ def _memmove_on_threads(moves: list[tuple[int, int, int]], threads: int) -> None
 
 
 _SPLIT = 64 << 10  # bytes of a piece from which `_Pieces` copies it on several threads
+_IN_PLACE_MIN = 64  # pieces in place in one file from which `_Pieces` copies their span
 _SHORT = 96  # integers in an extents list below which `_extents` makes its rows in Python
 
 
