@@ -367,11 +367,21 @@ def _end(
             os.kill(rank.pid, signal.SIGUSR1)
             time.sleep(0.5)
             with open(os.path.join(logs, f"rank{r}.log"), errors="replace") as f:
-                rank.stacks = f.read()[-3000:]
+                rank.stacks = _innermost(f.read())
             os.kill(rank.pid, signal.SIGKILL)
             os.waitpid(rank.pid, 0)
     for rank in ranks:
         rank.said += _rest(rank.fd)
+
+
+def _innermost(stacks: str, frames: int = 30) -> str:
+    """Each thread's header and innermost ``frames`` frames of faulthandler ``stacks``
+    (most recent call first), where a hang shows; the outer frames are cut."""
+    out = []
+    for thread in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
+        lines = thread.strip().splitlines()
+        out.append("\n".join(lines[: frames + 1]))
+    return "\n\n".join(out)[-12000:]
 
 
 def _status(status: int | None) -> str:
