@@ -293,10 +293,16 @@ class Rank:
         return None
 
 
+def _threads(stacks: str) -> list[str]:
+    """Faulthandler ``stacks`` (`faulthandler.dump_traceback` of all threads) cut into
+    one text per thread, each beginning with its ``Thread 0x...`` header."""
+    return re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)
+
+
 def _in_side_group_handshake(stacks: str) -> bool:
     """Whether a thread of these faulthandler stacks is inside torch's construction of
     a process group (its innermost frame) called from the library's `current_group`."""
-    for thread in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
+    for thread in _threads(stacks):
         frames = [line.strip() for line in thread.splitlines() if line.strip().startswith("File")]
         if (
             frames
@@ -378,7 +384,7 @@ def _innermost(stacks: str, frames: int = 30) -> str:
     """Each thread's header and innermost ``frames`` frames of faulthandler ``stacks``
     (most recent call first), where a hang shows; the outer frames are cut."""
     out = []
-    for thread in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
+    for thread in _threads(stacks):
         lines = thread.strip().splitlines()
         out.append("\n".join(lines[: frames + 1]))
     return "\n\n".join(out)[-12000:]

@@ -4,6 +4,8 @@ two-rank gloo group (two processes, a file store) and the real coordination stor
 - through the store, the first rank to decide decides for both, and neither waits for
   the other (rank 1 decides only once rank 0's decision returned: a decision that
   waited for the other rank would never return);
+- a decision asked later (`Agreement.decide_later`) is out before its answer is
+  asked for, and gets the same answer a decision would;
 - a decision taken again at the same step is a decision of its own; a rank that left
   one out meets the other again at the next step; every key is removed once both ranks
   read it;
@@ -74,6 +76,24 @@ RANK = textwrap.dedent(
         done("r1-8")
     answers.append(Agreement(group, None).decide("sync", 9, rank == 1))  # rank 0 decides
     print("answers", answers, flush=True)
+    # step 30, asked later: rank 0's question is out (its key is in the store) before
+    # anything asks for its answer, and rank 1, asking after that, gets rank 0's answer
+    if rank == 0:
+        reads = []
+        pending = agree.decide_later("later", 30, lambda: reads.append(1) or True)
+        probe = dist.TCPStore(
+            store.host, store.port, is_master=False, wait_for_workers=False,
+            timeout=timedelta(seconds=10),
+        )
+        while not probe.check(["agree/later/30/1"]):
+            time.sleep(0.001)
+        done("r0-30")
+        after("r1-30")
+        print("later", [pending.result(), pending.result(), len(reads)], flush=True)
+    else:
+        after("r0-30")
+        print("later", [agree.decide("later", 30, False)], flush=True)
+        done("r1-30")
     # a stop asked on rank 1 after rank 0 decided step 21: every rank stops at 22
     if rank == 0:
         stops = [agree.any_since("stop", 20, False), agree.any_since("stop", 21, False)]
@@ -97,6 +117,7 @@ RANK = textwrap.dedent(
         timeout=timedelta(seconds=10),
     )
     keys = ["agree/busy/5/1", "agree/busy/6/1", "agree/busy/6/2", "agree/due/8/1"]
+    keys += ["agree/later/30/1"]
     keys += [f"agree/stop/{step}/1" for step in (20, 21, 22)]
     keys += [k + "/n" for k in keys]
     print("left", [k for k in keys if client.check([k])], flush=True)
@@ -105,6 +126,7 @@ RANK = textwrap.dedent(
         os._exit(0)  # leaves: its store and its side of the group go with it
     time.sleep(1.0)
     for what, fn in (("store", lambda: agree.decide("busy", 10, False)),
+                     ("later", lambda: agree.decide_later("busy", 11, lambda: False).result()),
                      ("any", lambda: group.any(True))):
         try:
             fn()
@@ -141,7 +163,14 @@ def test_the_first_rank_decides_for_both_without_waiting(tmp_path: Path) -> None
     # 8 (its own); and rank 0's value without the store
     assert "answers [True, False, True, False, True, False]" in out0, (out0, err0[-2000:])
     assert "answers [True, False, True, True, False]" in out1, (out1, err1[-2000:])
+    # asked later: rank 0's own value, read once; rank 1 told rank 0's
+    assert "later [True, True, 1]" in out0, (out0, err0[-2000:])
+    assert "later [True]" in out1, (out1, err1[-2000:])
     assert "raised store rank 1: cannot reach the checkpoint coordination store" in out1, (
+        out1,
+        err1[-2000:],
+    )
+    assert "raised later rank 1: cannot reach the checkpoint coordination store" in out1, (
         out1,
         err1[-2000:],
     )
@@ -149,3 +178,50 @@ def test_the_first_rank_decides_for_both_without_waiting(tmp_path: Path) -> None
         out1,
         err1[-2000:],
     )
+
+
+def test_a_decision_asked_later_alone_reads_its_value_when_answered() -> None:
+    """One process: `decide_later` reads the value only when its answer is asked for
+    (a persist's worker may finish during the snapshot copy), once."""
+    from resumable.coordination import Agreement
+    from resumable.distributed import Group
+
+    agree = Agreement(Group(0, 1), None)
+    worker_busy = [True]
+    pending = agree.decide_later("busy", 3, lambda: worker_busy[0])
+    worker_busy[0] = False  # the copy ran; the worker finished meanwhile
+    assert pending.result() is False
+    worker_busy[0] = True
+    assert pending.result() is False  # answered once
+
+
+def test_a_decision_asked_on_a_thread_hands_its_error_to_the_caller() -> None:
+    """What asking raised comes out of `Pending.result`, on the caller's thread; a
+    caller that failed before it needed the answer lets it end (`settle`) without a
+    second error over its own. The decisions are asked in order, on one thread."""
+    import threading
+
+    from resumable.coordination import _Asker
+    from resumable.errors import PersistError
+
+    seen: list[str] = []
+
+    def ask() -> bool:
+        seen.append(threading.current_thread().name)
+        raise PersistError("rank 1: cannot reach the checkpoint coordination store")
+
+    asker = _Asker()
+    pending = asker.ask(ask)
+    try:
+        pending.result()
+    except PersistError as exc:
+        assert "cannot reach" in str(exc)
+    else:
+        raise AssertionError("no PersistError")
+    asker.ask(ask).settle()  # no error of its own
+    later = [asker.ask(lambda i=i: seen.append(str(i)) or i % 2 == 0) for i in range(5)]
+    assert [p.result() for p in later] == [True, False, True, False, True]
+    assert seen == ["resumable-agree", "resumable-agree", "0", "1", "2", "3", "4"]
+    asker.close()
+    asker._thread.join(timeout=10)
+    assert not asker._thread.is_alive()

@@ -46,7 +46,7 @@ from resumable.commit import (
     step_dir,
     warn_uncommitted,
 )
-from resumable.coordination import Agreement, CoordinationStore
+from resumable.coordination import Agreement, CoordinationStore, Pending
 from resumable.distributed import DEFAULT_TIMEOUT_S, Group, current_group
 from resumable.errors import CheckpointError, NoCheckpointError, StorageError
 from resumable.incremental import Incremental, incremental_option
@@ -374,19 +374,31 @@ class Checkpointer:
             return True
         if self.on_busy == "wait" and self._persister.busy:
             self._persister.wait()
+        # All ranks persist this step, or none: the first rank to ask decides for all,
+        # from whether its worker is busy. The question goes out before the snapshot
+        # copy and is answered after it (the copy hides the store's round trips); a
+        # worker busy when asked may be free by then, so this rank's answer errs
+        # towards deferring, never towards a persist its worker cannot take. (With
+        # one process, or ``persist="sync"``, the answer is taken after the copy.)
+        busy: Pending | bool = False
+        if self.on_busy == "skip" and self.persist_mode != "sync":
+            busy = self._agreement.decide_later("busy", step, lambda: self._persister.busy)
         snap = self._memory.current(step)
         if snap is None:  # the snapshot is taken either way
-            self.snapshot(step, metrics)
-            self._memory.settle()  # a persist needs the whole copy
+            try:
+                self.snapshot(step, metrics)
+                self._memory.settle()  # a persist needs the whole copy
+            except BaseException:
+                if isinstance(busy, Pending):
+                    busy.settle()
+                raise
             snap = self._memory.current(step)
             assert snap is not None
-        # All ranks persist this step, or none: the first rank to get here decides
-        # for all, from whether its worker is busy. A rank told to persist while its
-        # own worker still finishes the previous persist waits for it: that persist
-        # has ended on the rank that decided, so it is about to end here too.
-        busy = self._persister.busy
-        if self.on_busy == "skip" and self.persist_mode != "sync":
-            busy = self._agreement.decide("busy", step, busy)
+        # A rank told to persist while its own worker still finishes the previous
+        # persist waits for it: that persist has ended on the rank that decided, so it
+        # is about to end here too.
+        if isinstance(busy, Pending):
+            busy = busy.result()
             if not busy and self._persister.busy:
                 self._finish_before(step)
         if busy:
@@ -595,6 +607,7 @@ class Checkpointer:
             if self._emergency is not None:
                 self._emergency.close()
             self._persister.close()
+            self._agreement.close()
             if self._store is not None:
                 self._store.close()
             if ok:
