@@ -30,6 +30,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1743,3 +1744,72 @@ def test_worker_process_with_a_mirror_keeps_both_roots_consistent(tmp_path: Path
         assert committed(where)[-1] == 15
     shutil.rmtree(root)
     assert restored(mirror, 15).mismatches(expected[15]) == []
+
+
+# ------------------------------------------------- chunk hashes on several threads
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_chunk_hashes_on_threads_are_each_chunks_own_in_order(threads: int) -> None:
+    """`chunk_hashes` gives every range its own XXH3-128, in the order asked, however
+    the large chunks are shared among threads and the small ones hashed beside them."""
+    from resumable import incremental
+
+    rng = np.random.default_rng(threads)
+    data = memoryview(rng.integers(0, 256, size=80 << 20, dtype=np.uint8).tobytes())
+    ranges, pos = [], 0
+    for size in [4 << 20] * 9 + [7, 3 << 20, 4096, 0, (1 << 20) - 1, 1 << 20] + [5 << 20] * 5:
+        ranges.append((pos, pos + size))
+        pos += size
+    ranges += [(0, 4 << 20), (17, (2 << 20) + 17)]  # out of order, overlapping, unaligned
+    assert pos <= len(data)
+    want = [xxhash.xxh3_128_hexdigest(data[b:e]) for b, e in ranges]
+    assert incremental.chunk_hashes(data, ranges, threads) == want
+
+
+def test_chunk_hashes_raise_a_threads_error_after_every_thread_ended() -> None:
+    """A hash failing on one of the threads is raised to the caller, once no thread
+    reads the data any more (the other threads hash their runs to the end first)."""
+    from resumable import incremental
+
+    raw = bytearray(64 << 20)
+    raw[0 :: 1 << 20] = bytes(range(1, 65))  # each chunk's first byte: its number + 1
+    data = memoryview(bytes(raw))
+    ranges = [(i << 20, (i + 1) << 20) for i in range(64)]
+    real = xxhash.xxh3_128_hexdigest
+    seen: list[int] = []
+
+    def failing(buf: Any) -> str:
+        seen.append(buf[0])
+        if buf[0] == 1:  # the first chunk: the calling thread's, before the others end
+            raise MemoryError("hash failed")
+        time.sleep(0.002)
+        return real(buf)
+
+    with mock.patch.object(incremental.xxhash, "xxh3_128_hexdigest", failing):
+        with pytest.raises(MemoryError, match="hash failed"):
+            incremental.chunk_hashes(data, ranges, 3)
+        ended = len(seen)
+        time.sleep(0.3)
+        assert len(seen) == ended  # no thread hashed on after the raise
+
+
+def test_chunk_hash_threads_are_made_again_in_a_forked_process() -> None:
+    """The pool belongs to the process that made it: a process forked after the threads
+    started (which has none of them) makes its own instead of queueing to none."""
+    from resumable import incremental
+
+    data = memoryview(bytes(64 << 20))
+    ranges = [(i << 20, (i + 1) << 20) for i in range(64)]
+    incremental.chunk_hashes(data, ranges, 2)
+    assert incremental._pool is not None
+    first = incremental._pool[1]
+    pid = os.fork()
+    if pid == 0:  # the child: hashes on threads of its own, and says so by its status
+        ok = incremental.chunk_hashes(data, ranges, 2) == [
+            xxhash.xxh3_128_hexdigest(data[b:e]) for b, e in ranges
+        ]
+        os._exit(0 if ok and incremental._pool[1] is not first else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert incremental._pool[1] is first  # the parent's is still its own

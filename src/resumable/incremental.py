@@ -5,8 +5,8 @@ Each writer (the persist worker of a rank, or the in-process one) keeps a `Delta
 the tensor index of the last checkpoint it committed, with an XXH3-128 hash of every
 chunk (a tensor cut into ``chunk_bytes`` pieces; a tensor of at most ``chunk_bytes`` is
 one chunk) and where each chunk's bytes lie (a step, a data file, a byte range). At the
-next persist every chunk is hashed again (XXH3 runs at memory speed, ~24 GiB/s here, so
-hashing 1 GiB costs ~45 ms beside a write of a second or more); a chunk of a tensor whose
+next persist every chunk is hashed again (a pass over memory, on several threads where
+the chunks are large: `chunk_hashes`); a chunk of a tensor whose
 dtype and shape are unchanged and whose hash equals the remembered one is not written:
 the new manifest (format version 3, ``docs/format.md``) refers to the earlier
 checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
@@ -35,8 +35,11 @@ checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -193,6 +196,69 @@ class Plan:
         )
 
 
+_HASH_ALONE_BYTES = 1 << 20
+"""Chunks from this size are hashed on several threads (when there are enough bytes of
+them, `_HASH_PARALLEL_MIN_BYTES`); smaller ones on the calling thread, where a thread's
+hand-over would cost more than the hash."""
+_HASH_PARALLEL_MIN_BYTES = 32 << 20
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid it was made in, the pool)
+_pool_lock = threading.Lock()
+
+
+def _hash_pool(workers: int) -> ThreadPoolExecutor:
+    """The threads that hash chunks beside the calling one, made once per process (a
+    process forked after they started has none of them: it makes its own)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1]._max_workers != workers:
+            _pool = (
+                os.getpid(),
+                ThreadPoolExecutor(workers, thread_name_prefix="resumable-hash"),
+            )
+        return _pool[1]
+
+
+def chunk_hashes(
+    data: memoryview, ranges: list[tuple[int, int]], threads: int | None = None
+) -> list[str]:
+    """The XXH3-128 of each ``[begin, end)`` of ``data``, in order. A persist hashes
+    every chunk of the state to find the few that changed: a pass over memory that was
+    more than half of a fine-tuning job's incremental commit on one thread (profiled,
+    `docs/decisions.md`). Where there are enough large chunks, they are cut into ``threads``
+    runs of about equal bytes, in order (the hash releases the GIL), one of them hashed
+    on the calling thread; ``threads`` defaults to the cores this rank may use
+    (`resumable.snapshot.copy_threads`)."""
+    from resumable.snapshot import copy_threads
+
+    n = copy_threads() if threads is None else threads
+    big = [i for i, (b, e) in enumerate(ranges) if e - b >= _HASH_ALONE_BYTES]
+    big_bytes = sum(ranges[i][1] - ranges[i][0] for i in big)
+    if n < 2 or big_bytes < _HASH_PARALLEL_MIN_BYTES:
+        return [xxhash.xxh3_128_hexdigest(data[b:e]) for b, e in ranges]
+    out: list[str] = [""] * len(ranges)
+    runs: list[list[int]] = [[] for _ in range(n)]
+    done = 0
+    for i in big:  # in order: run k holds the k-th n-th of the large chunks' bytes
+        runs[min(n - 1, done * n // big_bytes)].append(i)
+        done += ranges[i][1] - ranges[i][0]
+
+    def run(indices: list[int]) -> None:
+        for i in indices:
+            b, e = ranges[i]
+            out[i] = xxhash.xxh3_128_hexdigest(data[b:e])
+
+    futures = [_hash_pool(n - 1).submit(run, r) for r in runs[1:] if r]
+    try:
+        run(runs[0])
+        alone = set(big)
+        run([i for i in range(len(ranges)) if i not in alone])
+    finally:
+        wait(futures)  # none still reads ``data`` once this returns or raises
+    for f in futures:
+        f.result()  # a thread's error
+    return out
+
+
 class DeltaBase:
     """The writer's memory of its last committed checkpoint (see the module doc)."""
 
@@ -221,11 +287,21 @@ class DeltaBase:
         plans: list[SlotPlan] = []
         live: dict[int, int] = defaultdict(int)
         total = 0
+        all_hashes = chunk_hashes(
+            data,
+            [
+                (s.begin + b, s.begin + min(b + cb, s.end - s.begin))
+                for s in slots
+                for b in range(0, s.end - s.begin, cb) or [0]
+            ],
+        )
+        at = 0
         for s in slots:
             n = s.end - s.begin
             total += n
             ranges = [(b, min(b + cb, n)) for b in range(0, n, cb)] or [(0, 0)]
-            hashes = [xxhash.xxh3_128_hexdigest(data[s.begin + b : s.begin + e]) for b, e in ranges]
+            hashes = all_hashes[at : at + len(ranges)]
+            at += len(ranges)
             prev = self.records.get(s.name)
             same = (
                 prev is not None
