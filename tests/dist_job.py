@@ -653,8 +653,73 @@ def phase_agree(out: Path, report: dict[str, Any]) -> None:
     ck.close()
 
 
+class Held:
+    """A stateful object whose ``state_dict`` on rank 0, once ``hold`` names a mark,
+    writes ``copying`` and waits for that mark: rank 0's snapshot stays inside its
+    capture, after its own `save` asked whether to persist, until the mark appears."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.hold: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.hold is not None and rank() == 0:
+            # the question went out on a thread of its own before the capture: a second
+            # leaves it room to reach the store however loaded the machine is
+            time.sleep(1.0)
+            mark(self.out, "copying")
+            await_mark(self.out, self.hold)
+            self.hold = None
+        return {"n": torch.zeros(1)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def phase_agree_early(out: Path, report: dict[str, Any]) -> None:
+    """A save asks whether to persist before its snapshot copy, not after it. Rank 0's
+    worker is held after step 6's commit (busy); at step 7 rank 0's save stays inside
+    its capture until rank 1's save of step 7 returned. Rank 1, its worker free, gets
+    rank 0's answer (busy: both skip), because rank 0 asked first, before its copy.
+    A save asking after its copy would have let rank 1 decide "persist", and rank 0,
+    told to persist with its worker held, would have raised."""
+    (out / "shm").mkdir(exist_ok=True)
+    model, optim = build("fsdp")
+    held = Held(out)
+    storage: Storage = LocalStorage(out / "agree-early")
+    if rank() == 0:
+        storage = HeldCommitAudit(storage, out, [6])
+    ck = Checkpointer(
+        storage,
+        {"model": model, "optim": optim, "held": held},
+        persist="thread",
+        keep=None,
+        shm_dir=out / "shm",
+        dist_timeout_s=AGREE_TIMEOUT_S,
+    )
+    train(model, optim, [6])
+    report["save6"] = outcome(lambda: ck.save(6))
+    train(model, optim, [7])
+    if rank() == 0:
+        held.hold = "saved7"
+        report["save7"] = outcome(lambda: ck.save(7))
+        mark(out, "release6")
+    else:
+        ck.wait()  # its part of step 6 is done: this rank's worker is free
+        await_mark(out, "copying")
+        report["save7"] = outcome(lambda: ck.save(7))
+        mark(out, "saved7")
+    report["wait7"] = outcome(ck.wait)
+    train(model, optim, [8])
+    report["save8"] = outcome(lambda: (ck.save(8), ck.wait())[0])
+    report["steps"] = ck.steps()
+    report["skips"] = ck.stats["skips"]
+    ck.close()
+
+
 PHASES = {
     "agree": phase_agree,
+    "agree_early": phase_agree_early,
     "overlap": phase_overlap,
     "mirror": phase_mirror,
     "background": phase_background,

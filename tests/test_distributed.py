@@ -643,6 +643,20 @@ def test_overlap_mode_with_several_ranks_snapshots_the_right_step(tmp_path: Path
 # ------------------------------------------------------------ 11. agreed without a collective
 
 
+def test_a_save_asks_whether_to_persist_before_its_snapshot_copy(tmp_path: Path) -> None:
+    """Rank 0, its worker busy, is held inside its snapshot of step 7 until rank 1's
+    save of step 7 returned: rank 1, free, still gets rank 0's "busy" (both skip),
+    since rank 0 asked before copying. Step 8 then commits on both."""
+    torchrun(2, JOB, "agree_early", tmp_path)
+    for report in Runs(tmp_path).reports("agree_early", 2):
+        assert restored(report, "save6") is True
+        assert restored(report, "save7") is False, report["save7"]
+        assert "value" in report["wait7"], report["wait7"]
+        assert restored(report, "save8") is True
+        assert report["steps"] == [6, 8], report
+        assert report["skips"] == 1
+
+
 def test_background_persists_are_agreed_without_a_collective(tmp_path: Path) -> None:
     """Two ranks persisting in the background: a save never waits for the other rank's
     save (rank 1 saves step 1 only once rank 0's save returned) and calls no
