@@ -1802,14 +1802,13 @@ def test_chunk_hash_threads_are_made_again_in_a_forked_process() -> None:
     data = memoryview(bytes(64 << 20))
     ranges = [(i << 20, (i + 1) << 20) for i in range(64)]
     incremental.chunk_hashes(data, ranges, 2)
-    assert incremental._pool is not None
-    first = incremental._pool[1]
+    first = incremental._hash_pool(1)
     pid = os.fork()
     if pid == 0:  # the child: hashes on threads of its own, and says so by its status
         ok = incremental.chunk_hashes(data, ranges, 2) == [
             xxhash.xxh3_128_hexdigest(data[b:e]) for b, e in ranges
         ]
-        os._exit(0 if ok and incremental._pool[1] is not first else 1)
+        os._exit(0 if ok and incremental._hash_pool(1) is not first else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    assert incremental._pool[1] is first  # the parent's is still its own
+    assert incremental._hash_pool(1) is first  # the parent's is still its own

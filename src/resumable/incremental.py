@@ -201,21 +201,21 @@ _HASH_ALONE_BYTES = 1 << 20
 them, `_HASH_PARALLEL_MIN_BYTES`); smaller ones on the calling thread, where a thread's
 hand-over would cost more than the hash."""
 _HASH_PARALLEL_MIN_BYTES = 32 << 20
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid it was made in, the pool)
-_pool_lock = threading.Lock()
+_pools: tuple[int, dict[int, ThreadPoolExecutor]] = (-1, {})  # (pid, workers -> pool)
+_pools_lock = threading.Lock()
 
 
 def _hash_pool(workers: int) -> ThreadPoolExecutor:
-    """The threads that hash chunks beside the calling one, made once per process (a
-    process forked after they started has none of them: it makes its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1]._max_workers != workers:
-            _pool = (
-                os.getpid(),
-                ThreadPoolExecutor(workers, thread_name_prefix="resumable-hash"),
-            )
-        return _pool[1]
+    """The threads that hash chunks beside the calling one, made once per process and
+    count (a process forked after they started has none of them: it makes its own)."""
+    global _pools
+    with _pools_lock:
+        if _pools[0] != os.getpid():
+            _pools = (os.getpid(), {})
+        pools = _pools[1]
+        if workers not in pools:
+            pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="resumable-hash")
+        return pools[workers]
 
 
 def chunk_hashes(
@@ -287,19 +287,17 @@ class DeltaBase:
         plans: list[SlotPlan] = []
         live: dict[int, int] = defaultdict(int)
         total = 0
+        slot_ranges = [
+            [(b, min(b + cb, s.end - s.begin)) for b in range(0, s.end - s.begin, cb)] or [(0, 0)]
+            for s in slots
+        ]
         all_hashes = chunk_hashes(
-            data,
-            [
-                (s.begin + b, s.begin + min(b + cb, s.end - s.begin))
-                for s in slots
-                for b in range(0, s.end - s.begin, cb) or [0]
-            ],
+            data, [(s.begin + b, s.begin + e) for s, r in zip(slots, slot_ranges) for b, e in r]
         )
         at = 0
-        for s in slots:
+        for s, ranges in zip(slots, slot_ranges, strict=True):
             n = s.end - s.begin
             total += n
-            ranges = [(b, min(b + cb, n)) for b in range(0, n, cb)] or [(0, 0)]
             hashes = all_hashes[at : at + len(ranges)]
             at += len(ranges)
             prev = self.records.get(s.name)
