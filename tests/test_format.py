@@ -399,6 +399,38 @@ def test_safetensors_header_with_a_dtype_that_is_not_a_string_is_corrupt(dtype: 
         parse_safetensors_header(blob, len(blob) + 4)
 
 
+_ODD = st.one_of(
+    st.integers(-3, 40),
+    st.sampled_from([True, False, 2.0, None, "4", 2**63, 2**62, -(2**63)]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    dtype=st.sampled_from(["U8", "F32", "BF16", "F64", "X9", 1]),
+    n=_ODD,
+    begin=_ODD,
+    end=_ODD,
+    size=st.integers(0, 48),
+)
+def test_one_dimensional_entries_are_judged_like_any_other(
+    dtype: Any, n: Any, begin: Any, end: Any, size: int
+) -> None:
+    """A one-dimensional entry (every chunk entry of an incremental file) is checked by
+    a shorter path; it accepts and refuses exactly what the general one does for the
+    same entry with a trailing dimension of 1."""
+
+    def verdict(shape: Any) -> bool:
+        blob = _header_blob({"t": {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}})
+        try:
+            parse_safetensors_header(blob, len(blob) + size)
+        except CorruptCheckpointError:
+            return False
+        return True
+
+    assert verdict([n]) == verdict([n, 1])
+
+
 def test_safetensors_header_not_in_utf8_is_corrupt() -> None:
     body = json.dumps({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})
     raw = body.encode("utf-16-le")

@@ -6,6 +6,7 @@ reference."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -269,3 +270,71 @@ def test_the_overlap_check_matches_a_brute_force_one(
                 fmt._check_disjoint(tensors, "t")
         finally:
             fmt._NUMPY_FROM = saved
+
+
+# --- the digest checked on the bytes read (`format._digest_ok`) ----------------------
+
+
+def _no_full_check(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the full digest checks (parse, encode again, hash) that decoding makes."""
+    calls: list[int] = []
+    real = fmt.manifest_digest
+
+    def counted(m: Any) -> str:
+        calls.append(1)
+        return real(m)
+
+    monkeypatch.setattr(fmt, "manifest_digest", counted)
+    return calls
+
+
+def test_a_manifest_with_extents_is_written_in_the_digests_own_form(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's bytes, less the digest member, are what the digest hashes: the
+    reader checks them as read, without encoding the manifest again."""
+    m = v3_manifest(n)
+    data = encode_manifest(m)
+    member = b',"digest":"' + m["digest"].encode() + b'"'
+    assert data.count(member) == 1
+    assert fmt.checksum(data.replace(member, b"")) == m["digest"] == manifest_digest(m)
+    calls = _no_full_check(monkeypatch)
+    assert (
+        decode_manifest(data, where="t")["tensors"]["t"]["extents"] == m["tensors"]["t"]["extents"]
+    )
+    assert calls == []
+
+
+def test_a_manifest_in_another_form_gets_the_full_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Manifests written before (keys in insertion order) or indented are read as
+    before: parsed, encoded again and hashed."""
+    m = v3_manifest(LONG)
+    calls = _no_full_check(monkeypatch)
+    forms = [
+        json.dumps(m, separators=(",", ":")).encode(),  # as version 3 was first written
+        json.dumps(m, indent=1).encode(),
+    ]
+    for i, data in enumerate(forms):
+        got = decode_manifest(data, where="t")
+        assert got["step"] == 5 and len(calls) == i + 1, i
+
+
+@pytest.mark.parametrize("where", ["extents", "metrics", "digest"])
+def test_a_changed_byte_of_a_manifest_in_the_digests_form_is_caught(n: int, where: str) -> None:
+    """One digit changed anywhere (an extent, a metric, the digest itself) fails both
+    the check on the bytes and the full one."""
+    m = v3_manifest(n)
+    m["metrics"] = {"loss": 12345}
+    m.pop("digest")
+    m["digest"] = manifest_digest(m)
+    data = encode_manifest(m)
+    needle = {
+        "extents": b"1088,",
+        "metrics": b"12345",
+        "digest": m["digest"].encode(),
+    }[where]
+    at = data.index(needle)
+    swap = b"2" if data[at : at + 1] != b"2" else b"3"
+    bad = data[:at] + swap + data[at + 1 :]
+    with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
+        decode_manifest(bad, where="t")

@@ -55,6 +55,8 @@ class CheckpointReader:
         self.mapped = False  # whether tensors() returned views of mapped files
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
         self._extents_cache: _Extents | None = None
+        # The long extents lists the manifest's validation made into arrays, by tensor.
+        self._arrays: dict[str, np.ndarray] = {}
         self._locations_cache: _Locations | None = None
         # Tensors `tensors` returned unassembled, and where their bytes lie, for `fill`.
         self._fills: list[tuple[torch.Tensor, _Pieces]] = []
@@ -72,12 +74,13 @@ class CheckpointReader:
                 raw = self.storage.read(path)
             except FileNotFoundError as exc:
                 raise CorruptCheckpointError(f"{self.where}: manifest is missing") from exc
-            m = decode_manifest(raw, where=self.where, files_only=self._files_only)
+            arrays: dict[str, np.ndarray] = {}
+            m = decode_manifest(raw, where=self.where, files_only=self._files_only, arrays=arrays)
             if m["step"] != self.step:
                 raise CorruptCheckpointError(
                     f"{self.where}: manifest says step {m['step']}, directory says {self.step}"
                 )
-            self._manifest = m
+            self._manifest, self._arrays = m, arrays
         return self._manifest
 
     @property
@@ -231,12 +234,14 @@ class CheckpointReader:
                         for src in info["sources"]
                     ]
                     ext = info["extents"]
-                    if len(ext) < _SHORT:
+                    a = self._arrays.get(name)
+                    if a is None and len(ext) < _SHORT:
                         small.extend(
                             (i, ids[ext[j]], ext[j + 1], ext[j + 2]) for j in range(0, len(ext), 3)
                         )
                     else:
-                        a = np.array(ext, dtype=np.int64).reshape(-1, 3)
+                        if a is None:
+                            a = np.array(ext, dtype=np.int64).reshape(-1, 3)
                         lookup = np.array(ids, dtype=np.int64)
                         parts.append(
                             np.stack(
