@@ -3,7 +3,8 @@
 - copy: ``dst.copy_(src)`` of every state tensor into preallocated, already touched
   tensors — the least a consistent in-memory snapshot can block.
 - write: sequential write of the same number of bytes into the bench directory, then
-  ``fsync`` — from Python with random bytes (so no layer can compress it), and with
+  ``fsync`` — from Python with random bytes (so no layer can compress it), through the
+  page cache and around it (``O_DIRECT``, as resumable writes large files), and with
   ``dd if=/dev/zero ... conv=fsync`` as PEERS.md prescribes.
 - read: read those bytes back sequentially into one preallocated buffer; "cold" after
   dropping the page cache when this process may (root on Linux), "warm" otherwise.
@@ -11,6 +12,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
 import re
 import shutil
@@ -80,6 +83,42 @@ def write_floor_python(directory: Path, nbytes: int, reps: int) -> list[float]:
         samples.append(timed(lambda p=path: write_file_fsync(p, nbytes, block)))
         if i < reps - 1:
             path.unlink()
+    return samples
+
+
+def write_file_direct(path: Path, nbytes: int, block: mmap.mmap) -> None:
+    """``nbytes`` written with ``O_DIRECT`` from the page-aligned ``block`` (whole blocks
+    of it, then the tail through the page cache, as `resumable.storage.direct` does),
+    then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        view, at = memoryview(block), 0
+        whole = nbytes - nbytes % 4096
+        while at < whole:
+            at += os.pwrite(fd, view[: min(len(view), whole - at)], at)
+        if at < nbytes:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            os.pwrite(fd, view[: nbytes - at], at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_floor_direct(directory: Path, nbytes: int, reps: int) -> list[float]:
+    """Sequential 16 MiB writes of random bytes with ``O_DIRECT`` (around the page
+    cache), then fsync, into a fresh file: the floor of a file written as resumable's
+    local storage writes large ones. Empty where the platform has no ``O_DIRECT``."""
+    if not hasattr(os, "O_DIRECT"):
+        return []
+    block = mmap.mmap(-1, CHUNK)
+    block[:] = _random_block(CHUNK)
+    samples = []
+    for i in range(reps):
+        path = directory / f"write-direct-{i}.bin"
+        os.sync()
+        samples.append(timed(lambda p=path: write_file_direct(p, nbytes, block)))
+        path.unlink()
     return samples
 
 

@@ -245,6 +245,7 @@ def save_phase(
     fastest samples put at 1.19 (`vm-20261128T162359Z`)."""
     samples: dict[str, dict[str, list[float]]] = {m.name: {} for m in methods}
     floor_samples: list[float] = []
+    direct_samples: list[float] = []
     alive = list(methods)
     assert reps < 255, "the masks are bytes"
     for i in range(reps + 1):
@@ -257,6 +258,7 @@ def save_phase(
             if floor_dir is not None:
                 floor_dir.mkdir(parents=True, exist_ok=True)
                 floor_samples += floors.write_floor_python(floor_dir, state_mod.nbytes(tree), 1)
+                direct_samples += floors.write_floor_direct(floor_dir, state_mod.nbytes(tree), 1)
                 for f in floor_dir.iterdir():
                     f.unlink()
         for m in list(alive):
@@ -283,6 +285,13 @@ def save_phase(
             floor_samples,
             bytes=state_mod.nbytes(tree),
             how="as write_python, one sample at the start of each timed save round",
+        )
+    if direct_samples:
+        out["floors"]["write_direct_rounds"] = stat(
+            direct_samples,
+            bytes=state_mod.nbytes(tree),
+            how="16 MiB O_DIRECT writes of random bytes + fsync, after write_python_rounds "
+            "in each timed save round",
         )
 
 

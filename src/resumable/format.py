@@ -164,8 +164,13 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> list[TensorSlot]:
     return slots
 
 
-def safetensors_header(slots: Iterable[TensorSlot], metadata: Mapping[str, str]) -> bytes:
-    """The 8-byte length prefix plus the JSON header, padded with spaces to 8 bytes."""
+def safetensors_header(
+    slots: Iterable[TensorSlot], metadata: Mapping[str, str], *, align: int = 8
+) -> bytes:
+    """The 8-byte length prefix plus the JSON header, padded with spaces (as the
+    safetensors format allows) to a multiple of ``align`` bytes, 8 at least: the data
+    then starts at that alignment in the file (a page, for a file written with
+    ``O_DIRECT`` straight from page-aligned memory: `resumable.storage.direct`)."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     for s in slots:
         header[s.name] = {
@@ -174,7 +179,8 @@ def safetensors_header(slots: Iterable[TensorSlot], metadata: Mapping[str, str])
             "data_offsets": [s.begin, s.end],
         }
     body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
+    assert align % 8 == 0, align
+    body += b" " * (-(8 + len(body)) % align)
     return len(body).to_bytes(8, "little") + body
 
 

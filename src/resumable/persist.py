@@ -36,6 +36,7 @@ from resumable.format import (
 )
 from resumable.incremental import Chunk, DeltaBase, Plan, Record
 from resumable.snapshot import Snapshot
+from resumable.storage import direct
 from resumable.storage.base import Storage
 
 log = logging.getLogger("resumable")
@@ -239,7 +240,7 @@ def _layout(
     if plan is not None and plan.incremental:
         header, buffers, tensors = _incremental_file(snapshot, data, fname, meta, sums, plan)
     else:
-        header = safetensors_header(snapshot.slots, meta)
+        header = safetensors_header(snapshot.slots, meta, align=_header_align(snapshot.nbytes))
         start = len(header)
         buffers = [data]
         tensors = {
@@ -329,7 +330,7 @@ def _incremental_file(
                 name = f"{p.slot.name}#chunk{first}.{n}"
             names.add(name)
             file_slots.append(TensorSlot(name, torch.uint8, (size,), begin, begin + size))
-    header = safetensors_header(file_slots, meta)
+    header = safetensors_header(file_slots, meta, align=_header_align(offset))
     start = len(header)
     base_name = fname.rsplit("/", 1)[-1]
     tensors: dict[str, dict[str, Any]] = {}
@@ -374,6 +375,13 @@ def _incremental_file(
     for b, e in _coalesce(spans):
         buffers.append(data[b:e])
     return header, buffers, tensors
+
+
+def _header_align(nbytes: int) -> int:
+    """The alignment of a data file's header for ``nbytes`` of data: a page where the file
+    is large enough to be written with ``O_DIRECT`` (`resumable.storage.direct`), so that
+    its data leaves the page-aligned arena for the disk without a copy; else 8 bytes."""
+    return direct.ALIGN if nbytes >= direct.DIRECT_MIN_BYTES else 8
 
 
 def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import operator
 import os
 import time
@@ -238,10 +239,20 @@ class Arena:
         if plan is None or self._buffer is None or not plan.matches(tensors):
             plan = self._plan = CopyPlan(tensors)
             pin = plan.on_cuda and torch.cuda.is_available()
-            self._buffer = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self._buffer = _host_buffer(plan.nbytes, pin)
             self.allocations += 1
         plan.copy(self._buffer, tensors)
         return Snapshot(plan.slots, self._buffer)
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` (1 at least). Unpinned, it is an anonymous
+    mapping: page-aligned, so that a local disk writes it with ``O_DIRECT`` straight
+    from where the snapshot lies (`resumable.storage.direct`); torch's allocator aligns
+    to 64 bytes only. Pinned memory (CUDA's host allocator) is page-aligned already."""
+    if pin or nbytes < 1 << 20:
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the map alive
 
 
 # --------------------------------------------------------------------------- memory tier

@@ -36,6 +36,7 @@ from resumable.errors import (
     StorageError,
 )
 from resumable.format import check_relpath
+from resumable.storage import direct
 from resumable.storage.base import Buffer, Storage
 from resumable.storage.writeback import write_all
 
@@ -44,6 +45,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+DIRECT_IO_ENV = "RESUMABLE_DIRECT_IO"  # "0": every file written through the page cache
 _CHANGED = "changed"  # what `_refusal` is told when a name changed kind under the walk
 _MAX_TREE_DEPTH = 64  # deeper than any checkpoint; a hostile tree must not exhaust fds
 
@@ -122,9 +124,13 @@ class LocalStorage(Storage):
     supports_rename = True
     supports_append = True
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool | None = None) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
+        if direct_io is None:
+            direct_io = os.environ.get(DIRECT_IO_ENV, "1").strip() not in ("0", "false", "no")
+        # Files of `DIRECT_MIN_BYTES` or more are written with O_DIRECT (`direct`).
+        self.direct_io = direct_io and direct.available()
 
     # ----------------------------------------------------------------------- walking
 
@@ -382,7 +388,13 @@ class LocalStorage(Storage):
     def _write_at(self, dfd: int, rel: str, name: str, chunks: Iterable[Buffer]) -> int:
         fd = self._open_file(dfd, rel, name, _WRITE | os.O_TRUNC, write=True)
         try:
-            written = write_all(fd, chunks)  # the disk starts on each piece at once
+            chunks = list(chunks)
+            if self.direct_io and sum(memoryview(c).nbytes for c in chunks) >= (
+                direct.DIRECT_MIN_BYTES
+            ):
+                written = direct.write_direct(fd, chunks)  # from the arena to the disk
+            else:
+                written = write_all(fd, chunks)  # the disk starts on each piece at once
             os.fsync(fd)
         except OSError as exc:
             raise _storage_error("write", self.root / rel, exc) from exc
