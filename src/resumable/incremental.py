@@ -188,6 +188,9 @@ class Plan:
     total_bytes: int
     records: dict[str, Record] = field(default_factory=dict)  # filled by the writer
     held: int = 0  # bytes of data this persist's own file holds
+    # A plan made before its chunks were hashed (`DeltaBase.whole_plan`): every tensor
+    # written whole, the hashes filled in while the file is written (`hash_whole`).
+    deferred: bool = False
 
     @property
     def refs(self) -> list[int]:
@@ -269,11 +272,29 @@ class DeltaBase:
         self.held: dict[int, int] = {}  # step -> bytes of data its own files hold
         self.refs_of: dict[int, tuple[int, ...]] = {}  # step -> the steps it refers to
         self.since_whole = 0  # incremental persists since the last one written whole
+        # Whether the last comparison of chunk hashes found too little to reuse (None:
+        # nothing compared yet): see `expect_whole`.
+        self._little_reused: bool | None = None
 
     def reset(self) -> None:
         """Forget everything: the next persist is written whole."""
         self.step, self.records, self.held, self.refs_of = None, {}, {}, {}
         self.since_whole = 0
+        self._little_reused = None
+
+    @property
+    def expect_whole(self) -> bool:
+        """Whether the next persist will be written whole whatever its hashes say: there
+        is nothing to refer to (no checkpoint committed by this writer), or the last
+        persist's chunks, compared with the one before, were too few to reuse (every
+        tensor of a job that trains them all changes at every step). Such a persist
+        is written at once, its chunks hashed while the file is written
+        (`whole_plan`, `hash_whole`), instead of hashing the whole state before the
+        first byte goes to the disk. A persist after one that had nothing to compare
+        hashes first, so a state that stopped changing is found at the second persist."""
+        if not self.records:
+            return True
+        return bool(self._little_reused)
 
     def closure(self, steps: Iterable[int]) -> set[int]:
         """``steps`` and every step they refer to, directly or through others: what
@@ -281,19 +302,55 @@ class DeltaBase:
         start = set(steps)
         return start | referenced(start, self.refs_of)
 
-    def plan(self, slots: list[TensorSlot], data: memoryview, step: int) -> Plan:
-        """Hash every chunk of the snapshot and decide what to reuse."""
+    def _ranges(self, slots: list[TensorSlot]) -> list[list[tuple[int, int]]]:
+        """Each tensor's chunks, as byte ranges relative to the tensor."""
         cb = self.config.chunk_bytes
-        plans: list[SlotPlan] = []
-        live: dict[int, int] = defaultdict(int)
-        total = 0
-        slot_ranges = [
+        return [
             [(b, min(b + cb, s.end - s.begin)) for b in range(0, s.end - s.begin, cb)] or [(0, 0)]
             for s in slots
         ]
+
+    def plan(self, slots: list[TensorSlot], data: memoryview, step: int) -> Plan:
+        """Hash every chunk of the snapshot and decide what to reuse."""
+        slot_ranges = self._ranges(slots)
         all_hashes = chunk_hashes(
             data, [(s.begin + b, s.begin + e) for s, r in zip(slots, slot_ranges) for b, e in r]
         )
+        return self._decide(slots, slot_ranges, all_hashes, step)
+
+    def whole_plan(self, slots: list[TensorSlot]) -> Plan:
+        """A plan that writes every tensor whole, made before any chunk is hashed (where
+        `expect_whole`): the file is laid out and written at once, and `hash_whole`
+        fills in the chunk hashes meanwhile."""
+        plans = [SlotPlan(s, r, [], [None] * len(r)) for s, r in zip(slots, self._ranges(slots))]
+        return Plan(plans, False, 0, sum(s.end - s.begin for s in slots), deferred=True)
+
+    def hash_whole(self, plan: Plan, data: memoryview, step: int) -> None:
+        """Hash the chunks of a `whole_plan` (on the calling thread: it runs beside the
+        write and the checksums), and compare them with the base as `plan` would, to
+        know whether the next persist can expect to be whole too."""
+        slots = [p.slot for p in plan.slots]
+        ranges = [p.ranges for p in plan.slots]
+        all_hashes = chunk_hashes(
+            data, [(s.begin + b, s.begin + e) for s, r in zip(slots, ranges) for b, e in r], 1
+        )
+        compared = self._decide(slots, ranges, all_hashes, step)  # for `expect_whole` only
+        for p, q in zip(plan.slots, compared.slots, strict=True):
+            p.hashes = q.hashes
+
+    def _decide(
+        self,
+        slots: list[TensorSlot],
+        slot_ranges: list[list[tuple[int, int]]],
+        all_hashes: list[str],
+        step: int,
+    ) -> Plan:
+        """The plan for chunks of these hashes: which to reuse, and whether the persist
+        is incremental at all."""
+        plans: list[SlotPlan] = []
+        live: dict[int, int] = defaultdict(int)
+        total = 0
+        matched = 0  # bytes of chunks that hash as before, reused or not
         at = 0
         for s, ranges in zip(slots, slot_ranges, strict=True):
             n = s.end - s.begin
@@ -319,6 +376,7 @@ class DeltaBase:
                 if old is not None and old.hash == h and old.step is not None and old.step < step:
                     reuse.append(old)
                     live[old.step] += old.end - old.begin
+                    matched += old.end - old.begin
                 else:
                     reuse.append(None)
             plans.append(
@@ -333,6 +391,15 @@ class DeltaBase:
                 elif c is not None:
                     reused += c.end - c.begin
         cfg = self.config
+        # The next persist is expected whole when few chunks hash as before, whatever
+        # this one reuses: unchanged chunks of an old checkpoint written again now
+        # (`min_live`) are reusable next time.
+        if self.records:
+            self._little_reused = not (
+                matched > 0 and matched >= cfg.min_saving * total and matched >= cfg.min_bytes
+            )
+        else:
+            self._little_reused = None
         incremental = (
             reused > 0
             and reused >= cfg.min_saving * total

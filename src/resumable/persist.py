@@ -12,6 +12,7 @@ write their shards into one checkpoint directory side by side.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -113,40 +114,54 @@ class Checksums:
     write waiting for a pass over the whole snapshot. ``known`` are checksums already
     known (tensors whose every chunk hashes as before)."""
 
-    def __init__(self, data: memoryview, slots: list[TensorSlot], known: Mapping[str, str]):
+    def __init__(
+        self,
+        data: memoryview,
+        slots: list[TensorSlot],
+        known: Mapping[str, str],
+        chunks: Callable[[], None] | None = None,
+    ):
+        """``chunks``: the chunk hashing of a plan made before it (`DeltaBase.hash_whole`),
+        run on a thread of its own beside the checksums."""
         self._sums = {s.name: known[s.name] for s in slots if s.name in known}
         todo = [s for s in slots if s.name not in known]
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._errors: list[BaseException] = []
+        self._threads: list[threading.Thread] = []
         if sum(s.end - s.begin for s in todo) < CHECKSUMS_BEHIND_MIN_BYTES:
             self._hash(data, todo)
+            if chunks is not None:
+                chunks()
             return
-        self._thread = threading.Thread(
-            target=self._guarded, args=(data, todo), name="resumable-checksums", daemon=True
-        )
-        self._thread.start()
+        jobs = [("resumable-checksums", lambda: self._hash(data, todo))]
+        if chunks is not None:
+            jobs.append(("resumable-chunk-hashes", chunks))
+        for name, job in jobs:
+            self._threads.append(
+                threading.Thread(target=self._guarded, args=(job,), name=name, daemon=True)
+            )
+            self._threads[-1].start()
 
     def _hash(self, data: memoryview, todo: list[TensorSlot]) -> None:
         for s in todo:
             self._sums[s.name] = checksum(data[s.begin : s.end])
 
-    def _guarded(self, data: memoryview, todo: list[TensorSlot]) -> None:
+    def _guarded(self, job: Callable[[], None]) -> None:
         try:
-            self._hash(data, todo)
+            job()
         except BaseException as exc:  # handed to whoever asks for the result
-            self._error = exc
+            self._errors.append(exc)
 
     def join(self) -> None:
         """Wait until nothing hashes any more (the snapshot may be reused after)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        threads, self._threads = self._threads, []
+        for t in threads:
+            t.join()
 
     def result(self) -> dict[str, str]:
         """Every tensor's checksum, by name (waits for the hashing; raises its error)."""
         self.join()
-        if self._error is not None:
-            raise self._error
+        if self._errors:
+            raise self._errors[0]
         return self._sums
 
 
@@ -158,12 +173,29 @@ CHECKSUMS_BEHIND_MIN_BYTES = 8 << 20
 def _fill_checksums(
     tensors: dict[str, dict[str, Any]], plan: Plan | None, sums: Mapping[str, str]
 ) -> None:
-    """Put each tensor's checksum into its manifest entry and the plan's record."""
+    """Put each tensor's checksum into its manifest entry and the plan's record. A plan
+    written whole gets its records here, once its chunks are hashed (a plan made before
+    them hashes them while the file is written): where every chunk now lies."""
     for name, entry in tensors.items():
         entry[CHECKSUM] = sums[name]
-    if plan is not None:
-        for name, record in plan.records.items():
-            plan.records[name] = replace(record, checksum=sums[name])
+    if plan is None:
+        return
+    if not plan.incremental:
+        for p in plan.slots:
+            entry = tensors[p.slot.name]
+            b0, base_name = entry["offsets"][0], entry["file"].rsplit("/", 1)[-1]
+            plan.records[p.slot.name] = Record(
+                p.slot.dtype,
+                tuple(p.slot.shape),
+                tuple(
+                    Chunk(h, None, base_name, b0 + b, b0 + e)
+                    for (b, e), h in zip(p.ranges, p.hashes, strict=True)
+                ),
+                sums[p.slot.name],
+            )
+        return
+    for name, record in plan.records.items():
+        plan.records[name] = replace(record, checksum=sums[name])
 
 
 def _index_with_refs(
@@ -212,11 +244,18 @@ def file_index(
     2); the returned `Plan` becomes the base once the checkpoint is committed."""
     data = snapshot.memory()
     meta = {"format": "pt", "producer": "resumable", "step": str(step)}
-    plan = base.plan(snapshot.slots, data, step) if base is not None else None
+    plan: Plan | None = None
+    chunks: Callable[[], None] | None = None
+    if base is not None and base.expect_whole:
+        # written whole whatever the hashes say: written at once, hashed meanwhile
+        plan = base.whole_plan(snapshot.slots)
+        chunks = functools.partial(base.hash_whole, plan, data, step)
+    elif base is not None:
+        plan = base.plan(snapshot.slots, data, step)
     # A tensor whose every chunk hashes as before has the checksum it had (its bytes
     # are the same): hashing a frozen model's bytes once per persist is enough.
     known = {p.slot.name: p.checksum for p in plan.slots if p.checksum} if plan else {}
-    checksums = Checksums(data, snapshot.slots, known)
+    checksums = Checksums(data, snapshot.slots, known, chunks)
     try:
         header, buffers, tensors = _layout(snapshot, data, fname, meta, plan)
     except BaseException:
@@ -253,19 +292,7 @@ def _layout(
             }
             for s in snapshot.slots
         }
-        if plan is not None:  # remember where every chunk now lies
-            base_name = fname.rsplit("/", 1)[-1]
-            for p in plan.slots:
-                b0 = start + p.slot.begin
-                plan.records[p.slot.name] = Record(
-                    p.slot.dtype,
-                    tuple(p.slot.shape),
-                    tuple(
-                        Chunk(h, None, base_name, b0 + b, b0 + e)
-                        for (b, e), h in zip(p.ranges, p.hashes, strict=True)
-                    ),
-                    sums[p.slot.name],
-                )
+        if plan is not None:  # its records once its chunks are hashed: `_fill_checksums`
             plan.held = snapshot.nbytes
     return header, buffers, tensors
 
