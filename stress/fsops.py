@@ -1,8 +1,8 @@
 """An interposer on the ``os`` calls of `resumable.storage.local.LocalStorage`.
 
-`FileOps` replaces ``os.open``, ``os.write``, ``os.fsync``, ``os.close``, ``os.mkdir``,
-``os.rename``, ``os.unlink``, ``os.rmdir``, ``os.link``, ``os.listdir`` and ``os.stat``
-for the duration of a ``with`` block. Calls on paths inside one checkpoint root are
+`FileOps` replaces ``os.open``, ``os.write``, ``os.pwrite``, ``os.fsync``, ``os.close``,
+``os.mkdir``, ``os.rename``, ``os.unlink``, ``os.rmdir``, ``os.link``, ``os.listdir`` and
+``os.stat`` for the duration of a ``with`` block. Calls on paths inside one checkpoint root are
 
 - recorded as `Op` tuples, in the order they returned (what `resumable.stress`'s
   power-loss replay replays), and/or
@@ -46,6 +46,7 @@ _REAL = {
     for name in (
         "open",
         "write",
+        "pwrite",
         "fsync",
         "close",
         "mkdir",
@@ -204,6 +205,17 @@ class FileOps:
         self._op("write", rel, offset, bytes(memoryview(data).cast("B")[:n]))
         return n
 
+    def _pwrite(self, fd: int, data: Any, offset: int) -> int:
+        """A positioned write (`resumable.storage.direct` writes large files so): one
+        "write" op at its offset, like a write."""
+        rel = self._rel_fd(fd)
+        if rel is None:
+            return int(_REAL["pwrite"](fd, data, offset))
+        self._call("write", rel)
+        n = int(_REAL["pwrite"](fd, data, offset))
+        self._op("write", rel, offset, bytes(memoryview(data).cast("B")[:n]))
+        return n
+
     def _fsync(self, fd: int) -> None:
         rel = self._rel_fd(fd)
         if rel is None:
@@ -336,6 +348,7 @@ class FileOps:
         wrappers = {
             "open": self._open,
             "write": self._write,
+            "pwrite": self._pwrite,
             "fsync": self._fsync,
             "close": self._close,
             "mkdir": self._mkdir,

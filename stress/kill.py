@@ -14,7 +14,9 @@ in the first 50 ms, during start-up and restore). After each kill this process r
 audit log for the steps whose commit was recorded, checks that every listed checkpoint
 of the root and of the mirror verifies, and expects the next launch to restore at least
 the newest committed step. Chains of ``kills_per_chain`` kills share a root; each chain
-ends with a launch that is not killed and must leave no staging directory behind.
+ends with a launch that is not killed and must leave no staging directory behind. Every
+second chain writes its data files with ``O_DIRECT`` (as large files are written), so
+that kills also land inside direct writes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from resumable import Every, Keep
+from resumable.storage import direct
 from stress.workload import (
     broken_commit,
     checkpointer,
@@ -49,9 +52,13 @@ SEED = 1
 LAUNCH_TIMEOUT_S = 60.0
 
 
-def _job(root: str, mirror: str, shm: str, out: int, steps: int | None) -> None:
-    """The child: restore, report, then save until killed (or ``steps`` more)."""
+def _job(root: str, mirror: str, shm: str, out: int, steps: int | None, direct_all: bool) -> None:
+    """The child: restore, report, then save until killed (or ``steps`` more). With
+    ``direct_all``, every data file, however small, is written with O_DIRECT (this
+    campaign's states are far below `direct.DIRECT_MIN_BYTES`)."""
     logging.getLogger("resumable").setLevel(logging.CRITICAL)
+    if direct_all:
+        direct.DIRECT_MIN_BYTES = 0
     state = make_state()
     ck = checkpointer(
         root,
@@ -81,14 +88,16 @@ def _job(root: str, mirror: str, shm: str, out: int, steps: int | None) -> None:
     ck.close()
 
 
-def _launch(root: str, mirror: str, shm: str, steps: int | None) -> tuple[int, int]:
+def _launch(
+    root: str, mirror: str, shm: str, steps: int | None, direct_all: bool
+) -> tuple[int, int]:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child never returns
         code = 0
         try:
             os.close(r)
-            _job(root, mirror, shm, w, steps)
+            _job(root, mirror, shm, w, steps, direct_all)
         except BaseException:
             code = 1
         finally:
@@ -129,7 +138,7 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
                 want = 0
                 for k in range(cfg["kills_per_chain"] + 1):
                     last = k == cfg["kills_per_chain"]
-                    pid, fd = _launch(root, mirror, shm, 3 if last else None)
+                    pid, fd = _launch(root, mirror, shm, 3 if last else None, chain % 2 == 1)
                     launches += 1
                     t_start = time.perf_counter()
                     early_kill = not last and rng.random() < 0.2
@@ -188,6 +197,7 @@ def run(size: str, *, commit: str | None = None) -> dict[str, Any]:
             "launches": launches,
             "kills_in_first_50ms": early,
             "kill_window_s": cfg["window_s"],
+            "chains_written_with_o_direct": cfg["chains"] // 2,
             "restores": restored_from,
             "problems": problems[:10],
             "seed": SEED,

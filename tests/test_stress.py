@@ -106,6 +106,40 @@ def test_fileops_fails_the_chosen_call_once(tmp_path: Path) -> None:
     assert fault.injected == [(1, "write", "f")]
 
 
+def test_fileops_records_and_fails_the_writes_of_a_file_written_direct(tmp_path: Path) -> None:
+    """A file large enough for `resumable.storage.direct` is written with ``os.pwrite``:
+    its writes are recorded at their offsets (the replay rebuilds the file from them)
+    and counted like any write (the fault campaigns reach them)."""
+    import mmap
+
+    from resumable.storage import LocalStorage, direct
+
+    data = mmap.mmap(-1, direct.DIRECT_MIN_BYTES + 5000)
+    data[:] = bytes(range(256)) * (len(data) // 256) + bytes(len(data) % 256)
+    storage = LocalStorage(tmp_path / "root", direct_io=True)
+    with FileOps(tmp_path / "root").active() as ops:
+        storage.write("d/big.bin", [b"head" * 1024, data])
+    rebuilt = bytearray()
+    for op in ops.ops:
+        if op[0] == "write":
+            _, path, offset, chunk = op
+            assert path == "d/big.bin"
+            rebuilt[offset : offset + len(chunk)] = chunk
+    assert bytes(rebuilt) == (tmp_path / "root" / "d" / "big.bin").read_bytes()
+    assert len(rebuilt) == 4096 + len(data)
+
+    with FileOps(tmp_path / "root").active() as probe:
+        storage.write("d/probe.bin", [b"head" * 1024, data])
+    writes = [i for i, (kind, _) in enumerate(probe.calls) if kind == "write"]
+    assert len(writes) >= 2
+    fault = Fault(errno.EIO, at=writes[1])  # the second write of the same file elsewhere
+    with FileOps(tmp_path / "root", fault=fault).active():
+        with pytest.raises(OSError) as err:
+            storage.write("d/other.bin", [b"head" * 1024, data])
+    assert err.value.errno == errno.EIO
+    assert fault.injected == [(writes[1], "write", "d/other.bin")]
+
+
 # --------------------------------------------------------------------------- campaign 1
 
 
