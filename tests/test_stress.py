@@ -133,9 +133,8 @@ def test_fileops_records_and_fails_the_writes_of_a_file_written_direct(tmp_path:
     writes = [i for i, (kind, _) in enumerate(probe.calls) if kind == "write"]
     assert len(writes) >= 2
     fault = Fault(errno.EIO, at=writes[1])  # the second write of the same file elsewhere
-    with FileOps(tmp_path / "root", fault=fault).active():
-        with pytest.raises(OSError) as err:
-            storage.write("d/other.bin", [b"head" * 1024, data])
+    with FileOps(tmp_path / "root", fault=fault).active(), pytest.raises(OSError) as err:
+        storage.write("d/other.bin", [b"head" * 1024, data])
     assert err.value.errno == errno.EIO
     assert fault.injected == [(writes[1], "write", "d/other.bin")]
 
