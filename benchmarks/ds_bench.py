@@ -403,7 +403,9 @@ def render(out: dict[str, Any], source: str) -> str:
         "differ by training steps of its own: `engine.load_checkpoint(dir, tag)` against "
         '`Checkpointer(root, {"engine": DeepSpeedState(engine)}, persist="sync")` + '
         '`restore(tier="storage")` (checksums verified), both reading the files just '
-        "written (warm page cache: this process may not drop it). *Equal*: the second "
+        "written (warm page cache: this process may not drop it; resumable writes files of "
+        "8 MiB or more around it, with O_DIRECT, so its first round, reported apart, reads "
+        "them from the disk). *Equal*: the second "
         "engine's whole state (module, fp32 master partition, moments, scheduler, "
         "counters; every rank) hashed after a restore in the first and the last round "
         "equals the saving engine's. *Read floor*: the bytes at the warm read bandwidth "

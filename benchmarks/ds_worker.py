@@ -46,7 +46,9 @@ compared with A's (``restored_equal``). The restores:
   verified), timed together, then ``close()``.
 
 The files were just written: every restore reads them from a warm page cache (this
-process may not drop it). The floors are methods of the rounds like the others (`Floor`):
+process may not drop it), but resumable's first: it writes files of 8 MiB or more around
+the page cache (O_DIRECT), and the first round is reported apart. The floors are methods
+of the rounds like the others (`Floor`):
 ``write_floor`` in the save rounds, every rank writing its share of DeepSpeed's bytes
 (total ÷ ranks) fsynced into a file of its own, all ranks at once; ``read_floor`` in the
 restore rounds, that file read back. Rank 0 writes every sample to ``OUT``.

@@ -464,7 +464,9 @@ def render(out: dict[str, Any], source: str) -> str:
         "`load_state_dict` of the model, `FP32Optimizer` and scheduler (as Megatron-LM's "
         '`load_checkpoint` does) against `checkpointer(root, ..., persist="sync")` + '
         '`restore(tier="storage")` (checksums verified), both reading the files just '
-        "written (warm page cache: this process may not drop it). *Equal*: the second "
+        "written (warm page cache: this process may not drop it; resumable writes files of "
+        "8 MiB or more around it, with O_DIRECT, so its first round, reported apart, reads "
+        "them from the disk). *Equal*: the second "
         "model's state (every rank's parameter shards, AdamW moments, steps and param "
         "groups, the scheduler) hashed after a restore in the first and the last round "
         "equals the saving model's. *Read floor*: the bytes at the warm read bandwidth "
