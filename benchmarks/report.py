@@ -67,10 +67,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def write_floor(out: Result, key: str = "median") -> tuple[float | None, str]:
-    """The faster (higher GB/s) of the two fsync write floors, and its name."""
+def _fastest_floor(out: Result, names: tuple[str, ...], key: str) -> tuple[float | None, str]:
+    """The fastest (highest GB/s) of the floors ``names`` the run has, and its name."""
     best: tuple[float | None, str] = (None, "")
-    for name in ("write_python", "write_dd"):
+    for name in names:
         entry = _get(out, "floors", name)
         bw = _bw(_get(entry, "bytes") if isinstance(entry, dict) else None, _median(entry, key))
         if bw is not None and (best[0] is None or bw > best[0]):
@@ -78,19 +78,17 @@ def write_floor(out: Result, key: str = "median") -> tuple[float | None, str]:
     return best
 
 
+def write_floor(out: Result, key: str = "median") -> tuple[float | None, str]:
+    """The faster (higher GB/s) of the two fsync write floors, and its name."""
+    return _fastest_floor(out, ("write_python", "write_dd"), key)
+
+
 def persist_floor(out: Result, key: str = "median") -> tuple[float | None, str]:
     """The fsync write floor a persist is held to: the faster of those timed in the
     save rounds, beside the persists (through the page cache and around it, as
     resumable writes large files), where the run has them; else `write_floor`."""
-    best: tuple[float | None, str] = (None, "")
-    for name in ("write_python_rounds", "write_direct_rounds"):
-        entry = _get(out, "floors", name)
-        bw = _bw(_get(entry, "bytes") if isinstance(entry, dict) else None, _median(entry, key))
-        if bw is not None and (best[0] is None or bw > best[0]):
-            best = (bw, name)
-    if best[0] is not None:
-        return best
-    return write_floor(out, key)
+    best = _fastest_floor(out, ("write_python_rounds", "write_direct_rounds"), key)
+    return best if best[0] is not None else write_floor(out, key)
 
 
 def read_floor(out: Result, cache: str, key: str = "median") -> float | None:

@@ -69,20 +69,35 @@ def check_restores(root: Path, expected: dict[int, dict[str, torch.Tensor]]) -> 
             assert torch.equal(fresh[name], want), (step, name)
 
 
+def run(
+    root: Path, state: dict[str, torch.Tensor], steps: int, keep: int, change: Any
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, int]]:
+    """Save ``steps`` steps, ``change(step)`` before each: the state saved at each step,
+    and the bytes of each checkpoint's own data files."""
+    expected, sizes = {}, {}
+    with Checkpointer(
+        root, state, persist="sync", capture_rng=False, incremental=INC, keep=Keep(last=keep)
+    ) as ck:
+        for step in range(1, steps + 1):
+            with torch.no_grad():
+                change(step)
+            ck.save(step)
+            expected[step] = {k: v.clone() for k, v in state.items()}
+            m = CheckpointReader(LocalStorage(root), step).manifest
+            sizes[step] = sum(f["size"] for f in m["files"].values())
+    return expected, sizes
+
+
 def test_a_job_that_trains_everything_writes_at_once_after_one_comparison(
     tmp_path: Path, paths: list[str]
 ) -> None:
     state = make_state(1)
-    expected = {}
-    with Checkpointer(
-        tmp_path, state, persist="sync", capture_rng=False, incremental=INC, keep=Keep(last=3)
-    ) as ck:
-        for step in range(1, 7):
-            with torch.no_grad():
-                for t in state.values():
-                    t.add_(1)
-            ck.save(step)
-            expected[step] = {k: v.clone() for k, v in state.items()}
+
+    def train_all(step: int) -> None:
+        for t in state.values():
+            t.add_(1)
+
+    expected, _ = run(tmp_path, state, 6, 3, train_all)
     # first: nothing to compare; second: compared (nothing reusable); then at once
     assert paths == ["whole", "hashed", "whole", "whole", "whole", "whole"]
     for step in list_committed(LocalStorage(tmp_path)):
@@ -92,16 +107,12 @@ def test_a_job_that_trains_everything_writes_at_once_after_one_comparison(
 
 def test_fine_tuning_hashes_first_from_the_second_persist(tmp_path: Path, paths: list[str]) -> None:
     state = make_state(2)
-    expected = {}
-    with Checkpointer(
-        tmp_path, state, persist="sync", capture_rng=False, incremental=INC, keep=Keep(last=2)
-    ) as ck:
-        for step in range(1, 6):
-            with torch.no_grad():
-                state["head"].add_(1)  # "big" is frozen
-                state["count"].add_(1)
-            ck.save(step)
-            expected[step] = {k: v.clone() for k, v in state.items()}
+
+    def fine_tune(step: int) -> None:
+        state["head"].add_(1)  # "big" is frozen
+        state["count"].add_(1)
+
+    expected, _ = run(tmp_path, state, 5, 2, fine_tune)
     assert paths == ["whole", "hashed", "hashed", "hashed", "hashed"]
     assert refs(tmp_path, 5) == [1]  # the frozen bytes still lie in the first checkpoint
     check_restores(tmp_path, expected)
@@ -114,20 +125,13 @@ def test_a_state_that_stops_changing_is_found_one_persist_later(
     persist right after is still written whole (it was expected so), and its hashes
     show the next one what to reuse: it refers to it, and restores bit-identical."""
     state = make_state(3)
-    expected = {}
-    sizes = {}
-    with Checkpointer(
-        tmp_path, state, persist="sync", capture_rng=False, incremental=INC, keep=Keep(last=4)
-    ) as ck:
-        for step in range(1, 7):
-            with torch.no_grad():
-                if step <= 3:
-                    state["big"].mul_(1.5)
-                state["head"].add_(1)
-            ck.save(step)
-            expected[step] = {k: v.clone() for k, v in state.items()}
-            m = CheckpointReader(LocalStorage(tmp_path), step).manifest
-            sizes[step] = sum(f["size"] for f in m["files"].values())
+
+    def freeze_after_three(step: int) -> None:
+        if step <= 3:
+            state["big"].mul_(1.5)
+        state["head"].add_(1)
+
+    expected, sizes = run(tmp_path, state, 6, 4, freeze_after_three)
     assert paths == ["whole", "hashed", "whole", "whole", "hashed", "hashed"]
     assert refs(tmp_path, 4) == []
     assert refs(tmp_path, 5) == [4] and refs(tmp_path, 6) == [4]
