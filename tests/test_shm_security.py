@@ -103,7 +103,13 @@ TRAINER = textwrap.dedent(
         opt.step(); opt.zero_grad()
         ck.maybe_save(step + 1)
     print("ready", start, flush=True)
-    if end == "kill":
+    if end == "fork-kill":  # a child (as a DataLoader worker) outlives the trainer
+        child = os.fork()
+        if child == 0:
+            sys.stdin.readline()
+            os._exit(0)
+        print("child", child, flush=True)
+    if end in ("kill", "fork-kill"):
         os.kill(os.getpid(), 9)
     if end == "wait":
         sys.stdin.readline()
@@ -407,6 +413,31 @@ def test_adoption_waits_for_the_holder_then_refuses(tmp_path: Path, shm_dir: Pat
         arena.adopt(wait_s=0.3)
     arena.close(unlink=False)
     finish(live)
+
+
+def test_a_forked_child_outliving_a_killed_trainer_does_not_keep_its_slots(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    root = tmp_path / "ck"
+    proc = trainer(root, shm_dir, 13, "fork-kill")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("ready")
+    child = int(proc.stdout.readline().split()[1])
+    try:
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        os.kill(child, 0)  # alive, with copies of every descriptor the trainer had
+        assert slot_files(shm_dir)
+        arena = ShmArena(shm.run_key_for(LocalStorage(root).location), shm_dir=shm_dir)
+        found = arena.adopt(wait_s=5)  # the child holds no lock: taken over at once
+        assert found and found[0][1].step == 13
+        arena.close(unlink=False)
+        again = trainer(root, shm_dir, 15, "done")
+        out, err = again.communicate(timeout=120)
+        assert again.returncode == 0, err
+        assert "ready 13" in out, "the relaunch resumes from the snapshot in shared memory"
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- run keys

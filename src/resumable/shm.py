@@ -34,7 +34,11 @@ Liveness is a lock, not a pid: every process that maps a slot (the trainer, its 
 worker) holds a shared `flock` on it for as long as it does, and a slot is taken over or
 deleted only by a process that gets the exclusive lock. Locks belong to the file, so
 they work across PID namespaces (a sidecar container sharing ``/dev/shm``), and they
-die with their holder. The owner pid in the control block is informational only.
+die with their holder. The owner pid in the control block is informational only. A
+child forked from the trainer (a DataLoader worker) closes its copies of these
+descriptors at once (`os.register_at_fork`): a lock belongs to the open file description,
+so an orphaned child would otherwise keep a killed trainer's slots in use, and the next
+launch would wait for it and then refuse.
 
 We map files ourselves instead of using `multiprocessing.shared_memory`: its resource
 tracker unlinks a segment when the creating process dies, which is precisely the case
@@ -99,6 +103,56 @@ def run_key_for(location: str) -> str:
     return run_key(f"{os.uname().nodename}:{location}")
 
 
+# --------------------------------------------------------------------------- descriptors
+
+# Descriptors of this process's slots and fallback-directory locks. fork copies every
+# descriptor (close-on-exec or not), and a flock lives as long as any copy does; a forked
+# child closes its copies at once and forgets them, so only their owner closes them again.
+_OWN_FDS: set[int] = set()
+
+
+def _close_in_child() -> None:
+    for fd in list(_OWN_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _OWN_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _own(fd: int) -> int:
+    _OWN_FDS.add(fd)
+    return fd
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map ``size`` bytes of the file open at ``fd`` through a description of its own.
+
+    `mmap.mmap` keeps a duplicate of the descriptor it is given for as long as the map
+    lives, and a forked child keeps the map; a duplicate of ``fd`` would hold ``fd``'s
+    flock in the child. A fresh open of the same file (``/proc/self/fd``) holds none."""
+    try:
+        other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # no /proc: the map holds the lock's description too
+        return mmap.mmap(fd, size)
+    try:
+        a, b = os.fstat(fd), os.fstat(other)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # not a reopen: map what we hold
+            return mmap.mmap(fd, size)
+        return mmap.mmap(other, size)
+    finally:
+        os.close(other)
+
+
+def release_fd(fd: int) -> None:
+    """Close a descriptor this module handed out, unless this process is a forked child
+    of its owner (which closed its copy when it started)."""
+    if fd in _OWN_FDS:
+        _OWN_FDS.discard(fd)
+        os.close(fd)
+
+
 # --------------------------------------------------------------------------- private places
 
 
@@ -147,7 +201,7 @@ def fallback_dir(shm_dir: Path) -> tuple[Path, int]:
             continue
         fcntl.flock(fd, fcntl.LOCK_SH)
         if _same_file(path, fd):
-            return path, fd
+            return path, _own(fd)
         os.close(fd)
     raise StorageError(errno.EAGAIN, f"private directories created in {shm_dir} keep disappearing")
 
@@ -295,7 +349,7 @@ class ShmSlot:
 
     def __init__(self, path: Path, fd: int, mm: mmap.mmap) -> None:
         self.path = path
-        self._fd = fd
+        self._fd = _own(fd)
         self._mm: mmap.mmap | None = mm
         self._data: torch.Tensor | None = None
         # The metadata head this object last wrote (see `finish_write`), and its hash state.
@@ -348,7 +402,7 @@ class ShmSlot:
                     f"cannot reserve {total / 2**20:.0f} MiB in {path.parent}: {exc.strerror}; "
                     "enlarge /dev/shm or pass memory_every=None",
                 ) from exc
-            mm = mmap.mmap(fd, total)
+            mm = _map(fd, total)
             try:
                 os.replace(tmp, path)
             except OSError as exc:
@@ -402,7 +456,7 @@ class ShmSlot:
             size = os.fstat(fd).st_size
             if size < CONTROL:
                 raise CheckpointError(f"{path} is not a resumable snapshot slot (too small)")
-            mm = mmap.mmap(fd, size)
+            mm = _map(fd, size)
         except BaseException:
             os.close(fd)
             raise
@@ -452,7 +506,7 @@ class ShmSlot:
                 self._mm.close()
             self._mm = None
         if self._fd >= 0:
-            os.close(self._fd)
+            release_fd(self._fd)
             self._fd = -1
 
     def unlink(self) -> None:

@@ -46,6 +46,7 @@ from resumable.shm import (
     fallback_dir,
     layout_meta,
     own_dir,
+    release_fd,
     replaced_size,
     slot_paths,
     unusable,
@@ -567,7 +568,7 @@ class ShmArena:
                     slot.close()
                 self.slots[i] = None
         for fd in self._held:
-            os.close(fd)
+            release_fd(fd)
         self._held.clear()
         if unlink:
             for directory in {p.parent for p in self.paths}:
