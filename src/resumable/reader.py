@@ -346,7 +346,7 @@ class CheckpointReader:
             span = sum(r[1] - r[0] for r in ranges)
             if hi - lo <= 2 * span:
                 buf = self._read(path, lo, hi - lo)
-                for n in names_in_file:
+                for n in sorted(names_in_file, key=lambda n: single[n][1]):
                     _, b, e = single[n]
                     out[n] = self._tensor(n, buf, b - lo, e - lo, verify)
             else:
@@ -355,11 +355,19 @@ class CheckpointReader:
                     out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
         # Each file mapped once for all its pieces: a tensor may have thousands.
         maps: dict[int, memoryview | None] = {}
+        spans: dict[int, tuple[int, int]] = {}  # per file, from its first piece to its last
+        if pieces:
+            rows = np.concatenate(list(pieces.values()))
+            rows = rows[np.argsort(rows[:, 0], kind="stable")]
+            files, first = np.unique(rows[:, 0], return_index=True)
+            lows = np.minimum.reduceat(rows[:, 1], first)
+            highs = np.maximum.reduceat(rows[:, 2], first)
+            spans = {int(k): (int(b), int(e)) for k, b, e in zip(files, lows, highs)}
 
         def mapped(k: int) -> memoryview | None:
             if k not in maps:
                 assert at is not None
-                mm = self.storage.map_file(at.paths[k])
+                mm = self.storage.map_file(at.paths[k], spans.get(k))
                 maps[k] = None if mm is None else memoryview(mm)
             return maps[k]
 
@@ -424,7 +432,7 @@ class CheckpointReader:
         """Bytes ``[offset, offset + length)`` of a data file: a view of the file mapped
         copy-on-write where the backend can map (no allocation, no copy), else a read
         into a new buffer. Sizes were checked against the manifest before."""
-        mm = self.storage.map_file(path) if length > 0 else None
+        mm = self.storage.map_file(path, (offset, offset + length)) if length > 0 else None
         if mm is not None:
             if offset + length <= len(mm):
                 self.mapped = True
