@@ -126,19 +126,21 @@ def _own(fd: int) -> int:
     return fd
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
-    """Map ``size`` bytes of the file open at ``fd`` through a description of its own.
+def _map(fd: int, size: int, path: Path) -> mmap.mmap:
+    """Map ``size`` bytes of the file open at ``fd`` (named ``path``) through a
+    description of its own.
 
     `mmap.mmap` keeps a duplicate of the descriptor it is given for as long as the map
     lives, and a forked child keeps the map; a duplicate of ``fd`` would hold ``fd``'s
-    flock in the child. A fresh open of the same file (``/proc/self/fd``) holds none."""
+    flock in the child. A second open of the same file holds none. If ``path`` no
+    longer names that file, the map is made from ``fd`` after all."""
     try:
-        other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:  # no /proc: the map holds the lock's description too
+        other = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return mmap.mmap(fd, size)
     try:
         a, b = os.fstat(fd), os.fstat(other)
-        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # not a reopen: map what we hold
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # replaced meanwhile
             return mmap.mmap(fd, size)
         return mmap.mmap(other, size)
     finally:
@@ -402,7 +404,7 @@ class ShmSlot:
                     f"cannot reserve {total / 2**20:.0f} MiB in {path.parent}: {exc.strerror}; "
                     "enlarge /dev/shm or pass memory_every=None",
                 ) from exc
-            mm = _map(fd, total)
+            mm = _map(fd, total, tmp)
             try:
                 os.replace(tmp, path)
             except OSError as exc:
@@ -456,7 +458,7 @@ class ShmSlot:
             size = os.fstat(fd).st_size
             if size < CONTROL:
                 raise CheckpointError(f"{path} is not a resumable snapshot slot (too small)")
-            mm = _map(fd, size)
+            mm = _map(fd, size, path)
         except BaseException:
             os.close(fd)
             raise
