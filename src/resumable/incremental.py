@@ -49,7 +49,7 @@ import xxhash
 from resumable.format import CHUNK_HASH, TensorSlot
 from resumable.retention import referenced
 
-__all__ = ["CHUNK_HASH", "Chunk", "DeltaBase", "Incremental", "Plan", "Record"]
+__all__ = ["CHUNK_HASH", "Chunk", "DeltaBase", "EarlyPlan", "Incremental", "Plan", "Record"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,24 @@ class Plan:
         )
 
 
+class EarlyPlan(NamedTuple):
+    """`DeltaBase.plan_early`: the plan if the cold chunks hash as they did, the tensors
+    and their chunks, every chunk's hash (the cold ones guessed), and the cold chunks:
+    their indices among all and their arena ranges."""
+
+    plan: Plan
+    slots: list[TensorSlot]
+    slot_ranges: list[list[tuple[int, int]]]
+    hashes: list[str]
+    cold: list[int]
+    cold_ranges: list[tuple[int, int]]
+
+
+EARLY_MIN_BYTES = 32 << 20
+"""Bytes of chunks guessed unchanged from which a persist writes its file while it
+hashes them (`DeltaBase.plan_early`): below it, the hashing is over before a write
+started beside it would gain anything."""
+
 _HASH_ALONE_BYTES = 1 << 20
 """Chunks from this size are hashed on several threads (when there are enough bytes of
 them, `_HASH_PARALLEL_MIN_BYTES`); smaller ones on the calling thread, where a thread's
@@ -275,12 +293,16 @@ class DeltaBase:
         # Whether the last comparison of chunk hashes found too little to reuse (None:
         # nothing compared yet): see `expect_whole`.
         self._little_reused: bool | None = None
+        # The tensors that changed at the last comparison (None: nothing compared yet):
+        # see `plan_early`.
+        self.changed: frozenset[str] | None = None
 
     def reset(self) -> None:
         """Forget everything: the next persist is written whole."""
         self.step, self.records, self.held, self.refs_of = None, {}, {}, {}
         self.since_whole = 0
         self._little_reused = None
+        self.changed = None
 
     @property
     def expect_whole(self) -> bool:
@@ -318,6 +340,60 @@ class DeltaBase:
         )
         return self._decide(slots, slot_ranges, all_hashes, step)
 
+    def plan_early(self, slots: list[TensorSlot], data: memoryview, step: int) -> EarlyPlan | None:
+        """A plan made before most of the state is hashed, for a persist that writes its
+        file while the rest is hashed (`resumable.persist`): the chunks of the tensors
+        that changed at the last comparison ("hot": the adapters, the head and their
+        optimizer moments of a fine-tuning job) are hashed now; those of the others
+        ("cold": the frozen base) are taken to hash as they did. `confirm` then hashes
+        the cold chunks and says whether the guess held. None where it would not pay:
+        nothing compared yet, or fewer than `EARLY_MIN_BYTES` bytes of cold chunks."""
+        if self.changed is None or not self.records:
+            return None
+        slot_ranges = self._ranges(slots)
+        hot: list[int] = []  # indices into the chunks of all slots, in order
+        cold: list[int] = []
+        guessed: list[str] = []
+        ranges: list[tuple[int, int]] = []  # arena ranges of every chunk
+        cold_bytes = 0
+        for s, r in zip(slots, slot_ranges, strict=True):
+            prev = self.records.get(s.name)
+            quiet = (
+                s.name not in self.changed
+                and prev is not None
+                and s.end > s.begin
+                and prev.dtype == s.dtype
+                and prev.shape == tuple(s.shape)
+                and len(prev.chunks) == len(r)
+            )
+            for j, (b, e) in enumerate(r):
+                (cold if quiet else hot).append(len(ranges))
+                if quiet:
+                    assert prev is not None
+                    guessed.append(prev.chunks[j].hash)
+                    cold_bytes += e - b
+                ranges.append((s.begin + b, s.begin + e))
+        if cold_bytes < EARLY_MIN_BYTES:
+            return None
+        hashes = [""] * len(ranges)
+        for i, h in zip(hot, chunk_hashes(data, [ranges[i] for i in hot]), strict=True):
+            hashes[i] = h
+        for i, h in zip(cold, guessed, strict=True):
+            hashes[i] = h
+        plan = self._decide(slots, slot_ranges, hashes, step)
+        return EarlyPlan(plan, slots, slot_ranges, hashes, cold, [ranges[i] for i in cold])
+
+    def confirm(self, early: EarlyPlan, data: memoryview, step: int) -> Plan | None:
+        """Hash the cold chunks of ``early``: None if each hashes as guessed (``early.plan``
+        is then the plan `plan` would have made), else the plan for the real hashes."""
+        got = chunk_hashes(data, early.cold_ranges)
+        hashes = list(early.hashes)
+        wrong = False
+        for i, h in zip(early.cold, got, strict=True):
+            wrong = wrong or hashes[i] != h
+            hashes[i] = h
+        return self._decide(early.slots, early.slot_ranges, hashes, step) if wrong else None
+
     def whole_plan(self, slots: list[TensorSlot]) -> Plan:
         """A plan that writes every tensor whole, made before any chunk is hashed (where
         `expect_whole`): the file is laid out and written at once, and `hash_whole`
@@ -348,6 +424,7 @@ class DeltaBase:
         """The plan for chunks of these hashes: which to reuse, and whether the persist
         is incremental at all."""
         plans: list[SlotPlan] = []
+        changed: set[str] = set()
         live: dict[int, int] = defaultdict(int)
         total = 0
         matched = 0  # bytes of chunks that hash as before, reused or not
@@ -379,9 +456,12 @@ class DeltaBase:
                     matched += old.end - old.begin
                 else:
                     reuse.append(None)
+            if not unchanged:
+                changed.add(s.name)
             plans.append(
                 SlotPlan(s, ranges, hashes, reuse, prev.checksum if unchanged and prev else None)
             )
+        self.changed = frozenset(changed)
         dead = {k for k, v in live.items() if v < self.config.min_live * self.held.get(k, v)}
         reused = 0
         for p in plans:

@@ -80,10 +80,9 @@ def write_checkpoint(
     fname = attempt.key(rank_file(0))
     sums: Checksums | None = None
     try:
-        header, data, tensors, plan, sums = _index_with_refs(
-            storage, snapshot, fname, step, pieces, base
+        size, tensors, plan, sums = _index_and_write(
+            storage, attempt.path(rank_file(0)), snapshot, fname, step, pieces, base
         )
-        size = storage.write(attempt.path(rank_file(0)), [header, *data])
         _fill_checksums(tensors, plan, sums.result())
         manifest = build_manifest(
             step=step,
@@ -198,6 +197,87 @@ def _fill_checksums(
         plan.records[name] = replace(record, checksum=sums[name])
 
 
+def _index_and_write(
+    storage: Storage,
+    path: str,
+    snapshot: Snapshot,
+    fname: str,
+    step: int,
+    pieces: Mapping[str, Piece] | None,
+    base: DeltaBase | None,
+) -> tuple[int, dict[str, dict[str, Any]], Plan | None, Checksums]:
+    """Lay out and write one data file (``fname``, at ``path``): its size, the manifest's
+    tensor entries, the plan and the `Checksums` being computed (the caller joins them).
+
+    An incremental persist whose state has many bytes that did not change at the last
+    comparison (a fine-tuning job's frozen base) writes its file while it hashes those
+    (`DeltaBase.plan_early`): laid out as if they hash as before, which they do unless
+    someone changed frozen weights; where one does not, the file is written again
+    from the plan of the real hashes. The write then costs the persist no time of its
+    own where the hashing takes longer."""
+    if base is None or base.expect_whole:
+        return _write_file(storage, path, snapshot, fname, step, pieces, base, None)
+    early = base.plan_early(snapshot.slots, snapshot.memory(), step)
+    if early is None:
+        return _write_file(storage, path, snapshot, fname, step, pieces, base, None)
+    if not early.plan.incremental or not check_refs(storage, early.plan.refs):
+        # the usual way, with every hash (a plan of no reuse, or a deleted reference)
+        plan = base.confirm(early, snapshot.memory(), step) or early.plan
+        return _write_file(storage, path, snapshot, fname, step, pieces, base, plan)
+    header, data, tensors, _, sums = file_index(snapshot, fname, step, pieces, base, early.plan)
+    written: dict[str, Any] = {}
+
+    def write() -> None:
+        try:
+            written["size"] = storage.write(path, [header, *data])
+        except BaseException as exc:  # handed to the persist below
+            written["error"] = exc
+
+    writer = threading.Thread(target=write, name="resumable-early-write", daemon=True)
+    try:
+        writer.start()
+        try:
+            final = base.confirm(early, snapshot.memory(), step)
+        finally:
+            writer.join()  # nothing writes the file once this returns
+    except BaseException:
+        sums.join()
+        raise
+    if final is None:
+        if "error" in written:
+            sums.join()
+            raise written["error"]
+        return int(written["size"]), tensors, early.plan, sums
+    sums.join()
+    if "error" in written:
+        log.warning(
+            "the early write of step %d failed (%s); writing it again", step, written["error"]
+        )
+    return _write_file(storage, path, snapshot, fname, step, pieces, base, final)
+
+
+def _write_file(
+    storage: Storage,
+    path: str,
+    snapshot: Snapshot,
+    fname: str,
+    step: int,
+    pieces: Mapping[str, Piece] | None,
+    base: DeltaBase | None,
+    plan: Plan | None,
+) -> tuple[int, dict[str, dict[str, Any]], Plan | None, Checksums]:
+    """`_index_with_refs` (with ``plan``, if made already), then the file written."""
+    header, data, tensors, plan, sums = _index_with_refs(
+        storage, snapshot, fname, step, pieces, base, plan
+    )
+    try:
+        size = storage.write(path, [header, *data])
+    except BaseException:
+        sums.join()
+        raise
+    return size, tensors, plan, sums
+
+
 def _index_with_refs(
     storage: Storage,
     snapshot: Snapshot,
@@ -205,9 +285,10 @@ def _index_with_refs(
     step: int,
     pieces: Mapping[str, Piece] | None,
     base: DeltaBase | None,
+    plan: Plan | None = None,
 ) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None, Checksums]:
     """`file_index`, written whole if a checkpoint it would refer to was deleted."""
-    out = file_index(snapshot, fname, step, pieces, base)
+    out = file_index(snapshot, fname, step, pieces, base, plan)
     plan = out[3]
     if base is not None and plan is not None and plan.incremental:
         try:
@@ -233,6 +314,7 @@ def file_index(
     step: int,
     pieces: Mapping[str, Piece] | None = None,
     base: DeltaBase | None = None,
+    plan: Plan | None = None,
 ) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None, Checksums]:
     """The safetensors header, the data buffers and the manifest's tensor entries of one
     data file (``pieces``: where global tensors lie, for several ranks), and its
@@ -241,12 +323,14 @@ def file_index(
 
     With a ``base`` (incremental checkpoints), chunks unchanged since the base's commit
     are not in the file: their entries refer to the earlier checkpoint (format version
-    2); the returned `Plan` becomes the base once the checkpoint is committed."""
+    2); the returned `Plan` becomes the base once the checkpoint is committed. ``plan``:
+    one made already (`DeltaBase.plan_early`, `DeltaBase.confirm`)."""
     data = snapshot.memory()
     meta = {"format": "pt", "producer": "resumable", "step": str(step)}
-    plan: Plan | None = None
     chunks: Callable[[], None] | None = None
-    if base is not None and base.expect_whole:
+    if plan is not None:
+        pass
+    elif base is not None and base.expect_whole:
         # written whole whatever the hashes say: written at once, hashed meanwhile
         plan = base.whole_plan(snapshot.slots)
         chunks = functools.partial(base.hash_whole, plan, data, step)
@@ -484,10 +568,9 @@ def write_distributed(
     sums: Checksums | None = None
     try:
         fname = attempt.key(rank_file(group.rank))
-        header, data, tensors, plan, sums = _index_with_refs(
-            storage, snapshot, fname, step, pieces, base
+        size, tensors, plan, sums = _index_and_write(
+            storage, attempt.path(rank_file(group.rank)), snapshot, fname, step, pieces, base
         )
-        size = storage.write(attempt.path(rank_file(group.rank)), [header, *data])
         _fill_checksums(tensors, plan, sums.result())
         if check is not None:
             check()
