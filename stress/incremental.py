@@ -17,6 +17,12 @@ min_live=0.5, min_bytes=0)``, the other settings the defaults):
   checkpoints that rewrote frozen chunks);
 - ``fast``: a Linear(64, 64) whose values change at every step.
 
+In the launches that persist on a thread, `resumable.incremental.EARLY_MIN_BYTES` is
+lowered to 64 KiB, so that ``frozen`` (the chunks that did not change at the last
+comparison) is hashed while the data file is written (`DeltaBase.plan_early`), as a
+fine-tuning job's frozen base of 32 MiB or more is: kills land during those early
+writes too. (A persist worker process is a new interpreter and keeps the 32 MiB.)
+
 Every value depends only on the step, so the values of any checkpoint are known. Each
 launch is a process forked from this one: a `Checkpointer` with ``Keep(last=2,
 every_steps=EVERY)`` (retention deletes after nearly every commit; references hold
@@ -78,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import resumable.incremental as inc_mod
 from resumable import Every, Incremental, Keep
 from resumable.audit import read_audit
 from resumable.commit import RenameCommit, committer_for, list_committed, step_dir
@@ -93,6 +100,7 @@ LAUNCH_TIMEOUT_S = 60.0
 CHUNK = 16 << 10  # bytes
 ROW = 256  # float32 values per row: 1 KiB, so a chunk is 16 rows
 FROZEN_ROWS, SLOW_ROWS = 128, 256  # 8 and 16 chunks
+EARLY_BYTES = 64 << 10  # `frozen` (128 KiB) is written early: see the module doc
 SLOW_CHUNKS = SLOW_ROWS * ROW * 4 // CHUNK
 EVERY = 20  # Keep(every_steps=...)
 PLANS = (("timer", 0.4), ("retention", 0.35), ("commit", 0.25))
@@ -233,6 +241,7 @@ def _job(
     logging.getLogger("resumable").setLevel(logging.CRITICAL)
     persist, memory = setup
     os.environ[TAG] = tag  # inherited by a persist worker process
+    inc_mod.EARLY_MIN_BYTES = EARLY_BYTES  # the file written while `frozen` is hashed
     stacks = open(os.path.join(os.path.dirname(root), f"stacks-{tag}.txt"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     _arm(plan, out)
