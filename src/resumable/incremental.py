@@ -350,6 +350,8 @@ class DeltaBase:
         nothing compared yet, or fewer than `EARLY_MIN_BYTES` bytes of cold chunks."""
         if self.changed is None or not self.records:
             return None
+        if sum(s.end - s.begin for s in slots if s.name not in self.changed) < EARLY_MIN_BYTES:
+            return None  # before cutting chunks: a table of 4 KiB chunks has 65,536
         slot_ranges = self._ranges(slots)
         hot: list[int] = []  # indices into the chunks of all slots, in order
         cold: list[int] = []
