@@ -85,6 +85,53 @@ def _job(phase: str, out: Path) -> None:
     (out / f"{phase}-rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
+def _early(out: Path) -> None:
+    """Phase "early": persists on a thread with `EARLY_MIN_BYTES` lowered, so each rank
+    writes its data file while it hashes its frozen shards (`DeltaBase.plan_early`);
+    at step 4 rank 1 changes a frozen shard, so its guess fails and it writes its file
+    again, while rank 0's early file stands. Then the state is zeroed and restored."""
+    import resumable.incremental as inc_mod
+    from dist_job import dump
+    from resumable import Checkpointer, Incremental, Keep
+
+    inc_mod.EARLY_MIN_BYTES = 16 << 10  # this model's frozen part: 64.5 KiB per rank
+    held: list[bool] = []  # per early persist: whether the guess held
+    real = inc_mod.DeltaBase.confirm
+
+    def confirm(self: Any, early: Any, data: Any, step: int) -> Any:
+        got = real(self, early, data, step)
+        held.append(got is None)
+        return got
+
+    inc_mod.DeltaBase.confirm = confirm  # type: ignore[method-assign]
+    model, optim = _build()
+    state = {"model": model, "optim": optim}
+    kw: dict[str, Any] = {
+        "keep": Keep(last=2),
+        "incremental": Incremental(min_bytes=0),
+        "capture_rng": False,
+        "dist_timeout_s": 60,
+        "persist": "thread",
+    }
+    with Checkpointer(out / "early", state, **kw) as ck:
+        for step in range(1, STEPS + 3):
+            _train(model, optim, step)
+            if step == 4 and dist.get_rank() == 1:
+                with torch.no_grad():
+                    model[0].weight.to_local().mul_(-1.0)  # frozen, changed all the same
+            ck.save(step)
+            ck.wait()
+    dump(out, "early-saved", model, optim)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with Checkpointer(out / "early", state, **kw) as ck:
+        restored = ck.restore()
+    dump(out, "early-restored", model, optim)
+    report = {"restored": restored, "held": held}
+    (out / f"early-rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+
 # --------------------------------------------------------------------------- the test side
 
 
@@ -149,11 +196,41 @@ def test_two_ranks_write_incremental_checkpoints_and_restore_them(tmp_path: Path
     assert CheckpointReader(storage, STEPS + 1).manifest["format_version"] == 1
 
 
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+def test_two_ranks_write_their_files_while_hashing_their_frozen_shards(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from conftest import tensor_bytes_equal
+    from launch import run, torchrun_cmd
+    from resumable.commit import list_committed
+    from resumable.reader import CheckpointReader
+    from resumable.storage import LocalStorage
+
+    rc, output = run(torchrun_cmd(2, Path(__file__), "early", tmp_path), timeout=240)
+    assert rc == 0, output[-6000:]
+    reports = [json.loads((tmp_path / f"early-rank{r}.json").read_text()) for r in (0, 1)]
+    # persists 3 to 6 went the early way on both ranks (1: whole, 2: nothing known yet);
+    # rank 1's guess failed at step 4, where it changed a frozen shard
+    assert reports[0]["held"] == [True, True, True, True], reports
+    assert reports[1]["held"] == [True, False, True, True], reports
+    assert [r["restored"] for r in reports] == [STEPS + 2, STEPS + 2]
+    storage = LocalStorage(tmp_path / "early")
+    for s in list_committed(storage):
+        CheckpointReader(storage, s).verify()
+    assert CheckpointReader(storage, STEPS + 2).manifest["refs"]
+    want = load_file(str(tmp_path / "early-saved.safetensors"))
+    got = load_file(str(tmp_path / "early-restored.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not tensor_bytes_equal(got[k], want[k])] == []
+
+
 def main() -> None:
     phase, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        _job(phase, out)
+        _early(out) if phase == "early" else _job(phase, out)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
