@@ -136,13 +136,19 @@ def test_a_frozen_tensor_that_changed_is_written_again_from_the_real_hashes(
     check_restores(tmp_path, expected)
 
 
-def test_a_failed_early_write_fails_the_persist_and_commits_nothing(tmp_path: Path) -> None:
-    storage = Writes(LocalStorage(tmp_path))
-    state = make_state(3)
+def two_saved(root: Path, seed: int) -> tuple[Writes, dict[str, torch.Tensor], Checkpointer]:
+    """A checkpointer (sync persists) whose next persist goes the early way: two saved."""
+    storage = Writes(LocalStorage(root))
+    state = make_state(seed)
     ck = Checkpointer(storage, state, persist="sync", capture_rng=False, incremental=INC)
     for step in (1, 2):
         fine_tune(state)
         ck.save(step)
+    return storage, state, ck
+
+
+def test_a_failed_early_write_fails_the_persist_and_commits_nothing(tmp_path: Path) -> None:
+    storage, state, ck = two_saved(tmp_path, 3)
     storage.fail = True
     fine_tune(state)
     with pytest.raises(StorageError, match="injected"):
@@ -160,12 +166,7 @@ def test_a_failed_early_write_fails_the_persist_and_commits_nothing(tmp_path: Pa
 def test_a_failed_early_write_whose_guess_failed_is_written_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    storage = Writes(LocalStorage(tmp_path))
-    state = make_state(4)
-    ck = Checkpointer(storage, state, persist="sync", capture_rng=False, incremental=INC)
-    for step in (1, 2):
-        fine_tune(state)
-        ck.save(step)
+    storage, state, ck = two_saved(tmp_path, 4)
     storage.fail = True
     fine_tune(state)
     with torch.no_grad():
@@ -182,12 +183,7 @@ def test_a_failed_early_write_whose_guess_failed_is_written_again(
 def test_a_failed_hashing_of_the_cold_chunks_waits_for_the_write_and_commits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage = Writes(LocalStorage(tmp_path))
-    state = make_state(5)
-    ck = Checkpointer(storage, state, persist="sync", capture_rng=False, incremental=INC)
-    for step in (1, 2):
-        fine_tune(state)
-        ck.save(step)
+    storage, state, ck = two_saved(tmp_path, 5)
     real = inc_mod.chunk_hashes
     calls = []
 
