@@ -31,7 +31,7 @@ import base64
 import math
 import random
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -732,6 +732,7 @@ def restore(
     borrowed: bool = False,
     strict: bool = True,
     prepare: Callable[[], None] | None = None,
+    owned: Collection[int] = (),
 ) -> list[str]:
     """Load decoded ``values`` into the live objects of ``state``, and the RNG streams.
 
@@ -754,6 +755,10 @@ def restore(
 
     ``prepare``: called once the checks that come before any live object is touched
     have passed, before the first is (a reader's `fill` of live tensors it verified).
+
+    ``owned``: ids of tensors in ``values`` that are already the restore's own (live
+    tensors that ``prepare`` fills, new ones made for the restore): kept as they are
+    where ``borrowed`` values are copied.
     """
     if not isinstance(values, Mapping):
         raise CorruptCheckpointError(
@@ -777,10 +782,11 @@ def restore(
     check_classes(state, values.get(CLASSES_KEY))
     if prepare is not None:
         prepare()
+    own = _Own(frozenset(owned)) if borrowed else None
     for key, obj in state.items():
         if key not in values:
             continue
-        new = _restore_into(obj, values[key], (key,), borrowed, None if strict else notes)
+        new = _restore_into(obj, values[key], (key,), own, None if strict else notes)
         if new is not obj and isinstance(state, dict):
             state[key] = new
     if RNG_KEY in values:
@@ -851,26 +857,37 @@ def check_classes(state: Mapping[str, Any], recorded: Any) -> None:
         )
 
 
-def _own(value: Any) -> Any:
-    """A copy of ``value`` that shares no tensor or array memory with it."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, dict):
-        return {k: _own(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_own(v) for v in value]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return tuple(_own(v) for v in value)
-    return value
+class _Own:
+    """Makes a borrowed value the restore's own: a copy that shares no tensor or array
+    memory with it, but for the tensors whose ids are in ``owned``, kept as they are."""
+
+    def __init__(self, owned: frozenset[int]) -> None:
+        self.owned = owned
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if id(value) in self.owned else value.clone()
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if isinstance(value, tuple) and not isinstance(value, torch.Size):
+            return tuple(self(v) for v in value)
+        return value
+
+    def tensor(self, value: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+        """``moved`` (``value`` on its device) as the restore's own."""
+        return moved.clone() if moved is value and id(value) not in self.owned else moved
 
 
 def _restore_into(
-    obj: Any, value: Any, path: tuple[Any, ...], borrowed: bool, partial: list[str] | None
+    obj: Any, value: Any, path: tuple[Any, ...], own: _Own | None, partial: list[str] | None
 ) -> Any:
     """Restore ``value`` into ``obj`` in place where possible; returns the object to keep.
-    ``partial``: not strict; what modules left or ignored is appended to it."""
+    ``own``: the values are borrowed, and this copies what is kept. ``partial``: not
+    strict; what modules left or ignored is appended to it."""
     try:
         if isinstance(obj, torch.Generator):
             # A fresh tensor: set_state crashes on views with a storage offset.
@@ -888,7 +905,7 @@ def _restore_into(
                     obj.copy_(value)
                 return obj
             moved = value.to(obj.device)
-            return moved.clone() if borrowed and moved is value else moved
+            return own.tensor(value, moved) if own is not None else moved
         if isinstance(obj, Mapping) and not _is_stateful(obj):
             if not isinstance(value, dict):
                 raise StateMismatchError(
@@ -900,11 +917,11 @@ def _restore_into(
                         del obj[k]
                 for k, v in value.items():
                     if k in obj:
-                        obj[k] = _restore_into(obj[k], v, (*path, k), borrowed, partial)
+                        obj[k] = _restore_into(obj[k], v, (*path, k), own, partial)
                     else:
-                        obj[k] = _own(v) if borrowed else v
+                        obj[k] = own(v) if own is not None else v
                 return obj
-            return _own(value) if borrowed else value
+            return own(value) if own is not None else value
         if isinstance(obj, list):
             if not isinstance(value, list):
                 raise StateMismatchError(
@@ -912,11 +929,11 @@ def _restore_into(
                 )
             if len(obj) == len(value):
                 obj[:] = [
-                    _restore_into(o, v, (*path, i), borrowed, partial)
+                    _restore_into(o, v, (*path, i), own, partial)
                     for i, (o, v) in enumerate(zip(obj, value))
                 ]
             else:
-                obj[:] = _own(value) if borrowed else value
+                obj[:] = own(value) if own is not None else value
             return obj
         if _is_stateful(obj):
             obj = unwrap(obj)
@@ -940,7 +957,7 @@ def _restore_into(
                         "no place in the module: not restored"
                     )
                 return obj
-            obj.load_state_dict(_own(value) if borrowed and not copies else value)
+            obj.load_state_dict(own(value) if own is not None and not copies else value)
             return obj
     except StateMismatchError:
         raise
@@ -949,7 +966,7 @@ def _restore_into(
             f"{_path_str(path)}: the checkpoint does not fit this object ({exc}). "
             "Restore into the same kind of model/optimizer it was saved from"
         ) from exc
-    return _own(value) if borrowed else value
+    return own(value) if own is not None else value
 
 
 def _generator_payload(value: Any, tag: str, path: tuple[Any, ...]) -> Any:

@@ -19,6 +19,7 @@ of the training process. Large copies are split across a small thread pool.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import mmap
@@ -32,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
-from resumable.errors import CheckpointError, StorageError
+from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
 from resumable.format import TensorSlot, byte_view, checksum, plan_layout
 from resumable.shm import (
     PREFIX,
@@ -261,6 +263,7 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 _PARALLEL_MIN_BYTES = 32 << 20
 _CHUNK_BYTES = 16 << 20
 _HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy thread
+_CHECKED_BLOCK = 512 << 10  # `ShmArena.copy_checked` copies, then hashes, this many bytes at a time
 
 
 def copy_threads() -> int:
@@ -530,6 +533,11 @@ class ShmArena:
         """Bytes of the slot files now at this arena's slot names (freed when replaced)."""
         return sum(replaced_size(p) for p in self.paths)
 
+    def still(self, index: int, seq: int) -> bool:
+        """Whether slot ``index`` still holds snapshot ``seq``, complete."""
+        slot = self.slots[index]
+        return slot is not None and slot.still(seq)
+
     def content(self, index: int) -> SlotContent | None:
         slot = self.slots[index]
         return slot.read() if slot is not None else None
@@ -549,6 +557,67 @@ class ShmArena:
             futures[i].result() if i in futures else checksum(data[s.begin : s.end])
             for i, s in enumerate(slots)
         ]
+
+    def copy_checked(
+        self, data: torch.Tensor, slots: list[TensorSlot], dests: list[torch.Tensor | None]
+    ) -> list[str]:
+        """The XXH3-64 of each slot's bytes in ``data`` (a slot's data tensor), as
+        `checksums` gives them, each slot copied on the way into its destination in
+        ``dests`` (a contiguous CPU tensor of its bytes; None: hashed only). A block of
+        `_CHECKED_BLOCK` bytes at a time is copied, then hashed while it is still in the
+        cache, so the snapshot is read from memory once, not once to hash it and again
+        to copy it (`docs/decisions.md`). The slots are shared by bytes among the copy
+        threads, the largest first (one tensor is hashed in order, on one thread)."""
+        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+            raise CheckpointError("copy_checked takes a slot's flat byte tensor")
+        jobs: list[tuple[int, int, int, int]] = []  # (slot index, source, dest, bytes)
+        base = data.data_ptr()
+        for i, (s, d) in enumerate(zip(slots, dests, strict=True)):
+            n = s.end - s.begin
+            if s.begin < 0 or n < 0 or s.end > data.numel():
+                raise CorruptCheckpointError(f"tensor {s.name!r} lies outside its slot")
+            if d is not None and (
+                d.device.type != "cpu" or not d.is_contiguous() or d.numel() * d.element_size() != n
+            ):
+                raise CheckpointError(f"no contiguous CPU destination of {n} bytes for {s.name!r}")
+            jobs.append((i, base + s.begin, 0 if d is None else d.data_ptr(), n))
+        mem = data.numpy().data
+        sums: list[str] = [""] * len(slots)
+
+        def run(part: list[tuple[int, int, int, int]]) -> None:
+            for i, src, dst, n in part:
+                view = mem[src - base : src - base + n]
+                if n <= _CHECKED_BLOCK:
+                    if dst and n:
+                        ctypes.memmove(dst, src, n)
+                    sums[i] = checksum(view)
+                    continue
+                h = xxhash.xxh3_64()
+                for o in range(0, n, _CHECKED_BLOCK):
+                    m = min(_CHECKED_BLOCK, n - o)
+                    if dst:
+                        ctypes.memmove(dst + o, src + o, m)
+                    h.update(view[o : o + m])
+                sums[i] = h.hexdigest()
+
+        total = sum(n for *_, n in jobs)
+        if self._pool is None or total < _PARALLEL_MIN_BYTES:
+            run(jobs)
+            return sums
+        n_parts = self._pool._max_workers
+        parts: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n_parts)]
+        loads = [0] * n_parts
+        for job in sorted(jobs, key=lambda j: -j[3]):
+            k = loads.index(min(loads))
+            parts[k].append(job)
+            loads[k] += job[3]
+        futures = [self._pool.submit(run, p) for p in parts[1:] if p]
+        try:
+            run(parts[0])
+        finally:
+            for f in futures:
+                f.result()  # waited for even when this thread failed: nothing copies after
+        return sums
 
     def tensors(self, index: int, content: SlotContent) -> dict[str, torch.Tensor]:
         """Views of a slot's tensors (valid until the slot is rewritten: clone them)."""

@@ -7,8 +7,10 @@ changes (parameters and optimizer state) are copied in the background during the
 forward/backward, and an optimizer step pre-hook waits for that copy first.
 
 A snapshot outlives the process: the next launch *adopts* the slots of a dead one and
-restores from them (`resumable.pipeline.restorer`), after checking them complete and,
-where the persist worker recorded them, against their checksums (`verified`).
+restores from them (`resumable.pipeline.restorer`), checking them complete and, where
+the persist worker recorded them, against their checksums: before the copy into the
+live state (`verified`), or during it where a failed check has something to fall back
+to (`copy_verified`).
 """
 
 from __future__ import annotations
@@ -222,10 +224,13 @@ class MemoryTier:
             return None
         return content
 
-    def verified(self, snap: MemorySnapshot) -> tuple[SlotContent, dict[str, torch.Tensor]]:
+    def verified(
+        self, snap: MemorySnapshot, content: SlotContent | None = None
+    ) -> tuple[SlotContent, dict[str, torch.Tensor]]:
         """The content and tensor views of ``snap``, checked complete and (where the
-        persist worker recorded them) against its checksums."""
-        content = self.readable(snap)
+        persist worker recorded them) against its checksums. ``content``: the slot's,
+        read just before (the caller checked it is ``snap``'s), else read here."""
+        content = content or self.readable(snap)
         if content is None:
             raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
         views = self.arena.tensors(snap.index, content)
@@ -235,6 +240,24 @@ class MemoryTier:
                 if have != want:
                     raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
         return content, views
+
+    def copy_verified(
+        self, snap: MemorySnapshot, content: SlotContent, dests: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Copy each tensor of ``snap`` that has a destination in ``dests`` there while
+        checking every tensor against its recorded checksums (`ShmArena.copy_checked`).
+        A mismatch raises `CorruptCheckpointError` once every copy ended: by then
+        destinations hold bytes of a snapshot that is not what was saved."""
+        assert content.checksums is not None
+        slot = self.arena.slots[snap.index]
+        if slot is None or not slot.still(content.seq):
+            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
+        got = self.arena.copy_checked(
+            slot.data_tensor(), content.slots, [dests.get(s.name) for s in content.slots]
+        )
+        for sl, have, want in zip(content.slots, got, content.checksums):
+            if have != want:
+                raise CorruptCheckpointError(f"checksum mismatch in tensor {sl.name!r}")
 
     def data(self, snap: MemorySnapshot) -> Snapshot:
         """``snap`` as a `Snapshot` over its slot (for a persist on this thread)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from resumable.distributed import GlobalLoader, Group, is_dtensor, pieces_to_jso
 from resumable.errors import CorruptCheckpointError, NoCheckpointError, StateMismatchError
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
+from resumable.shm import SlotContent
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import Storage
 
@@ -155,6 +157,7 @@ class Restorer:
             memory.discarded = None
         newest = memory.newest
         mine = None
+        content = None
         if newest is not None:
             content = memory.readable(newest)
             if content is None:
@@ -185,8 +188,15 @@ class Restorer:
         t0 = time.perf_counter()
         problem = None
         values: dict[str, Any] = {}
+        # Checked while copied where something else can be restored if the check fails
+        # (or, asked for memory only, the failure is raised): `_decode_memory`. One
+        # process only: a coordinated persist of several ranks records no checksums in
+        # their snapshots, so theirs are copied as they are.
+        fallback = tier != "memory" and bool(steps) and (step is None or step in steps)
+        fuse = self.world_size == 1 and (tier == "memory" or fallback)
+        fused: _Fused | None = None
         try:
-            values = self._decode_memory(newest, loc)
+            values, fused = self._decode_memory(newest, content, loc, fuse=fuse)
         except CorruptCheckpointError as exc:
             problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
         problems = [p for p in self.group.gather(problem) if p]
@@ -194,8 +204,29 @@ class Restorer:
             self._skip_memory(s, "; ".join(problems), skipped)
             return None
         # Borrowed: the slot is rewritten by later snapshots, so whatever the live state
-        # would keep a reference to is copied out.
-        self.partial += capture_mod.restore(self.state, values, borrowed=True, strict=self.strict)
+        # would keep a reference to is copied out (but what `fused` copied already).
+        try:
+            self.partial += capture_mod.restore(
+                self.state,
+                values,
+                borrowed=True,
+                strict=self.strict,
+                prepare=fused,
+                owned=fused.owned if fused is not None else (),
+            )
+        except CorruptCheckpointError as exc:
+            if fused is None or not fused.started:
+                raise  # nothing live was touched: as any malformed value
+            if not fallback:
+                raise CorruptCheckpointError(
+                    f"the shared-memory snapshot of step {s} failed its check while it was "
+                    f"copied into the live state ({exc}), which now holds part of it; "
+                    "restore(tier='auto') loads the newest committed checkpoint over it, or "
+                    "rebuild the state to start afresh"
+                ) from None
+            why = f"{exc} (found while copying; the checkpoint restored next overwrites it)"
+            self._skip_memory(s, why, skipped)
+            return None
         self.audit.record(
             "restore",
             step=s,
@@ -238,10 +269,27 @@ class Restorer:
         self.audit.record("skip", step=step, tier="memory", reason=reason[:500])
         skipped.append(f"memory snapshot of step {step} ({reason})")
 
-    def _decode_memory(self, snap: MemorySnapshot, loc: Any) -> dict[str, Any]:
-        """This rank's values from its shared-memory snapshot (same world size)."""
+    def _decode_memory(
+        self, snap: MemorySnapshot, content: SlotContent | None, loc: Any, *, fuse: bool
+    ) -> tuple[dict[str, Any], _Fused | None]:
+        """This rank's values from its shared-memory snapshot (same world size), and,
+        where the snapshot is checked while it is copied, what does that (`_Fused`: the
+        restore's ``prepare``). Otherwise the snapshot is checked here, before any
+        value is made. ``content``: the slot's, read just before. ``fuse``: whether
+        the caller can handle a check failing once live tensors were written."""
         assert self.memory is not None
-        content, views = self.memory.verified(snap)
+        if content is None or not self.memory.arena.still(snap.index, content.seq):
+            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
+        if (
+            fuse
+            and content.checksums is not None
+            and not content.meta.get("pieces")
+            and loc is None
+        ):
+            done = self._fused(snap, content)
+            if done is not None:
+                return done
+        content, views = self.memory.verified(snap, content)
         live = self._live()
         by_fqn = {str(f): n for n, (f, _, _) in content.meta.get("pieces", {}).items()}
 
@@ -257,7 +305,48 @@ class Restorer:
                 return shaped_like(local.clone(), target)  # the slot is reused later
             return local
 
-        return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve)
+        return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve), None
+
+    def _fused(
+        self, snap: MemorySnapshot, content: SlotContent
+    ) -> tuple[dict[str, Any], _Fused] | None:
+        """Values whose tensors the restore's ``prepare`` fills while it checks the
+        snapshot: the live tensor where the restore would copy into it anyway, else a
+        new one (kept by the object: an optimizer's moments), each referred to once,
+        outside the random streams (checked before ``prepare``). None where a value
+        would not be the tensor given (moved to another device): checked first."""
+        assert self.memory is not None
+        views = self.memory.arena.tensors(snap.index, content)
+        tree = content.meta["tree"]
+        refs = list(capture_mod.iter_refs(tree))
+        uses = Counter(name for _, _, name in refs)
+        live = _destinations(self.state, self._live(), tree, containers=True)
+        dests: dict[str, torch.Tensor] = {}
+        for path, tag, name in refs:
+            view = views.get(name)
+            if (
+                tag != "tensor"
+                or uses[name] != 1
+                or not path
+                or path[0] in capture_mod.RESERVED_KEYS
+                or view is None
+            ):
+                continue
+            dest = live.get(name)
+            dests[name] = (
+                dest
+                if dest is not None and _fits(dest, view)
+                else torch.empty(view.shape, dtype=view.dtype)
+            )
+        values = capture_mod.decode(tree, {**views, **dests}, None)
+        for path, _, name in refs:
+            if name in dests and _at(values, path) is not dests[name]:
+                return None  # a value moved off the CPU: the snapshot is checked first
+        try:
+            flat = {n: t.detach().view(-1).view(torch.uint8) for n, t in dests.items()}
+        except RuntimeError:  # a dtype without a byte view
+            return None
+        return values, _Fused(self.memory, snap, content, flat, frozenset(map(id, dests.values())))
 
     # ------------------------------------------------------------ storage
 
@@ -487,20 +576,80 @@ class Restorer:
 
 
 def _destinations(
-    state: Mapping[str, Any], live: capture_mod.Captured, saved: Any
+    state: Mapping[str, Any], live: capture_mod.Captured, saved: Any, *, containers: bool = False
 ) -> dict[str, torch.Tensor]:
     """The live tensors a restore copies the checkpoint's tensors into, by the
     checkpoint's names: where the saved tree and the live one hold a tensor at the same
     path, under a module, an optimizer or a tensor at the top level (objects whose
-    loading copies each value into the tensor it came from, or keeps a copy of it).
-    `CheckpointReader.tensors` assembles a tensor stored in chunks straight into its
-    destination instead of a buffer of its own."""
+    loading copies each value into the tensor it came from, or keeps a copy of it), and
+    with ``containers``, under plain dicts and lists all the way down (restored in place,
+    a tensor of the same shape and dtype copied into). `CheckpointReader.tensors`
+    assembles a tensor stored in chunks straight into its destination instead of a
+    buffer of its own."""
     at = {path: name for path, tag, name in capture_mod.iter_refs(live.tree) if tag == "tensor"}
     out: dict[str, torch.Tensor] = {}
     for path, tag, name in capture_mod.iter_refs(saved):
         mine = at.get(path)
         if tag != "tensor" or mine is None or not path:
             continue
-        if isinstance(state.get(path[0]), (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+        top = state.get(path[0])
+        if isinstance(top, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) or (
+            containers and _plain_path(top, path[1:], live.tensors[mine])
+        ):
             out[name] = live.tensors[mine]
     return out
+
+
+def _plain_path(obj: Any, path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
+    """Whether ``path`` leads from ``obj`` to ``tensor`` through dicts and lists only."""
+    for key in path:
+        inside = (type(obj) is dict and key in obj) or (
+            type(obj) is list and type(key) is int and 0 <= key < len(obj)
+        )
+        if not inside:
+            return False
+        obj = obj[key]
+    return obj is tensor
+
+
+def _at(values: Any, path: tuple[Any, ...]) -> Any:
+    """The decoded value at ``path`` (None where there is none)."""
+    for key in path:
+        try:
+            values = values[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return values
+
+
+def _fits(dest: Any, view: torch.Tensor) -> bool:
+    """Whether ``dest`` is a plain contiguous CPU tensor of ``view``'s dtype and shape."""
+    return (
+        type(dest) in (torch.Tensor, torch.nn.Parameter)
+        and dest.device.type == "cpu"
+        and dest.is_contiguous()
+        and dest.dtype == view.dtype
+        and dest.shape == view.shape
+    )
+
+
+class _Fused:
+    """A restore's ``prepare`` for a shared-memory snapshot: its tensors copied into the
+    values' tensors (``dests``, flat bytes by name) while all are checked against the
+    checksums (`MemoryTier.copy_verified`). ``owned``: the ids of those tensors."""
+
+    def __init__(
+        self,
+        memory: MemoryTier,
+        snap: MemorySnapshot,
+        content: SlotContent,
+        dests: dict[str, torch.Tensor],
+        owned: frozenset[int],
+    ) -> None:
+        self.memory, self.snap, self.content = memory, snap, content
+        self.dests, self.owned = dests, owned
+        self.started = False
+
+    def __call__(self) -> None:
+        self.started = True
+        self.memory.copy_verified(self.snap, self.content, self.dests)
