@@ -357,6 +357,8 @@ class ShmSlot:
         # The metadata head this object last wrote (see `finish_write`), and its hash state.
         self._head: bytes | None = None
         self._head_hash: Any = None
+        # What `read` last parsed: the metadata bytes, the data capacity, their parse.
+        self._parsed: tuple[bytes, int, dict[str, Any], list[TensorSlot]] | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -636,15 +638,21 @@ class ShmSlot:
         blob = bytes(self.mm[CONTROL : CONTROL + c.meta_len])
         if xxhash.xxh3_64_intdigest(blob) != c.meta_xxh:
             return None
-        try:
-            meta = json.loads(blob)
-        except (ValueError, RecursionError):  # RecursionError: nested too deeply
-            return None
-        if not isinstance(meta, dict) or "tree" not in meta:
-            return None
-        slots = _layout(meta.get("layout"), c.data_cap)
-        if slots is None:
-            return None
+        parsed = self._parsed
+        if parsed is not None and parsed[0] == blob and parsed[1] == c.data_cap:
+            meta, slots = parsed[2], parsed[3]  # the same bytes as at the last read
+        else:
+            try:
+                meta = json.loads(blob)
+            except (ValueError, RecursionError):  # RecursionError: nested too deeply
+                return None
+            if not isinstance(meta, dict) or "tree" not in meta:
+                return None
+            found = _layout(meta.get("layout"), c.data_cap)
+            if found is None:
+                return None
+            slots = found
+            self._parsed = (blob, c.data_cap, meta, slots)
         sums = None
         if c.sums_seq == c.seq:
             start = CONTROL + c.meta_cap
