@@ -721,7 +721,9 @@ class Checkpointer:
         newer than every committed checkpoint is persisted right after it is restored.
         Corrupt checkpoints are skipped with a WARNING; if checkpoints exist and none is
         valid, raises `CorruptCheckpointError` rather than starting over. Logs one INFO
-        line saying which step came from which tier, and what was skipped.
+        line saying which step came from which tier, and what was skipped. With
+        ``tier="memory"``, a snapshot that fails its check while it is copied raises
+        `CorruptCheckpointError` (the state then holds part of it).
 
         With several ranks every rank calls it: they agree on the newest step all of
         them can read, and model and optimizer state reshard to this job's world size.

@@ -316,8 +316,10 @@ class Restorer:
         outside the random streams (checked before ``prepare``). None where a value
         would not be the tensor given (moved to another device): checked first."""
         assert self.memory is not None
-        views = self.memory.arena.tensors(snap.index, content)
         tree = content.meta["tree"]
+        if not _on_cpu(tree):
+            return None  # tensors restored to a GPU are checked first, then moved there
+        views = self.memory.arena.tensors(snap.index, content)
         refs = list(capture_mod.iter_refs(tree))
         uses = Counter(name for _, _, name in refs)
         live = _destinations(self.state, self._live(), tree, containers=True)
@@ -610,6 +612,20 @@ def _plain_path(obj: Any, path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
             return False
         obj = obj[key]
     return obj is tensor
+
+
+def _on_cpu(tree: Any) -> bool:
+    """Whether every tensor of ``tree`` was recorded on the CPU (iterative)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if ("tensor" in node or "global" in node) and node.get("device", "cpu") != "cpu":
+                return False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return True
 
 
 def _at(values: Any, path: tuple[Any, ...]) -> Any:
