@@ -8,9 +8,7 @@ restored, is found before anything live is touched."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +21,9 @@ import resumable
 from resumable.errors import CheckpointError
 from resumable.pipeline.memory import MemoryTier
 from resumable.snapshot import ShmArena
+from state_checks import shm_dir
 
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    d = Path("/dev/shm") / f"resumable-fused-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d)
+__all__ = ["shm_dir"]  # a fixture
 
 
 @pytest.fixture
