@@ -961,8 +961,8 @@ def _stamp(path: Path) -> str:
 
 def newest(results_dir: Path) -> Path:
     """The newest whole run (``make bench``) in ``results_dir``; the files one phase
-    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``, ``mcore-``, ``incr-``) are
-    not runs."""
+    writes alone (``data-``, ``cloud-``, ``small-``, ``ds-``, ``mcore-``, ``incr-``,
+    ``piece-check-``) are not runs."""
     runs = []
     for p in sorted(results_dir.glob("*.json")):
         try:
