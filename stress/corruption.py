@@ -311,8 +311,8 @@ def able_to_fail() -> dict[str, dict[str, int]]:
     tensor bytes): flips in tensor data must then go undetected, and be counted."""
     original = CheckpointReader._tensor
 
-    def unchecked(self: CheckpointReader, name: str, buf: Any, b: int, e: int, verify: bool) -> Any:
-        return original(self, name, buf, b, e, False)
+    def unchecked(self: CheckpointReader, name: str, buf: Any, b: int, e: int, checks: Any) -> Any:
+        return original(self, name, buf, b, e, None)
 
     CheckpointReader._tensor = unchecked  # type: ignore[method-assign]
     try:

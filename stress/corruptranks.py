@@ -302,8 +302,8 @@ def able_to_fail() -> dict[str, dict[str, int]]:
 
     original = CheckpointReader._tensor
 
-    def unchecked(self: CheckpointReader, name: str, buf: Any, b: int, e: int, verify: bool) -> Any:
-        return original(self, name, buf, b, e, False)
+    def unchecked(self: CheckpointReader, name: str, buf: Any, b: int, e: int, checks: Any) -> Any:
+        return original(self, name, buf, b, e, None)
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)

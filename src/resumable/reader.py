@@ -4,8 +4,9 @@ This is the load path, and it trusts nothing it reads: the whole manifest is val
 by `resumable.format.decode_manifest` (structure, names, sizes, digest, byte ranges,
 tiling of global tensors, state trees) before anything is allocated for it; every data
 file must have the size the manifest declares and a valid safetensors header that
-agrees with the tensor index; every tensor's bytes are checksummed before a tensor is
-built from them. Only then does the manager touch the live training state. No byte of a
+agrees with the tensor index; every tensor's bytes are checksummed (on several threads
+where there are many, `_digests`) before any tensor is returned. Only then does the
+manager touch the live training state. No byte of a
 data file belongs to two tensors and no tree references a tensor twice, so what a
 restore reads and builds is bounded by the checkpoint's real size. There is no pickle
 here, and every path goes through the storage's root check.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -339,6 +340,10 @@ class CheckpointReader:
         for name, (path, _, _) in single.items():
             by_path[path].append(name)
         out: dict[str, torch.Tensor] = {}
+        # (name, bytes, what computes its checksum): run once every tensor is found,
+        # on several threads where there are enough bytes (`_digests`)
+        checks: list[tuple[str, int, Callable[[], str]]] | None = [] if verify else None
+        fills: list[tuple[torch.Tensor, _Pieces]] = []
         for path, names_in_file in by_path.items():
             ranges = [single[n][1:] for n in names_in_file]
             lo = min(r[0] for r in ranges)
@@ -348,11 +353,11 @@ class CheckpointReader:
                 buf = self._read(path, lo, hi - lo)
                 for n in sorted(names_in_file, key=lambda n: single[n][1]):
                     _, b, e = single[n]
-                    out[n] = self._tensor(n, buf, b - lo, e - lo, verify)
+                    out[n] = self._tensor(n, buf, b - lo, e - lo, checks)
             else:
                 for n in names_in_file:
                     _, b, e = single[n]
-                    out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, verify)
+                    out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, checks)
         # Each file mapped once for all its pieces: a tensor may have thousands.
         maps: dict[int, memoryview | None] = {}
         spans: dict[int, tuple[int, int]] = {}  # per file, from its first piece to its last
@@ -378,10 +383,10 @@ class CheckpointReader:
             found = {k: v for k, v in views.items() if v is not None and ends[k] <= v.nbytes}
             gather = _Pieces(found, a) if len(found) == len(views) else None
             dest = self._destination(name, (into or {}).get(name))
-            if gather is not None and dest is not None and verify:
+            if gather is not None and dest is not None and checks is not None:
                 # the checksum over the pieces where they lie; copied by `fill`
-                self._check_sum(name, gather.digest())
-                self._fills.append((dest, gather))
+                checks.append((name, int((a[:, 2] - a[:, 1]).sum()), gather.digest))
+                fills.append((dest, gather))
                 out[name] = dest
                 continue
             total = int((a[:, 2] - a[:, 1]).sum())
@@ -394,7 +399,14 @@ class CheckpointReader:
                     if e > b:
                         self.storage.read_into(at.paths[k], b, byte_view(buf[pos : pos + e - b]))
                     pos += e - b
-            out[name] = self._tensor(name, buf, 0, total, verify)
+            out[name] = self._tensor(name, buf, 0, total, checks)
+        if checks:
+            from resumable.snapshot import copy_threads
+
+            got = _digests([(n, fn) for _, n, fn in checks], copy_threads())
+            for (name, _, _), digest in zip(checks, got, strict=True):
+                self._check_sum(name, digest)
+        self._fills.extend(fills)  # only once every tensor passed
         return out
 
     def _destination(self, name: str, dest: torch.Tensor | None) -> torch.Tensor | None:
@@ -443,11 +455,21 @@ class CheckpointReader:
             self.storage.read_into(path, offset, byte_view(buf))
         return buf
 
-    def _tensor(self, name: str, buf: torch.Tensor, b: int, e: int, verify: bool) -> torch.Tensor:
+    def _tensor(
+        self,
+        name: str,
+        buf: torch.Tensor,
+        b: int,
+        e: int,
+        checks: list[tuple[str, int, Callable[[], str]]] | None,
+    ) -> torch.Tensor:
+        """Tensor ``name`` from bytes ``[b, e)`` of ``buf``; its check added to
+        ``checks`` (None: not checked)."""
         info = self.manifest["tensors"][name]
         raw = buf[b:e]
-        if verify:
-            self._check_sum(name, checksum(byte_view(raw)) if e > b else checksum(b""))
+        if checks is not None:
+            view = byte_view(raw) if e > b else b""
+            checks.append((name, e - b, lambda: checksum(view)))
         dtype = dtype_from_name(info["dtype"])
         if raw.storage_offset() % _itemsize(dtype) != 0:
             raw = raw.clone()
@@ -630,6 +652,42 @@ def _in_place(
     return rows, k, lo, hi, d
 
 
+def _digests(jobs: list[tuple[int, Callable[[], str]]], threads: int) -> list[str]:
+    """What each job computes (``(bytes, fn)``: a checksum), in the jobs' order. From
+    `_DIGESTS_SPLIT_MIN` bytes in all, ``threads`` threads, the calling one included,
+    take the jobs the largest first, each the next one not taken (the hash releases
+    the GIL on large inputs): a restore's check of many tensors no longer runs on one
+    core while the others wait. A job's error is raised once every thread stopped."""
+    threads = max(1, min(threads, len(jobs)))
+    if threads < 2 or sum(n for n, _ in jobs) < _DIGESTS_SPLIT_MIN:
+        return [fn() for _, fn in jobs]
+    out = [""] * len(jobs)
+    order = iter(sorted(range(len(jobs)), key=lambda i: -jobs[i][0]))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while not errors:
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                out[i] = jobs[i][1]()
+        except BaseException as exc:  # handed to the calling thread
+            errors.append(exc)
+
+    others = [threading.Thread(target=run, daemon=True) for _ in range(threads - 1)]
+    for t in others:
+        t.start()
+    run()
+    for t in others:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
 def _memmove_on_threads(moves: list[tuple[int, int, int]], threads: int) -> None:
     """``memmove(dest, src, n)`` for each of ``moves`` (addresses whose bounds the
     caller checked), the bytes shared evenly among ``threads`` threads, the calling one
@@ -665,6 +723,7 @@ def _memmove_on_threads(moves: list[tuple[int, int, int]], threads: int) -> None
         raise errors[0]
 
 
+_DIGESTS_SPLIT_MIN = 8 << 20  # bytes to check from which `_digests` uses several threads
 _SPLIT = 64 << 10  # bytes of a piece from which `_Pieces` copies it on several threads
 _IN_PLACE_MIN = 64  # pieces in place in one file from which `_Pieces` copies their span
 _SHORT = 96  # integers in an extents list below which `_extents` makes its rows in Python

@@ -1,0 +1,145 @@
+"""A restore checks a checkpoint's tensors on several threads (`resumable.reader._digests`)
+and still behaves as one check after another: the first damaged tensor in the file's
+order is the one named, a tensor in pieces is copied into the live one only once every
+tensor passed, and the threads really share the work."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import resumable.reader as reader_mod
+from resumable import Checkpointer, CorruptCheckpointError, Incremental
+from resumable.reader import CheckpointReader, _digests
+from resumable.snapshot import copy_threads
+from resumable.storage import open_storage
+
+pytestmark = pytest.mark.usefixtures("sync_persist")
+MiB = 1 << 20
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """Tensors of 4, 3, 2 and 1 MiB and a small one: 10 MiB, over the bound from which
+    the check is shared among threads."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        name: torch.rand(mib * MiB // 4, generator=g) if mib else torch.rand(100, generator=g)
+        for name, mib in (("one", 1), ("big", 4), ("three", 3), ("two", 2), ("tiny", 0))
+    }
+
+
+def _flip(root: Path, step: int, name: str, at: int = 10) -> None:
+    """Flip one byte of tensor ``name``'s bytes in step ``step``'s data file."""
+    reader = CheckpointReader(open_storage(str(root)), step)
+    info = reader.manifest["tensors"][name]
+    if "extents" in info:  # an incremental checkpoint's entry: its first extent, own
+        source, begin = info["sources"][info["extents"][0]], info["extents"][1]
+        assert "step" not in source
+        fname = source["file"]
+    else:
+        fname, begin = info["file"], info["offsets"][0]
+    path = root / f"step-{step:012d}" / fname
+    data = bytearray(path.read_bytes())
+    data[begin + at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _offset(root: Path, step: int, name: str) -> int:
+    reader = CheckpointReader(open_storage(str(root)), step)
+    return int(reader.manifest["tensors"][name]["offsets"][0])
+
+
+def test_the_first_damaged_tensor_in_file_order_is_named(tmp_path: Path) -> None:
+    state = _state()
+    with Checkpointer(tmp_path, state, keep=None, incremental=False) as ck:
+        ck.save(1)
+    # two damaged tensors: the one earlier in the file is the smaller one, which
+    # a check that takes the largest first reaches last
+    names = sorted(["big", "one"], key=lambda n: _offset(tmp_path, 1, n))
+    assert names == ["one", "big"]
+    for name in names:
+        _flip(tmp_path, 1, name)
+    reader = CheckpointReader(open_storage(str(tmp_path)), 1)
+    reader.check_files()
+    with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch in tensor '{names[0]}'"):
+        reader.tensors()
+    # and one alone is found wherever it is
+    for name in state:
+        with Checkpointer(tmp_path / name, state, keep=None, incremental=False) as ck:
+            ck.save(1)
+        _flip(tmp_path / name, 1, name, at=0)
+        with pytest.raises(CorruptCheckpointError, match=f"tensor '{name}'"):
+            CheckpointReader(open_storage(str(tmp_path / name)), 1).tensors()
+
+
+def test_the_check_runs_on_several_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if copy_threads() < 2:
+        pytest.skip("one core for this process: the check stays on one thread")
+    state = _state()
+    with Checkpointer(tmp_path, state, keep=None, incremental=False) as ck:
+        ck.save(1)
+    seen: dict[int, int] = {}
+    real = reader_mod.checksum
+
+    def spy(data: Any) -> str:
+        seen[threading.get_ident()] = seen.get(threading.get_ident(), 0) + 1
+        return real(data)
+
+    monkeypatch.setattr(reader_mod, "checksum", spy)
+    got = CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
+    assert sum(seen.values()) == len(got) and len(seen) >= 2
+    assert all(torch.equal(got[n].view(-1), t) for n, t in state.items())
+    # below the bound, one thread
+    seen.clear()
+    monkeypatch.setattr(reader_mod, "_DIGESTS_SPLIT_MIN", 1 << 40)
+    CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
+    assert list(seen) == [threading.get_ident()]
+
+
+def test_a_tensor_in_pieces_is_filled_only_once_every_tensor_passed(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = {"table": torch.rand(4 * MiB, generator=g), "dense": torch.rand(MiB, generator=g)}
+    inc = Incremental(chunk_bytes=64 << 10, min_bytes=0, whole_every=0, min_saving=0.0)
+    with Checkpointer(tmp_path, state, keep=None, incremental=inc) as ck:
+        ck.save(1)
+        with torch.no_grad():
+            state["table"][: 64 << 10].add_(1.0)  # the first 256 KiB: 4 chunks
+            state["dense"].add_(1.0)
+        ck.save(2)
+    storage = open_storage(str(tmp_path))
+    reader = CheckpointReader(storage, 2)
+    reader.check_files()
+    lo, hi = reader._locations().where["table"]
+    assert hi - lo > 1  # in pieces: the changed chunks here, the rest in step 1's file
+    live = torch.zeros_like(state["table"])
+    got = reader.tensors(into={"table": live})
+    assert got["table"] is live and not live.any()  # not copied yet
+    reader.fill()
+    assert torch.equal(live, state["table"])
+
+    _flip(tmp_path, 2, "dense")
+    reader = CheckpointReader(storage, 2)
+    reader.check_files()
+    live = torch.zeros_like(state["table"])
+    with pytest.raises(CorruptCheckpointError, match="tensor 'dense'"):
+        reader.tensors(into={"table": live})
+    reader.fill()  # nothing to fill: the table's pieces were never queued
+    assert not live.any()
+
+
+def test_digests_keep_order_and_raise_a_jobs_error() -> None:
+    sizes = [5, 50 << 20, 1, 20 << 20, 3]
+    jobs = [(n, (lambda i=i: f"sum{i}")) for i, n in enumerate(sizes)]
+    for threads in (1, 2, 3, 8):
+        assert _digests(jobs, threads) == [f"sum{i}" for i in range(len(sizes))]
+    assert _digests([], 2) == []
+
+    def boom() -> str:
+        raise OSError("read failed")
+
+    with pytest.raises(OSError, match="read failed"):
+        _digests([*jobs, (30 << 20, boom)], 2)
