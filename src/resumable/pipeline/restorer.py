@@ -254,6 +254,8 @@ class Restorer:
             snap = by_fqn(saved)
         except (TypeError, ValueError):  # not the pieces this library writes
             return False
+        if not snap:
+            return True  # nothing to compare (one process): no capture of the state
         # Not self._live(): that gives a fresh optimizer its state (a zero-lr step), which
         # must not happen before it is known that something is restored. A run that then
         # starts afresh would train with step counts of 1 (found by the two-rank
