@@ -1,7 +1,8 @@
 """A restore checks a checkpoint's tensors on several threads (`resumable.reader._digests`)
-and still behaves as one check after another: the first damaged tensor in the file's
-order is the one named, a tensor in pieces is copied into the live one only once every
-tensor passed, and the threads really share the work."""
+where their bytes are all in memory, and still behaves as one check after another: the
+first damaged tensor in the file's order is the one named, a tensor in pieces is copied
+into the live one only once every tensor passed, and the threads really share the work
+(one thread where bytes must come from the disk, `_resident`)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def test_the_check_runs_on_several_threads(tmp_path: Path, monkeypatch: pytest.M
     state = _state()
     with Checkpointer(tmp_path, state, keep=None, incremental=False) as ck:
         ck.save(1)
+    for f in tmp_path.glob("step-*/*.safetensors"):
+        f.read_bytes()  # in the page cache: written with O_DIRECT, it was not
     seen: dict[int, int] = {}
     real = reader_mod.checksum
 
@@ -93,11 +96,32 @@ def test_the_check_runs_on_several_threads(tmp_path: Path, monkeypatch: pytest.M
     got = CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
     assert sum(seen.values()) == len(got) and len(seen) >= 2
     assert all(torch.equal(got[n].view(-1), t) for n, t in state.items())
+    # bytes not all in memory (to be read from the disk): one thread, in the file's order
+    seen.clear()
+    monkeypatch.setattr(reader_mod, "_resident", lambda address, n: False)
+    CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
+    assert list(seen) == [threading.get_ident()]
+    monkeypatch.undo()
+    monkeypatch.setattr(reader_mod, "checksum", spy)
     # below the bound, one thread
     seen.clear()
     monkeypatch.setattr(reader_mod, "_DIGESTS_SPLIT_MIN", 1 << 40)
     CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
     assert list(seen) == [threading.get_ident()]
+
+
+def test_resident_tells_pages_in_memory_from_pages_not() -> None:
+    import mmap
+
+    import numpy as np
+
+    fresh = mmap.mmap(-1, 8 * MiB)  # anonymous: no page in memory until touched
+    at = int(np.frombuffer(fresh, dtype=np.uint8).ctypes.data)
+    assert not reader_mod._resident(at, 8 * MiB)
+    assert reader_mod._resident(at, 0)
+    fresh[: 4 * MiB] = b"x" * (4 * MiB)  # the first half touched
+    assert reader_mod._resident(at + 1, 4 * MiB - 1)
+    assert not reader_mod._resident(at, 4 * MiB + 1)
 
 
 def test_a_tensor_in_pieces_is_filled_only_once_every_tensor_passed(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ here, and every path goes through the storage's root check.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -344,6 +345,7 @@ class CheckpointReader:
         # on several threads where there are enough bytes (`_digests`)
         checks: list[tuple[str, int, Callable[[], str]]] | None = [] if verify else None
         fills: list[tuple[torch.Tensor, _Pieces]] = []
+        regions: list[tuple[int, int]] = []  # (address, bytes) of what the checks read
         for path, names_in_file in by_path.items():
             ranges = [single[n][1:] for n in names_in_file]
             lo = min(r[0] for r in ranges)
@@ -351,13 +353,16 @@ class CheckpointReader:
             span = sum(r[1] - r[0] for r in ranges)
             if hi - lo <= 2 * span:
                 buf = self._read(path, lo, hi - lo)
+                regions.append((buf.data_ptr(), buf.numel()))
                 for n in sorted(names_in_file, key=lambda n: single[n][1]):
                     _, b, e = single[n]
                     out[n] = self._tensor(n, buf, b - lo, e - lo, checks)
             else:
                 for n in names_in_file:
                     _, b, e = single[n]
-                    out[n] = self._tensor(n, self._read(path, b, e - b), 0, e - b, checks)
+                    buf = self._read(path, b, e - b)
+                    regions.append((buf.data_ptr(), buf.numel()))
+                    out[n] = self._tensor(n, buf, 0, e - b, checks)
         # Each file mapped once for all its pieces: a tensor may have thousands.
         maps: dict[int, memoryview | None] = {}
         spans: dict[int, tuple[int, int]] = {}  # per file, from its first piece to its last
@@ -373,7 +378,12 @@ class CheckpointReader:
             if k not in maps:
                 assert at is not None
                 mm = self.storage.map_file(at.paths[k], spans.get(k))
-                maps[k] = None if mm is None else memoryview(mm)
+                view = None if mm is None else memoryview(mm)
+                maps[k] = view
+                if view is not None and k in spans:
+                    b, e = spans[k]
+                    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+                    regions.append((address + b, min(e, view.nbytes) - b))
             return maps[k]
 
         for name, a in pieces.items():
@@ -403,7 +413,12 @@ class CheckpointReader:
         if checks:
             from resumable.snapshot import copy_threads
 
-            got = _digests([(n, fn) for _, n, fn in checks], copy_threads())
+            # Where every byte to check is in memory, the checks share the cores; where
+            # some must come from the disk, one thread checks in the file's order, as
+            # the read-ahead goes (threads faulting in pages at other places made a
+            # cold restore slower: docs/decisions.md)
+            warm = all(_resident(address, n) for address, n in regions)
+            got = _digests([(n, fn) for _, n, fn in checks], copy_threads() if warm else 1)
             for (name, _, _), digest in zip(checks, got, strict=True):
                 self._check_sum(name, digest)
         self._fills.extend(fills)  # only once every tensor passed
@@ -652,17 +667,44 @@ def _in_place(
     return rows, k, lo, hi, d
 
 
+_libc: Any = None
+
+
+def _resident(address: int, length: int) -> bool:
+    """Whether every page of ``[address, address + length)`` is in memory (``mincore``);
+    False where that cannot be told (not Linux, an error)."""
+    global _libc
+    if length <= 0:
+        return True
+    try:
+        if _libc is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            libc.mincore.restype = ctypes.c_int
+            _libc = libc
+        page = mmap.PAGESIZE
+        start = address - address % page
+        pages = -(-(address + length - start) // page)
+        vec = np.empty(pages, dtype=np.uint8)
+        if _libc.mincore(start, pages * page, vec.ctypes.data) != 0:
+            return False
+        return bool((vec & 1).all())
+    except (OSError, AttributeError):
+        return False
+
+
 def _digests(jobs: list[tuple[int, Callable[[], str]]], threads: int) -> list[str]:
     """What each job computes (``(bytes, fn)``: a checksum), in the jobs' order. From
     `_DIGESTS_SPLIT_MIN` bytes in all, ``threads`` threads, the calling one included,
-    take the jobs the largest first, each the next one not taken (the hash releases
-    the GIL on large inputs): a restore's check of many tensors no longer runs on one
-    core while the others wait. A job's error is raised once every thread stopped."""
+    take the jobs in order (a file's order: pages are met as they were read ahead),
+    each the next one not taken (the hash releases the GIL on large inputs): a
+    restore's check of many tensors no longer runs on one core while the others wait.
+    A job's error is raised once every thread stopped."""
     threads = max(1, min(threads, len(jobs)))
     if threads < 2 or sum(n for n, _ in jobs) < _DIGESTS_SPLIT_MIN:
         return [fn() for _, fn in jobs]
     out = [""] * len(jobs)
-    order = iter(sorted(range(len(jobs)), key=lambda i: -jobs[i][0]))
+    order = iter(range(len(jobs)))
     lock = threading.Lock()
     errors: list[BaseException] = []
 
