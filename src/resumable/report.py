@@ -12,6 +12,12 @@ Launches are told apart by their ``launch`` entries (one per `Checkpointer`); a 
 written before those existed falls back to ``restore`` entries (one per launch that
 restored). Each entry belongs to the launch whose start precedes it, so the entries of
 a launch's persist worker and mirror (other processes and threads) count for it too.
+
+Only *training* entries (`is_training`: what a job writes while it runs) make a
+launch's end and the run's span. An operator's entries (``pin`` and ``unpin``, a
+``resumable prune``'s deletes, anything else) may come minutes or days after the job
+ended: they are shown on the timeline, and counted, but time up to them is not
+training time.
 """
 
 from __future__ import annotations
@@ -46,6 +52,31 @@ LANES: dict[str, tuple[str, ...]] = {
     "delete": ("delete", "quarantined", "stale_removed", "uncommitted"),
 }
 _REACHED = ("progress", "save_start", "skip", "commit", "preempt", "close")
+# What a training job writes while it runs (its trainer, persist worker and mirror).
+# Not ``delete``: retention's deletes follow a commit at once, and a ``resumable
+# prune`` run later writes the same entry.
+TRAINING_EVENTS = frozenset(
+    {
+        "launch",
+        "restore",
+        "progress",
+        "save_start",
+        "commit",
+        "emergency_commit",
+        "skip",
+        "failure",
+        "retry",
+        "interrupted",
+        "preempt",
+        "close",
+        "mirror_commit",
+        "mirror_skip",
+        "mirror_mismatch",
+        "quarantined",
+        "stale_removed",
+        "uncommitted",
+    }
+)
 _LANE_OF = {kind: lane for lane, kinds in LANES.items() for kind in kinds}
 
 
@@ -81,6 +112,15 @@ def _int(entry: Entry, key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _NUM_LIMIT:
         return None
     return value
+
+
+def is_training(entry: Entry) -> bool:
+    """Whether ``entry`` is one a training job wrote while it ran (`TRAINING_EVENTS`);
+    a ``skip`` without a step is retention's, which ``resumable prune`` writes too."""
+    kind = entry.get("event")
+    if kind not in TRAINING_EVENTS:
+        return False
+    return kind != "skip" or _int(entry, "step") is not None
 
 
 def _text(entry: Entry, key: str, limit: int = 300) -> str | None:
@@ -169,8 +209,10 @@ class Report:
     url: str
     generated: float
     entries: int
-    first_time: float | None
+    first_time: float | None  # the log's first and last entries, of any kind
     last_time: float | None
+    run_start: float | None = None  # the first and last training entries (`is_training`)
+    run_end: float | None = None
     warnings: list[str] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
@@ -219,7 +261,11 @@ def build_report(
     for e in entries:
         kind = str(e.get("event"))
         report.counts[kind] = report.counts.get(kind, 0) + 1
-    report.launches = _launches(entries)
+    training = [e for e in entries if is_training(e)]
+    if training:
+        report.run_start = _num(training[0], "time")
+        report.run_end = _num(training[-1], "time")
+    report.launches = _launches(training or entries)
     by_index = _assign(entries, report.launches)
     for launch in report.launches:
         _fill_launch(launch, by_index[launch.index])
@@ -276,6 +322,8 @@ def _fill_launch(launch: Launch, entries: list[Entry]) -> None:
     for e in entries:
         kind = e.get("event")
         t = _num(e, "time") or launch.start
+        if not is_training(e):
+            continue  # an operator's pin, prune...: neither the launch's end nor a step
         launch.end = max(launch.end, t)
         step = _int(e, "step")
         if kind == "restore" and launch.restored_step is None:
@@ -325,7 +373,19 @@ def _step_time(progress: list[tuple[float, int]], entries: list[Entry]) -> float
 
 
 def _restarts(launches: list[Launch]) -> None:
+    before = -1  # the newest step any launch before ``prev`` reached
     for prev, launch in itertools.pairwise(launches):
+        restored = launch.restored_step
+        if (
+            restored is not None
+            and prev.reached is not None
+            and restored > max(prev.reached, before)
+        ):
+            # No launch before ``prev`` got this far, so ``prev`` wrote the checkpoint this
+            # one resumed from (a memory snapshot, typically): it reached that step after
+            # its last ``progress`` entry, before it was killed.
+            prev.reached = restored
+        before = max(before, prev.reached if prev.reached is not None else -1)
         launch.downtime_s = max(0.0, launch.start - prev.end)
         if prev.reached is not None and launch.restored_step is not None:
             launch.steps_lost = max(0, prev.reached - launch.restored_step)
@@ -405,7 +465,9 @@ def _timeline(entries: list[Entry], launches: list[Launch]) -> list[dict[str, An
         detail: dict[str, Any] = {}
         for k in ("step", "tier", "reason", "error", "stage", "bytes", "duration_s"):
             if k in e:
-                number = _num(e, k)
+                number: float | None = _int(e, k)  # a step or byte count stays an integer
+                if number is None:
+                    number = _num(e, k)
                 detail[k] = _text(e, k) if number is None else number
         out.append({"time": _num(e, "time"), "lane": lane, "event": kind[:40], **detail})
     return out
@@ -416,9 +478,9 @@ def _timeline(entries: list[Entry], launches: list[Launch]) -> list[dict[str, An
 
 def _goodput(report: Report) -> Goodput:
     g = Goodput()
-    if report.first_time is None or report.last_time is None:
+    if report.run_start is None or report.run_end is None:
         return g
-    g.wall_s = max(0.0, report.last_time - report.first_time)
+    g.wall_s = max(0.0, report.run_end - report.run_start)
     for launch in report.launches:
         g.checkpoint_stall_s += launch.stall_s
         g.restore_s += launch.restore_s or 0.0

@@ -81,6 +81,14 @@ def _time(t: float | None) -> str:
     return f'<time datetime="{e(iso)}">{e(iso.replace("+00:00", "Z"))}</time>' if iso else ""
 
 
+def _plain(value: Any) -> str:
+    """A value for a tooltip: a whole float (``307.0``, from a log written by hand or by
+    another tool) as the integer it is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+        return str(int(value))
+    return str(value)
+
+
 def _secs(s: float | None) -> str:
     if s is None:
         return "-"
@@ -136,7 +144,7 @@ def _timeline_svg(r: Report) -> str:
         if t is None:
             continue
         y = row * index.get(item["lane"], len(lanes) - 1) + 14
-        tip = " ".join(f"{k}={v}" for k, v in item.items() if k not in ("time", "lane"))
+        tip = " ".join(f"{k}={_plain(v)}" for k, v in item.items() if k not in ("time", "lane"))
         color = _COLORS.get(item["lane"], "#bbb")
         parts.append(
             f'<circle cx="{x(t):.1f}" cy="{y}" r="3.5" fill="{color}" '
@@ -317,7 +325,8 @@ def _goodput_section(r: Report, add: Any) -> None:
     g = r.goodput
     add("<h2>Goodput</h2>")
     add(
-        "<p>Useful training time / wall time, from the first to the last audit entry. "
+        "<p>Useful training time / wall time, from the first to the last entry the "
+        "training job wrote (an operator's later pin or prune is not training time). "
         "Everything that is not useful training is one of the parts below "
         "(docs/report.md defines each).</p>"
     )
