@@ -56,6 +56,7 @@ def open_storage(
             f"(s3://, gs://, az://, abfs://), not {text!r}"
         )
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and os.name == "nt"):
+        _refuse_misleading_root(text, parsed.scheme, parsed.netloc, parsed.path)
         return LocalStorage(parsed.path if parsed.scheme == "file" else text)
     if parsed.scheme == "memory":
         with _memory_lock:
@@ -65,3 +66,22 @@ def open_storage(
         "use a local path, file://, s3://, gs://, az://, abfs://, or memory://. "
         "HDFS is not supported (docs/cloud-storage.md says why)"
     )
+
+
+def _refuse_misleading_root(text: str, scheme: str, host: str, path: str) -> None:
+    """Refuse local roots that would silently mean another directory: an empty one (the
+    current directory) and ``file://`` URLs whose host part is neither empty nor
+    ``localhost`` (``file://runs/x`` names host ``runs`` and path ``/x``)."""
+    if not text.strip():
+        raise CheckpointError(
+            "the checkpoint root is empty (or blank), which would mean the current "
+            "directory; pass a directory such as 'runs/exp1' or file:///abs/path"
+        )
+    if scheme == "file" and host not in ("", "localhost"):
+        raise CheckpointError(
+            f"{text!r} names the host {host!r} and the directory {path or '/'!r}: a "
+            "file:// URL takes an absolute path after three slashes. Use "
+            f"file:///abs/path or a plain path such as {host + path!r}"
+        )
+    if scheme == "file" and not path:
+        raise CheckpointError(f"{text!r} names no directory; use file:///abs/path or a plain path")
