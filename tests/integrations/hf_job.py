@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from resumable.integrations.transformers import ResumableTrainer
 
@@ -44,9 +44,10 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 
 def make_trainer(
-    out: Path, *, steps: int, evaluate: bool = False, **kwargs: Any
-) -> ResumableTrainer:
-    """A `ResumableTrainer` over 32 samples in batches of 4 (8 steps an epoch)."""
+    out: Path, *, steps: int, evaluate: bool = False, plain: bool = False, **kwargs: Any
+) -> Any:
+    """A `ResumableTrainer` over 32 samples in batches of 4 (8 steps an epoch); with
+    ``plain``, the Trainer it derives from, with the same arguments."""
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in TRAINER_OPTIONS}
     args = TrainingArguments(
         output_dir=str(out),
@@ -67,7 +68,8 @@ def make_trainer(
         logging_steps=3,
         **kwargs,
     )
-    return ResumableTrainer(
+    cls = Trainer if plain else ResumableTrainer
+    return cls(
         model=tiny_gpt2(),
         args=args,
         train_dataset=Tokens(32, seed=1),
@@ -79,7 +81,7 @@ def make_trainer(
 TRAINER_OPTIONS = ("checkpoint_dir", "keep", "memory_every", "preemption", "persist", "on_busy")
 
 
-def digest(trainer: ResumableTrainer) -> str:
+def digest(trainer: Trainer) -> str:
     """sha256 over the model's and the optimizer's tensors."""
     h = hashlib.sha256()
     for name, t in sorted(trainer.model.state_dict().items()):

@@ -25,6 +25,9 @@ subclass overrides the methods through which the Trainer loads and saves a check
 - ``_maybe_log_save_evaluate``: `Checkpointer.maybe_save` after it, at each step
   boundary (memory snapshots, preemption).
 - ``_load_best_model``: the model of the best step, from the checkpoint.
+- ``push_to_hub``, ``_push_from_checkpoint``: the Trainer's own, with the checkpoint
+  root added to the ignore patterns of its uploads (`UploadsWithoutRoot`); a save pushes
+  per ``hub_strategy`` from a plain ``checkpoint-N`` folder written for it (`HUB_STAGING`).
 - ``_prepare_for_training`` (with DeepSpeed only): the engine's state, applied right
   after ``deepspeed.initialize`` made the engine, where the Trainer would call
   ``deepspeed_load_checkpoint``.
@@ -46,17 +49,25 @@ of an epoch depends on the epoch only, which makes a resumed run bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers import trainer as hf_trainer
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import SaveStrategy, compare_trainer_and_checkpoint_args
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    HubStrategy,
+    SaveStrategy,
+    compare_trainer_and_checkpoint_args,
+)
 
 from resumable.capture import rng_state, set_rng_state
 from resumable.commit import step_dir
@@ -74,6 +85,53 @@ FRAMEWORK_DRIVEN = Every(steps=2**62)
 """``persist_every`` of a Checkpointer whose persists the framework schedules: the
 Trainer calls `Checkpointer.save` when its ``save_strategy`` says so, and
 `Checkpointer.maybe_save` at every step only for memory snapshots and preemption."""
+
+
+HUB_STAGING = "_resumable-hub"
+"""The folder in ``output_dir`` where a save that ``push_to_hub`` pushes (``hub_strategy``
+other than ``"end"``) is written the plain Trainer's way, as ``checkpoint-N``, for the
+Trainer's own ``_push_from_checkpoint``. The leading ``_`` keeps it out of the Trainer's
+uploads of ``output_dir`` (its ignore patterns are ``_*`` and ``checkpoint-*``), and
+``get_last_checkpoint`` never sees it. Emptied once its pushes are done."""
+
+
+def local_root(root: str) -> str | None:
+    """The directory of a local checkpoint root (``file://`` stripped); None for a URL."""
+    if root.startswith("file://"):
+        return root[len("file://") :]
+    return None if "://" in root else root
+
+
+def below(path: str, folder: str) -> str | None:
+    """``path`` relative to ``folder`` when it lies inside it (``"."`` for the folder)."""
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
+    return None if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+
+
+class UploadsWithoutRoot:
+    """The Trainer's ``HfApi`` with the checkpoint root added to the ignore patterns of
+    every ``upload_folder`` of a folder that holds it; everything else is the ``HfApi``'s.
+
+    The Trainer passes fixed patterns (``_*``, ``checkpoint-*``) to ``upload_folder`` in
+    ``push_to_hub`` and ``_push_from_checkpoint``; a default root ``<output_dir>/resumable``
+    (every checkpoint with optimizer state, ``audit.jsonl``, ``.resumable-lock``) would be
+    uploaded with the model. The patterns are arguments of the call, so an upload that runs
+    in the background (``run_as_future``) keeps them."""
+
+    def __init__(self, api: Any, root: str) -> None:
+        self._api = api
+        self._root = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def upload_folder(self, **kwargs: Any) -> Any:
+        rel = below(self._root, os.fspath(kwargs["folder_path"]))
+        if rel is not None:
+            ignore = kwargs.get("ignore_patterns") or []
+            ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+            kwargs["ignore_patterns"] = [*ignore, f"{rel.replace(os.sep, '/')}/*"]
+        return self._api.upload_folder(**kwargs)
 
 
 def keep_for(args: Any) -> Keep | None:
@@ -145,6 +203,17 @@ class ResumableTrainer(Trainer):
             else os.path.join(self.args.output_dir or ".", "resumable")
         )
         self.checkpoint_dir = os.fspath(root)
+        local = local_root(self.checkpoint_dir)
+        if (
+            self.args.push_to_hub
+            and local is not None
+            and below(local, self.args.output_dir or ".") == os.curdir
+        ):
+            raise CheckpointError(
+                f"checkpoint_dir is output_dir ({self.args.output_dir}), which push_to_hub "
+                "uploads: the checkpoints would go to the Hub. Leave checkpoint_dir unset "
+                "(<output_dir>/resumable, never uploaded) or pick another directory"
+            )
         if keep == "from_args":
             keep = keep_for(self.args)
         elif isinstance(keep, str):
@@ -299,13 +368,16 @@ class ResumableTrainer(Trainer):
             self._boundary = step if step > 0 else None
             if step > 0:
                 log.info("resuming from step %d of %s", step, self.checkpointer.url)
-            return super()._inner_training_loop(
+            output = super()._inner_training_loop(
                 batch_size,
                 args,
                 self._marker if step > 0 else None,
                 trial,
                 ignore_keys_for_eval,
             )
+        # The Trainer waited for its pushes at the end of training.
+        self._drop_pushed(os.path.join(self.args.output_dir or ".", HUB_STAGING))
+        return output
 
     def _init_training_state(
         self,
@@ -441,6 +513,66 @@ class ResumableTrainer(Trainer):
                     stateful[name] = cb.state()
         ckpt.save(step, metrics=self._metrics_now())
         self._boundary = step
+        if self.args.push_to_hub and self.args.hub_strategy != HubStrategy.END:
+            self._push_save()
+
+    # ------------------------------------------------------------------ the Hub
+
+    @contextlib.contextmanager
+    def _uploads_without_root(self) -> Iterator[None]:
+        """While the Trainer uploads: its ``hf_api()`` leaves the checkpoint root out
+        (`UploadsWithoutRoot`). Training thread only."""
+        local = local_root(self.checkpoint_dir)
+        original = getattr(hf_trainer, "hf_api", None)
+        if local is None:  # an object-store root is never in a folder the Trainer uploads
+            yield
+            return
+        if original is None:
+            raise CheckpointError(
+                "this transformers version does not upload through transformers.trainer."
+                "hf_api, so ResumableTrainer cannot keep the checkpoints out of push_to_hub; "
+                f"put checkpoint_dir outside output_dir ({self.args.output_dir})"
+            )
+        setattr(hf_trainer, "hf_api", lambda: UploadsWithoutRoot(original(), local))  # noqa: B010
+        try:
+            yield
+        finally:
+            setattr(hf_trainer, "hf_api", original)  # noqa: B010
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``push_to_hub``, without the checkpoint root."""
+        with self._uploads_without_root():
+            return super().push_to_hub(*args, **kwargs)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        with self._uploads_without_root():
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    def _push_save(self) -> None:
+        """What the plain Trainer pushes at a save (``hub_strategy``): the model files
+        (``"every_save"``), and with ``"checkpoint"``/``"all_checkpoints"`` a whole
+        ``checkpoint-N`` folder the plain Trainer can resume from. Written into
+        `HUB_STAGING` with the Trainer's own save methods, then pushed by its
+        ``_push_from_checkpoint``. Every rank calls it (``save_model`` gathers under
+        DeepSpeed); only the first process pushes."""
+        staging = os.path.join(self.args.output_dir or ".", HUB_STAGING)
+        self._drop_pushed(staging)
+        folder = os.path.join(staging, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.save_model(folder, _internal_call=True)
+        whole = self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
+        if whole and not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(folder)
+            self._save_scaler(folder)
+            self._save_rng_state(folder)
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(folder, hf_trainer.TRAINER_STATE_NAME))
+        self._push_from_checkpoint(folder)
+
+    def _drop_pushed(self, staging: str) -> None:
+        """Empty `HUB_STAGING` once no push from it is in progress (first process)."""
+        push = getattr(self, "push_in_progress", None)
+        if self.args.should_save and (push is None or push.is_done()):
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         super()._maybe_log_save_evaluate(*args, **kwargs)
