@@ -18,16 +18,19 @@ So a job holds the root for as long as it writes it, and a second one is refused
   writes ``.resumable-lease/lease-<generation>.json`` with `Storage.put_if_absent` (the
   same conditional put, ``If-None-Match: *``, that commits use), saying who holds it and
   until when; a thread renews it every third of ``ttl_s`` by writing the next
-  generation. Whoever creates generation ``n + 1`` wins generation ``n``: a renewal and
-  a takeover of the same generation cannot both succeed. A contender takes over only a
-  lease that was released, or has expired by more than ``skew_s`` (clocks of different
-  hosts differ); a holder that finds its next generation taken, or that could not renew
-  before its own expiry, has lost the root: `RootLock.check` then raises, so its next
-  save stops instead of writing beside the new holder.
+  generation. Whoever creates generation ``n + 1`` wins generation ``n``, and a won put
+  still loses to any newer generation (one pruned by a holder further along can be
+  created again). A contender takes over only a lease that was released, or has expired
+  by more than ``skew_s`` (clocks of different hosts differ). A holder counts on its
+  lease for ``ttl_s`` from the start of its last confirmed renewal, by its own clocks;
+  past that (frozen, starved, cut off) it writes nothing until it has taken the lease
+  again, which it may only while the newest generation is still its own. Otherwise it
+  has lost the root: `RootLock.check` raises, so its next save stops.
 
 The trade-off of the lease: a job killed without releasing blocks the root for up to
-``ttl_s + skew_s`` (default 60 + 10 s); a smaller ``ttl_s`` costs more writes (three
-small objects a ``ttl_s``) and less tolerance to a stalled holder. See docs/root-safety.md.
+``ttl_s + skew_s`` (default 60 + 10 s); a smaller ``ttl_s`` costs more requests
+(three small puts and listings a ``ttl_s``) and less tolerance to a stalled holder.
+See docs/root-safety.md.
 """
 
 from __future__ import annotations
@@ -202,13 +205,20 @@ class FileLock(RootLock):
 
 
 class LeaseLock(RootLock):
-    """A renewed lease object on a storage without operating-system locks."""
+    """A renewed lease object on a storage without operating-system locks.
+
+    Call order: `acquire_root` builds it; `renew` runs every ``ttl_s / 3`` (its thread,
+    or the caller with ``renew=False``); `check` before each write; `release` once. A
+    holder counts on its lease only for ``ttl_s`` after the start of its last confirmed
+    renewal, by its own clocks. Past that it writes nothing until it has taken the lease
+    again through the acquire path, which it may only where the newest generation is
+    still its own (nobody took the root meanwhile). Once lost, it stays lost.
+    """
 
     def __init__(
         self,
         storage: Storage,
-        generation: int,
-        holder: Holder,
+        claim: _Claim,
         *,
         ttl_s: float,
         skew_s: float,
@@ -216,12 +226,11 @@ class LeaseLock(RootLock):
         renew: bool,
     ) -> None:
         self.url = storage.url
-        self.holder = holder
         self._storage = storage
-        self._generation = generation
         self._ttl_s = ttl_s
         self._skew_s = skew_s
         self._clock = clock
+        self._confirm(claim)
         self._lost: str | None = None
         self._mutex = threading.Lock()
         self._stop = threading.Event()
@@ -233,55 +242,97 @@ class LeaseLock(RootLock):
             self._thread.start()
 
     def check(self) -> None:
-        """Also raises once the lease has lapsed without a renewal (the renewal thread
-        starved or the storage unreachable) and one more renewal fails: another job may
-        have taken the root meanwhile."""
-        if self._lost is None and self._clock() > (self.holder.expires or 0.0):
+        """Raise `RootInUseError` unless this process still holds the root. Cheap (no
+        I/O) while the lease runs. Once it has lapsed by this process's clocks (a freeze,
+        a starved renewal thread, an unreachable storage), the lease is taken again
+        through the acquire path, or the lock is lost for good."""
+        if self._lost is None and self._lapsed() is not None:
             self.renew()
-            if self._lost is None and self._clock() > (self.holder.expires or 0.0):
-                self._lose("its lease lapsed and could not be renewed")
+            if self._lost is None and self._lapsed() is not None:  # released meanwhile
+                self._lose("it gave the root back (release)")
         if self._lost is not None:
             raise RootInUseError(self._lost, url=self.url)
 
     def renew(self) -> bool:
         """Write the next generation with a new expiry; return whether this process still
-        holds the root. Called by the renewal thread; callable directly (tests)."""
+        holds the root. Called by the renewal thread; callable directly (tests). A lapsed
+        lease is not renewed but taken again (`acquire_root`'s path, only if the newest
+        generation is still this holder's); a renewal whose put won but that finds a
+        newer generation (another holder, further along) has lost the root."""
         with self._mutex:
             if self._lost is not None or self._stop.is_set():
                 return self._lost is None
-            now = self._clock()
-            record = Holder(**{**asdict(self.holder), "expires": now + self._ttl_s})
-            try:
-                won = self._storage.put_if_absent(
-                    _lease_path(self._generation + 1), record.to_json()
-                )
-                if not won:  # a put whose answer was lost, retried, finds its own record
-                    mine = _read_generation(self._storage, self._generation + 1)
-                    if mine is not None and mine.token == self.holder.token:
-                        won, record = True, mine
-            except (CheckpointError, OSError) as exc:
-                expires = self.holder.expires or 0.0
-                if now < expires:
-                    log.warning(
-                        "could not renew the lease on %s (retrying; it expires in %.0f s): %s",
-                        self.url,
-                        expires - now,
-                        exc,
-                    )
-                    return True
-                self._lose(f"its lease expired at {_utc(expires)} before it could be renewed")
-                return False
-            if not won:
-                taker = _read_generation(self._storage, self._generation + 1)
-                self._lose(
-                    "another process took it over"
-                    + (f": {taker.describe(now)}" if taker is not None else "")
-                )
-                return False
-            self._generation += 1
-            self.holder = record
-            _prune(self._storage, self._generation)
+            lapsed = self._lapsed()
+            if lapsed is not None:
+                return self._retake(lapsed)
+            return self._extend()
+
+    def _lapsed(self) -> str | None:
+        """Why the lease can no longer be counted on, or None while it can: more than
+        ``ttl_s`` since the start of the last confirmed renewal, on the caller's clock or
+        on the boot clock (which a wall-clock step does not move and that counts time
+        the process was stopped or the host suspended)."""
+        elapsed = max(self._clock() - self._confirmed_at, _boot_clock() - self._confirmed_boot)
+        if elapsed <= self._ttl_s:
+            return None
+        return (
+            f"its lease lapsed ({elapsed:.0f} s since its last confirmed renewal; it lasts "
+            f"{self._ttl_s:g} s: the process was stopped or starved, or the storage "
+            "unreachable)"
+        )
+
+    def _confirm(self, claim: _Claim) -> None:
+        self._generation = claim.generation
+        self.holder = claim.record
+        self._confirmed_at = (claim.record.expires or 0.0) - self._ttl_s
+        self._confirmed_boot = claim.boot
+
+    def _extend(self) -> bool:
+        boot = _boot_clock()
+        record = replace(self.holder, expires=self._clock() + self._ttl_s)
+        try:
+            held, outcome = _advance(self._storage, self._generation, record)
+        except (CheckpointError, OSError) as exc:
+            left = self._ttl_s - max(
+                self._clock() - self._confirmed_at, _boot_clock() - self._confirmed_boot
+            )
+            log.warning(
+                "could not renew the lease on %s (retrying; it lapses in %.0f s): %s",
+                self.url,
+                max(0.0, left),
+                exc,
+            )
             return True
+        if held and outcome is not None:
+            self._confirm(_Claim(self._generation + 1, outcome, boot))
+            return True
+        self._lose(_taken(outcome, self._clock()))
+        return False
+
+    def _retake(self, lapsed: str) -> bool:
+        try:
+            claim = _claim(
+                self._storage,
+                self.holder,
+                ttl_s=self._ttl_s,
+                skew_s=self._skew_s,
+                clock=self._clock,
+                own=True,
+            )
+        except RootInUseError as exc:
+            taker = exc.holder if isinstance(exc.holder, Holder) else None
+            self._lose(f"{lapsed}, and {_taken(taker, self._clock())}")
+            return False
+        except (CheckpointError, OSError) as exc:
+            self._lose(f"{lapsed}, and it could not be taken again: {exc}")
+            return False
+        log.warning(
+            "%s on %s; nobody took the root meanwhile, so this process took it again",
+            lapsed,
+            self.url,
+        )
+        self._confirm(claim)
+        return True
 
     def _lose(self, why: str) -> None:
         self._lost = (
@@ -301,18 +352,17 @@ class LeaseLock(RootLock):
                 log.exception("renewing the lease on %s failed", self.url)
 
     def release(self) -> None:
+        """Write a released generation, so that the next job starts at once. A holder
+        that lost or let its lease lapse writes nothing (its lease expires by itself)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._mutex:
-            if self._lost is not None or self.holder.released:
+            if self._lost is not None or self.holder.released or self._lapsed() is not None:
                 return
-            record = Holder(**{**asdict(self.holder), "released": True, "expires": self._clock()})
+            record = replace(self.holder, released=True, expires=self._clock())
             try:
-                if self._storage.put_if_absent(_lease_path(self._generation + 1), record.to_json()):
-                    self._generation += 1
-                    self.holder = record
-                    _prune(self._storage, self._generation)
+                held, outcome = _advance(self._storage, self._generation, record)
             except (CheckpointError, OSError) as exc:
                 log.warning(
                     "could not release the lease on %s (it expires by itself at %s): %s",
@@ -320,6 +370,56 @@ class LeaseLock(RootLock):
                     _utc(self.holder.expires or 0.0),
                     exc,
                 )
+                return
+            if held and outcome is not None:
+                self._generation += 1
+                self.holder = outcome
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A generation this process created and found no newer one beside."""
+
+    generation: int
+    record: Holder
+    boot: float  # `_boot_clock` just before the put
+
+
+def _boot_clock() -> float:
+    """Seconds since boot, counting time suspended (Linux); else a monotonic clock."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.monotonic() if boottime is None else time.clock_gettime(boottime)
+
+
+def _taken(taker: Holder | None, now: float) -> str:
+    return "another process took it over" + (f": {taker.describe(now)}" if taker else "")
+
+
+def _advance(storage: Storage, generation: int, record: Holder) -> tuple[bool, Holder | None]:
+    """Create generation ``generation + 1`` holding ``record`` and check that it is the
+    newest. Returns (True, the record that stands there: ``record``, or this process's
+    own from a put whose answer was lost), or (False, the holder that has the root, None
+    if unreadable) where the put lost or a newer generation exists. A won put into a
+    generation another holder had pruned is deleted again. Storage failures raise."""
+    path = _lease_path(generation + 1)
+    if not storage.put_if_absent(path, record.to_json()):
+        mine = _read_generation(storage, generation + 1)
+        if mine is None or mine.token != record.token:
+            return False, mine
+        record = mine  # a put whose answer was lost, retried, finds its own record
+    later = [g for g in _generations(storage) if g > generation + 1]
+    if later:  # wrote into a generation already pruned: someone is further along
+        _delete_quietly(storage, path)
+        return False, _read_generation(storage, later[-1])
+    _prune(storage, generation + 1)
+    return True, record
+
+
+def _delete_quietly(storage: Storage, path: str) -> None:
+    try:
+        storage.delete(path)
+    except (CheckpointError, OSError) as exc:
+        log.debug("could not delete the stray lease object %s/%s: %s", storage.url, path, exc)
 
 
 def _utc(t: float) -> str:
@@ -442,14 +542,33 @@ def _take_lease(
 ) -> LeaseLock:
     if ttl_s <= 0 or skew_s < 0:
         raise ValueError(f"ttl_s must be > 0 and skew_s >= 0, got {ttl_s} and {skew_s}")
+    claim = _claim(storage, Holder.me(token), ttl_s=ttl_s, skew_s=skew_s, clock=clock, own=False)
+    return LeaseLock(storage, claim, ttl_s=ttl_s, skew_s=skew_s, clock=clock, renew=renew)
+
+
+def _claim(
+    storage: Storage,
+    me: Holder,
+    *,
+    ttl_s: float,
+    skew_s: float,
+    clock: Callable[[], float],
+    own: bool,
+) -> _Claim:
+    """Create the generation after the newest, holding ``me``, or raise `RootInUseError`.
+    A new holder (``own=False``) takes a lease that is released, expired by more than
+    ``skew_s``, or held by a dead process on this host; a holder whose lease lapsed
+    (``own=True``) takes it again only while the newest generation is its own."""
     for _ in range(8):  # each retry follows a generation someone else just wrote
         gens = _generations(storage)
         newest = gens[-1] if gens else 0
         current = _read_generation(storage, newest) if gens else None
         if gens and current is None and storage.exists(_lease_path(newest)):
             current = Holder("?", 0, 0.0, expires=0.0)  # unreadable record: treat as lapsed
-        now = clock()
-        if current is not None and not current.released:
+        now, boot = clock(), _boot_clock()
+        if own and (current is None or current.token != me.token):
+            raise _in_use(storage.url, current, "")
+        if not own and current is not None and not current.released:
             expires = current.expires if current.expires is not None else 0.0
             if now <= expires + skew_s and not current.gone():
                 raise _in_use(
@@ -459,34 +578,17 @@ def _take_lease(
                     f"runs; if the job is gone, a start after {_utc(expires + skew_s)} "
                     "takes the root over",
                 )
-        me = replace(Holder.me(token), expires=now + ttl_s)
-        if not storage.put_if_absent(_lease_path(newest + 1), me.to_json()):
-            # Taken by another, or by this very put: its answer lost, the retry refused.
-            mine = _read_generation(storage, newest + 1)
-            if mine is None or mine.token != token:
-                continue
-            me = mine
-        later = [g for g in _generations(storage) if g > newest + 1]
-        if later:  # wrote into a generation already pruned: someone is further along
-            storage.delete(_lease_path(newest + 1))
-            raise _in_use(storage.url, _read_generation(storage, later[-1]), "")
-        if current is not None and not current.released:
+        held, outcome = _advance(storage, newest, replace(me, expires=now + ttl_s))
+        if not held or outcome is None:
+            continue  # another wrote this generation or a newer one: look again
+        if not own and current is not None and not current.released:
             log.warning(
                 "took over the checkpoint root %s from %s (%s)",
                 storage.url,
                 "a dead process on this host" if current.gone() else "an expired lease",
                 current.describe(now),
             )
-        _prune(storage, newest + 1)
-        return LeaseLock(
-            storage,
-            newest + 1,
-            me,
-            ttl_s=ttl_s,
-            skew_s=skew_s,
-            clock=clock,
-            renew=renew,
-        )
+        return _Claim(newest + 1, outcome, boot)
     raise _in_use(storage.url, read_holder(storage), " (the lease changed hands repeatedly)")
 
 
