@@ -19,11 +19,13 @@ Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -84,6 +86,39 @@ class Command:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+# Characters that a terminal acts on instead of printing: C0 controls (ESC starts CSI
+# and OSC sequences: colours, erased lines, window titles, OSC 52 clipboard writes), DEL,
+# C1 controls (U+009B is a one-byte CSI), line separators, and the bidirectional
+# overrides and isolates that reorder what follows them.
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on written as an escape
+    (``\\x1b``, ``\\u202e``): what the command prints of a checkpoint (metric names
+    and values, tree keys, paths, error text quoting a file) cannot recolour or erase
+    lines, set the title, write the clipboard or reorder text. Applied where text
+    reaches the terminal (`_text`, `_say_err`); JSON output escapes them itself."""
+    return _UNPRINTABLE.sub(_escape_char, text)
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _text(text: str, style: str = "") -> Text:
+    """A `rich` text of ``text`` made `printable` (never parsed as markup)."""
+    return Text(printable(text), style=style)
+
+
+def _say_err(line: str) -> None:
+    """One line on stderr, `printable`."""
+    print(printable(line), file=sys.stderr)
 
 
 def _console() -> Console:
@@ -350,7 +385,7 @@ def run_ls(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     if not rows:
-        console.print(Text(f"no checkpoints in {storage.url}"))
+        console.print(_text(f"no checkpoints in {storage.url}"))
         return 0
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for col, justify in (
@@ -372,18 +407,18 @@ def run_ls(args: argparse.Namespace) -> int:
     styles = {"committed": "green", "corrupt": "bold red", "incomplete": "yellow", "memory": "cyan"}
     for r in rows:
         table.add_row(
-            Text("-" if r["step"] is None else str(r["step"])),
-            Text(r["created"] or "-"),
-            Text(_human_bytes(r["bytes"])),
-            Text(r["status"], style=styles.get(r["status"], "")),
-            Text("yes" if r["pinned"] else "no"),
-            Text("<-" if r["restore"] else ""),
-            Text(_metrics_text(r["metrics"])),
+            _text("-" if r["step"] is None else str(r["step"])),
+            _text(r["created"] or "-"),
+            _text(_human_bytes(r["bytes"])),
+            _text(r["status"], style=styles.get(r["status"], "")),
+            _text("yes" if r["pinned"] else "no"),
+            _text("<-" if r["restore"] else ""),
+            _text(_metrics_text(r["metrics"])),
         )
     console.print(table)
     for r in rows:
         if r["error"]:
-            console.print(Text(f"{r['name']}: {r['status']}: {r['error']}"))
+            console.print(_text(f"{r['name']}: {r['status']}: {r['error']}"))
     return 0
 
 
@@ -536,7 +571,7 @@ def run_show(args: argparse.Namespace) -> int:
             lines.extend(f"  {'/'.join(map(str, p))}: {c.replace(':', '.')}" for p, c in classes)
     console = _console()
     for line in lines:
-        console.print(Text(line))
+        console.print(_text(line))
     return 0
 
 
@@ -575,10 +610,10 @@ def run_verify(args: argparse.Namespace) -> int:
         console = _console()
         for r in results:
             if r["ok"]:
-                line = Text(f"OK       {step_dir(r['step'])}  {_human_bytes(r['bytes'])} verified")
+                line = _text(f"OK       {step_dir(r['step'])}  {_human_bytes(r['bytes'])} verified")
                 line.stylize("green", 0, 2)
             else:
-                line = Text(f"CORRUPT  {step_dir(r['step'])}  {r['error']}")
+                line = _text(f"CORRUPT  {step_dir(r['step'])}  {r['error']}")
                 line.stylize("bold red", 0, 7)
             console.print(line)
     return 0 if all(r["ok"] for r in results) else 1
@@ -731,7 +766,7 @@ def run_export(args: argparse.Namespace) -> int:
                 count, nbytes = _export(storage, step, args.key, out)
                 break
             except CorruptCheckpointError as exc:
-                print(f"{PROG}: skipping corrupt {step_dir(step)}: {exc}", file=sys.stderr)
+                _say_err(f"{PROG}: skipping corrupt {step_dir(step)}: {exc}")
                 problems.append(step_dir(step))
         else:
             raise CorruptCheckpointError(
@@ -739,7 +774,7 @@ def run_export(args: argparse.Namespace) -> int:
                 f"({', '.join(problems)}); run `resumable verify --all {args.dir}`"
             )
     _console().print(
-        Text(
+        _text(
             f"exported {count} tensors ({_human_bytes(nbytes)}) of {args.key!r} "
             f"from {step_dir(step)} to {out}"
         )
@@ -775,10 +810,10 @@ def run_prune(args: argparse.Namespace) -> int:
     console = _console()
     verb = "would delete" if args.dry_run else "deleted"
     for s in doomed:
-        console.print(Text(f"{verb} {step_dir(s)}"))
+        console.print(_text(f"{verb} {step_dir(s)}"))
     kept = [s for s in before if s not in doomed]
     console.print(
-        Text(
+        _text(
             f"{verb} {len(doomed)} checkpoint(s), "
             f"{'would keep' if args.dry_run else 'kept'} {len(kept)}: "
             + (", ".join(str(s) for s in kept) or "none")
@@ -802,11 +837,11 @@ def run_pin(args: argparse.Namespace) -> int:
     step = _require_step(storage, args.step)
     name = step_dir(step)
     if step in pinned_steps(storage):
-        _console().print(Text(f"{name} was already pinned"))
+        _console().print(_text(f"{name} was already pinned"))
         return 0
     storage.write(f"{PINS_DIR}/{name}", [b""])
     AuditLog(storage).record("pin", step=step, by="cli")
-    _console().print(Text(f"pinned {name}: retention will not delete it"))
+    _console().print(_text(f"pinned {name}: retention will not delete it"))
     return 0
 
 
@@ -822,7 +857,7 @@ def run_unpin(args: argparse.Namespace) -> int:
         )
     storage.delete(f"{PINS_DIR}/{name}")
     AuditLog(storage).record("unpin", step=args.step, by="cli")
-    _console().print(Text(f"unpinned {name}: retention may delete it"))
+    _console().print(_text(f"unpinned {name}: retention may delete it"))
     return 0
 
 
@@ -868,7 +903,7 @@ def run_report(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     report = build_report(storage, progress=progress_bar)
     for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+        _say_err(f"{PROG}: warning: {warning}")
     if args.json:
         _print_json(report.to_json())
         return 0
@@ -882,7 +917,7 @@ def run_report(args: argparse.Namespace) -> int:
             f"{len(report.checkpoints)} checkpoint(s)"
         )
     )
-    _console().print(Text(f"wrote {out}: {what}"))
+    _console().print(_text(f"wrote {out}: {what}"))
     return 0
 
 
@@ -1007,7 +1042,7 @@ def run_shm(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     if not rows:
-        console.print(Text(f"no resumable shared-memory segments of this user in {directory}"))
+        console.print(_text(f"no resumable shared-memory segments of this user in {directory}"))
         return 0
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in ("segment", "size", "owner", "step", "root", "committed", "unsaved", "state"):
@@ -1020,14 +1055,14 @@ def run_shm(args: argparse.Namespace) -> int:
         else:
             label = "in use" if r["in_use"] else "orphaned"
         table.add_row(
-            Text(r["path"]),
-            Text(_human_bytes(r["bytes"])),
-            Text(str(r["owner_pid"])),
-            Text("-" if r["step"] is None else str(r["step"])),
-            Text(r["root"] or "?"),
-            Text("-" if r["newest_commit"] is None else str(r["newest_commit"])),
-            Text({True: "yes", False: "no", None: "?"}[r["unsaved"]]),
-            Text(label),
+            _text(r["path"]),
+            _text(_human_bytes(r["bytes"])),
+            _text(str(r["owner_pid"])),
+            _text("-" if r["step"] is None else str(r["step"])),
+            _text(r["root"] or "?"),
+            _text("-" if r["newest_commit"] is None else str(r["newest_commit"])),
+            _text({True: "yes", False: "no", None: "?"}[r["unsaved"]]),
+            _text(label),
         )
     console.print(table)
     for r in rows:
@@ -1035,11 +1070,11 @@ def run_shm(args: argparse.Namespace) -> int:
             continue
         loss = _loss_text(r)
         if r["kept"]:
-            console.print(Text(f"kept {r['path']}: {loss}; `--clean --force` removes it"))
+            console.print(_text(f"kept {r['path']}: {loss}; `--clean --force` removes it"))
         elif r["removed"]:
-            console.print(Text(f"removed {r['path']}: lost {loss}"))
+            console.print(_text(f"removed {r['path']}: lost {loss}"))
         elif not args.clean:
-            console.print(Text(f"{r['path']}: {loss}; `--clean` keeps it unless --force"))
+            console.print(_text(f"{r['path']}: {loss}; `--clean` keeps it unless --force"))
     return 0
 
 
@@ -1110,6 +1145,30 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+class _WarningFormatter(logging.Formatter):
+    """The library's warnings while a command runs: one `printable` line each."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(f"{PROG}: warning: {' '.join(record.getMessage().split())}")
+
+
+@contextlib.contextmanager
+def _command_logging() -> Iterator[None]:
+    """For the length of one command, the library's warnings go to stderr as
+    `printable` lines (not through logging's last-resort handler, which prints them
+    raw); removed again after, so that `main` called in-process leaves logging as it
+    found it."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_WarningFormatter())
+    package = logging.getLogger("resumable")
+    package.addHandler(handler)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse usage errors: 2)."""
     parser = build_parser()
@@ -1118,7 +1177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:
-        return int(args._run(args))
+        with _command_logging():
+            return int(args._run(args))
     except BrokenPipeError:
         try:  # the reader went away (`resumable ls | head`): stay quiet at exit too
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -1133,7 +1193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as exc:
         if os.environ.get(DEBUG_ENV) == "1":
             raise
-        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        _say_err(f"{PROG}: error: {_one_line(exc)}")
         return 2
 
 
