@@ -1,0 +1,98 @@
+"""DDP gradient averaging whose bits do not depend on DDP's bucket layout.
+
+`DistributedDataParallel` averages gradients bucket by bucket: it copies them into flat
+buckets and all-reduces each bucket. The first step of every launch uses buckets in
+parameter order (one bucket unless ``find_unused_parameters=True``); after it, DDP
+rebuilds them once in the order the gradients became ready and keeps that layout. A
+ring all-reduce (gloo, NCCL) splits a buffer into chunks and sums each chunk starting at
+a different rank, so an element's summation order, and from three ranks on its rounding,
+depends on where it sits in its bucket. An uninterrupted run reduces step K+1 in the
+rebuilt layout; a run resumed at step K reduces it in the first-step layout, and the two
+drift apart by a few ulps from there (measured at 4 ranks on gloo; at 2 ranks ``a + b``
+is commutative and the runs match).
+
+`reduce_per_parameter` registers a comm hook that all-reduces each parameter's gradient
+as its own tensor. An element's summation order then depends only on its parameter, so
+every launch computes the same bits at every step, resumed or not. The trade-off: as
+many collectives as parameter tensors instead of one per bucket (the same bytes; more
+calls, which costs latency on models with many small tensors), and the hook slot of the
+model is taken (DDP allows one comm hook). It is opt-in for those reasons.
+
+No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
+registration against the real types, not strings.
+"""
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import UnsupportedStateError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["per_parameter_allreduce", "reduce_per_parameter"]
+
+
+def per_parameter_allreduce(
+    group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average ``bucket``'s gradients across ``group``, one all-reduce per
+    parameter, so each element's result is independent of the bucket layout.
+
+    Called by DDP's reducer (on the backward thread) once per bucket, buckets in the
+    same order on every rank. Divides by the group's size first, as DDP's own reduction
+    does, then sums; the returned future holds the bucket's buffer, reduced in place. A
+    failed collective fails the future, and DDP raises it at the end of the backward.
+    Register it with ``model.register_comm_hook(model.process_group,
+    per_parameter_allreduce)``, or through `reduce_per_parameter`.
+    """
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    works = [
+        dist.all_reduce(grad, group=group, async_op=True)
+        for grad in bucket.gradients()  # views into ``buffer``, in the bucket's order
+    ]
+    futures: list[torch.futures.Future[Any]] = [
+        work.get_future()
+        for work in works
+        if work is not None  # async_op=True always returns a work
+    ]
+
+    def reduced(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+        for future in done.value():
+            future.value()  # raises the collective's error, if any
+        return buffer
+
+    return torch.futures.collect_all(futures).then(reduced)
+
+
+def reduce_per_parameter(model: nn.Module) -> nn.Module:
+    """Make ``model`` (a `DistributedDataParallel`) average gradients one parameter at a
+    time, so a resumed run is bit-identical to an uninterrupted one (see the module
+    docstring). Returns ``model``.
+
+    Call it on every launch, right after wrapping and before the first forward, the
+    same on every rank, in fresh and resumed runs alike (the numbers differ from plain
+    DDP's by rounding, so all launches of one run must use it). Raises
+    `UnsupportedStateError` if ``model`` is not a `DistributedDataParallel` or already
+    has a comm hook.
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise UnsupportedStateError(
+            "reduce_per_parameter expects a torch.nn.parallel.DistributedDataParallel, "
+            f"found {type(model).__name__}; wrap the model first: "
+            "model = reduce_per_parameter(DistributedDataParallel(model))"
+        )
+    try:
+        model.register_comm_hook(model.process_group, per_parameter_allreduce)
+    except RuntimeError as exc:
+        raise UnsupportedStateError(
+            "reduce_per_parameter registers a DDP comm hook, but this model has one "
+            f"already ({exc}); DDP allows one hook: use either yours or this one, or "
+            "call yours per parameter as resumable.ddp.per_parameter_allreduce does"
+        ) from exc
+    logger.debug("DDP gradients are all-reduced per parameter (layout-independent)")
+    return model
