@@ -57,3 +57,10 @@ class RootInUseError(CheckpointError, RuntimeError):
         super().__init__(message)
         self.url = url
         self.holder = holder
+
+
+class StepOrderError(CheckpointError, ValueError):
+    """A step passed to ``save``, ``maybe_save`` or ``snapshot`` is older than the newest
+    step restored or saved: its checkpoint would never be the one restored (the newer
+    one is), so the work since would be lost at the next launch. Raised instead of
+    dropping the step in silence."""

@@ -312,6 +312,7 @@ class Checkpointer:
         """
         self._check_open()
         _check_step(step)
+        self._schedule.check_order(step, "snapshot")
         self._seen.saw(step, metrics)
         self._progress.saw(step)
         try:
@@ -349,9 +350,13 @@ class Checkpointer:
         blocks until it did). If the previous persist still runs and ``on_busy`` is
         ``"skip"``, only the memory snapshot is taken, the skip is logged, the persist
         is taken as soon as the worker is free, and this returns False.
+
+        Raises `StepOrderError` if ``step`` is older than the newest step restored or
+        saved (the same step again is allowed: it reuses that step's snapshot).
         """
         self._check_open()
         _check_step(step)
+        self._schedule.check_order(step, "save")
         self._seen.saw(step, metrics)
         self._progress.saw(step)
         try:
@@ -487,10 +492,13 @@ class Checkpointer:
         """Persist or snapshot if a policy says so; returns whether a persist started.
 
         Cheap when nothing is due. A persist deferred because the worker was busy is
-        taken at the first call that finds the worker free.
+        taken at the first call that finds the worker free. Raises `StepOrderError` if
+        ``step`` is older than the newest step restored or saved (a loop that counts
+        from 0 after ``restore()`` returned a later step); the same step again is a no-op.
         """
         self._check_open()
         _check_step(step)
+        self._schedule.check_order(step, "maybe_save")
         self._seen.saw(step, metrics)
         self._progress.saw(step)
         if self._emergency is not None and not self.should_stop and self._emergency.requested(step):
@@ -658,6 +666,15 @@ class Checkpointer:
         wanted = (
             final[0] if final is not None and (committed is None or final[0] > committed) else None
         )
+        if final is not None and committed is not None and final[0] < committed:
+            log.warning(
+                "closing %s at step %d: not checkpointed, because the root holds a newer "
+                "checkpoint (step %d), which the next restore() loads. Keep counting from "
+                "the step restore() returns, or close(step=...) with the step the state is at",
+                self.url,
+                final[0],
+                committed,
+            )
         # A collective save: only if every rank closes at that step.
         offers = self._restorer.group.gather(wanted)
         if final is not None and wanted is not None and all(o == wanted for o in offers):

@@ -11,6 +11,9 @@ snapshot different steps: step-based cadences are, clock-based ones are not (clo
 costs differ between ranks), so those, and whether the worker is free to take an owed
 persist, are agreed (`resumable.coordination.Agreement`: the first rank to ask decides
 for all, without waiting for the others). With one process a rank's own answer stands.
+
+Steps only go forward: a step older than the newest one restored or saved is refused
+(`check_order`), since its checkpoint would never be the one restored.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import time
 
 from resumable.coordination import Agreement
+from resumable.errors import StepOrderError
 from resumable.policy import CostEstimate, Every
 
 
@@ -41,6 +45,28 @@ class Schedule:
         self._absorbed_clock = float("-inf")
         self.cost = CostEstimate()
         self.on_absorbed = lambda step: None  # set by the owner: count a skipped persist
+        self.newest: int | None = None  # the newest step restored, snapshotted or persisted
+        self._newest_restored = False  # whether ``newest`` is the step restore() returned
+
+    def check_order(self, step: int, call: str) -> None:
+        """Refuse (`StepOrderError`) a ``call`` of ``step`` older than the newest step
+        restored or saved. The same step again is allowed (a save after the snapshot of
+        its step, a framework's final save at the step it saved last)."""
+        newest = self.newest
+        if newest is None or step >= newest:
+            return
+        if self._newest_restored:
+            what = f"restore() returned step {newest}"
+        else:
+            what = f"step {newest} was saved already"
+        raise StepOrderError(
+            f"{call}({step}) after {what}: steps must not go back. A checkpoint of step "
+            f"{step} would never be the one restored (step {newest} is newer), so the "
+            "training since would be lost at the next launch. Count steps from the step "
+            "restore() returned (start = ckpt.restore(); for step in range(start, total): "
+            "...; ckpt.maybe_save(step + 1)); to go back to an older checkpoint on "
+            "purpose, call restore(step=N) first"
+        )
 
     def persist_due(self, step: int, *, worker_free: bool) -> bool:
         """Whether `maybe_save(step)` persists: a policy due, or an owed persist that the
@@ -75,6 +101,7 @@ class Schedule:
 
     def snapshotted(self, step: int) -> None:
         self.last_memory = step
+        self._saw(step)
         self._memory_clock = time.monotonic()
 
     def persisted(self, step: int) -> None:
@@ -82,14 +109,21 @@ class Schedule:
         self.owed = False
         self.last_persist = step
         self._persist_clock = time.monotonic()
+        self._saw(step)
 
     def deferred(self) -> None:
         """A persist was due but the worker was busy: owe one."""
         self.owed = True
 
     def restored(self, step: int) -> None:
+        """The state is now that of ``step`` (an older one too: ``restore(step=N)``)."""
         self.last_persist = self.last_memory = step
         self._persist_clock = self._memory_clock = time.monotonic()
+        self.newest, self._newest_restored = step, True
+
+    def _saw(self, step: int) -> None:
+        if self.newest is None or step > self.newest:
+            self.newest, self._newest_restored = step, False
 
     def observe_cost(self, seconds: float) -> None:
         self.cost.observe(seconds)
