@@ -4,6 +4,13 @@
 their metrics, protects pinned ones and the one just written, checks that what it keeps
 is valid, then un-commits and deletes the rest, recording each delete in the audit log.
 It is called by the persist worker after every commit and by ``resumable prune``.
+
+Both may run at once on one root (an operator prunes beside a running job), and each
+may find a checkpoint it meant to read or delete already gone: the other one deleted
+it. That is the outcome both wanted, not a failure. So a step that is no longer listed
+as committed when its manifest read or its delete fails counts as deleted, with no
+warning; a failure on a checkpoint that is still there is a real one and is raised or
+logged as before.
 """
 
 from __future__ import annotations
@@ -89,7 +96,10 @@ def apply_retention(
             try:
                 cache[s] = retention_entry(CheckpointReader(storage, s).manifest)
             except CheckpointError as exc:
-                log.warning("retention ignores %s: %s", step_dir(s), exc)
+                if _gone(storage, s):
+                    log.debug("retention: %s was deleted meanwhile", step_dir(s))
+                else:
+                    log.warning("retention ignores %s: %s", step_dir(s), exc)
                 continue
         entries.append(Entry(s, cache[s]["metrics"]))
     pinned = pinned_steps(storage)
@@ -130,18 +140,36 @@ def apply_retention(
     # crash after deleting step K would leave a doomed step K+1 that refers to it
     # listed, committed and unreadable.
     for s in each(sorted(doomed, reverse=True)):
-        committer.delete(s)
+        try:
+            committer.delete(s)
+        except (CheckpointError, OSError):
+            if not _gone(storage, s):
+                raise
+            # Another process (``resumable prune``, another writer's retention) deleted
+            # it between our listing and this delete; it records its own delete.
+            log.info("retention: %s was already deleted by another process", step_dir(s))
+        else:
+            audit.record("delete", step=s, reason="retention")
+            log.info("retention deleted %s", step_dir(s))
         cache.pop(s, None)
-        audit.record("delete", step=s, reason="retention")
-        log.info("retention deleted %s", step_dir(s))
     return doomed
+
+
+def _gone(storage: Storage, step: int) -> bool:
+    """Whether ``step`` is no longer a committed checkpoint (a listing that itself fails
+    says nothing, so it counts as not gone)."""
+    try:
+        return step not in list_committed(storage)
+    except (CheckpointError, OSError):
+        return False
 
 
 def _files_valid(storage: Storage, step: int) -> bool:
     try:
         CheckpointReader(storage, step).check_files()
     except CheckpointError as exc:
-        log.warning("checkpoint %s does not check out: %s", step_dir(step), exc)
+        if not _gone(storage, step):
+            log.warning("checkpoint %s does not check out: %s", step_dir(step), exc)
         return False
     return True
 
@@ -150,6 +178,7 @@ def _fully_valid(storage: Storage, step: int) -> bool:
     try:
         CheckpointReader(storage, step).verify()
     except CheckpointError as exc:
-        log.warning("checkpoint %s does not verify: %s", step_dir(step), exc)
+        if not _gone(storage, step):
+            log.warning("checkpoint %s does not verify: %s", step_dir(step), exc)
         return False
     return True
