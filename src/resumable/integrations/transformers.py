@@ -13,7 +13,11 @@ subclass overrides the methods through which the Trainer loads and saves a check
 (checked against transformers 5.24; the names have been stable through 5.x):
 
 - ``_inner_training_loop``: opens the `Checkpointer`, restores, and when something was
-  restored hands the Trainer's own resume path a marker instead of a directory.
+  restored hands the Trainer's own resume path a marker instead of a directory. With
+  nothing to restore but the plain Trainer's ``checkpoint-N`` in ``output_dir`` (a job
+  switched over), it hands it the newest complete one: the Trainer resumes from it as
+  ``resume_from_checkpoint`` would, and ``_load_rng_state`` saves it as the first
+  checkpoint once everything is loaded (`ResumableTrainer._import_plain`).
 - ``_init_training_state``: the ``TrainerState`` (best metric, log history, stateful
   callbacks) from the checkpoint instead of ``trainer_state.json``; a checkpoint at
   ``max_steps`` runs no epoch (the Trainer would take one step more).
@@ -134,6 +138,19 @@ class UploadsWithoutRoot:
         return self._api.upload_folder(**kwargs)
 
 
+def plain_checkpoints(output_dir: str | None) -> list[tuple[int, str]]:
+    """The plain Trainer's ``checkpoint-N`` directories in ``output_dir``, newest first."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        head, _, n = name.partition("-")
+        path = os.path.join(output_dir, name)
+        if head == PREFIX_CHECKPOINT_DIR and n.isdigit() and os.path.isdir(path):
+            found.append((int(n), path))
+    return sorted(found, reverse=True)
+
+
 def keep_for(args: Any) -> Keep | None:
     """The retention the ``TrainingArguments`` ask for: ``save_total_limit`` newest
     checkpoints (all when unset), plus the best by ``metric_for_best_model`` when
@@ -232,6 +249,7 @@ class ResumableTrainer(Trainer):
         self._marker = f"resumable:{self.checkpoint_dir}"
         self._eval_metrics: dict[str, float] = {}
         self._boundary: int | None = None
+        self._importing: str | None = None  # the plain checkpoint being imported
         self._slots = {
             "trainer": StagedState(self._trainer_state, lambda _: None),
             "optimizer": StagedState(self._optimizer_state, self._load_optimizer),
@@ -366,18 +384,72 @@ class ResumableTrainer(Trainer):
                 slot.discard()
             step = self.checkpointer.restore()
             self._boundary = step if step > 0 else None
+            resume: str | None = self._marker if step > 0 else None
+            plain = plain_checkpoints(self.args.output_dir)
             if step > 0:
                 log.info("resuming from step %d of %s", step, self.checkpointer.url)
+                if plain and plain[0][0] > step:
+                    log.warning(
+                        "%s holds the plain Trainer's %s, newer than the step %d resumed "
+                        "from %s; it is not used",
+                        self.args.output_dir,
+                        os.path.basename(plain[0][1]),
+                        step,
+                        self.checkpointer.url,
+                    )
+            elif plain:
+                resume = self._import_plain(plain)
             output = super()._inner_training_loop(
-                batch_size,
-                args,
-                self._marker if step > 0 else None,
-                trial,
-                ignore_keys_for_eval,
+                batch_size, args, resume, trial, ignore_keys_for_eval
             )
         # The Trainer waited for its pushes at the end of training.
         self._drop_pushed(os.path.join(self.args.output_dir or ".", HUB_STAGING))
         return output
+
+    def _import_plain(self, plain: list[tuple[int, str]]) -> str:
+        """A job switched over from the plain Trainer: no checkpoint of ours yet, but
+        ``checkpoint-N`` directories in ``output_dir``. Resume from the newest complete one
+        through the Trainer's own resume path (model here, as ``Trainer.train`` does before
+        ``accelerator.prepare``; the ``TrainerState``, optimizer, scheduler, scaler and
+        random streams where the Trainer loads them), and save it as our first checkpoint
+        once all of it is loaded (`_load_rng_state`). Returns the directory, which the
+        Trainer's loop gets as its ``resume_from_checkpoint``."""
+        for n, path in plain:
+            if not os.path.isfile(os.path.join(path, hf_trainer.TRAINER_STATE_NAME)):
+                log.warning(
+                    "skipping the plain Trainer's %s: it has no %s (killed while saving?)",
+                    path,
+                    hf_trainer.TRAINER_STATE_NAME,
+                )
+                continue
+            optimizers = (hf_trainer.OPTIMIZER_NAME, hf_trainer.OPTIMIZER_NAME_BIN)
+            if not self.is_deepspeed_enabled and not any(
+                os.path.isfile(os.path.join(path, name)) for name in optimizers
+            ):
+                raise CheckpointError(
+                    f"{path} holds no optimizer state (saved with save_only_model?): "
+                    "ResumableTrainer would import it with a fresh optimizer. Resume it with "
+                    "the plain Trainer (train(resume_from_checkpoint=...)), or move the "
+                    f"checkpoint-* directories out of {self.args.output_dir} to start over"
+                )
+            log.warning(
+                "no checkpoint in %s yet: importing the plain Trainer's %s and continuing "
+                "at step %d",
+                self.checkpoint_dir,
+                path,
+                n,
+            )
+            if not self.is_deepspeed_enabled:  # DeepSpeed loads it in _prepare_for_training
+                self._load_from_checkpoint(path)
+            self._importing = path
+            return path
+        raise CheckpointError(
+            f"{self.args.output_dir} holds the plain Trainer's "
+            f"{', '.join(os.path.basename(p) for _, p in plain)}, none of them complete "
+            f"(no {hf_trainer.TRAINER_STATE_NAME}), and no checkpoint in "
+            f"{self.checkpoint_dir}. Move the checkpoint-* directories out of "
+            f"{self.args.output_dir} to start over"
+        )
 
     def _init_training_state(
         self,
@@ -387,9 +459,13 @@ class ResumableTrainer(Trainer):
         resume_from_checkpoint: str | None,
         trial: Any,
     ) -> tuple[int, int]:
-        if resume_from_checkpoint != self._marker:
+        if resume_from_checkpoint != self._marker:  # None, or a plain checkpoint imported
             return super()._init_training_state(
-                max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial
+                max_steps,
+                num_update_steps_per_epoch,
+                num_train_epochs,
+                resume_from_checkpoint,
+                trial,
             )
         saved = self._slots["trainer"].pending
         self._slots["trainer"].discard()
@@ -403,8 +479,10 @@ class ResumableTrainer(Trainer):
         )
         self.state = TrainerState(**json.loads(saved["json"]))
         best = self.state.best_global_step
-        if self.state.best_model_checkpoint is not None and (
-            best is None or self.checkpointer is None or best not in self.checkpointer.steps()
+        if (
+            self.state.best_model_checkpoint is not None
+            and not self._best_is_plain()
+            and (best is None or self.checkpointer is None or best not in self.checkpointer.steps())
         ):
             log.warning(
                 "the best checkpoint %s recorded in the resumed state is gone; ignoring it",
@@ -468,6 +546,12 @@ class ResumableTrainer(Trainer):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint != self._marker:
             super()._load_rng_state(checkpoint)
+            if checkpoint is not None and checkpoint == self._importing:
+                # Everything of the plain checkpoint is loaded now: our first checkpoint.
+                self._importing = None
+                if self.checkpointer is not None:
+                    self.checkpointer.save(self.state.global_step)
+                    self._boundary = self.state.global_step
             return
         self._slots["rng"].apply()
 
@@ -585,10 +669,23 @@ class ResumableTrainer(Trainer):
         """Where the checkpoint of ``step`` lives (recorded as ``best_model_checkpoint``)."""
         return f"{self.checkpoint_dir.rstrip('/')}/{step_dir(step)}"
 
+    def _best_is_plain(self) -> bool:
+        """Whether the best checkpoint is a plain Trainer's ``checkpoint-N`` that is still
+        there (recorded before the job was switched over, `_import_plain`)."""
+        path = self.state.best_model_checkpoint
+        return (
+            path is not None
+            and os.path.basename(path).startswith(f"{PREFIX_CHECKPOINT_DIR}-")
+            and os.path.isdir(path)
+        )
+
     def _load_best_model(self) -> None:
         ckpt = self.checkpointer
         best = self.state.best_global_step
         if ckpt is None or not best:
+            return
+        if best not in ckpt.steps() and self._best_is_plain():
+            super()._load_best_model()  # the Trainer loads it from the plain directory
             return
         ckpt.wait()
         log.info("loading the model of the best step %d (score %s)", best, self.state.best_metric)
