@@ -25,6 +25,20 @@ Two ways to run it, same job code (`JobRunner`):
   once-a-second look at ``getppid()``. The worker's stdout is ``/dev/null`` (it never
   prints), so a wrapper reading the trainer's stdout sees EOF when the trainer exits;
   stderr stays shared, so the worker's warnings reach the job's log.
+
+  Shared stderr means an orphaned worker would hold ``python train.py 2>&1 | tee log``
+  open for as long as it lives, so a worker whose trainer died ends at once, whatever
+  it is doing (booting, importing torch, in the middle of a persist), before its first
+  heavy import: on Linux the kernel kills it (``PR_SET_PDEATHSIG``, SIGKILL), and on
+  every platform a thread of its own ends it (`ORPHAN_EXIT`) on the EOF of a *lifeline*,
+  a second socket whose trainer end nothing ever writes or closes before the trainer
+  exits (closed in forked children as the job socket is). The death signal follows the
+  *thread* that started the worker, so it is asked for only when that is the trainer's
+  main thread, which lives as long as the process; a worker started from another
+  thread (a callback, a thread-pool training loop) relies on the lifeline. Nothing is
+  torn by the abrupt end: a commit is one atomic rename or marker, a staging or trash
+  directory of a dead writer is removed by a later launch, the shared-memory snapshot
+  stays for the next launch to adopt, and an interrupted mirror upload is caught up.
   Once started, the worker process runs at a lower CPU priority than the trainer:
   ``nice`` +10 by default (`WORKER_NICE_ENV`; ``0`` keeps the trainer's; its start-up,
   which the first save may wait for, runs at the trainer's). It is background work by
@@ -62,6 +76,7 @@ import logging
 import os
 import queue
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -136,15 +151,42 @@ def worker_nice() -> int:
 
 
 _LEN = struct.Struct(">I")
-# argv: the socket's fd, the resumable package's directory, then the import path. The path
-# is set before the first import (`sys` is built in). Signals sent to every process of a
-# group or Slurm job step (Ctrl-C, --signal=USR1@90, torchrun stopping its workers) are the
-# trainer's: ignored here, before the slow imports, so an in-flight persist survives them.
-# The trainer ends the worker (stop, socket EOF, SIGKILL). `resumable` is loaded from the
-# trainer's copy, whatever else the path holds.
+
+ORPHAN_EXIT = 75
+"""The exit status of a persist worker that ended itself because its trainer died (a
+worker the kernel killed for it ends by SIGKILL instead)."""
+
+# argv: the socket's fd, the lifeline's fd, the trainer's pid, the death signal (0: none),
+# the resumable package's directory, then the import path. First of all, before any import
+# that takes time, the worker ties its life to the trainer's: the death signal (Linux), a
+# check that the trainer did not die before it was set, and a thread that ends the worker
+# on the lifeline's EOF. The path is set before the next import (`sys`, `os` are loaded
+# already). Signals sent to every process of a group or Slurm job step (Ctrl-C,
+# --signal=USR1@90, torchrun stopping its workers) are the trainer's: ignored here, before
+# the slow imports, so an in-flight persist survives them. The trainer ends the worker
+# (stop, socket EOF, SIGKILL). `resumable` is loaded from the trainer's copy, whatever else
+# the path holds.
 _WORKER_BOOT = (
-    "import sys\n"
-    "fd, package_dir, *path = sys.argv[1:]\n"
+    "import os, sys\n"
+    "fd, lifeline, trainer, deathsig, package_dir, *path = sys.argv[1:]\n"
+    "if deathsig != '0':\n"
+    "    try:\n"
+    "        import ctypes\n"
+    "        ctypes.CDLL(None, use_errno=True).prctl(1, int(deathsig), 0, 0, 0)\n"
+    "    except (ImportError, OSError, AttributeError):\n"
+    "        pass\n"
+    "if os.getppid() != int(trainer):\n"
+    f"    os._exit({ORPHAN_EXIT})\n"
+    "import threading\n"
+    "def watch_lifeline(fd=int(lifeline)):\n"
+    "    try:\n"
+    "        while os.read(fd, 64):\n"
+    "            pass\n"
+    "    except OSError:\n"
+    "        pass\n"
+    f"    os._exit({ORPHAN_EXIT})\n"
+    "os.set_inheritable(int(lifeline), False)\n"
+    "threading.Thread(target=watch_lifeline, name='resumable-lifeline', daemon=True).start()\n"
     "sys.path[:] = path\n"
     "import signal\n"
     "for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n"
@@ -644,8 +686,10 @@ def worker_main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- trainer side
 
 
-def _worker_command(fd: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of a worker process that talks over ``fd``."""
+def _worker_command(fd: int, lifeline: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a worker process that talks over ``fd`` and
+    ends at the EOF of ``lifeline`` (see `_WORKER_BOOT`). Called by the thread that starts
+    the worker: the death signal is asked for only if that is the main thread."""
     env = dict(os.environ)
     flags = ["-I"]
     if env.get("PYTHONHOME"):
@@ -660,9 +704,24 @@ def _worker_command(fd: int) -> tuple[list[str], dict[str, str]]:
         "-c",
         _WORKER_BOOT,
         str(fd),
+        str(lifeline),
+        str(os.getpid()),
+        str(_death_signal()),
         package_dir,
         *_worker_import_path(),
     ], env
+
+
+def _death_signal() -> int:
+    """The signal the kernel sends the worker when its parent dies, 0 for none: SIGKILL
+    on Linux when called from the main thread. ``PR_SET_PDEATHSIG`` fires when the
+    *thread* that started the worker ends, and only the main thread lives as long as the
+    process (Python's ends last); from another thread the lifeline alone is used."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    if threading.current_thread() is not threading.main_thread():
+        return 0
+    return int(signal.SIGKILL)
 
 
 def _lower_priority(nice: int) -> None:
@@ -702,6 +761,12 @@ def _worker_import_path() -> list[str]:
 # worker; fork copies every descriptor, close-on-exec or not) closes its copies at once, so
 # the worker's EOF comes when the trainer exits, not when its last forked child does.
 _TRAINER_ENDS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+# The trainer's ends of its workers' lifelines, by worker pid, with the worker's process.
+# Held here, not only by the `PersistWorker`, so that a worker whose handle was dropped
+# without `stop` (a Checkpointer collected unclosed) still finishes its job and ends on
+# the job socket's EOF, instead of dying mid-persist when the lifeline is collected. A
+# lifeline is closed once its worker exited (`stop`, or the next start here).
+_LIFELINES: dict[int, tuple[subprocess.Popen[bytes], socket.socket]] = {}
 
 
 def _close_inherited_ends() -> None:
@@ -711,6 +776,19 @@ def _close_inherited_ends() -> None:
         except OSError:
             pass
     _TRAINER_ENDS.clear()
+    _LIFELINES.clear()  # the parent's workers, not this child's
+
+
+def _release_lifeline(pid: int) -> None:
+    entry = _LIFELINES.pop(pid, None)
+    if entry is not None:
+        entry[1].close()
+
+
+def _release_ended_lifelines() -> None:
+    for pid, (proc, _) in list(_LIFELINES.items()):
+        if proc.poll() is not None:
+            _release_lifeline(pid)
 
 
 os.register_at_fork(after_in_child=_close_inherited_ends)
@@ -758,20 +836,27 @@ class PersistWorker:
         )
         self.pid = os.getpid()
         if mode == "process":
+            _release_ended_lifelines()
             parent, child = socket.socketpair()
-            _TRAINER_ENDS.update((parent, child))
-            command, env = _worker_command(child.fileno())
+            life, line = socket.socketpair()  # `life` is never written nor closed early
+            _TRAINER_ENDS.update((parent, child, life, line))
+            command, env = _worker_command(child.fileno(), line.fileno())
             try:
                 self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                     command,
-                    pass_fds=[child.fileno()],
+                    pass_fds=[child.fileno(), line.fileno()],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     env=env,
                     close_fds=True,
                 )
+            except BaseException:
+                life.close()
+                raise
             finally:
                 child.close()
+                line.close()
+            _LIFELINES[self._proc.pid] = (self._proc, life)
             self._sock: socket.socket | None = parent
             _send(parent, config)
             self._ready = False
@@ -880,6 +965,7 @@ class PersistWorker:
     def _check_alive(self) -> None:
         if self._proc is not None and self._proc.poll() is not None and not self._stopped:
             code = self._proc.returncode
+            _release_lifeline(self._proc.pid)
             lost = [j.step for j in self.outstanding if isinstance(j, PersistJob)]
             self.outstanding.clear()
             self._stopped = True
@@ -915,6 +1001,7 @@ class PersistWorker:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+            _release_lifeline(self._proc.pid)
             self._sock.close()
         else:
             self._jobs.put(None)
