@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from rich import box
@@ -65,7 +66,7 @@ from resumable.format import (
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR, apply_retention, pinned_steps
-from resumable.storage import LocalStorage, Storage, open_storage
+from resumable.storage import OBJECT_SCHEMES, LocalStorage, Storage, open_storage
 from resumable.storage.writeback import write_all
 
 log = logging.getLogger(__name__)
@@ -127,13 +128,19 @@ def _console() -> Console:
     return Console(file=out, highlight=False, soft_wrap=True, width=None if tty else 1000)
 
 
-def _open(url: str) -> Storage:
-    """The storage of ``url``; a local directory must already exist. Any other root is
+def _open(args: argparse.Namespace) -> Storage:
+    """The storage of ``args.dir``; a local directory must already exist. Any other root is
     listed once here, so that an unreachable server, a missing bucket or missing
     credentials is reported against the root the user named, not against a file
     inside it that the command happened to read first. One checkpoint given as the root
-    (``runs/x/step-000000000400``) is refused, naming the parent to pass instead."""
-    storage = open_storage(url)
+    (``runs/x/step-000000000400``) is refused, naming the parent to pass instead. An
+    object store is asked with ``--max-attempts`` and ``--connect-timeout``: a server
+    that is not there is reported in seconds, not after a training job's retries."""
+    url = args.dir
+    options = None
+    if urlparse(url).scheme in OBJECT_SCHEMES:
+        options = {"max_attempts": args.max_attempts, "connect_timeout": args.connect_timeout}
+    storage = open_storage(url, options)
     if isinstance(storage, LocalStorage):
         if not storage.root.exists():
             raise NoCheckpointError(f"no checkpoint directory at {storage.root}")
@@ -227,8 +234,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def _add_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="checkpoint root: a local path or URL")
+    remote = parser.add_argument_group("object storage (s3://, gs://, az://)")
+    remote.add_argument(
+        "--max-attempts",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="tries per request, the first included (default: 2)",
+    )
+    remote.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds to wait for a connection (default: 5)",
+    )
 
 
 def _print_json(value: Any) -> None:
@@ -371,7 +403,7 @@ def _restore_pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args)
     pinned = pinned_steps(storage)
     rows = [_checkpoint_row(storage, s, pinned, args.verify) for s in list_committed(storage)]
     rows += _incomplete_rows(storage, pinned)
@@ -537,7 +569,7 @@ def _split_classes(tree: Any) -> tuple[Any, list[tuple[tuple[Any, ...], str]]]:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args)
     step = _newest(storage) if args.step is None else _require_step(storage, args.step)
     m = CheckpointReader(storage, step).manifest
     if args.json:
@@ -587,7 +619,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args)
     if args.all:
         steps = list_committed(storage)
         if not steps:
@@ -744,7 +776,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise FileExistsError(errno.EEXIST, f"{out} exists; pass --force to overwrite it")
     if not out.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, f"directory {out.parent} of --out does not exist")
-    storage = _open(args.dir)
+    storage = _open(args)
     if args.step is not None or args.exact:
         step = _newest(storage) if args.step is None else _require_step(storage, args.step)
         try:
@@ -798,7 +830,7 @@ def _prune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args)
     before = list_committed(storage)
     doomed = apply_retention(
         storage,
@@ -833,7 +865,7 @@ def _pin_arguments(p: argparse.ArgumentParser) -> None:
 def run_pin(args: argparse.Namespace) -> int:
     """Exempt a committed checkpoint from retention (``prune`` and the training job's
     ``keep``), as `Checkpointer.pin` does; recorded in the audit log."""
-    storage = _open(args.dir)
+    storage = _open(args)
     step = _require_step(storage, args.step)
     name = step_dir(step)
     if step in pinned_steps(storage):
@@ -847,7 +879,7 @@ def run_pin(args: argparse.Namespace) -> int:
 
 def run_unpin(args: argparse.Namespace) -> int:
     """Let retention delete a pinned checkpoint again; an error if it is not pinned."""
-    storage = _open(args.dir)
+    storage = _open(args)
     pinned = pinned_steps(storage)
     name = step_dir(args.step)
     if args.step not in pinned:
@@ -876,7 +908,7 @@ def _log_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_log(args: argparse.Namespace) -> int:
     wanted = set(args.event or ())
-    for entry in read_audit(_open(args.dir)):
+    for entry in read_audit(_open(args)):
         if not wanted or entry.get("event") in wanted:
             sys.stdout.write(json.dumps(entry, default=str) + "\n")
     return 0
@@ -900,7 +932,7 @@ def run_report(args: argparse.Namespace) -> int:
     from resumable.report import build_report
     from resumable.report_html import render_html
 
-    storage = _open(args.dir)
+    storage = _open(args)
     report = build_report(storage, progress=progress_bar)
     for warning in report.warnings:
         _say_err(f"{PROG}: warning: {warning}")
@@ -1145,6 +1177,22 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+# The storage clients' loggers: their errors reach the user as the command's own line.
+_THIRD_PARTY_LOGGERS = (
+    "gcsfs",
+    "google",
+    "urllib3",
+    "botocore",
+    "boto3",
+    "s3transfer",
+    "azure",
+    "adlfs",
+    "aiohttp",
+    "fsspec",
+    "asyncio",
+)
+
+
 class _WarningFormatter(logging.Formatter):
     """The library's warnings while a command runs: one `printable` line each."""
 
@@ -1156,17 +1204,25 @@ class _WarningFormatter(logging.Formatter):
 def _command_logging() -> Iterator[None]:
     """For the length of one command, the library's warnings go to stderr as
     `printable` lines (not through logging's last-resort handler, which prints them
-    raw); removed again after, so that `main` called in-process leaves logging as it
-    found it."""
+    raw), and the storage clients' loggers are silenced (gcsfs logs a traceback of
+    fifty lines before it raises; the command ends with its own one-line error).
+    Undone after, so that `main` called in-process leaves logging as it found it;
+    ``RESUMABLE_DEBUG=1`` keeps the clients' logs."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(_WarningFormatter())
     package = logging.getLogger("resumable")
     package.addHandler(handler)
+    quiet = [] if os.environ.get(DEBUG_ENV) == "1" else _THIRD_PARTY_LOGGERS
+    levels = {name: logging.getLogger(name).level for name in quiet}
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         package.removeHandler(handler)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

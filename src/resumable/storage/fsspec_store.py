@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import secrets
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,14 @@ log = logging.getLogger("resumable.storage.fsspec")
 
 MiB = 1 << 20
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,221}[a-z0-9]\Z")
-_OWN_OPTIONS = {"part_size", "max_concurrency", "allow_unconditional_commit", "max_attempts"}
+_OWN_OPTIONS = {
+    "part_size",
+    "max_concurrency",
+    "allow_unconditional_commit",
+    "max_attempts",
+    "connect_timeout",
+    "read_timeout",
+}
 
 
 def _status(exc: BaseException) -> int | None:
@@ -87,16 +95,30 @@ def _make_gcs(options: dict[str, Any]) -> Any:
     # call 60 s on an emulator; the plain class answers a real bucket the same for the
     # calls used here (no renames on object stores).
     try:
+        import aiohttp
         import gcsfs  # noqa: F401 (the package first: a missing one raises here)
         from gcsfs.core import GCSFileSystem
+        from gcsfs.retry import retry_request
     except ImportError as exc:
         raise CheckpointError(
-            "gs:// checkpoints need gcsfs, which is not installed: "
-            "pip install 'resumable-training[gcs]'"
+            "gs:// checkpoints need gcsfs, which is not installed: pip install gcsfs "
+            "(in a source checkout of resumable: pip install -e '.[gcs]')"
         ) from exc
+    attempts = max(1, int(options.pop("_max_attempts", 4)))
+    connect, read = options.pop("_timeouts", (10.0, 60.0))
     if "endpoint_url" not in options and os.environ.get("STORAGE_EMULATOR_HOST"):
         options.setdefault("token", "anon")  # an emulator takes no credentials
-    return GCSFileSystem(**options)
+    # gcsfs sends each request with no timeout at all, and retries it six times over
+    # about 35 s: a server that is not there took a minute to report. Both bounded here,
+    # as the S3 backend bounds boto3's.
+    options.setdefault(
+        "requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
+    )
+    fs = GCSFileSystem(**options)
+    raw = getattr(GCSFileSystem._request, "__wrapped__", None)
+    if raw is not None:
+        fs._request = types.MethodType(retry_request(retries=attempts)(raw), fs)
+    return fs
 
 
 def _make_azure(options: dict[str, Any]) -> Any:
@@ -105,9 +127,13 @@ def _make_azure(options: dict[str, Any]) -> Any:
     except ImportError as exc:
         raise CheckpointError(
             "az:// and abfs:// checkpoints need adlfs, which is not installed: "
-            "pip install 'resumable-training[azure]'"
+            "pip install adlfs azure-identity (in a source checkout of resumable: "
+            "pip install -e '.[azure]')"
         ) from exc
     attempts = int(options.pop("_max_attempts", 4))
+    connect, read = options.pop("_timeouts", (10.0, 60.0))
+    options.setdefault("connection_timeout", connect)
+    options.setdefault("read_timeout", read)
     try:
         fs = adlfs.AzureBlobFileSystem(**options)
     except ValueError as exc:
@@ -199,8 +225,10 @@ class FsspecStorage(Storage):
         part_size: size of each ranged read run in parallel, and of each upload block
             (default 32 MiB, at least 5 MiB).
         max_concurrency: ranges in flight per read (default 8).
-        max_attempts: tries per request on Azure, the first included (default 4); gcsfs
-            makes six, fixed by the library.
+        max_attempts: tries per request, the first included (default 4): a server
+            that is not there is reported after 7 to 10 s.
+        connect_timeout, read_timeout: seconds to connect, and to wait for the next
+            bytes of an answer (default 10 and 60).
         allow_unconditional_commit: accept a server that ignores create-only writes
             (one writer per root only), as for ``s3://``.
         anything else: passed to the filesystem (`gcsfs.GCSFileSystem`:
@@ -232,8 +260,11 @@ class FsspecStorage(Storage):
             if account is not None:
                 options.setdefault("account_name", account)
             options.update(skip_instance_cache=True, use_listings_cache=False)
-            if self.flavor is AZURE:
-                options["_max_attempts"] = attempts
+            options["_max_attempts"] = attempts
+            options["_timeouts"] = (
+                float(options.pop("connect_timeout", 10)),
+                float(options.pop("read_timeout", 60)),
+            )
             filesystem = self.flavor.make_fs(options)
         self.fs = filesystem
         self._conditional_ok: bool | None = None
