@@ -4,9 +4,10 @@ rank, launched by ``torchrun``.
 ``python -m torch.distributed.run --standalone --nproc-per-node=4 tests/ddp_bucket_job.py
 PHASE OUT``
 
-Each phase runs two variants of the same training side by side, checkpointed together
-under ``OUT/ckpt``: ``plain`` (DDP as it comes) and ``per_parameter`` (after
-`resumable.ddp.reduce_per_parameter`).
+Each phase runs three variants of the same training side by side, checkpointed together
+under ``OUT/ckpt``: ``plain`` (DDP as it comes), ``per_parameter`` (after
+`resumable.ddp.reduce_per_parameter`) and ``find_unused`` (``find_unused_parameters=True``,
+with which DDP never rebuilds its buckets).
 
 - ``first``: a fresh run, ``STOP`` steps, a checkpoint of step ``STOP``, then stops.
 - ``resume``: a new launch restores and trains to ``TOTAL``; then, in the same process,
@@ -36,7 +37,7 @@ from resumable.ddp import reduce_per_parameter
 SEED = 0
 STOP = 7
 TOTAL = 20
-VARIANTS = ("plain", "per_parameter")
+VARIANTS = ("plain", "per_parameter", "find_unused")
 
 
 def build(variant: str) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -44,7 +45,9 @@ def build(variant: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(SEED)
     inner = nn.Sequential(nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh())
     inner.append(nn.Linear(48, 4))
-    model: nn.Module = nn.parallel.DistributedDataParallel(inner)
+    model: nn.Module = nn.parallel.DistributedDataParallel(
+        inner, find_unused_parameters=variant == "find_unused"
+    )
     if variant == "per_parameter":
         model = reduce_per_parameter(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -3,7 +3,8 @@
 DDP rebuilds its gradient buckets after the first step of every launch, and at four
 ranks a ring all-reduce's rounding depends on where an element sits in its bucket, so a
 resumed run's first step differs from the uninterrupted run's by a few ulps (while two
-uninterrupted runs match). `resumable.ddp.reduce_per_parameter` makes the two identical.
+uninterrupted runs match). `resumable.ddp.reduce_per_parameter` makes the two identical,
+and so does ``find_unused_parameters=True`` (DDP then keeps its first layout).
 Two launches of `ddp_bucket_job` at world 4 (gloo, CPU): a run of 7 steps that stops,
 and the launch that resumes it to step 20 and computes its references.
 """
@@ -50,9 +51,10 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return resumed
 
 
-def test_per_parameter_resumed_run_is_bit_identical(resumed: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("variant", ["per_parameter", "find_unused"])
+def test_resumed_run_is_bit_identical(resumed: list[dict[str, Any]], variant: str) -> None:
     for report in resumed:
-        got = report["per_parameter"]
+        got = report[variant]
         assert got["references_equal"]
         assert got["ranks_agree"]
         assert got["resumed_equal"], f"rank {report['rank']}: max diff {got['max_diff']}"

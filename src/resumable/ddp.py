@@ -1,6 +1,6 @@
 """DDP gradient averaging whose bits do not depend on DDP's bucket layout.
 
-`DistributedDataParallel` averages gradients bucket by bucket: it copies them into flat
+``DistributedDataParallel`` averages gradients bucket by bucket: it copies them into flat
 buckets and all-reduces each bucket. The first step of every launch uses buckets in
 parameter order (one bucket unless ``find_unused_parameters=True``); after it, DDP
 rebuilds them once in the order the gradients became ready and keeps that layout. A
@@ -16,7 +16,9 @@ as its own tensor. An element's summation order then depends only on its paramet
 every launch computes the same bits at every step, resumed or not. The trade-off: as
 many collectives as parameter tensors instead of one per bucket (the same bytes; more
 calls, which costs latency on models with many small tensors), and the hook slot of the
-model is taken (DDP allows one comm hook). It is opt-in for those reasons.
+model is taken (DDP allows one comm hook). It is opt-in for those reasons. (With
+``find_unused_parameters=True`` DDP never rebuilds its buckets and needs no hook, at the
+cost of an autograd-graph traversal every step.)
 
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
 registration against the real types, not strings.
@@ -70,14 +72,14 @@ def per_parameter_allreduce(
 
 
 def reduce_per_parameter(model: nn.Module) -> nn.Module:
-    """Make ``model`` (a `DistributedDataParallel`) average gradients one parameter at a
+    """Make ``model`` (a ``DistributedDataParallel``) average gradients one parameter at a
     time, so a resumed run is bit-identical to an uninterrupted one (see the module
     docstring). Returns ``model``.
 
     Call it on every launch, right after wrapping and before the first forward, the
     same on every rank, in fresh and resumed runs alike (the numbers differ from plain
     DDP's by rounding, so all launches of one run must use it). Raises
-    `UnsupportedStateError` if ``model`` is not a `DistributedDataParallel` or already
+    `UnsupportedStateError` if ``model`` is not a ``DistributedDataParallel`` or already
     has a comm hook.
     """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
