@@ -959,8 +959,8 @@ def _restore_into(
                 return obj
             obj.load_state_dict(own(value) if own is not None and not copies else value)
             return obj
-    except StateMismatchError:
-        raise
+    except (StateMismatchError, CorruptCheckpointError):
+        raise  # a corrupt value (a DeepSpeedState tree) is skipped like a bad checksum
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise StateMismatchError(
             f"{_path_str(path)}: the checkpoint does not fit this object ({exc}). "

@@ -33,7 +33,9 @@ before the first `Checkpointer.save` (see ``docs/deepspeed.md``).
 Nothing here unpickles: the dicts go through the `Checkpointer`'s tree, and the few
 DeepSpeed objects in them (loss scalers, fragment addresses, the ZeRO stage enum) are
 written as tagged plain values and rebuilt from an allow-list of their classes (and
-``torch.Size``, which the tree would give back as a tuple).
+``torch.Size``, which the tree would give back as a tuple), each value checked for its
+type and range first. A tree that fails a check is a `CorruptCheckpointError`, which
+restore treats like a bad checksum (it skips to the older checkpoint).
 
 Not supported (the constructor raises `UnsupportedStateError`): pipeline parallelism
 (``PipelineEngine``), mixture of experts, NVMe offload, curriculum learning and random-LTD
@@ -43,7 +45,9 @@ Not supported (the constructor raises `UnsupportedStateError`): pipeline paralle
 from __future__ import annotations
 
 import enum
+import math
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -89,6 +93,32 @@ _SCALERS: dict[str, Any] = {
 }
 _ENUMS: dict[str, type[enum.Enum]] = {"ZeroStageEnum": ZeroStageEnum}
 _PLAIN_ATTRS = (bool, int, float, str, type(None), torch.dtype)
+
+# The attributes a loss scaler may be rebuilt with, each with its type and range
+# (`_check_value`), and the value an older tree without it gets (None: required). What
+# DeepSpeed 0.19's ``LossScaler``/``DynamicLossScaler.__init__`` set, and no more: an
+# entry can never replace a method or set anything else.
+_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_COMMON_ATTRS: dict[str, tuple[type, float | None, float | None, Any]] = {
+    "cur_scale": (float, 0.0, None, None),
+    "dynamic": (bool, None, None, None),
+}
+_SCALER_ATTRS: dict[str, dict[str, tuple[type, float | None, float | None, Any]]] = {
+    "LossScaler": dict(_COMMON_ATTRS),
+    "DynamicLossScaler": {
+        **_COMMON_ATTRS,
+        "cur_iter": (int, 0, 2**63 - 1, None),
+        "last_overflow_iter": (int, -1, 2**63 - 1, None),
+        "scale_factor": (float, 0.0, None, None),
+        "scale_window": (int, 1, 2**63 - 1, None),
+        "min_scale": (float, 0.0, None, None),
+        "delayed_shift": (int, 1, 2**63 - 1, None),
+        "cur_hysteresis": (int, 0, 2**63 - 1, None),
+        "consecutive_hysteresis": (bool, None, None, None),
+        "raise_error_at_min_scale": (bool, None, None, True),
+        "dtype": (torch.dtype, None, None, torch.float16),
+    },
+}
 
 
 class _MemoryEngine(CheckpointEngine):
@@ -238,6 +268,7 @@ class DeepSpeedState:
             )
         model = from_tree(sd["model_states"])
         zero = from_tree(sd["zero"]) if sd["zero"] is not None else None
+        _check_fragments(zero)
         if engine.zero_optimization() and zero is None:
             raise CorruptCheckpointError(
                 "the DeepSpeed checkpoint has no ZeRO optimizer state for this rank"
@@ -277,29 +308,149 @@ class DeepSpeedState:
 
 
 def _checked(state_dict: Any) -> dict[str, Any]:
-    if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
-        found = state_dict.get("format") if isinstance(state_dict, Mapping) else state_dict
+    """``state_dict`` as a `DeepSpeedState` tree whose every field `load_state_dict` and
+    `export_deepspeed` read has its type and range; else `CorruptCheckpointError`, like a
+    bad checksum, so that restore falls back to an older checkpoint before any live
+    object is touched."""
+    if not isinstance(state_dict, Mapping):
         raise CorruptCheckpointError(
-            f"expected a DeepSpeedState tree of format {FORMAT}, found format {found!r}"
+            f"expected a DeepSpeedState tree (a dict) of format {FORMAT}, found a "
+            f"{type(state_dict).__name__}"
+        )
+    if _int_or_none(state_dict.get("format")) != FORMAT:
+        raise CorruptCheckpointError(
+            f"expected a DeepSpeedState tree of format {FORMAT}, found format "
+            f"{state_dict.get('format')!r}"
         )
     sd = dict(state_dict)
-    for key, types in (
-        ("zero_stage", int),
-        ("bf16", bool),
-        ("fp16", bool),
-        ("dp_rank", int),
-        ("dp_world_size", int),
-        ("model_file", str),
-        ("model_states", Mapping),
-    ):
-        if not isinstance(sd.get(key), types):
+    _field(sd, "zero_stage", int, 0, 3)
+    _field(sd, "dp_world_size", int, 1, _MAX_RANKS)
+    _field(sd, "dp_rank", int, 0, sd["dp_world_size"] - 1)
+    for key in ("bf16", "fp16"):
+        _field(sd, key, bool)
+    for key in ("model_file", "zero_file"):
+        name = sd.get(key)
+        if key == "zero_file" and name is None and sd.get("zero") is None:
+            continue
+        if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
             raise CorruptCheckpointError(
-                f"DeepSpeedState tree: {key!r} should be a {getattr(types, '__name__', types)}, "
-                f"found {type(sd.get(key)).__name__}"
+                f"DeepSpeedState tree: {key!r} should be a plain file name like "
+                f"'mp_rank_00_model_states.pt', found {_shown(name)}"
             )
-    if sd.get("zero") is not None and not isinstance(sd["zero"], Mapping):
-        raise CorruptCheckpointError("DeepSpeedState tree: 'zero' should be a dict or None")
+    model = sd.get("model_states")
+    if not isinstance(model, Mapping):
+        raise CorruptCheckpointError(
+            f"DeepSpeedState tree: 'model_states' should be a dict, found {type(model).__name__}"
+        )
+    where = "DeepSpeedState tree: model_states"
+    if not isinstance(model.get("module"), Mapping):
+        raise CorruptCheckpointError(f"{where}: 'module' should be a dict of tensors")
+    _field(model, "global_steps", int, 0, _MAX_INT, where=where)
+    _field(model, "skipped_steps", int, 0, _MAX_INT, where=where)
+    _field(model, "dp_world_size", int, 1, _MAX_RANKS, where=where)
+    _field(model, "mp_world_size", int, 1, _MAX_RANKS, where=where)
+    if "global_samples" in model:
+        _field(model, "global_samples", int, 0, _MAX_INT, where=where)
+    for key in ("lr_scheduler", "optimizer"):
+        if model.get(key) is not None and not isinstance(model[key], Mapping):
+            raise CorruptCheckpointError(
+                f"{where}: {key!r} should be a dict or None, found {type(model[key]).__name__}"
+            )
+    zero = sd.get("zero")
+    if zero is not None and not (
+        isinstance(zero, Mapping) and isinstance(zero.get("optimizer_state_dict"), Mapping)
+    ):
+        raise CorruptCheckpointError(
+            "DeepSpeedState tree: 'zero' should be None or a dict with an "
+            f"'optimizer_state_dict' dict, found {_shown(zero)}"
+        )
     return sd
+
+
+def _check_fragments(zero: Any) -> None:
+    """Every ``fragment_address`` of a ZeRO 1/2 partition (``param_slice_mappings``: where
+    each parameter lies in this rank's fp32 partition, what ``ds_to_universal`` reads)
+    lies inside that partition; else `CorruptCheckpointError`."""
+    sd = zero.get("optimizer_state_dict") if isinstance(zero, Mapping) else None
+    if not isinstance(sd, Mapping) or sd.get("param_slice_mappings") is None:
+        return
+    mappings, parts = sd["param_slice_mappings"], sd.get("single_partition_of_fp32_groups")
+    if not (
+        isinstance(mappings, list)
+        and isinstance(parts, list)
+        and len(mappings) == len(parts)
+        and all(isinstance(m, Mapping) for m in mappings)
+        and all(isinstance(t, torch.Tensor) for t in parts)
+    ):
+        raise CorruptCheckpointError(
+            "DeepSpeedState tree: 'param_slice_mappings' should be one dict per fp32 "
+            "partition in 'single_partition_of_fp32_groups'"
+        )
+    for group, (mapping, part) in enumerate(zip(mappings, parts)):
+        for name, frag in mapping.items():
+            if not isinstance(frag, fragment_address) or frag.start + frag.numel > part.numel():
+                raise CorruptCheckpointError(
+                    f"DeepSpeedState tree: the fragment of {str(name)[:80]!r} in group {group} "
+                    f"({_shown(frag)}) does not lie in that group's fp32 partition of "
+                    f"{part.numel()} elements"
+                )
+
+
+_MAX_INT = 2**63 - 1
+"""Counters, element counts and offsets are int64 in torch: a larger one is corrupt."""
+_MAX_RANKS = 2**31 - 1
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: its type and a short repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _field(
+    node: Mapping[str, Any],
+    key: str,
+    kind: type,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    where: str = "DeepSpeedState tree",
+) -> None:
+    """Raise `CorruptCheckpointError` unless ``node[key]`` is a ``kind`` (exactly: a
+    bool is no int, an int is a float) within ``[lo, hi]``, finite."""
+    value = node.get(key, _MISSING)
+    _check_value(value, kind, lo, hi, f"{where}: {key!r}")
+
+
+_MISSING = object()
+
+
+def _check_value(value: Any, kind: type, lo: float | None, hi: float | None, what: str) -> None:
+    if value is _MISSING:
+        raise CorruptCheckpointError(f"{what} is missing")
+    if kind is float:  # an int too, if a float can hold it
+        ok = (type(value) is float and math.isfinite(value)) or (
+            type(value) is int and abs(value) <= 2**1023
+        )
+    else:
+        ok = type(value) is kind
+    if ok and lo is not None and value < lo:
+        ok = False
+    if ok and hi is not None and value > hi:
+        ok = False
+    if not ok:
+        expected = {int: "an integer", float: "a finite number", bool: "true or false"}.get(
+            kind, kind.__name__
+        )
+        span = ""
+        if lo is not None or hi is not None:
+            span = f" in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise CorruptCheckpointError(f"{what} should be {expected}{span}, found {_shown(value)}")
 
 
 def state_sha256(engine: Any) -> str:
@@ -349,6 +500,14 @@ def to_tree(v: Any) -> Any:
         return {TAG_KEY: "size", "dims": [int(d) for d in v]}
     if type(v).__name__ in _SCALERS and isinstance(v, _SCALERS[type(v).__name__]):
         attrs = {k: a for k, a in vars(v).items() if isinstance(a, _PLAIN_ATTRS)}
+        unknown = sorted(set(attrs) - set(_SCALER_ATTRS[type(v).__name__]))
+        if unknown:  # a newer DeepSpeed: refused now rather than restored without them
+            raise UnsupportedStateError(
+                f"DeepSpeed's {type(v).__name__} has attribute(s) {unknown} that "
+                "resumable's DeepSpeed codec does not know (written by another DeepSpeed "
+                f"than {deepspeed.__version__}?); it would not restore them. Use the "
+                "DeepSpeed version resumable was tested with (docs/deepspeed.md)"
+            )
         return {TAG_KEY: "loss_scaler", "class": type(v).__name__, "attrs": attrs}
     if isinstance(v, Mapping):
         return {k: to_tree(x) for k, x in v.items()}
@@ -375,29 +534,100 @@ def from_tree(v: Any) -> Any:
 
 
 def _rebuild(tag: Any, node: Mapping[str, Any]) -> Any:
-    try:
-        if tag == "enum":
-            return _ENUMS[node["class"]](node["value"])
-        if tag == "fragment_address":
-            return fragment_address(numel=int(node["numel"]), start=int(node["start"]))
-        if tag == "size":
-            dims = node["dims"]
-            if not isinstance(dims, list) or not all(type(d) is int and d >= 0 for d in dims):
-                raise TypeError("dims must be a list of non-negative ints")
-            return torch.Size(dims)
-        if tag == "loss_scaler":
-            cls = _SCALERS[node["class"]]
-            attrs = node["attrs"]
-            if not isinstance(attrs, Mapping) or not all(
-                isinstance(k, str) and isinstance(a, _PLAIN_ATTRS) for k, a in attrs.items()
-            ):
-                raise TypeError("attributes must be plain values")
-            obj = cls.__new__(cls)
-            obj.__dict__.update(attrs)
-            return obj
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"DeepSpeedState tree: bad {tag!r} node: {exc!r}") from None
-    raise CorruptCheckpointError(f"DeepSpeedState tree: unknown tagged node {tag!r}")
+    """The DeepSpeed object a tagged node stands for, every field checked for its type
+    and range first; a bad node is a `CorruptCheckpointError` naming what was wrong."""
+    fields = (
+        {
+            "enum": {"class", "value"},
+            "fragment_address": {"numel", "start"},
+            "size": {"dims"},
+            "loss_scaler": {"class", "attrs"},
+        }.get(tag)
+        if isinstance(tag, str)
+        else None
+    )
+    if fields is None:
+        raise CorruptCheckpointError(
+            f"DeepSpeedState tree: unknown tagged node {_shown(tag)}; expected one of "
+            "'enum', 'fragment_address', 'size', 'loss_scaler'"
+        )
+    where = f"DeepSpeedState tree: bad {tag!r} node"
+    if set(node) != fields | {TAG_KEY}:
+        raise CorruptCheckpointError(
+            f"{where}: expected the fields {sorted(fields)}, found {sorted(map(str, node))}"
+        )
+    if tag == "enum":
+        cls = _ENUMS.get(node["class"]) if isinstance(node["class"], str) else None
+        if cls is None:
+            raise CorruptCheckpointError(
+                f"{where}: class should be one of {sorted(_ENUMS)}, found {_shown(node['class'])}"
+            )
+        members = [m.value for m in cls]
+        if type(node["value"]) is not int or node["value"] not in members:
+            raise CorruptCheckpointError(
+                f"{where}: a {cls.__name__} value should be one of {members}, found "
+                f"{_shown(node['value'])}"
+            )
+        return cls(node["value"])
+    if tag == "fragment_address":
+        _check_value(node["numel"], int, 0, _MAX_INT, f"{where}: numel")
+        _check_value(node["start"], int, 0, _MAX_INT - node["numel"], f"{where}: start")
+        return fragment_address(numel=node["numel"], start=node["start"])
+    if tag == "size":
+        dims = node["dims"]
+        if not isinstance(dims, list) or len(dims) > _MAX_DIMS:
+            raise CorruptCheckpointError(
+                f"{where}: dims should be a list of at most {_MAX_DIMS} sizes, found {_shown(dims)}"
+            )
+        for d in dims:
+            _check_value(d, int, 0, _MAX_INT, f"{where}: a dimension")
+        if math.prod(dims) > _MAX_INT:
+            raise CorruptCheckpointError(f"{where}: dims {dims} hold more than 2**63 - 1 elements")
+        return torch.Size(dims)
+    cls_name = node["class"]
+    allowed = _SCALER_ATTRS.get(cls_name) if isinstance(cls_name, str) else None
+    if allowed is None or cls_name not in _SCALERS:
+        raise CorruptCheckpointError(
+            f"{where}: class should be one of {sorted(_SCALERS)}, found {_shown(cls_name)}"
+        )
+    attrs = node["attrs"]
+    if not isinstance(attrs, Mapping):
+        raise CorruptCheckpointError(f"{where}: attrs should be a dict, found {_shown(attrs)}")
+    unknown = sorted(str(k) for k in attrs if k not in allowed)
+    if unknown:
+        raise CorruptCheckpointError(
+            f"{where}: a {cls_name} has no attribute(s) {unknown} to restore; allowed: "
+            f"{sorted(allowed)}"
+        )
+    values: dict[str, Any] = {}
+    for name, (kind, lo, hi, default) in allowed.items():
+        if name not in attrs and default is not None:
+            values[name] = default
+            continue
+        what = f"{where}: {cls_name}.{name}"
+        if kind is torch.dtype:
+            if not any(attrs.get(name) is d for d in _SCALE_DTYPES):
+                raise CorruptCheckpointError(
+                    f"{what} should be one of {[str(d) for d in _SCALE_DTYPES]}, found "
+                    f"{_shown(attrs.get(name))}"
+                )
+        else:
+            _check_value(attrs.get(name, _MISSING), kind, lo, hi, what)
+        values[name] = attrs[name]
+    if values["cur_scale"] <= 0 or values.get("scale_factor", 1.0) <= 0:
+        raise CorruptCheckpointError(f"{where}: the loss scale and its factor must be positive")
+    if values["dynamic"] != (cls_name == "DynamicLossScaler"):
+        raise CorruptCheckpointError(
+            f"{where}: a {cls_name} has dynamic={cls_name == 'DynamicLossScaler'}, found "
+            f"{values['dynamic']!r}"
+        )
+    cls = _SCALERS[cls_name]
+    obj = cls.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
+_MAX_DIMS = 64
 
 
 # ---------------------------------------------------------------- export
@@ -449,23 +679,23 @@ def export_deepspeed(
         names = list(dict.fromkeys(n for _, n in capture_mod.iter_tensor_refs(tree)))
         values = capture_mod.decode(tree, reader.tensors(names, verify=True), "cpu")
         per_rank.append(_checked(values[key]))
-    first = per_rank[0]
-    model0 = from_tree(first["model_states"])
-    tag = f"global_step{int(model0['global_steps'])}"
+    # Every rank's files rebuilt (and so checked) before anything is written.
+    files: dict[str, Any] = {}
+    for sd in per_rank:
+        for name, tree_value in (
+            (sd["model_file"], sd["model_states"]),
+            (sd["zero_file"], sd["zero"]),
+        ):
+            # ZeRO 0-2: every rank kept the model states; rank 0's go.
+            if tree_value is not None and name not in files:
+                files[name] = from_tree(tree_value)
+                if tree_value is sd["zero"]:
+                    _check_fragments(files[name])
+    tag = f"global_step{per_rank[0]['model_states']['global_steps']}"
     out = os.path.join(os.fspath(out_dir), tag)
     os.makedirs(out, exist_ok=True)
-    written: set[str] = set()
-    for sd in per_rank:
-        files = [(sd["model_file"], sd["model_states"])]
-        if sd["zero"] is not None:
-            files.append((sd["zero_file"], sd["zero"]))
-        for name, tree_value in files:
-            if name in written:  # ZeRO 0-2: every rank kept the model states; rank 0's go
-                continue
-            written.add(name)
-            if os.path.isabs(name) or ".." in name.split("/"):
-                raise CorruptCheckpointError(f"DeepSpeedState tree: bad file name {name!r}")
-            torch.save(from_tree(tree_value), os.path.join(out, name))
+    for name, value in files.items():
+        torch.save(value, os.path.join(out, name))
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")
     if os.path.isfile(script):
         shutil.copyfile(script, os.path.join(out_dir, "zero_to_fp32.py"))
