@@ -65,6 +65,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    NoCheckpointError,
     StateMismatchError,
     UnsupportedStateError,
 )
@@ -653,18 +654,32 @@ def export_deepspeed(
         url: the checkpoint root (as given to the `Checkpointer`).
         step: the step to export (default: the newest committed one).
         key: the state key the `DeepSpeedState` was saved under.
+        storage_options: for an object-store root, what the `Checkpointer` was given
+            (``endpoint_url``, credentials, ...).
+
+    Raises:
+        NoCheckpointError: nothing is committed in ``url`` (or not ``step``).
+        CorruptCheckpointError: the checkpoint fails its checks.
     """
     from resumable import capture as capture_mod
     from resumable.commit import list_committed
     from resumable.reader import CheckpointReader
     from resumable.storage import open_storage
 
-    storage = open_storage(url, **dict(storage_options or {}))
+    storage = open_storage(url, storage_options)
     steps = list_committed(storage)
+    if step is None and not steps:
+        raise NoCheckpointError(
+            f"no committed checkpoint in {storage.url} to export; check the root (the "
+            "Checkpointer's url) and that a save of the job committed"
+        )
     if step is None:
-        if not steps:
-            raise CorruptCheckpointError(f"no committed checkpoint in {storage.url}")
         step = steps[-1]
+    elif step not in steps:
+        raise NoCheckpointError(
+            f"no committed checkpoint for step {step} in {storage.url}; committed steps: "
+            f"{steps[-10:]}"
+        )
     reader = CheckpointReader(storage, step)
     ranks = reader.manifest["ranks"]
     per_rank: list[dict[str, Any]] = []
