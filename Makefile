@@ -1,6 +1,7 @@
 # Every target bootstraps its own virtual environment in .venv, which also gets the command
 # line: .venv/bin/resumable. `make demo` installs what the demo needs (torch, scikit-learn,
-# the library); every other target installs the whole development toolchain as well.
+# the library), `make docs` what the API reference needs (the library, pdoc); every other
+# target installs the whole development toolchain as well.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -43,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	else echo "npm not found: tests on az:// (Azurite) will be skipped"; fi
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		|| echo "chromium not installed: the report's browser tests will skip"
-	touch $@ $(DEMO_STAMP)
+	touch $@ $(DEMO_STAMP) $(VENV)/.installed-docs
 
 install: $(STAMP)
 
@@ -58,9 +59,17 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # The API reference, from the docstrings, in build/api; fails on an import error or a
-# docstring that names something that does not exist.
-docs: $(STAMP)
+# docstring that names something that does not exist. It needs the library and pdoc
+# only (the `docs` extra, torch pinned as above), not the development toolchain; a
+# development install already holds both.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): pyproject.toml Makefile
+	$(call venv_install,docs)
+	touch $@
+
+docs: $(DOCS_STAMP)
 	$(PY) docs/build_api.py --out build/api
+	@echo "the API reference: build/api/index.html"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py stress
