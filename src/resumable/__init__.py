@@ -10,8 +10,7 @@ ckpt.close()
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from resumable._version import __version__
 from resumable.capture import Stateful
 from resumable.errors import (
     CheckpointError,

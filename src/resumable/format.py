@@ -36,8 +36,9 @@ import numpy as np
 import torch
 import xxhash
 
-from resumable.distributed import check_pieces, global_tensors
+from resumable._version import __version__
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
+from resumable.pieces import check_pieces, global_tensors
 from resumable.tree import check_tree
 
 FORMAT_NAME = "resumable-checkpoint"
@@ -281,8 +282,6 @@ def _entry(name: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    from resumable import __version__
-
     return {
         "resumable": __version__,
         "torch": torch.__version__,

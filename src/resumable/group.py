@@ -1,0 +1,118 @@
+"""This process's place in a job of several ranks, and the collectives checkpointing uses.
+
+`Group` holds the rank, the world size and a side gloo group with a bounded timeout,
+used only by checkpointing, so its collectives never interleave with training's. It
+offers the three collectives a coordinated commit and a coordinated restore need. A
+failed collective raises `PersistError` on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from resumable.errors import PersistError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class Group:
+    """This process's place in the job, and the collectives checkpointing uses."""
+
+    def __init__(self, rank: int, world_size: int, pg: Any = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.pg = pg
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: Any, name: str = "") -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (``name`` is for
+        `resumable.coordination`'s interface)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.pg)
+        except RuntimeError as exc:  # a rank died, hung past the timeout, or the group broke
+            raise PersistError(
+                f"rank {self.rank}: checkpoint coordination with the other ranks failed "
+                f"({str(exc).splitlines()[0][:300]}); nothing was committed by this step"
+            ) from exc
+        return out
+
+    def broadcast(self, obj: Any, name: str = "") -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.pg)
+        except RuntimeError as exc:
+            raise PersistError(
+                f"rank {self.rank}: checkpoint coordination with rank 0 failed "
+                f"({str(exc).splitlines()[0][:300]})"
+            ) from exc
+        return box[0]
+
+    def abandon(self, reason: str) -> None:
+        """Nothing to tell: when a collective fails, it fails on every rank."""
+
+    def close(self) -> None:
+        """Destroy the side group while the interpreter is fully alive: gloo's worker
+        threads otherwise outlive it and can abort the process at exit (SIGABRT,
+        "terminate called without an active exception")."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group(pg)
+            except Exception as exc:  # already destroyed with the default group
+                log.debug("destroying the checkpoint process group: %s", exc)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a one-integer all-reduce)."""
+        if self.world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+        return bool(t.item())
+
+    def _failed(self, exc: BaseException) -> PersistError:
+        return PersistError(
+            f"rank {self.rank}: checkpoint coordination with the other ranks failed "
+            f"({str(exc).splitlines()[0][:300]})"
+        )
+
+
+def current_group(timeout_s: float | None = None) -> Group | None:
+    """The job's `Group` if ``torch.distributed`` is initialised with more than one
+    rank, else None (a single process keeps the single-process path)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    # A side group: checkpoint collectives never interleave with training's. Gloo, so
+    # small host-side messages need no GPU; created collectively, once, at construction.
+    pg = dist.new_group(backend="gloo", timeout=timeout)
+    return Group(dist.get_rank(), dist.get_world_size(), pg)

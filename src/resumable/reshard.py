@@ -1,0 +1,129 @@
+"""Resharding on restore: each live tensor filled from the pieces that overlap it.
+
+`GlobalLoader` fills each live target (a DTensor's local shard, or a whole tensor) from
+whichever stored pieces overlap it, whatever world size wrote them. Which byte ranges of
+which pieces to copy is planned by ``torch.distributed.checkpoint``'s own planner helper
+(``create_read_items_for_chunk_list``), as ``dcp.load`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from resumable.errors import CorruptCheckpointError, StateMismatchError
+from resumable.format import dtype_from_name
+from resumable.pieces import global_tensors, is_dtensor
+
+
+class GlobalLoader:
+    """Builds the value of each global tensor for this rank from the pieces of a
+    checkpoint, shaped like the live target (see module doc)."""
+
+    def __init__(self, reader: Any, live: Mapping[str, Any]) -> None:
+        self.reader = reader
+        self.live = live
+        self.where = reader.where
+        # Validated when the manifest was read: the pieces of each tensor tile it.
+        self.globals = global_tensors(reader.manifest["tensors"])
+        self._values: dict[str, torch.Tensor] = {}
+
+    def prepare(self, fqns: list[str]) -> None:
+        """Read (and checksum) every piece this rank needs for ``fqns``, once."""
+        plans = {f: self._plan(f) for f in fqns}
+        names = sorted({item[0] for plan in plans.values() for item in plan[2]})
+        read = self.reader.tensors(names, verify=True) if names else {}
+        for fqn, (local_shape, dtype, items) in plans.items():
+            out = torch.empty(local_shape, dtype=dtype)
+            for name, src_off, dst_off, lengths in items:
+                src = read[name]
+                dst = out
+                for d, (so, do, n) in enumerate(zip(src_off, dst_off, lengths)):
+                    src = src.narrow(d, so, n)
+                    dst = dst.narrow(d, do, n)
+                dst.copy_(src)
+            self._values[fqn] = out
+
+    def _plan(self, fqn: str) -> tuple[tuple[int, ...], torch.dtype, list[Any]]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+        from torch.distributed.checkpoint.planner_helpers import (
+            create_read_items_for_chunk_list,
+        )
+
+        if fqn not in self.globals:
+            raise StateMismatchError(f"{self.where}: the checkpoint has no tensor {fqn!r}")
+        spec = self.globals[fqn]
+        gshape, dtype = spec.shape, dtype_from_name(spec.dtype)
+        saved = [p for p in spec.pieces if math.prod(p.shape)]
+        live = self.live.get(fqn)
+        if live is not None and tuple(live.shape) != gshape:
+            raise StateMismatchError(
+                f"{fqn}: the checkpoint holds shape {list(gshape)}, the live tensor is "
+                f"{list(live.shape)}; restore into the same model it was saved from"
+            )
+        if live is not None and is_dtensor(live):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local_shape, offset = compute_local_shape_and_global_offset(
+                live.shape, live.device_mesh, live.placements
+            )
+            local_shape, offset = tuple(local_shape), tuple(offset)
+        else:
+            local_shape, offset = gshape, (0,) * len(gshape)
+        by_offset = {p.offset: p for p in saved}
+        md = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(gshape),
+            chunks=[ChunkStorageMetadata(torch.Size(p.offset), torch.Size(p.shape)) for p in saved],
+        )
+        target = ChunkStorageMetadata(torch.Size(offset), torch.Size(local_shape))
+        items = []
+        if math.prod(local_shape):
+            for it in create_read_items_for_chunk_list(fqn, md, [target]):
+                src = by_offset[tuple(it.storage_index.offset or ())]
+                items.append(
+                    (src.name, tuple(it.storage_offsets), tuple(it.dest_offsets), tuple(it.lengths))
+                )
+        return local_shape, dtype, items
+
+    def assemble(self, fqn: str) -> torch.Tensor:
+        """The whole of ``fqn`` as one tensor, read from its pieces and not kept (export
+        holds one tensor at a time). Needs no live target and no process group."""
+        self.prepare([fqn])
+        return self._values.pop(fqn)
+
+    def spec(self, fqn: str) -> tuple[tuple[int, ...], str]:
+        """Global shape and dtype name of ``fqn``."""
+        if fqn not in self.globals:
+            raise CorruptCheckpointError(f"{self.where}: no pieces of {fqn!r}")
+        return self.globals[fqn].shape, self.globals[fqn].dtype
+
+    def value(self, fqn: str) -> torch.Tensor:
+        """The restored value of ``fqn``: a DTensor like the live one, or a tensor."""
+        if fqn not in self._values:
+            self.prepare([fqn])
+        return shaped_like(self._values[fqn], self.live.get(fqn))
+
+
+def shaped_like(local: torch.Tensor, live: Any) -> torch.Tensor:
+    """``local`` as the live target holds it: a DTensor with the live one's mesh and
+    placements when ``live`` is a DTensor, else ``local`` itself."""
+    if live is None or not is_dtensor(live):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        live.device_mesh,
+        live.placements,
+        run_check=False,
+        shape=live.shape,
+        stride=live.stride(),
+    )
