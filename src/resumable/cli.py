@@ -287,7 +287,9 @@ def _add_shm_dir(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -> dict[str, Any]:
+def _checkpoint_row(
+    storage: Storage, step: int, pinned: set[int], full: bool, bar: _ByteProgress
+) -> dict[str, Any]:
     name = step_dir(step)
     row: dict[str, Any] = {
         "step": step,
@@ -300,7 +302,7 @@ def _checkpoint_row(storage: Storage, step: int, pinned: set[int], full: bool) -
         "pinned": step in pinned,
         "metrics": {},
     }
-    reader = CheckpointReader(storage, step)
+    reader = _ProgressReader(storage, step, bar) if full else CheckpointReader(storage, step)
     try:
         manifest = reader.manifest
         row["bytes"] = _declared_bytes(manifest)
@@ -405,7 +407,11 @@ def _restore_pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def run_ls(args: argparse.Namespace) -> int:
     storage = _open(args)
     pinned = pinned_steps(storage)
-    rows = [_checkpoint_row(storage, s, pinned, args.verify) for s in list_committed(storage)]
+    steps = list_committed(storage)
+    with _ByteProgress("verifying", enabled=args.verify) as bar:
+        if bar.active:
+            bar.set_total(_checkpoint_bytes(storage, steps))
+        rows = [_checkpoint_row(storage, s, pinned, args.verify, bar) for s in steps]
     rows += _incomplete_rows(storage, pinned)
     rows += _memory_rows(storage, Path(args.shm_dir))
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
@@ -629,13 +635,17 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         steps = [_newest(storage)]
     results: list[dict[str, Any]] = []
-    for step in progress_bar(steps, len(steps), "verifying"):
-        try:
-            nbytes = CheckpointReader(storage, step).verify()
-        except CorruptCheckpointError as exc:
-            results.append({"step": step, "ok": False, "bytes": None, "error": str(exc)})
-        else:
-            results.append({"step": step, "ok": True, "bytes": nbytes, "error": None})
+    with _ByteProgress("verifying") as bar:
+        if bar.active:
+            bar.set_total(_checkpoint_bytes(storage, steps))
+        for step in steps:
+            bar.describe(f"verifying {step_dir(step)}")
+            try:
+                nbytes = _ProgressReader(storage, step, bar).verify()
+            except CorruptCheckpointError as exc:
+                results.append({"step": step, "ok": False, "bytes": None, "error": str(exc)})
+            else:
+                results.append({"step": step, "ok": True, "bytes": nbytes, "error": None})
     if args.json:
         _print_json(results)
     else:
@@ -702,7 +712,9 @@ def _top_keys(tree: Any) -> list[str]:
     return [str(p[0]) for p in pairs if isinstance(p, list) and len(p) == 2]
 
 
-def _export(storage: Storage, step: int, key: str, out: Path) -> tuple[int, int]:
+def _export(
+    storage: Storage, step: int, key: str, out: Path, bar: _ByteProgress
+) -> tuple[int, int]:
     """Write the tensors under ``key`` of checkpoint ``step`` to ``out`` as one safetensors
     file, one tensor in memory at a time: a tensor sharded over several ranks is
     assembled from its pieces, written, and dropped before the next. Returns (tensors,
@@ -733,13 +745,15 @@ def _export(storage: Storage, step: int, key: str, out: Path) -> tuple[int, int]
 
     def chunks() -> Iterator[Any]:
         yield safetensors_header(slots, metadata)
-        for slot in progress_bar(slots, len(slots), "exporting"):
+        bar.start_over(f"exporting {key} of {step_dir(step)}", offset)
+        for slot in slots:
             tag, name = names[slot.name]
             if tag == "global":
                 t = loader.assemble(name)
             else:
                 t = reader.tensors([name], verify=True)[name]
             yield byte_view(t.contiguous().reshape(-1).view(torch.uint8))
+            bar.advance(slot.nbytes)
 
     _write_atomic(chunks(), out)
     return len(slots), offset
@@ -777,34 +791,35 @@ def run_export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, f"directory {out.parent} of --out does not exist")
     storage = _open(args)
-    if args.step is not None or args.exact:
-        step = _newest(storage) if args.step is None else _require_step(storage, args.step)
-        try:
-            count, nbytes = _export(storage, step, args.key, out)
-        except CorruptCheckpointError as exc:
-            if args.step is not None:
-                raise
-            raise CorruptCheckpointError(
-                f"{exc}; --exact does not fall back to an older checkpoint (leave it out to "
-                "export the newest valid one)"
-            ) from exc
-    else:
-        candidates = list(reversed(list_committed(storage)))
-        if not candidates:
-            raise NoCheckpointError(f"no committed checkpoint in {storage.url}")
-        problems = []
-        for step in candidates:
+    with _ByteProgress("exporting") as bar:
+        if args.step is not None or args.exact:
+            step = _newest(storage) if args.step is None else _require_step(storage, args.step)
             try:
-                count, nbytes = _export(storage, step, args.key, out)
-                break
+                count, nbytes = _export(storage, step, args.key, out, bar)
             except CorruptCheckpointError as exc:
-                _say_err(f"{PROG}: skipping corrupt {step_dir(step)}: {exc}")
-                problems.append(step_dir(step))
+                if args.step is not None:
+                    raise
+                raise CorruptCheckpointError(
+                    f"{exc}; --exact does not fall back to an older checkpoint (leave it out to "
+                    "export the newest valid one)"
+                ) from exc
         else:
-            raise CorruptCheckpointError(
-                f"none of the {len(candidates)} checkpoint(s) in {storage.url} is valid "
-                f"({', '.join(problems)}); run `resumable verify --all {args.dir}`"
-            )
+            candidates = list(reversed(list_committed(storage)))
+            if not candidates:
+                raise NoCheckpointError(f"no committed checkpoint in {storage.url}")
+            problems = []
+            for step in candidates:
+                try:
+                    count, nbytes = _export(storage, step, args.key, out, bar)
+                    break
+                except CorruptCheckpointError as exc:
+                    _say_err(f"{PROG}: skipping corrupt {step_dir(step)}: {exc}")
+                    problems.append(step_dir(step))
+            else:
+                raise CorruptCheckpointError(
+                    f"none of the {len(candidates)} checkpoint(s) in {storage.url} is valid "
+                    f"({', '.join(problems)}); run `resumable verify --all {args.dir}`"
+                )
     _console().print(
         _text(
             f"exported {count} tensors ({_human_bytes(nbytes)}) of {args.key!r} "
@@ -956,10 +971,14 @@ def run_report(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- progress
 
 
+def _stderr_is_terminal() -> bool:
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
 def progress_bar(items: Iterable[Any], total: int, what: str) -> Iterator[Any]:
     """``items``, with a progress bar on stderr while it is a terminal and ``total`` is
     more than one; silent otherwise (pipes, logs, tests)."""
-    if total <= 1 or not sys.stderr.isatty():
+    if total <= 1 or not _stderr_is_terminal():
         yield from items
         return
     from rich.progress import (
@@ -976,6 +995,137 @@ def progress_bar(items: Iterable[Any], total: int, what: str) -> Iterator[Any]:
         for item in items:
             yield item
             bar.advance(task)
+
+
+# Tensors read and checked per step of the bar: large enough that the checks still
+# share the cores (`CheckpointReader.tensors` does from 8 MiB), small enough that the
+# bar moves every fraction of a second.
+_PROGRESS_BATCH = 64 << 20
+
+
+class _ByteProgress:
+    """A bar of bytes read and checked, on stderr while it is a terminal; silent (and
+    `active` false) otherwise: pipes, logs, tests. Used as a context manager by the
+    command that reads; `set_total` once the total is known, `advance` per batch."""
+
+    def __init__(self, what: str, enabled: bool = True) -> None:
+        self.what = what
+        self.active = enabled and _stderr_is_terminal()
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _ByteProgress:
+        if self.active:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(self.what, total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def set_total(self, total: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=printable(text))
+
+    def start_over(self, text: str, total: int) -> None:
+        """The bar empty again, for ``total`` bytes of another piece of work."""
+        if self._bar is not None:
+            self._bar.update(self._task, description=printable(text), total=total, completed=0)
+
+    def advance(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, nbytes)
+
+
+def _tensor_nbytes(info: Any) -> int:
+    try:
+        return math.prod(info["shape"]) * itemsize(info["dtype"])
+    except (KeyError, TypeError, ValueError, CheckpointError):
+        return 0
+
+
+def _checkpoint_bytes(storage: Storage, steps: Iterable[int]) -> int:
+    """The tensor bytes of ``steps`` a full check reads (unreadable manifests: 0)."""
+    total = 0
+    for step in steps:
+        try:
+            index = CheckpointReader(storage, step).manifest["tensors"]
+        except (CheckpointError, OSError):
+            continue
+        total += sum(_tensor_nbytes(info) for info in index.values())
+    return total
+
+
+class _ProgressReader(CheckpointReader):
+    """A `CheckpointReader` whose read of every tensor (``tensors()``, as `verify`
+    makes it) goes in batches of `_PROGRESS_BATCH` bytes in the files' order, each
+    batch read and checked as one, the bar advanced after each. Without an active bar
+    it reads as its parent does, in one call."""
+
+    def __init__(self, storage: Storage, step: int, bar: _ByteProgress) -> None:
+        super().__init__(storage, step)
+        self._bar = bar
+
+    def tensors(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        verify: bool = True,
+        into: Any = None,
+    ) -> dict[str, torch.Tensor]:
+        if names is not None or into is not None or not self._bar.active:
+            return super().tensors(names, verify=verify, into=into)
+        index = self.manifest["tensors"]
+        out: dict[str, torch.Tensor] = {}
+        for batch in _batches(index):
+            out.update(super().tensors(batch, verify=verify))
+            self._bar.advance(sum(_tensor_nbytes(index[n]) for n in batch))
+        return out
+
+
+def _batches(index: dict[str, Any]) -> Iterator[list[str]]:
+    """The tensor names of ``index`` in the files' order (tensors in pieces last), cut
+    into runs of about `_PROGRESS_BATCH` bytes."""
+
+    def where(name: str) -> tuple[int, str, int]:
+        info = index[name]
+        if "chunks" in info or "extents" in info or "offsets" not in info:
+            return (1, "", 0)
+        return (0, str(info.get("file")), int(info["offsets"][0]))
+
+    batch: list[str] = []
+    size = 0
+    for name in sorted(index, key=where):
+        batch.append(name)
+        size += _tensor_nbytes(index[name])
+        if size >= _PROGRESS_BATCH:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 # --------------------------------------------------------------------------- shm
