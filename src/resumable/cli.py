@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
@@ -68,6 +68,9 @@ from resumable.reader import CheckpointReader
 from resumable.retention import PINS_DIR, apply_retention, pinned_steps
 from resumable.storage import OBJECT_SCHEMES, LocalStorage, Storage, open_storage
 from resumable.storage.writeback import write_all
+
+if TYPE_CHECKING:
+    from resumable.shm import SegmentInfo
 
 log = logging.getLogger(__name__)
 
@@ -1144,6 +1147,18 @@ def _shm_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --clean: remove those too, losing that progress",
     )
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        help="only the segments of this checkpoint root: named for it on this host, or "
+        "recording it as their root (other jobs' segments are left alone)",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="with --root: also the segments that record no root and are named for "
+        "another one (written by an older version; nobody can tell whose they are)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
 
@@ -1191,8 +1206,12 @@ def run_shm(args: argparse.Namespace) -> int:
 
     if args.force and not args.clean:
         raise ValueError("--force only applies to --clean")
+    if args.all and args.root is None:
+        raise ValueError("--all only applies to --root (without --root every segment is listed)")
     directory = Path(args.shm_dir)
     segments = list(list_segments(directory))
+    belongs = _root_filter(args.root, args.all, segments)
+    segments = [seg for seg in segments if belongs(seg.path, seg.root)]
     roots = {seg.root: _root_state(seg.root) for seg in segments}
     rows: list[dict[str, Any]] = []
     for seg in segments:
@@ -1215,7 +1234,15 @@ def run_shm(args: argparse.Namespace) -> int:
     if args.clean:
         at_risk = {Path(r["path"]) for r in rows if r["unsaved"] is not False}
         spare = set() if args.force else at_risk
-        removed = {str(p) for p in remove_dead_segments(directory, spare=spare)}
+        chosen = {seg.path for seg in segments}
+        removed = {
+            str(p)
+            for p in remove_dead_segments(
+                directory,
+                spare=spare,
+                select=None if args.root is None else lambda p: p in chosen or belongs(p, None),
+            )
+        }
         for r in rows:
             r["removed"] = r["path"] in removed
             r["kept"] = Path(r["path"]) in spare and not r["in_use"]
@@ -1224,7 +1251,8 @@ def run_shm(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     if not rows:
-        console.print(_text(f"no resumable shared-memory segments of this user in {directory}"))
+        of = "" if args.root is None else f" of {args.root}"
+        console.print(_text(f"no resumable shared-memory segments{of} of this user in {directory}"))
         return 0
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in ("segment", "size", "owner", "step", "root", "committed", "unsaved", "state"):
@@ -1258,6 +1286,48 @@ def run_shm(args: argparse.Namespace) -> int:
         elif not args.clean:
             console.print(_text(f"{r['path']}: {loss}; `--clean` keeps it unless --force"))
     return 0
+
+
+def _root_filter(
+    root: str | None, everything: bool, segments: Iterable[SegmentInfo]
+) -> Callable[[Path, str | None], bool]:
+    """Whether a file (its path, the root it records) belongs to ``root``: named for it
+    on this host (`run_key_for` of its location: every segment of it, complete or not),
+    or recording it (a segment written under another host name, such as another
+    container sharing ``/dev/shm``). A file that records no root takes the root its
+    sibling of the same run key records (an empty slot, a creation cut short); if none
+    does, nobody can tell whose it is, and it belongs only with ``everything``. No
+    ``root``: every file belongs."""
+    if root is None:
+        return lambda path, recorded: True
+    from resumable.shm import run_key_for, run_key_of
+
+    storage = open_storage(root)
+    key = run_key_for(storage.location)
+    known = {run_key_of(seg.path): seg.root for seg in segments if seg.root is not None}
+
+    def belongs(path: Path, recorded: str | None) -> bool:
+        own_key = run_key_of(path)
+        if own_key == key:
+            return True
+        recorded = recorded or known.get(own_key)
+        if recorded is None:
+            return everything
+        return _same_root(recorded, storage.url)
+
+    return belongs
+
+
+def _same_root(recorded: str, url: str) -> bool:
+    """Whether two roots' URLs name one root: equal, or local paths to one directory."""
+    if recorded == url:
+        return True
+    if urlparse(recorded).scheme or urlparse(url).scheme:
+        return False
+    try:
+        return Path(recorded).resolve() == Path(url).resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 def _loss_text(row: dict[str, Any]) -> str:

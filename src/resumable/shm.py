@@ -60,7 +60,7 @@ import stat
 import struct
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -737,6 +737,15 @@ def layout_meta(slots: list[TensorSlot]) -> list[dict[str, Any]]:
     ]
 
 
+def run_key_of(path: Path) -> str | None:
+    """The run key a slot file is named for (`slot_paths`; also a leftover of a slot
+    creation cut short), or None for another name."""
+    name = path.name
+    if not name.startswith(PREFIX) or "-r" not in name[len(PREFIX) :]:
+        return None
+    return name[len(PREFIX) :].split("-r", 1)[0]
+
+
 def slot_paths(key: str, rank: int, directory: Path) -> list[Path]:
     """The two slot files of run ``key`` and ``rank`` in a slot directory (`own_dir`)."""
     return [directory / f"{PREFIX}{key}-r{rank}-s{i}" for i in range(2)]
@@ -811,14 +820,19 @@ def replaced_size(path: Path) -> int:
 
 
 def remove_dead_segments(
-    shm_dir: Path = SHM_DIR, *, older_than_s: float = 0.0, spare: Collection[Path] = ()
+    shm_dir: Path = SHM_DIR,
+    *,
+    older_than_s: float = 0.0,
+    spare: Collection[Path] = (),
+    select: Callable[[Path], bool] | None = None,
 ) -> list[Path]:
     """Unlink this user's slot files in ``shm_dir`` that no process holds (see the
     module doc) and that were last written more than ``older_than_s`` ago, together
     with leftovers of slot creations cut short and empty fallback directories, except
     the files in ``spare``. A run's own segments are adopted by its next launch, so the
     default age used at start-up is long (a day); ``resumable shm --clean`` uses 0 and
-    spares the slots that hold progress their root has not committed.
+    spares the slots that hold progress their root has not committed; with ``--root``
+    it passes ``select``, which names the files of that root (others are not touched).
 
     Whatever pid a slot records, a slot whose lock is held is kept: its owner is alive,
     possibly in a PID namespace this process cannot see. Files of other users are never
@@ -827,7 +841,7 @@ def remove_dead_segments(
     cutoff = time.time() - older_than_s
     for directory in user_dirs(shm_dir):
         for path in _entries(directory, tmp=True):
-            if path in spare:
+            if path in spare or (select is not None and not select(path)):
                 continue
             if _remove_if_dead(path, cutoff):
                 removed.append(path)
