@@ -168,7 +168,7 @@ def _growth(e: Any) -> str | None:
 
 def _restore_times(e: Any) -> str:
     """The restore timings of one run (``time_restores``), as a sentence, each mode's
-    median ÷ the whole root's (issue 15's goal: an incremental checkpoint restores in at
+    median ÷ the whole root's (the goal: an incremental checkpoint restores in at
     most 1.1x the time of a whole one of the same state)."""
     t = e.get("restore_s") if isinstance(e, dict) else None
     if not isinstance(t, dict) or not t:
@@ -330,7 +330,7 @@ def _zipf_s(emb: dict[str, Any]) -> str:
 
 def render(out: dict[str, Any], source: str) -> str:
     """The "Incremental checkpoints" section of docs/performance.md, between its markers."""
-    lines = [BEGIN, "## Incremental checkpoints (`Incremental`, issue 15)", ""]
+    lines = [BEGIN, "## Incremental checkpoints (`Incremental`)", ""]
     if not measured(out):
         return "\n".join([*lines, _err(out), END])
     mach = out.get("machine", {})

@@ -166,7 +166,7 @@ def _targets(out: Result, key: str) -> list[dict[str, Any]]:
         f"state bytes / resumable persist time, over the {wname} floor's GB/s",
     )
     row(
-        "issue 15: persist throughput ≥ 90% of the fsync write floor",
+        "stricter: persist throughput ≥ 90% of the fsync write floor",
         _ratio(_bw(nbytes, persist), wbw),
         ">=",
         0.9,
@@ -181,7 +181,7 @@ def _targets(out: Result, key: str) -> list[dict[str, Any]]:
         "resumable restore(tier='memory') / copy floor",
     )
     row(
-        "issue 15: restore from shared memory ≤ 1.2x copy floor",
+        "stricter: restore from shared memory ≤ 1.2x copy floor",
         restore_memory,
         "<=",
         1.2,
@@ -202,7 +202,7 @@ def _targets(out: Result, key: str) -> list[dict[str, Any]]:
         )
         if cache == "cold":
             row(
-                "issue 15: cold restore from local disk ≤ 1.1x (cold read floor + copy)",
+                "stricter: cold restore from local disk ≤ 1.1x (cold read floor + copy)",
                 restore,
                 "<=",
                 1.1,
@@ -497,7 +497,7 @@ def render(out: Result) -> str:
     if out.get("restore_page_cache") == ["warm"]:
         lines += ["", "The page cache could not be dropped: only warm restores were measured."]
 
-    lines += ["", "## Targets (issues 3 and 15)", ""]
+    lines += ["", "## Targets", ""]
     trows = []
     for t in targets(out):
         met = {True: "**met**", False: "not met", None: "not measured"}[t["met"]]
@@ -852,7 +852,7 @@ def dist_section(out: Result) -> list[str]:
     )
     lines += [
         "",
-        "The background persist against the targets of issue 11 (medians; blocking and "
+        "The background persist against its targets (medians; blocking and "
         "total are the slowest rank's). *Snapshot*: the capture and copy inside the "
         "background `save()` (`Checkpointer.last_snapshot_s`, the slowest rank's; the rest "
         "of *blocking* is agreeing whether the persist starts, one key in the coordination "

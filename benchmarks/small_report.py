@@ -128,7 +128,7 @@ def render(out: dict[str, Any], source: str) -> str:
             "rest: *capture walk* = `capture(state, include_rng=False)` through a warm "
             "`CapturePlan`, as the memory tier captures (the structure checked, the "
             "entries of modules and optimizers reused; *full walk*, beside it, is the same "
-            "capture without a plan, as before issue 20); *RNG* = the random "
+            "capture without a plan, as before the plan existed); *RNG* = the random "
             "streams' share of `capture(state)` and of the metadata (they change at every "
             "step, so their JSON is made anew each time); *copy* = `CopyPlan.copy` into a "
             "buffer; *structure check* = `CopyPlan.matches` (are names, dtypes and shapes "
@@ -246,8 +246,9 @@ def render(out: dict[str, Any], source: str) -> str:
         lines += _parts_table("model", list(models.items()), floor=True)
     lines += [
         "",
-        "Goals of issue 20. *measured* decides the result: a snapshot's median; for a "
-        "model, the larger of the overhead from the ratio of the median iterations and "
+        "The goals for snapshots of many small tensors. *measured* decides the result: "
+        "a snapshot's median; for a model, the larger of the overhead from the ratio of "
+        "the median iterations and "
         "`maybe_save`'s own median as a share of the median iteration without (the "
         "snapshot runs inside the iteration, so its own time is overhead for certain, "
         "while the difference of two noisy medians can even come out negative). "

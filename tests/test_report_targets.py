@@ -1,5 +1,5 @@
 """The targets table of docs/performance.md (`report.targets`), from a committed run:
-issue 15's tighter targets are rows of their own beside issue 3's, each judged on the
+the stricter targets are rows of their own beside the first ones, each judged on the
 same measured ratio against its own threshold."""
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ def test_issue_15_targets_are_judged_on_the_same_ratios_as_issue_3s() -> None:
     pairs = [
         (
             "persist throughput ≥ 80% of the fsync write floor",
-            "issue 15: persist throughput ≥ 90% of the fsync write floor",
+            "stricter: persist throughput ≥ 90% of the fsync write floor",
         ),
         (
             "restore from shared memory ≤ 1.5x copy floor",
-            "issue 15: restore from shared memory ≤ 1.2x copy floor",
+            "stricter: restore from shared memory ≤ 1.2x copy floor",
         ),
         (
             "restore from local disk ≤ 1.3x (read floor + one copy), cold page cache",
-            "issue 15: cold restore from local disk ≤ 1.1x (cold read floor + copy)",
+            "stricter: cold restore from local disk ≤ 1.1x (cold read floor + copy)",
         ),
     ]
     for old, new in pairs:
@@ -41,8 +41,8 @@ def test_issue_15_targets_are_judged_on_the_same_ratios_as_issue_3s() -> None:
     assert rows[pairs[1][1]]["met"] is False and rows[pairs[1][1]]["limit"] == 1.2
     assert rows[pairs[2][1]]["met"] is True and rows[pairs[2][1]]["limit"] == 1.1
     text = "\n".join(report.render(raw).splitlines())
-    assert "## Targets (issues 3 and 15)" in text
-    assert "| issue 15: restore from shared memory ≤ 1.2x copy floor | 2.332 | <= 1.2 |" in text
+    assert "## Targets" in text
+    assert "| stricter: restore from shared memory ≤ 1.2x copy floor | 2.332 | <= 1.2 |" in text
 
 
 def test_persists_are_held_to_the_faster_of_the_round_floors() -> None:
@@ -61,5 +61,5 @@ def test_persists_are_held_to_the_faster_of_the_round_floors() -> None:
         assert bw == pytest.approx(buffered * fast_by if fast_by > 1 else buffered)
     rows = {t["target"]: t for t in report.targets(run)}
     base = {t["target"]: t for t in report.targets(raw)}
-    key = "issue 15: persist throughput ≥ 90% of the fsync write floor"
+    key = "stricter: persist throughput ≥ 90% of the fsync write floor"
     assert rows[key]["measured"] == base[key]["measured"]  # a slower direct floor: no change
