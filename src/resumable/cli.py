@@ -87,6 +87,8 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    description: str | None = None  # the subcommand's --help text (default: ``help``)
+    show_defaults: bool = False  # --help shows each option's default
 
 
 # --------------------------------------------------------------------------- helpers
@@ -394,6 +396,28 @@ def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _merge_memory(
+    stored: list[dict[str, Any]], memory: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per step: a memory snapshot of a step that storage also holds (committed
+    or corrupt) joins that row (``where``: storage, memory; ``memory_path``, its slot
+    file); one of a step only memory holds is a row of status ``memory``."""
+    for r in stored:
+        r["where"] = ["storage"]
+    by_step = {r["step"]: r for r in stored if r["status"] in ("committed", "corrupt")}
+    rows = list(stored)
+    for m in memory:
+        m["where"] = ["memory"]
+        same = by_step.get(m["step"])
+        if same is None:
+            by_step[m["step"]] = m
+            rows.append(m)
+        elif "memory" not in same["where"]:
+            same["where"].append("memory")
+            same["memory_path"] = m["name"]
+    return rows
+
+
 def _restore_pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The row ``Checkpointer.restore()`` (``tier="auto"``) would load: the newest
     complete memory snapshot if it is at least as new as every committed checkpoint,
@@ -401,7 +425,7 @@ def _restore_pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     committed = [r for r in rows if r["status"] in ("committed", "corrupt")]
     valid = [r for r in committed if r["status"] == "committed"]
     newest_step = max((r["step"] for r in committed), default=-1)
-    memory = [r for r in rows if r["status"] == "memory" and r["step"] >= newest_step]
+    memory = [r for r in rows if "memory" in r["where"] and r["step"] >= newest_step]
     if memory:
         return max(memory, key=lambda r: r["step"])
     return max(valid, key=lambda r: r["step"]) if valid else None
@@ -416,7 +440,7 @@ def run_ls(args: argparse.Namespace) -> int:
             bar.set_total(_checkpoint_bytes(storage, steps))
         rows = [_checkpoint_row(storage, s, pinned, args.verify, bar) for s in steps]
     rows += _incomplete_rows(storage, pinned)
-    rows += _memory_rows(storage, Path(args.shm_dir))
+    rows = _merge_memory(rows, _memory_rows(storage, Path(args.shm_dir)))
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
     picked = _restore_pick(rows)
     for r in rows:
@@ -434,6 +458,7 @@ def run_ls(args: argparse.Namespace) -> int:
         ("time", "left"),
         ("size", "right"),
         ("status", "left"),
+        ("where", "left"),
         ("pinned", "left"),
         ("restore", "left"),
         ("metrics", "left"),
@@ -452,6 +477,7 @@ def run_ls(args: argparse.Namespace) -> int:
             _text(r["created"] or "-"),
             _text(_human_bytes(r["bytes"])),
             _text(r["status"], style=styles.get(r["status"], "")),
+            _text(", ".join(r["where"])),
             _text("yes" if r["pinned"] else "no"),
             _text("<-" if r["restore"] else ""),
             _text(_metrics_text(r["metrics"])),
@@ -686,6 +712,8 @@ def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, s
     """Map the original state-dict keys under top-level ``key`` to ``(tag, name)`` of
     their tensors (``global`` tensors of several ranks are named by fqn)."""
     try:
+        if key == CLASSES_KEY:
+            raise KeyError(key)  # the classes record describes the state; it is not state
         node = subtree(tree, key)
     except (KeyError, AttributeError, TypeError, ValueError):
         keys = _top_keys(tree)
@@ -711,8 +739,9 @@ def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, s
 
 
 def _top_keys(tree: Any) -> list[str]:
+    """The state keys of a tree, without the internal ``__classes__`` record."""
     pairs = tree.get("dict", []) if isinstance(tree, dict) else []
-    return [str(p[0]) for p in pairs if isinstance(p, list) and len(p) == 2]
+    return [str(p[0]) for p in pairs if isinstance(p, list) and len(p) == 2 and p[0] != CLASSES_KEY]
 
 
 def _export(
@@ -1359,9 +1388,14 @@ COMMANDS: dict[str, Command] = {
     ),
     "shm": Command("list (or --clean) shared-memory snapshot segments", _shm_arguments, run_shm),
     "demo": Command(
-        "train a small digits classifier that resumes by itself (the main job)",
+        "train a small classifier that checkpoints and resumes by itself",
         lambda p: _demo().add_arguments(p),
         lambda args: _demo().run(args),
+        description="Train a small classifier on scikit-learn's digits data set (CPU), "
+        "checkpointing into --dir. Kill it and run it again: it goes on where it stopped, "
+        "and ends bit-identical to a run never stopped (its last line hashes the "
+        "parameters). Needs scikit-learn.",
+        show_defaults=True,
     ),
 }
 
@@ -1370,6 +1404,16 @@ def _demo() -> Any:
     from resumable import demo  # imports scikit-learn lazily: only the demo needs it
 
     return demo
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in --help, except where there is none to show (a
+    required option, a default of None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1381,7 +1425,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(
+            name,
+            help=cmd.help,
+            description=cmd.description or cmd.help,
+            formatter_class=_DefaultsFormatter if cmd.show_defaults else argparse.HelpFormatter,
+        )
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser

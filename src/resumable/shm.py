@@ -83,6 +83,12 @@ ALIGN = 4096
 
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 ROOT_KEY = "root"  # metadata key: the checkpoint root's URL
+# What to do when shared memory cannot hold the snapshots (also in
+# `pipeline.memory.MemoryTier.preflight`'s message: one remedy wherever it is said).
+SHM_REMEDY = (
+    "enlarge /dev/shm (docker run --shm-size, or a larger tmpfs mount) or checkpoint "
+    "without shared memory: persist='sync' with memory_every=None"
+)
 
 # magic, version, state, seq, step, meta_len, meta_cap, sums_cap, data_cap, data_len,
 # meta_xxh, sums_seq, owner_pid, worker_pid, created, updated
@@ -384,8 +390,7 @@ class ShmSlot:
             raise StorageError(
                 errno.ENOSPC,
                 f"shared memory {path.parent} has {free / 2**20:.0f} MiB free, the snapshot "
-                f"arena needs {total / 2**20:.0f} MiB per slot (two slots); enlarge /dev/shm "
-                "(e.g. docker --shm-size, or a tmpfs mount) or pass memory_every=None",
+                f"arena needs {total / 2**20:.0f} MiB per slot (two slots); {SHM_REMEDY}",
             )
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -404,7 +409,7 @@ class ShmSlot:
                 raise StorageError(
                     exc.errno,
                     f"cannot reserve {total / 2**20:.0f} MiB in {path.parent}: {exc.strerror}; "
-                    "enlarge /dev/shm or pass memory_every=None",
+                    + SHM_REMEDY,
                 ) from exc
             mm = _map(fd, total, tmp)
             try:

@@ -214,7 +214,8 @@ class MemoryTier:
                 errno.ENOSPC,
                 f"shared memory {self.arena.directory} has {have / 2**20:.0f} MiB available, "
                 f"two snapshots of this state need {need / 2**20:.0f} MiB; enlarge /dev/shm "
-                "(e.g. docker --shm-size) or use persist='sync' without memory_every",
+                "(docker run --shm-size, or a larger tmpfs mount) or checkpoint without "
+                "shared memory: persist='sync' with memory_every=None",
             )
 
     def readable(self, snap: MemorySnapshot) -> SlotContent | None:
