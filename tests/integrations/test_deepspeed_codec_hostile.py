@@ -404,6 +404,7 @@ def test_one_ranks_hostile_tree_makes_both_ranks_fall_back_together(tmp_path: Pa
     resumed = set(re.findall(r"rank (\d) attempt 0: resumed from step (\d+)", second))
     assert resumed == {("0", "3"), ("1", "3")}, second[-4000:]
     assert "final step=3" in second, second[-4000:]
-    skips = [e for e in read_audit(open_storage(ckpt)) if e["event"] == "skip"]
-    assert {e["step"] for e in skips} == {6}, skips
-    assert any("numel should be an integer" in e["reason"] for e in skips), skips
+    # Rank 1 says why (the audit log is rank 0's, which had nothing to skip: as for a
+    # bad checksum in one rank's file).
+    warned = re.findall(r"skipping corrupt checkpoint step-0*6 in .*", second)
+    assert warned and "numel should be an integer" in warned[0], second[-4000:]
