@@ -5,7 +5,12 @@
 
 The lines that differ from a plain DeepSpeed script: the engine goes into a `Checkpointer`
 as ``DeepSpeedState(engine)``, ``ckpt.restore()`` replaces ``engine.load_checkpoint``, and
-``ckpt.maybe_save(step)`` replaces ``engine.save_checkpoint``. Saves are collective (every
+``ckpt.maybe_save(step)`` replaces ``engine.save_checkpoint``. ``init_distributed`` replaces
+``deepspeed.init_distributed()``: under ``torchrun --max-restarts`` and torch 2.13 the
+plain start-up's relaunched ranks can fail to connect (``Gloo connectFullMesh failed``)
+and wait for the timeout; this one namespaces the store by the restart count
+(``docs/deepspeed.md``, "Starting the processes"; ``docs/distributed.md``, "torchrun
+restarts"). Saves are collective (every
 rank writes its own ZeRO partition) and commit only when every rank wrote its part; when
 a rank dies, torchrun restarts the group and every rank resumes from the same step.
 
@@ -49,9 +54,9 @@ from resumable.integrations.deepspeed import DeepSpeedState, state_sha256
 VOCAB, SEQ = 128, 16
 
 
-def init_distributed(timeout_s: float) -> int:
-    """Join the process group (gloo), namespaced by torchrun's restart count; returns
-    the rank. See ``examples/distributed/train_fsdp.py`` for why."""
+def init_distributed(timeout_s: float = 600.0, backend: str = "gloo") -> int:
+    """Join the process group on a store namespaced by torchrun's restart count, with
+    a finite timeout; returns the rank. ``backend="nccl"`` on GPUs."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = timedelta(seconds=timeout_s)
@@ -61,12 +66,12 @@ def init_distributed(timeout_s: float) -> int:
         os.environ.get("MASTER_ADDR", "127.0.0.1"),
         int(os.environ.get("MASTER_PORT", "29500")),
         world,
-        is_master=rank == 0 and not agent_store,
+        is_master=rank == 0 and not agent_store,  # torchrun's agent may host the store
         timeout=timeout,
     )
     store = dist.PrefixStore(f"attempt{attempt}", base)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    deepspeed.init_distributed(dist_backend="gloo")  # adopts the group made above
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend)  # adopts the group made above
     return rank
 
 

@@ -10,6 +10,10 @@ place of the model and optimizer, and drop ``engine.save_checkpoint``/``load_che
         loss = engine(batch); engine.backward(loss); engine.step()
         ckpt.maybe_save(step + 1)
 
+Under ``torchrun --max-restarts``, start the processes with the ``init_distributed`` of
+``docs/deepspeed.md`` (a store namespaced by the restart count) rather than
+``deepspeed.init_distributed()``, whose relaunched ranks can fail to connect.
+
 What is saved is what ``engine.save_checkpoint`` writes, taken from the same DeepSpeed code
 (``DeepSpeedEngine._save_checkpoint``, ``optimizer.state_dict()``) but kept in memory: the
 module's state dict, the (ZeRO-partitioned) optimizer state of this rank with its fp32
