@@ -730,6 +730,7 @@ class Checkpointer:
         tier: str = "auto",
         reset_per_rank_state: bool = False,
         strict: bool = True,
+        quiet: bool = False,
     ) -> int:
         """Load the newest valid state (or ``step``) into ``state``; returns its step.
 
@@ -737,8 +738,11 @@ class Checkpointer:
         or ``"storage"``. Returns 0 when there is nothing to restore. A memory snapshot
         newer than every committed checkpoint is persisted right after it is restored.
         Corrupt checkpoints are skipped with a WARNING; if checkpoints exist and none is
-        valid, raises `CorruptCheckpointError` rather than starting over. Logs one INFO
-        line saying which step came from which tier, and what was skipped. With
+        valid, raises `CorruptCheckpointError` rather than starting over. When it resumed
+        from a checkpoint, prints one line to stderr (rank 0; ``quiet=True`` keeps it
+        silent) with the step, the tier and the seconds it took, like Lightning's and the
+        Trainer's; a fresh start prints nothing. Logs one INFO line saying which step came
+        from which tier, and what was skipped. With
         ``tier="memory"``, a snapshot that fails its check while it is copied raises
         `CorruptCheckpointError` (the state then holds part of it).
 
@@ -766,6 +770,7 @@ class Checkpointer:
         if self._memory is not None:
             self._memory.preflight(self.state, rng=self.capture_rng)
         self._persister.start()
+        t0 = time.perf_counter()
         done = self._restorer.restore(
             step,
             map_location=map_location or self.map_location,
@@ -778,6 +783,8 @@ class Checkpointer:
             self._persister.committed = max(committed, self._persister.committed or 0)
         if done.step:
             self._schedule.restored(done.step)
+            if not quiet and self.rank == 0:
+                print(done.summary(self.url, time.perf_counter() - t0), file=sys.stderr)
         log.info("%s", done.describe(self.url))
         if done.partial:
             log.warning(

@@ -56,6 +56,12 @@ class Restored:
     newest_committed: int | None = None
     partial: list[str] = field(default_factory=list)  # what a partial restore left
 
+    def summary(self, url: str, seconds: float) -> str:
+        """The one line a resumed run prints: the step, where from and how long."""
+        where = {"memory": "shared memory", "local": url, "mirror": "the mirror"}[self.tier]
+        tier = "storage" if self.tier == "local" else self.tier
+        return f"resumable: restored step {self.step} from {where} ({tier}, {seconds:.2f} s)"
+
     def describe(self, url: str) -> str:
         if self.tier == "none":
             head = f"nothing to restore in {url}: starting from step 0"
@@ -158,15 +164,22 @@ class Restorer:
         newest = memory.newest
         mine = None
         content = None
+        why, warned = "it has none", False  # why this rank offers none; said already?
         if newest is not None:
             content = memory.readable(newest)
+            saved_world = content.meta.get("world_size", 1) if content is not None else None
             if content is None:
+                why, warned = "its snapshot is incomplete or was overwritten", True
                 self._skip_memory(
                     newest.step, "the snapshot is incomplete or was overwritten", skipped
                 )
-            elif content.meta.get("world_size", 1) != self.world_size:
-                pass
+            elif saved_world != self.world_size:
+                why = (
+                    f"it was taken by a job of {saved_world} rank(s), this one has "
+                    f"{self.world_size} (snapshots do not reshard; checkpoints do)"
+                )
             elif not self._same_pieces(content.meta.get("pieces") or {}):
+                why, warned = "it holds another sharding of the state", True
                 self._skip_memory(
                     newest.step,
                     "it holds another sharding of the state than this launch's (a changed "
@@ -175,9 +188,13 @@ class Restorer:
                 )
             else:
                 mine = newest.step
-        offers = self.group.gather(mine)
+        had = newest.step if newest is not None else None
+        answers = self.group.gather((mine, had, why, warned))
+        offers = [a[0] for a in answers]
         s = offers[0]
         if s is None or any(o != s for o in offers):
+            if step is None:
+                self._discarded(answers, steps[-1] if steps else None, skipped)
             return None
         wanted = (
             step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
@@ -265,6 +282,43 @@ class Restorer:
         )
         live = by_fqn(pieces_to_json(current.pieces))
         return all(snap[f] == pieces for f, pieces in live.items() if f in snap)
+
+    def _discarded(
+        self,
+        answers: list[tuple[int | None, int | None, str, bool]],
+        committed: int | None,
+        skipped: list[str],
+    ) -> None:
+        """Say at WARNING (rank 0) which memory snapshot newer than every committed
+        checkpoint is thrown away because not every rank can restore it, and why each
+        rank that cannot does not: the steps since the checkpoint are trained again."""
+        held = [a[1] for a in answers if a[1] is not None]
+        lost = max(held, default=None)
+        if lost is None or (committed is not None and lost <= committed):
+            return  # nothing newer than storage is lost
+        if len(answers) == 1 and answers[0][3]:
+            return  # said by `_skip_memory` already
+        whys = []
+        for rank, (offer, had, why, _) in enumerate(answers):
+            if offer == lost:
+                continue
+            if had is None or had == lost:
+                whys.append(f"rank {rank}: {why}" if len(answers) > 1 else why)
+            else:
+                whys.append(f"rank {rank}: its snapshot is of step {had}")
+        reason = "; ".join(whys) or "the ranks' snapshots are of different steps"
+        after = f"step {committed}" if committed is not None else "step 0"
+        if self.rank == 0:
+            log.warning(
+                "discarding the shared-memory snapshot of step %d, newer than every "
+                "committed checkpoint, because not every rank can restore it (%s): this "
+                "launch resumes from %s and trains the steps after it again",
+                lost,
+                reason,
+                after,
+            )
+        self.audit.record("skip", step=lost, tier="memory", reason=reason[:500])
+        skipped.append(f"memory snapshot of step {lost} ({reason})")
 
     def _skip_memory(self, step: int, reason: str, skipped: list[str]) -> None:
         log.warning("skipping the shared-memory snapshot of step %d: %s", step, reason)
