@@ -768,8 +768,17 @@ def restore(
         check_rng_state(values[RNG_KEY])  # before any live object is touched
     notes: list[str] = []
     extra = sorted(str(k) for k in values if k not in RESERVED_KEYS and k not in state)
-    if extra:
+    if extra and not strict:
         notes.append(f"checkpoint entries {extra} have no key in the state: not restored")
+    elif extra:
+        notes.append(
+            f"checkpoint entries {extra} have no key in the state: not restored, so the "
+            "objects they were saved from keep their fresh values in this launch (an "
+            "optimizer left out starts with fresh moments), and the checkpoints this run "
+            "writes will not hold them. Put them back in state= to restore them; if they "
+            "were left out on purpose, pass restore(strict=False) (this line then only "
+            "lists them)"
+        )
     missing = [k for k in state if k not in values]
     if missing and not strict:
         notes.append(f"state keys {missing} are not in the checkpoint: left as constructed")
@@ -777,7 +786,8 @@ def restore(
         raise StateMismatchError(
             f"checkpoint has no entry for state key(s) {missing}; it holds "
             f"{sorted(str(k) for k in values if k not in RESERVED_KEYS)}. Restore into "
-            "the same state keys it was saved with, or start a new checkpoint directory"
+            "the same state keys it was saved with; or pass restore(strict=False) to "
+            f"leave {missing} as constructed; or start a new checkpoint directory"
         )
     check_classes(state, values.get(CLASSES_KEY))
     if prepare is not None:

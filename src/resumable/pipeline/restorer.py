@@ -41,6 +41,7 @@ from resumable.storage import Storage
 log = logging.getLogger("resumable")
 
 TIERS = ("auto", "memory", "storage")
+_LOOK_BACK = 20  # older checkpoints whose manifests a refused restore reads for a way back
 
 
 @dataclass
@@ -467,8 +468,9 @@ class Restorer:
                 self._skip(s, root, exc, skipped)
                 applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
             except StateMismatchError as exc:
+                exc = self._way_back(exc, values, s)
                 if self.world_size == 1:
-                    raise
+                    raise exc from None
                 applied = ("mismatch", f"rank {self.rank}: {exc}")
             failures = [f for f in self.group.gather(applied) if f is not None]
             if any(kind == "mismatch" for kind, _ in failures):
@@ -497,6 +499,32 @@ class Restorer:
             "Inspect them with `resumable verify`, or move the directory away to start "
             "fresh. Problems: " + "; ".join(problems)
         )
+
+    def _way_back(
+        self, exc: StateMismatchError, values: Mapping[str, Any], step: int
+    ) -> StateMismatchError:
+        """``exc`` naming the newest checkpoint older than ``step`` that holds every state
+        key ``values`` (step ``step``'s) lacks, if there is one among the last few: a
+        relaunch that puts back an entry an earlier launch left out can go back to it."""
+        missing = [k for k in self.state if k not in values]
+        if not values or not missing:
+            return exc
+        roots = self.roots_by_step()
+        for older in sorted((s for s in roots if s < step), reverse=True)[:_LOOK_BACK]:
+            for root in roots[older]:
+                try:
+                    tree = CheckpointReader(root, older).tree
+                except CorruptCheckpointError:
+                    continue
+                keys = {p[0] for p in tree["dict"]}
+                if all(k in keys for k in missing):
+                    return StateMismatchError(
+                        f"{exc}. Step {older} is the newest checkpoint that holds "
+                        f"{missing}: restore(step={older}) loads it (the steps after it "
+                        "are trained again)"
+                    )
+                break
+        return exc
 
     def _skip(self, step: int, root: Storage, exc: Exception, skipped: list[str]) -> None:
         log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(step), root.url, exc)
