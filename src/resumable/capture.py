@@ -117,6 +117,7 @@ class Encoder:
         self.live: dict[str, torch.Tensor] = {}
         self.in_global = False  # encoding a top-level module or optimizer
         self.classes: list[tuple[tuple[Any, ...], str]] = []  # stateful objects met
+        self.in_stateful = 0  # how many stateful objects' state dicts enclose the walk
 
     def _global(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
         """A tensor of a module or optimizer, with several ranks or as a DTensor."""
@@ -151,22 +152,37 @@ class Encoder:
             and t.layout is torch.strided
             and _plain_dtype(t.dtype)
             and not t.is_meta
+            and not t.is_nested
         ):
             self._refuse(t, path)
         name = _tensor_name(path, self.tensors)
         if self.world_size > 1:  # per-rank state: every rank saves its own
             name = _tensor_name((f"rank{self.rank}", *path), self.tensors)
-        self.tensors[name] = t.detach() if t.requires_grad else t
+        if t.requires_grad:
+            self.tensors[name] = t.detach()
+            if not (self.in_global or self.in_stateful):
+                self.classes.append((path, _KIND_NAMES[type(t), True]))
+        else:
+            self.tensors[name] = t
+            if type(t) is not torch.Tensor and not (self.in_global or self.in_stateful):
+                self.classes.append((path, _KIND_NAMES[type(t), False]))
         return {"tensor": name, "device": "cpu" if t.is_cpu else str(t.device)}
 
     def _check(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
         if type(t) in PLAIN_TENSORS and t.layout is torch.strided and _plain_dtype(t.dtype):
-            if not t.is_meta:
+            if not t.is_meta and not t.is_nested:
                 return
         self._refuse(t, path)
 
     def _refuse(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
         """Raise for a tensor `_check` found unusual, if it cannot be checkpointed."""
+        if t.is_nested:
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: cannot checkpoint a nested tensor (torch.nested, "
+                f"{t.layout} layout); a checkpoint holds dense tensors. Store its "
+                "components instead, in a list (list(t.unbind())) or padded "
+                "(t.to_padded_tensor(0.0)) with their lengths, and rebuild it after restore()"
+            )
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedStateError(
                 f"{_path_str(path)}: cannot checkpoint a {t.layout} tensor; "
@@ -254,7 +270,11 @@ class Encoder:
         if isinstance(v, tuple) and not hasattr(v, "_fields"):
             return {"tuple": self._sequence(v, path, depth + 1)}
         if _is_stateful(v):
-            return {"stateful": self.value(self.state_dict_of(v, path), path, depth + 1)}
+            self.in_stateful += 1
+            try:
+                return {"stateful": self.value(self.state_dict_of(v, path), path, depth + 1)}
+            finally:
+                self.in_stateful -= 1
         raise UnsupportedStateError(
             f"{_path_str(path)}: cannot checkpoint {type(v)!r}; "
             "give it state_dict()/load_state_dict() or store plain tensors and JSON values"
@@ -318,6 +338,15 @@ class Encoder:
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# What ``__classes__`` records of a tensor in a plain container that is not a plain tensor
+# without gradient (by its type and requires_grad), so that a restore into an empty slot
+# makes it again: a name no stateful object has, so older readers pass it by.
+_KIND_NAMES: dict[tuple[type, bool], str] = {
+    (torch.nn.Parameter, True): "torch.nn.parameter:Parameter",
+    (torch.nn.Parameter, False): "torch.nn.parameter:Parameter(requires_grad=False)",
+    (torch.Tensor, True): "torch:Tensor(requires_grad=True)",
+}
+_KINDS = {name: kind for kind, name in _KIND_NAMES.items()}
 _INT_OR_STR = frozenset((int, str))
 _PLAIN_DTYPES: dict[torch.dtype, bool] = {}
 
@@ -790,6 +819,7 @@ def restore(
             f"leave {missing} as constructed; or start a new checkpoint directory"
         )
     check_classes(state, values.get(CLASSES_KEY))
+    values = _with_kinds(state, values)
     if prepare is not None:
         prepare()
     own = _Own(frozenset(owned)) if borrowed else None
@@ -824,6 +854,52 @@ def recorded_classes(value: Any) -> list[tuple[tuple[Any, ...], str]]:
             )
         out.append((tuple(entry[0]), entry[1]))
     return out
+
+
+def _with_kinds(state: Mapping[str, Any], values: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """``values`` with each tensor ``__classes__`` records as a parameter, or as
+    requiring gradients (`_KIND_NAMES`), made so again (sharing its memory), so that one
+    restored into an empty slot (None, a missing key) is what was saved."""
+    marked = [
+        (path, _KINDS[name])
+        for path, name in recorded_classes(values.get(CLASSES_KEY))
+        if name in _KINDS and path and path[0] in state and path[0] in values
+    ]
+    if not marked:
+        return values
+    out = dict(values)
+    for path, kind in marked:
+        out[path[0]] = _rewrap(out[path[0]], path[1:], kind)
+    return out
+
+
+def _rewrap(node: Any, path: tuple[Any, ...], kind: tuple[type, bool]) -> Any:
+    """``node`` with the tensor at ``path`` (through dicts, lists and tuples) made of
+    ``kind``; ``node`` as it is where there is no tensor there."""
+    if not path:
+        return _of_kind(node, *kind) if isinstance(node, torch.Tensor) else node
+    key, rest = path[0], path[1:]
+    if isinstance(node, dict) and key in node:
+        node[key] = _rewrap(node[key], rest, kind)
+    elif isinstance(node, (list, tuple)) and type(key) is int and 0 <= key < len(node):
+        item = _rewrap(node[key], rest, kind)
+        if isinstance(node, list):
+            node[key] = item
+        else:
+            node = (*node[:key], item, *node[key + 1 :])
+    return node
+
+
+def _of_kind(t: torch.Tensor, cls: type, grad: bool) -> torch.Tensor:
+    """A tensor of class ``cls`` (a parameter or a plain tensor) sharing ``t``'s memory,
+    requiring gradients if ``grad`` (a leaf; ``t`` itself is not changed)."""
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(t.detach(), requires_grad=grad and _grad_dtype(t))
+    return t.detach().requires_grad_(grad and _grad_dtype(t))
+
+
+def _grad_dtype(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def _live_at(state: Mapping[str, Any], path: tuple[Any, ...]) -> Any:
@@ -876,7 +952,11 @@ class _Own:
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value if id(value) in self.owned else value.clone()
+            if id(value) in self.owned:
+                return value
+            if type(value) is torch.Tensor and not value.requires_grad:
+                return value.clone()
+            return _of_kind(value.detach().clone(), type(value), value.requires_grad)
         if isinstance(value, np.ndarray):
             return value.copy()
         if isinstance(value, dict):
@@ -889,7 +969,7 @@ class _Own:
 
     def tensor(self, value: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
         """``moved`` (``value`` on its device) as the restore's own."""
-        return moved.clone() if moved is value and id(value) not in self.owned else moved
+        return self(value) if moved is value else moved
 
 
 def _restore_into(
@@ -915,6 +995,8 @@ def _restore_into(
                     obj.copy_(value)
                 return obj
             moved = value.to(obj.device)
+            if moved is not value and (value.requires_grad or type(value) is not torch.Tensor):
+                moved = _of_kind(moved, type(value), value.requires_grad)  # a leaf again
             return own.tensor(value, moved) if own is not None else moved
         if isinstance(obj, Mapping) and not _is_stateful(obj):
             if not isinstance(value, dict):

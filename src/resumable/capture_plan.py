@@ -199,10 +199,10 @@ class CapturePlan:
             key,
             obj,
             enc,
-            lambda node, made, _, glob: (
+            lambda node, made, classes, glob: (
                 _ContainerEntry.make(key, obj, node, made)
-                if glob is None
-                else (None, "it holds global tensors")
+                if glob is None and not classes
+                else (None, "it holds global tensors or parameters")
             ),
         )
 
