@@ -128,7 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate (and keep the best)")
     p.add_argument("--memory-every", type=int, default=0, help="memory snapshot cadence")
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--preempt", action="store_true", help="SIGTERM -> emergency checkpoint")
+    p.add_argument(
+        "--preempt",
+        action="store_true",
+        help="SIGUSR1 too, and a 60 s grace period (SIGTERM is handled by default)",
+    )
     p.add_argument("--deepspeed", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
     a = p.parse_args(argv)
     if a.deepspeed is not None:
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=Tokens(16, seed=2) if evaluate else None,
         callbacks=[PrintSteps()],
         memory_every=resumable.Every(steps=a.memory_every) if a.memory_every else None,
-        preemption=resumable.Preemption(grace_seconds=60) if a.preempt else None,
+        # Without preemption=, SIGTERM leads to an emergency checkpoint and exit code 75.
+        **({"preemption": resumable.Preemption(grace_seconds=60)} if a.preempt else {}),
     )
     trainer.train()
     if a.deepspeed is not None:

@@ -1,20 +1,27 @@
-"""Switching a job from the plain ``Trainer`` to `ResumableTrainer`: the plain Trainer's
-``checkpoint-N`` directories in ``output_dir`` are imported the first time, never trained
-over in silence. Both trainers are real (a one-layer GPT-2 built from a config, ``hf_job``).
+"""Switching a script from the plain ``Trainer`` to `ResumableTrainer` with the one change
+the docs give: the plain Trainer's ``checkpoint-N`` directories in ``output_dir`` are
+imported the first time, never trained over in silence; ``--resume_from_checkpoint`` is
+refused with a message that says to drop the flag; SIGTERM needs no second edit. Both
+trainers are real (a one-layer GPT-2 built from a config, ``hf_job``; the example script
+for the signal).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
+import resumable
 from resumable.errors import CheckpointError
 
 from .hf_job import digest, make_trainer
+from .jobs import ROOT, Job, steps_in
 
 
 class Crash(TrainerCallback):
@@ -78,7 +85,9 @@ def test_the_imported_checkpoint_resumes_like_the_plain_one(
     crash_at(plain_run, 8, steps=10, persist="sync")  # imports step 6, killed before step 9
     assert resumable_steps(plain_run) == [6]
     trainer = make_trainer(plain_run, steps=10, persist="sync")
-    trainer.train()  # from our step 6 now, not from checkpoint-6 again
+    # As run_clm.py-style scripts do by themselves: accepted, it is what we would find.
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(str(plain_run)))
+    # From our step 6 now, not from checkpoint-6 again.
     assert resumable_steps(plain_run) == [6, 9, 10]
     assert digest(trainer) == expected
 
@@ -101,3 +110,29 @@ def test_a_plain_checkpoint_without_optimizer_state_is_refused(plain_run: Path) 
     with pytest.raises(CheckpointError, match=r"no optimizer state.*move the checkpoint-\*"):
         trainer.train()
     assert resumable_steps(plain_run) == []
+
+
+def test_a_given_checkpoint_is_refused_naming_the_command_line_flag(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, steps=2, persist="sync")
+    with pytest.raises(ValueError, match="drop --resume_from_checkpoint from the command line"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "elsewhere" / "checkpoint-2"))
+
+
+def test_preemption_is_validated() -> None:
+    with pytest.raises(ValueError, match="preemption must be"):
+        make_trainer(Path("unused"), steps=2, preemption="sigterm")
+
+
+# The example without --preempt: the script as a user switches it, nothing else edited.
+JOB = Job(ROOT / "examples" / "integrations" / "transformers_gpt2.py", "--steps", "30")
+
+
+def test_sigterm_without_a_preemption_argument_checkpoints_and_resumes(tmp_path: Path) -> None:
+    reference = JOB.run_to_end(JOB.command(tmp_path / "reference"))
+    assert reference.startswith("final step=30 params_sha256=")
+    cmd = JOB.command(tmp_path / "run", "--save-steps", "100")
+    rc = JOB.run_until(cmd, 7, signal.SIGTERM)
+    assert rc == resumable.REQUEUE_EXIT_CODE  # the plain Trainer dies with -SIGTERM
+    saved = steps_in(tmp_path / "run" / "resumable")
+    assert len(saved) == 1 and saved[0] >= 7  # the emergency checkpoint, no other was due
+    assert JOB.run_to_end(cmd) == reference  # resumed at that step, lost nothing

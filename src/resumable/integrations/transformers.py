@@ -5,8 +5,10 @@ then restores the newest *valid* checkpoint by itself (a torn or corrupt one is 
 with a WARNING), and every save the ``TrainingArguments`` ask for (``save_strategy``,
 ``save_steps``) becomes an atomic `Checkpointer.save`, with retention
 (``save_total_limit``, the best checkpoint kept for ``load_best_model_at_end``) applied
-only after a commit. Memory snapshots, background persists, preemption and ``s3://``
-roots are the `Checkpointer`'s, through the keyword arguments of `ResumableTrainer`.
+only after a commit. SIGTERM leads to an emergency checkpoint and exit code 75 without
+being asked (`default_preemption`). Memory snapshots, background persists, other
+preemption signals and ``s3://`` roots are the `Checkpointer`'s, through the keyword
+arguments of `ResumableTrainer`.
 
 How it hooks in. A callback cannot move the point where the Trainer restarts, so the
 subclass overrides the methods through which the Trainer loads and saves a checkpoint
@@ -59,6 +61,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -81,7 +85,7 @@ from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
 
-__all__ = ["ResumableTrainer", "StagedState", "keep_for"]
+__all__ = ["ResumableTrainer", "StagedState", "default_preemption", "keep_for"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +142,21 @@ class UploadsWithoutRoot:
         return self._api.upload_folder(**kwargs)
 
 
+def default_preemption() -> Preemption | None:
+    """The preemption a `ResumableTrainer` handles unless told otherwise: SIGTERM (what
+    Kubernetes, Slurm at the end of a job's time, torchrun and ``docker stop`` send) leads
+    to an emergency checkpoint and exit code 75, where the plain Trainer dies at once.
+    None when ``train()`` runs outside the main thread (Python allows handlers only
+    there) or SIGTERM already has a handler (the script's own, or a framework's): those
+    are left alone. SIGUSR1 (Slurm's ``--signal``) only when asked,
+    ``preemption=resumable.Preemption()``: tools use it for other things (faulthandler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return Preemption(signals=("SIGTERM",))
+
+
 def plain_checkpoints(output_dir: str | None) -> list[tuple[int, str]]:
     """The plain Trainer's ``checkpoint-N`` directories in ``output_dir``, newest first."""
     if not output_dir or not os.path.isdir(output_dir):
@@ -183,8 +202,10 @@ class ResumableTrainer(Trainer):
         keep: retention; default `keep_for` the ``TrainingArguments``.
         memory_every: cadence of memory snapshots (e.g. ``Every(steps=1)``), taken at
             step boundaries besides the saves ``save_strategy`` asks for.
-        preemption: on SIGTERM/SIGUSR1 (or a cloud notice) an emergency checkpoint at
-            the next step boundary, then an exit with `resumable.REQUEUE_EXIT_CODE`.
+        preemption: on its signals (or a cloud notice) an emergency checkpoint at the
+            next step boundary, then an exit with `resumable.REQUEUE_EXIT_CODE`. By default
+            `default_preemption`: SIGTERM, unless something else already handles it;
+            ``None`` leaves every signal alone.
         persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`.
             ``on_busy`` defaults to ``"wait"``: every save the Trainer asks for commits.
 
@@ -200,7 +221,7 @@ class ResumableTrainer(Trainer):
         checkpoint_dir: str | os.PathLike[str] | None = None,
         keep: Keep | str | None = "from_args",
         memory_every: Every | None = None,
-        preemption: Preemption | None = None,
+        preemption: Preemption | str | None = "default",
         persist: str = "auto",
         on_busy: str = "wait",
         mirror: str | None = None,
@@ -230,6 +251,10 @@ class ResumableTrainer(Trainer):
                 f"checkpoint_dir is output_dir ({self.args.output_dir}), which push_to_hub "
                 "uploads: the checkpoints would go to the Hub. Leave checkpoint_dir unset "
                 "(<output_dir>/resumable, never uploaded) or pick another directory"
+            )
+        if isinstance(preemption, str) and preemption != "default":
+            raise ValueError(
+                f"preemption must be a resumable.Preemption, None or 'default', got {preemption!r}"
             )
         if keep == "from_args":
             keep = keep_for(self.args)
@@ -350,14 +375,24 @@ class ResumableTrainer(Trainer):
         **kwargs: Any,
     ) -> Any:
         """Train, resuming from the newest valid checkpoint in `checkpoint_dir` if there
-        is one. ``resume_from_checkpoint`` may be None or a bool (it resumes anyway); a
-        path to a ``checkpoint-N`` directory of the plain Trainer is refused."""
+        is one. ``resume_from_checkpoint`` may be None or a bool (it resumes anyway), or
+        the newest ``checkpoint-N`` in ``output_dir`` (what ``get_last_checkpoint`` finds,
+        which scripts pass by themselves); any other path is refused."""
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            raise ValueError(
-                f"ResumableTrainer resumes by itself from {self.checkpoint_dir}; it does not "
-                f"read the plain Trainer's checkpoint directories ({resume_from_checkpoint!r}). "
-                "Call train() without resume_from_checkpoint"
-            )
+            path = os.fspath(resume_from_checkpoint)
+            plain = plain_checkpoints(self.args.output_dir)
+            if not (plain and os.path.realpath(path) == os.path.realpath(plain[0][1])):
+                raise ValueError(
+                    f"ResumableTrainer resumes by itself from {self.checkpoint_dir} (the first "
+                    "time from the plain Trainer's newest checkpoint-N in output_dir); it does "
+                    f"not resume from a directory it is given ({path!r}). Call train() without "
+                    "resume_from_checkpoint, and drop --resume_from_checkpoint from the command "
+                    "line (scripts such as run_clm.py pass TrainingArguments."
+                    "resume_from_checkpoint to train())"
+                )
+            # What get_last_checkpoint(output_dir) finds, which many scripts pass by
+            # themselves: the same as resuming by itself.
+            log.info("resume_from_checkpoint=%s: resuming by itself", path)
         return super().train(
             resume_from_checkpoint=None, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
@@ -370,7 +405,9 @@ class ResumableTrainer(Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
-        opts = self._options
+        opts = dict(self._options)
+        if opts["preemption"] == "default":
+            opts["preemption"] = default_preemption()
         self.checkpointer = Checkpointer(
             self.checkpoint_dir,
             state=self._state(),
