@@ -19,6 +19,7 @@ from resumable.errors import (
     NoCheckpointError,
     PersistError,
     StateMismatchError,
+    StepOrderError,
     StorageError,
     UnsupportedStateError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "Preemption",
     "StateMismatchError",
     "Stateful",
+    "StepOrderError",
     "StorageError",
     "UnsupportedStateError",
     "__version__",
