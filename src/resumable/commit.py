@@ -21,6 +21,10 @@ attempt (``step-000000001200/att-<ms>-<pid>-<nonce>/rank-00000.safetensors``) an
 the manifest with a conditional put (``If-None-Match: *``), so of two writers of one
 step exactly one commits. Both strategies list the same way: a checkpoint is committed
 iff ``step-N/manifest.json`` exists. `committer_for` picks the one a storage supports.
+
+A ``fence`` (`resumable.lock.LeaseFence.check`) is called right before the first change
+a commit or delete makes visible: a writer whose lease on the root lapsed changes
+nothing there (a commit's own staging data is still removed, as on any failure).
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ _STAGING = re.compile(r"^\.(tmp|trash)-step-([0-9]{12,20})\.([0-9]+)\.([0-9a-f]+
 _ATTEMPT = re.compile(r"^att-([0-9]{13})-([0-9]+)-([0-9a-f]{8})\Z")
 
 log = logging.getLogger("resumable.commit")
+
+Fence = Callable[[str], None]
+"""Raises (`RootInUseError`) if the writer may no longer change the root; its argument
+says what it was about to do."""
 
 
 def step_dir(step: int) -> str:
@@ -259,12 +267,17 @@ class RenameCommit:
     """Commit by renaming a fully written, fsync-ed staging directory."""
 
     def __init__(
-        self, storage: Storage, *, on_quarantine: Callable[[Quarantined], None] | None = None
+        self,
+        storage: Storage,
+        *,
+        on_quarantine: Callable[[Quarantined], None] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         if not storage.supports_rename:
             raise TypeError(f"{type(storage).__name__} cannot rename; use a marker commit")
         self.storage = storage
         self.on_quarantine = on_quarantine
+        self.fence = fence
         # Removes an un-committed checkpoint's directory; a persist worker passes one
         # that does it on a thread of its own (unlinking a GiB file takes ~0.3 s here).
         self.discard: Callable[[str], None] = storage.delete
@@ -281,6 +294,8 @@ class RenameCommit:
         s = self.storage
         s.write(f"{attempt.staging}/{MANIFEST}", [manifest])
         s.sync_dir(attempt.staging)
+        if self.fence is not None:
+            self.fence(f"the commit of {s.url}/{attempt.final}")
         replaced = False
         trash = None
         self._clear_uncommitted(attempt.step, attempt.final)
@@ -328,6 +343,8 @@ class RenameCommit:
         never leaves a listed but damaged checkpoint. (Without the sync, a power loss
         may keep the unlinks inside the renamed directory and lose the rename itself:
         ``step-N`` back, with its data gone and its manifest still there.)"""
+        if self.fence is not None:
+            self.fence(f"the delete of {self.storage.url}/{step_dir(step)}")
         trash = _own_name(self.storage, "trash", step_dir(step))
         self.storage.rename_dir(step_dir(step), trash)
         self.storage.sync_dir("")
@@ -365,9 +382,12 @@ class MarkerCommit:
     (`Storage.conditional_put_enforced`) and raises if it does not.
     """
 
-    def __init__(self, storage: Storage, *, gc_grace_s: float = 3600.0) -> None:
+    def __init__(
+        self, storage: Storage, *, gc_grace_s: float = 3600.0, fence: Fence | None = None
+    ) -> None:
         self.storage = storage
         self.gc_grace_s = gc_grace_s
+        self.fence = fence
         self._marker_sent: set[str] = set()  # attempts whose manifest put was sent
 
     def begin(self, step: int) -> Attempt:
@@ -387,9 +407,11 @@ class MarkerCommit:
         marker = f"{attempt.final}/{MANIFEST}"
         replaced = False
         now = self._marker_sum(attempt.final)
+        if now is not None and now != attempt.replaces:  # another writer committed it
+            raise self._lost(attempt)
+        if self.fence is not None:
+            self.fence(f"the commit of {s.url}/{attempt.final}")
         if now is not None:
-            if now != attempt.replaces:  # committed by another writer since begin()
-                raise self._lost(attempt)
             s.delete(marker)  # un-commit the older checkpoint of this step, seen at begin()
             replaced = True
         self._marker_sent.add(attempt.staging)
@@ -418,6 +440,8 @@ class MarkerCommit:
     def delete(self, step: int) -> None:
         """Un-commit (delete the marker) first, then delete the data."""
         final = step_dir(step)
+        if self.fence is not None:
+            self.fence(f"the delete of {self.storage.url}/{final}")
         self.storage.delete(f"{final}/{MANIFEST}")
         self.storage.delete(final)
 
@@ -489,12 +513,16 @@ Committer = RenameCommit | MarkerCommit
 
 
 def committer_for(
-    storage: Storage, *, on_quarantine: Callable[[Quarantined], None] | None = None
+    storage: Storage,
+    *,
+    on_quarantine: Callable[[Quarantined], None] | None = None,
+    fence: Fence | None = None,
 ) -> Committer:
     """The commit strategy ``storage`` supports: rename where it can, else the marker.
     ``on_quarantine`` hears of each uncommitted step directory a rename commit moved out
     of its way (object stores need none: each attempt writes keys of its own, and the
-    manifest-less leftovers are collected by `MarkerCommit.stale`)."""
+    manifest-less leftovers are collected by `MarkerCommit.stale`). ``fence`` is called
+    before each commit and delete changes anything visible (see the module docstring)."""
     if storage.supports_rename:
-        return RenameCommit(storage, on_quarantine=on_quarantine)
-    return MarkerCommit(storage)
+        return RenameCommit(storage, on_quarantine=on_quarantine, fence=fence)
+    return MarkerCommit(storage, fence=fence)

@@ -30,14 +30,19 @@ So a job holds the root for as long as it writes it, and a second one is refused
 The trade-off of the lease: a job killed without releasing blocks the root for up to
 ``ttl_s + skew_s`` (default 60 + 10 s); a smaller ``ttl_s`` costs more requests
 (three small puts and listings a ``ttl_s``) and less tolerance to a stalled holder.
-See docs/root-safety.md.
+The persist worker (another process) writes under the trainer's lease: a `LeaseFence`,
+a boot-clock deadline in shared memory that the lease keeps current, lets it check the
+lease right before each commit and retention delete. See docs/root-safety.md.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import logging
+import math
+import mmap
 import os
 import secrets
 import socket
@@ -172,6 +177,22 @@ class RootLock:
     def check(self) -> None:
         """Raise `RootInUseError` if this process no longer holds the root."""
 
+    def trusted_until(self) -> float:
+        """The boot-clock time (``CLOCK_BOOTTIME``) until which this holder counts on the
+        root: ``inf`` for a lock nobody can take over (``flock``), ``-inf`` once lost or
+        released."""
+        return math.inf
+
+    def watch(self, listener: Callable[[float, str | None], None]) -> None:
+        """Call ``listener(trusted_until(), why_lost)`` now and after each change (a
+        confirmed renewal, the loss). Called from the renewal thread or the caller's."""
+        listener(self.trusted_until(), None)
+
+    def fence(self) -> LeaseFence | None:
+        """A `LeaseFence` kept at `trusted_until`, for the processes that write under this
+        lock; None where the lock cannot be lost while its holder lives (``flock``)."""
+        return None
+
     def release(self) -> None:
         """Give the root back (idempotent). Never raises: a failure is logged."""
 
@@ -230,8 +251,9 @@ class LeaseLock(RootLock):
         self._ttl_s = ttl_s
         self._skew_s = skew_s
         self._clock = clock
-        self._confirm(claim)
+        self._listeners: list[Callable[[float, str | None], None]] = []
         self._lost: str | None = None
+        self._confirm(claim)
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -267,6 +289,32 @@ class LeaseLock(RootLock):
                 return self._retake(lapsed)
             return self._extend()
 
+    def trusted_until(self) -> float:
+        """The boot-clock time at which the lease lapses by this holder's clocks (the
+        boot clock's deadline, less what the caller's clock ran ahead of it since the last
+        confirmed renewal); ``-inf`` once lost or released."""
+        if self._lost is not None or self.holder.released:
+            return -math.inf
+        boot = _boot_clock()
+        ahead = (self._clock() - self._confirmed_at) - (boot - self._confirmed_boot)
+        return self._confirmed_boot + self._ttl_s - max(0.0, ahead)
+
+    def watch(self, listener: Callable[[float, str | None], None]) -> None:
+        self._listeners.append(listener)
+        listener(self.trusted_until(), self._lost)
+
+    def fence(self) -> LeaseFence:
+        # A worker that finds the lease lapsed waits this long for the renewal thread
+        # (which wakes with it after a freeze) to take the lease again or lose it.
+        fence = LeaseFence.create(wait_s=self._ttl_s / 3 + 5.0)
+        self.watch(fence.publish)
+        return fence
+
+    def _changed(self) -> None:
+        until = self.trusted_until()
+        for listener in self._listeners:
+            listener(until, self._lost)
+
     def _lapsed(self) -> str | None:
         """Why the lease can no longer be counted on, or None while it can: more than
         ``ttl_s`` since the start of the last confirmed renewal, on the caller's clock or
@@ -286,6 +334,7 @@ class LeaseLock(RootLock):
         self.holder = claim.record
         self._confirmed_at = (claim.record.expires or 0.0) - self._ttl_s
         self._confirmed_boot = claim.boot
+        self._changed()
 
     def _extend(self) -> bool:
         boot = _boot_clock()
@@ -342,6 +391,7 @@ class LeaseLock(RootLock):
             "the lease tolerates longer outages"
         )
         log.error("%s", self._lost)
+        self._changed()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self._ttl_s / 3):
@@ -358,8 +408,14 @@ class LeaseLock(RootLock):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._mutex:
-            if self._lost is not None or self.holder.released or self._lapsed() is not None:
-                return
+            try:
+                self._release()
+            finally:
+                for listener in self._listeners:  # nothing is written under it any more
+                    listener(-math.inf, self._lost or "it gave the root back (release)")
+
+    def _release(self) -> None:
+        if self._lost is None and not self.holder.released and self._lapsed() is None:
             record = replace(self.holder, released=True, expires=self._clock())
             try:
                 held, outcome = _advance(self._storage, self._generation, record)
@@ -374,6 +430,109 @@ class LeaseLock(RootLock):
             if held and outcome is not None:
                 self._generation += 1
                 self.holder = outcome
+
+
+class LeaseFence:
+    """The boot-clock time until which a root's holder counts on its lease, in 16 bytes of
+    memory shared with the processes that write under it (the persist worker).
+
+    Call order: the holder's `RootLock.fence` creates it and keeps it current (`publish`
+    on each confirmed renewal, ``-inf`` once lost or released); `fd` goes to a worker
+    process, which maps it with `attach`; whoever commits or deletes calls `check` right
+    before. The boot clock counts the time a process was stopped or a host suspended, so
+    a worker frozen with its trainer finds the deadline passed when it wakes. Each value
+    is one aligned 8-byte word, so a reader never sees half a write.
+    """
+
+    def __init__(self, fd: int, *, keep_fd: bool) -> None:
+        self._map = mmap.mmap(fd, _FENCE_BYTES)
+        self._words = (ctypes.c_double * 2).from_buffer(self._map)  # deadline, wait_s
+        self._fd: int | None = fd if keep_fd else None
+        if not keep_fd:
+            os.close(fd)
+        self.reason: str | None = None  # why it was lost: known in the holder's process
+
+    @staticmethod
+    def create(wait_s: float) -> LeaseFence:
+        """A fence that refuses until the first `publish`. ``wait_s``: how long `check`
+        waits for a verdict on a lapsed lease."""
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("resumable-lease-fence")
+        else:  # an unlinked temporary file
+            import tempfile
+
+            with tempfile.TemporaryFile() as f:
+                fd = os.dup(f.fileno())
+        os.ftruncate(fd, _FENCE_BYTES)
+        fence = LeaseFence(fd, keep_fd=True)
+        fence._words[0] = -math.inf
+        fence._words[1] = wait_s
+        return fence
+
+    @staticmethod
+    def attach(fd: int) -> LeaseFence:
+        """The fence whose descriptor ``fd`` a worker process inherited (closed here)."""
+        return LeaseFence(fd, keep_fd=False)
+
+    @property
+    def fd(self) -> int:
+        """The descriptor to hand to a worker process (`attach`)."""
+        if self._fd is None:
+            raise ValueError("only the fence's creator can hand it on")
+        return self._fd
+
+    @property
+    def deadline(self) -> float:
+        return float(self._words[0])
+
+    @property
+    def lost(self) -> bool:
+        """Whether the holder lost the root or gave it back (never to be held again)."""
+        return self.deadline == -math.inf
+
+    @property
+    def lapsed(self) -> bool:
+        """Whether the lease cannot be counted on now (lapsed, lost or given back)."""
+        return _boot_clock() >= self.deadline
+
+    def publish(self, deadline: float, why_lost: str | None = None) -> None:
+        """Set the deadline (a `RootLock.watch` listener)."""
+        if why_lost is not None:
+            self.reason = why_lost
+        self._words[0] = deadline
+
+    def check(self, action: str) -> None:
+        """Return if the lease runs now; else raise `RootInUseError` saying that
+        ``action`` was refused. A lease that lapsed but is not lost (a freeze the holder
+        and this process wake from together) gets up to ``wait_s`` for the holder's
+        renewal thread to take it again (nobody took the root meanwhile: go on) or to
+        lose it (refuse)."""
+        deadline = self.deadline
+        now = _boot_clock()
+        if now < deadline:
+            return
+        end = now + float(self._words[1])
+        while deadline != -math.inf and now < end:
+            time.sleep(_FENCE_POLL_S)
+            deadline, now = self.deadline, _boot_clock()
+            if now < deadline:
+                log.info("the lease lapsed and was taken again; %s goes ahead", action)
+                return
+        why = (
+            "it lost its lease (another job may hold the root now) or gave the root back"
+            if deadline == -math.inf
+            else f"its lease lapsed {now - deadline:.0f} s ago and was not renewed"
+        )
+        raise RootInUseError(
+            f"{action} was refused: this job no longer holds the checkpoint root ({why}), "
+            "so it writes nothing more there. Nothing of it was made visible. Make sure "
+            "only one job uses a root; a job that was stopped or starved for longer than "
+            "the lease (ttl_s) must be started again to take the root afresh"
+        )
+
+
+_FENCE_BYTES = 16
+_FENCE_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -599,6 +758,7 @@ __all__ = [
     "LOCK_FILE",
     "FileLock",
     "Holder",
+    "LeaseFence",
     "LeaseLock",
     "RootLock",
     "acquire_root",

@@ -249,6 +249,8 @@ class Checkpointer:
                 "audit": self.audit,
                 "monitor": self.monitor,
                 "mirror": self.mirror,
+                # commits and retention deletes check the root's lease where they run
+                "fence": self._root_lock.fence() if self._root_lock is not None else None,
             }
             self._persister: Persister = (
                 SyncPersister(

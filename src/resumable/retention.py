@@ -21,13 +21,14 @@ from typing import Any
 
 from resumable.audit import AuditLog
 from resumable.commit import (
+    Fence,
     RenameCommit,
     committer_for,
     list_committed,
     parse_step_dir,
     step_dir,
 )
-from resumable.errors import CheckpointError
+from resumable.errors import CheckpointError, RootInUseError
 from resumable.policy import Entry, Keep
 from resumable.reader import CheckpointReader
 from resumable.storage import Storage
@@ -70,6 +71,7 @@ def apply_retention(
     each: Callable[[list[int]], Iterable[int]] = iter,
     protect: Iterable[int] = (),
     discard: Callable[[str], None] | None = None,
+    fence: Fence | None = None,
 ) -> list[int]:
     """Delete committed checkpoints that ``keep`` does not retain; returns their steps.
 
@@ -88,6 +90,8 @@ def apply_retention(
     incremental checkpoint). A checkpoint that a retained one refers to is never
     deleted (`referenced`), and doomed checkpoints are deleted newest first, so a crash
     at any moment of a delete leaves no listed checkpoint that refers to a deleted one.
+    ``fence`` runs before each delete (a writer whose lease on the root lapsed deletes
+    nothing: it raises `RootInUseError`, and what it already deleted stays deleted).
     """
     cache = cache if cache is not None else {}
     entries = []
@@ -132,7 +136,7 @@ def apply_retention(
         )
         audit.record("skip", reason="retention: no retained checkpoint verifies", steps=doomed)
         return []
-    committer = committer_for(storage)
+    committer = committer_for(storage, fence=fence)
     if discard is not None and isinstance(committer, RenameCommit):
         committer.discard = discard
     # Newest first: a reference always points to a smaller step, so every doomed
@@ -142,6 +146,8 @@ def apply_retention(
     for s in each(sorted(doomed, reverse=True)):
         try:
             committer.delete(s)
+        except RootInUseError:  # the fence: this writer may no longer delete
+            raise
         except (CheckpointError, OSError):
             if not _gone(storage, s):
                 raise

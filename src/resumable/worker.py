@@ -50,6 +50,13 @@ Two ways to run it, same job code (`JobRunner`):
 - ``thread``: a thread in the trainer, for backends that only live in this process
   (``memory://``).
 
+Lease fencing: on an object store the trainer holds the root by a lease
+(`resumable.lock`), which a job frozen for longer than the lease loses. A persist under
+way when the job froze must not commit or apply retention after it wakes, so the worker
+checks the trainer's `LeaseFence` (shared memory: the descriptor is passed to a worker
+process, the object itself to a thread) right before each commit and retention delete;
+a refused commit fails its job with `RootInUseError`.
+
 Error propagation: a failed job comes back as a ``failed`` reply; the `Checkpointer`
 raises it as `PersistError` at the next ``save``/``maybe_save``/``wait``/``close``. A
 worker process that dies is detected the same way.
@@ -93,8 +100,9 @@ from typing import TYPE_CHECKING, Any
 from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.distributed import owned_tensors, pieces_from_json
-from resumable.errors import CheckpointError, PersistError, StorageError
+from resumable.errors import CheckpointError, PersistError, RootInUseError, StorageError
 from resumable.incremental import DeltaBase, Incremental
+from resumable.lock import LeaseFence
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -156,8 +164,9 @@ ORPHAN_EXIT = 75
 """The exit status of a persist worker that ended itself because its trainer died (a
 worker the kernel killed for it ends by SIGKILL instead)."""
 
-# argv: the socket's fd, the lifeline's fd, the trainer's pid, the death signal (0: none),
-# the resumable package's directory, then the import path. First of all, before any import
+# argv: the socket's fd, the lifeline's fd, the lease fence's fd (-1: none), the trainer's
+# pid, the death signal (0: none), the resumable package's directory, then the import
+# path. First of all, before any import
 # that takes time, the worker ties its life to the trainer's: the death signal (Linux), a
 # check that the trainer did not die before it was set, and a thread that ends the worker
 # on the lifeline's EOF. The path is set before the next import (`sys`, `os` are loaded
@@ -168,7 +177,7 @@ worker the kernel killed for it ends by SIGKILL instead)."""
 # the path holds.
 _WORKER_BOOT = (
     "import os, sys\n"
-    "fd, lifeline, trainer, deathsig, package_dir, *path = sys.argv[1:]\n"
+    "fd, lifeline, fence, trainer, deathsig, package_dir, *path = sys.argv[1:]\n"
     "if deathsig != '0':\n"
     "    try:\n"
     "        import ctypes\n"
@@ -195,7 +204,8 @@ _WORKER_BOOT = (
     "spec = importlib.machinery.PathFinder.find_spec('resumable', [package_dir])\n"
     "sys.modules['resumable'] = package = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(package)\n"
-    "from resumable.worker import worker_main; sys.exit(worker_main(['--fd', fd]))"
+    "from resumable.worker import worker_main\n"
+    "sys.exit(worker_main(['--fd', fd, '--fence', fence]))"
 )
 # Retrying cannot help: full disk, no permission, read-only, another writer committed
 # the step, a server that cannot do conditional writes.
@@ -239,6 +249,7 @@ class JobRunner:
 
     With ``config.mirror`` (a URL) it also runs a `Mirror` thread that uploads each
     committed checkpoint there; ``notify`` carries that thread's reports to the trainer.
+    ``fence``: the trainer's lease, checked before each commit and retention delete.
     """
 
     retries = 2  # of a transient storage error, per persist
@@ -256,8 +267,10 @@ class JobRunner:
         notify: Callable[[Report], None] | None = None,
         mirror_storage: Storage | None = None,
         background: bool = False,
+        fence: LeaseFence | None = None,
     ) -> None:
         self.storage = storage
+        self.fence = fence.check if fence is not None else None
         # A worker (``background``) removes the directories of checkpoints retention
         # deleted on a thread of its own: they are un-committed (renamed aside, the
         # rename durable) before, so the next commit need not wait for the unlinks.
@@ -270,7 +283,7 @@ class JobRunner:
             )
             self._discarder.start()
         self.audit = AuditLog(storage, rank=config.rank, enabled=config.audit)
-        self.committer = committer_for(storage, on_quarantine=self._quarantined)
+        self.committer = committer_for(storage, on_quarantine=self._quarantined, fence=self.fence)
         self.keep = keep_from_json(config.keep)
         self.parent_pid = config.parent_pid
         self.slots: dict[str, ShmSlot] = {}
@@ -508,7 +521,14 @@ class JobRunner:
                     protect=[self.delta.step] if self.delta and self.delta.step is not None else (),
                     deletable=self.mirror.may_delete_local if self.mirror is not None else None,
                     discard=self._discard if self._discards is not None else None,
+                    fence=self.fence,
                 )
+            except RootInUseError as exc:  # the trainer hears of it from its lock
+                log.error("retention after step %d deleted nothing more: %s", just_written, exc)
+                self.audit.record(
+                    "failure", step=just_written, stage="retention", error=repr(exc)[:500]
+                )
+                return []
             except Exception as exc:  # the step is committed; retention retries next time
                 log.warning("retention after step %d failed: %s", just_written, exc)
                 self.audit.record(
@@ -626,8 +646,10 @@ def worker_main(argv: list[str] | None = None) -> int:
     """Entry point of the worker process (``--fd N``: its end of the socketpair)."""
     p = argparse.ArgumentParser(prog="resumable-worker")
     p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--fence", type=int, default=-1)  # the trainer's `LeaseFence`
     args = p.parse_args(argv)
     os.set_inheritable(args.fd, False)  # made inheritable for our exec only
+    fence = LeaseFence.attach(args.fence) if args.fence >= 0 else None
     sock = socket.socket(fileno=args.fd)
     try:
         config = _recv(sock)
@@ -653,6 +675,7 @@ def worker_main(argv: list[str] | None = None) -> int:
             config,
             notify=notify,
             background=True,
+            fence=fence,
         )
         send(Ready(pid=os.getpid()))
     except OSError:
@@ -686,10 +709,11 @@ def worker_main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- trainer side
 
 
-def _worker_command(fd: int, lifeline: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of a worker process that talks over ``fd`` and
-    ends at the EOF of ``lifeline`` (see `_WORKER_BOOT`). Called by the thread that starts
-    the worker: the death signal is asked for only if that is the main thread."""
+def _worker_command(fd: int, lifeline: int, fence: int = -1) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a worker process that talks over ``fd``, ends
+    at the EOF of ``lifeline`` and maps the `LeaseFence` ``fence`` (see `_WORKER_BOOT`).
+    Called by the thread that starts the worker: the death signal is asked for only if
+    that is the main thread."""
     env = dict(os.environ)
     flags = ["-I"]
     if env.get("PYTHONHOME"):
@@ -705,6 +729,7 @@ def _worker_command(fd: int, lifeline: int) -> tuple[list[str], dict[str, str]]:
         _WORKER_BOOT,
         str(fd),
         str(lifeline),
+        str(fence),
         str(os.getpid()),
         str(_death_signal()),
         package_dir,
@@ -815,7 +840,9 @@ class PersistWorker:
         mirror_options: dict[str, Any] | None = None,
         mirror_storage: Storage | None = None,
         incremental: Incremental | None = None,
+        fence: LeaseFence | None = None,
     ) -> None:
+        """``fence``: the trainer's lease (`RootLock.fence`), None where it cannot lapse."""
         if mode not in ("process", "thread"):
             raise ValueError(f"persist mode must be 'process' or 'thread', got {mode!r}")
         self.mode = mode
@@ -840,11 +867,12 @@ class PersistWorker:
             parent, child = socket.socketpair()
             life, line = socket.socketpair()  # `life` is never written nor closed early
             _TRAINER_ENDS.update((parent, child, life, line))
-            command, env = _worker_command(child.fileno(), line.fileno())
+            fence_fd = fence.fd if fence is not None else -1
+            command, env = _worker_command(child.fileno(), line.fileno(), fence_fd)
             try:
                 self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                     command,
-                    pass_fds=[child.fileno(), line.fileno()],
+                    pass_fds=[child.fileno(), line.fileno()] + ([fence_fd] if fence else []),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     env=env,
@@ -872,6 +900,7 @@ class PersistWorker:
                 notify=self._replies.put,
                 mirror_storage=mirror_storage,
                 background=True,
+                fence=fence,
             )
             self._thread = threading.Thread(
                 target=self._thread_main, args=(runner,), name="resumable-persist", daemon=True

@@ -14,7 +14,10 @@ Two implementations, one for each way a persist can run:
 Call order (the facade's): `start` once (optional: it warms a worker process up),
 then any number of `persist`, `collect` at every call of the facade, `wait` and
 `flush_mirror` when asked, `close` once. A failure, whenever it happened, is raised as
-`PersistError` by the next `collect` or `wait`: never swallowed.
+`PersistError` by the next `collect` or `wait`: never swallowed. On an object store the
+root is held by a lease (`resumable.lock`); its `LeaseFence` goes to whatever commits
+(the worker, or `JobRunner` here), and a persist refused because the lease was lost
+is raised as `RootInUseError`, as is a lost lease at `wait`.
 
 The same code serves one process and several ranks: the coordination given (a
 `resumable.distributed.Group`, of one process or of the job's ranks) makes the
@@ -33,9 +36,10 @@ from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.coordination import CoordinationStore
 from resumable.distributed import Group, owned_tensors, pieces_from_json
-from resumable.errors import PersistError
+from resumable.errors import PersistError, RootInUseError
 from resumable.format import json_metrics
 from resumable.incremental import Incremental
+from resumable.lock import LeaseFence
 from resumable.monitor import Monitor
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.messages import (
@@ -71,8 +75,11 @@ class Persister:
         audit: AuditLog,
         monitor: Monitor,
         mirror: Storage | None,
+        fence: LeaseFence | None = None,
     ) -> None:
+        """``fence``: the root lock's (`RootLock.fence`), for the commits and deletes."""
         self.storage = storage
+        self.fence = fence
         self.group = coordination
         self.memory = memory
         self.audit = audit
@@ -106,8 +113,25 @@ class Persister:
         (several ranks, in the background; a no-op otherwise)."""
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist finished; raise a failure as `PersistError`."""
+        """Block until every persist finished; raise a failure as `PersistError`, or
+        `RootInUseError` once the root's lease is lost."""
         self._take([])
+        self._check_root()
+
+    def _check_root(self) -> None:
+        """Raise `RootInUseError` if this job lost the root (its persists and retention
+        were refused from then on)."""
+        if self.fence is not None and self.fence.lost:
+            raise RootInUseError(self._root_lost(), url=self.storage.url)
+
+    def _root_lost(self) -> str:
+        assert self.fence is not None
+        if not self.fence.lost:
+            return (
+                f"The lease of this job on {self.storage.url} lapsed (the job was stopped "
+                "or starved for longer than the lease, or the storage was unreachable)"
+            )
+        return self.fence.reason or f"This job gave the checkpoint root {self.storage.url} back"
 
     def flush_mirror(self, timeout: float | None = None, *, strict: bool = True) -> None:
         """Wait until the newest commit is mirrored; raise `PersistError` if it could
@@ -159,6 +183,8 @@ class Persister:
         if self._errors:
             first = self._errors[0]
             self._errors.clear()
+            if self.fence is not None and self.fence.lapsed:  # refused by the fence
+                raise RootInUseError(f"{first}. {self._root_lost()}", url=self.storage.url)
             raise PersistError(first)
         return replies
 
@@ -196,6 +222,7 @@ class SyncPersister(Persister):
             ),
             notify=self._reports.append,
             mirror_storage=self.mirror,
+            fence=self.fence,
         )
         self._arena = Arena()  # this rank's share, or a snapshot without the memory tier
 
@@ -206,6 +233,7 @@ class SyncPersister(Persister):
 
     def wait(self, timeout: float | None = None) -> None:
         self.collect()
+        self._check_root()
 
     def persist(self, snap: MemorySnapshot, snapshot_s: float | None) -> None:
         assert self.memory is not None
@@ -364,6 +392,7 @@ class BackgroundPersister(Persister):
                 mirror_options=self.mirror_options,
                 incremental=self.incremental,
                 mirror_storage=self.mirror if thread else None,
+                fence=self.fence,
             )
         return self._worker
 
@@ -404,6 +433,7 @@ class BackgroundPersister(Persister):
         except PersistError as exc:
             self._lost(exc)
         self._finish(messages)
+        self._check_root()
 
     def _finish(self, messages: list[Reply | Report]) -> None:
         """`_take`, releasing every finished job's slot (also when one failed)."""
