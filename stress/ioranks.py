@@ -79,7 +79,7 @@ from unittest import mock
 
 import torch
 
-import resumable.distributed
+import resumable.group
 import resumable.retrying
 from resumable.commit import list_committed, step_dir
 from resumable.errors import CheckpointError
@@ -351,7 +351,7 @@ def _serve(rank: int, port: int, prefix: str, cmd_fd: int, out_fd: int) -> None:
         prefix, dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    original = resumable.distributed.Group.gather
+    original = resumable.group.Group.gather
 
     def gather(self: Any, obj: Any, name: str = "") -> list[Any]:
         out = original(self, obj, name)
@@ -359,7 +359,7 @@ def _serve(rank: int, port: int, prefix: str, cmd_fd: int, out_fd: int) -> None:
             _Gathered.ops.mark("gathered")
         return out
 
-    resumable.distributed.Group.gather = gather  # type: ignore[method-assign]
+    resumable.group.Group.gather = gather  # type: ignore[method-assign]
     buf = b""
     while True:
         while b"\n" not in buf:
@@ -631,7 +631,7 @@ def _broken(kind: str | None) -> Iterator[dict[str, Any]]:
         return
     if kind != "commit-despite-error":
         raise ValueError(f"unknown broken save path {kind!r}")
-    original = resumable.distributed.Group.gather
+    original = resumable.group.Group.gather
 
     def gather(self: Any, obj: Any, name: str = "") -> list[Any]:
         out = original(self, obj, name)
@@ -639,11 +639,11 @@ def _broken(kind: str | None) -> Iterator[dict[str, Any]]:
             out = [r for r in out if "error" not in r]  # commit with what is there
         return out
 
-    resumable.distributed.Group.gather = gather  # type: ignore[method-assign]
+    resumable.group.Group.gather = gather  # type: ignore[method-assign]
     try:
         yield {}
     finally:
-        resumable.distributed.Group.gather = original  # type: ignore[method-assign]
+        resumable.group.Group.gather = original  # type: ignore[method-assign]
 
 
 def _indices(calls: list[list[Any]], stride: int) -> list[int]:

@@ -10,7 +10,7 @@ while its own `stress.fsops.FileOps` records every file operation it makes insid
 root, each with the ``CLOCK_MONOTONIC`` time it returned (a ``mkdir``: the time it
 started, since the other rank may use the directory the moment it exists). Rank 0's
 log also marks the moment each commit returned. Each collective of the checkpointer's
-`resumable.distributed.Group` is marked in both logs (entered, returned).
+`resumable.group.Group` is marked in both logs (entered, returned).
 
 Crash states of the node (one power loss takes both ranks at once): a *cut* is a
 prefix of rank 0's log and a prefix of rank 1's, consistent with happens-before:
@@ -135,7 +135,7 @@ def _collective_marks(ops: TimedOps) -> Iterator[None]:
     """Mark each collective of the checkpointer's `Group` in ``ops``: ``("mark",
     "enter", n)`` before and ``("mark", "leave", (n, kind))`` after it returned, ``kind``
     ``"all"`` (every rank's data reaches every rank) or ``"from0"`` (a broadcast)."""
-    from resumable.distributed import Group
+    from resumable.group import Group
 
     originals = {name: getattr(Group, name) for name in ("gather", "broadcast", "any")}
     seq = [0]

@@ -32,7 +32,7 @@ RANK = textwrap.dedent(
     from pathlib import Path
     import torch.distributed as dist
     from resumable.coordination import Agreement, CoordinationStore
-    from resumable.distributed import current_group
+    from resumable.group import current_group
     from resumable.errors import PersistError
 
     rank, out = int(sys.argv[1]), Path(sys.argv[2])
@@ -184,7 +184,7 @@ def test_a_decision_asked_later_alone_reads_its_value_when_answered() -> None:
     """One process: `decide_later` reads the value only when its answer is asked for
     (a persist's worker may finish during the snapshot copy), once."""
     from resumable.coordination import Agreement
-    from resumable.distributed import Group
+    from resumable.group import Group
 
     agree = Agreement(Group(0, 1), None)
     worker_busy = [True]

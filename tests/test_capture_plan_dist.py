@@ -26,7 +26,7 @@ RANK = textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     from resumable.capture import capture
     from resumable.capture_plan import CapturePlan
-    from resumable.distributed import is_dtensor
+    from resumable.pieces import is_dtensor
 
     rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,

@@ -1,4 +1,4 @@
-"""`resumable.distributed.dtensor_piece`: a DTensor's local shard and its place, read
+"""`resumable.pieces.dtensor_piece`: a DTensor's local shard and its place, read
 without to_local's dispatch where the DTensor has its ``_local_tensor``, and through
 to_local where it has not (a real one-rank gloo group, in a subprocess of its own)."""
 
@@ -14,7 +14,7 @@ CHECK = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from resumable.distributed import dtensor_piece
+    from resumable.pieces import dtensor_piece
 
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

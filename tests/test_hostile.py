@@ -1267,7 +1267,7 @@ TILINGS: dict[str, tuple[list[tuple[list[int], list[int]]], str | None]] = {
 
 @pytest.mark.parametrize("case", list(TILINGS))
 def test_pieces_must_tile_their_global_tensor(case: str) -> None:
-    from resumable.distributed import check_pieces, global_tensors
+    from resumable.pieces import check_pieces, global_tensors
 
     pieces, problem = TILINGS[case]
     index = _index(pieces, [4, 4])
@@ -1285,18 +1285,18 @@ def test_a_tiling_more_fragmented_than_any_sharding_is_refused(
     """A staircase (row i from column i on, column i below row i) tiles an n-by-n tensor
     with 2n - 1 pieces but cuts it into n² cells: refused once the cells pass the
     bound, so the check stays O(n log n + bound)."""
-    import resumable.distributed as distributed
+    import resumable.pieces as pieces
 
     n = 16
     rows = [([1, n - i], [i, i]) for i in range(n)]
     columns = [([n - i - 1, 1], [i + 1, i]) for i in range(n - 1)]
     index = _index(rows + columns, [n, n])
-    (spec,) = distributed.global_tensors(index).values()
-    distributed.check_pieces("w", spec, index, "here")  # n² = 256 cells: within the bound
-    monkeypatch.setattr(distributed, "MAX_TILING_CELLS", 64)
-    (spec,) = distributed.global_tensors(index).values()
+    (spec,) = pieces.global_tensors(index).values()
+    pieces.check_pieces("w", spec, index, "here")  # n² = 256 cells: within the bound
+    monkeypatch.setattr(pieces, "MAX_TILING_CELLS", 64)
+    (spec,) = pieces.global_tensors(index).values()
     with pytest.raises(CorruptCheckpointError, match="fragmented"):
-        distributed.check_pieces("w", spec, index, "here")
+        pieces.check_pieces("w", spec, index, "here")
 
 
 # --------------------------------------------------------------------------- (h) special files

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import resumable
-from resumable.distributed import Group
+from resumable.group import Group
 from state_checks import shm_dir
 from test_memory_tier import run_trainer
 

@@ -15,8 +15,8 @@ from torch import nn
 
 import resumable
 from resumable.coordination import Agreement
-from resumable.distributed import Group
 from resumable.errors import CheckpointError, StepOrderError
+from resumable.group import Group
 from resumable.pipeline.schedule import Schedule
 
 

@@ -180,7 +180,7 @@ _HANDSHAKE_RANK = """
 import faulthandler, os, signal, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from resumable.distributed import current_group
+from resumable.group import current_group
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 faulthandler.register(signal.SIGUSR1, file=open(out, "w"), all_threads=True)
 store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))

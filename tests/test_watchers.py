@@ -547,7 +547,7 @@ def test_unreachable_endpoint_logs_one_warning_and_stops(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
     message = warnings[0].getMessage()
-    assert warnings[0].name == "resumable"
+    assert warnings[0].name == "resumable.watchers"
     assert w.name in message
     assert url in message
     assert "3 times in a row" in message

@@ -47,7 +47,7 @@ MAX_UNSENT_BYTES = 1 << 20  # lines kept for a retry while the store refuses wri
 READ_CONCURRENCY = 16
 PROGRESS_EVERY_S = 5.0  # at most one ``progress`` entry per this many seconds
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 _SEGMENT = re.compile(r"^([0-9]{13})-(.+)-([0-9]{6,})\.jsonl\Z")
 _HOST_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

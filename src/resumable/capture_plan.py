@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from resumable.capture import PLAIN_TENSORS, Encoder, rng_state, unwrap
-from resumable.distributed import Piece, is_dtensor
+from resumable.pieces import Piece, is_dtensor
 from resumable.tree import RNG_KEY
 
 log = logging.getLogger(__name__)

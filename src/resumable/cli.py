@@ -52,7 +52,6 @@ from resumable.commit import (
     refuse_checkpoint_as_root,
     step_dir,
 )
-from resumable.distributed import GlobalLoader, GlobalTensor, global_tensors
 from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from resumable.format import (
     TensorSlot,
@@ -63,8 +62,10 @@ from resumable.format import (
     safetensors_header,
     tensor_ranges,
 )
+from resumable.pieces import GlobalTensor, global_tensors
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
+from resumable.reshard import GlobalLoader
 from resumable.retention import PINS_DIR, apply_retention, pinned_steps
 from resumable.storage import OBJECT_SCHEMES, LocalStorage, Storage, open_storage
 from resumable.storage.writeback import write_all

@@ -5,7 +5,7 @@ rank 0 opens the attempt and tells every rank where to write (``broadcast``), ev
 rank reports its written file or its error to rank 0 (``gather``), and rank 0 tells
 every rank the outcome (``broadcast``). Two transports implement them:
 
-- `resumable.distributed.Group`: collectives on the checkpointer's side gloo group,
+- `resumable.group.Group`: collectives on the checkpointer's side gloo group,
   called on the training thread (``persist="sync"``).
 - `StoreCoordinator`: keys in a ``torch.distributed.TCPStore`` that the checkpointer
   of rank 0 hosts (`CoordinationStore`), used by the persist workers in the background,

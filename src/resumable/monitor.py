@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 AlertCallback = Callable[[str, str, dict[str, Any]], None]
 

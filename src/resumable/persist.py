@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import torch
 
 from resumable.commit import Attempt, Committer, abort_quietly, step_dir
-from resumable.distributed import Piece
 from resumable.errors import PersistError
 from resumable.format import (
     CHECKSUM,
@@ -36,11 +35,12 @@ from resumable.format import (
     safetensors_header,
 )
 from resumable.incremental import Chunk, DeltaBase, Plan, Record
+from resumable.pieces import Piece
 from resumable.snapshot import Snapshot
 from resumable.storage import direct
 from resumable.storage.base import Storage
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 
 def rank_file(rank: int) -> str:

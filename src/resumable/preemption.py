@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 REQUEUE_EXIT_CODE = 75
 """Exit code after an emergency checkpoint: EX_TEMPFAIL from sysexits.h ("temporary

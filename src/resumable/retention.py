@@ -33,7 +33,7 @@ from resumable.policy import Entry, Keep
 from resumable.reader import CheckpointReader
 from resumable.storage import Storage
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 PINS_DIR = "pins"
 

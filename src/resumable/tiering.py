@@ -49,7 +49,7 @@ from resumable.retention import apply_retention
 from resumable.retrying import retrying
 from resumable.storage.base import Storage
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 Notify = Callable[[Report], None]
 

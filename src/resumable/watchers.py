@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 WATCH_ENV = "RESUMABLE_WATCH"
 WATCH_ENDPOINT_ENV = "RESUMABLE_WATCH_ENDPOINT"

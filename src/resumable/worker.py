@@ -99,10 +99,10 @@ from typing import TYPE_CHECKING, Any
 
 from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
-from resumable.distributed import owned_tensors, pieces_from_json
 from resumable.errors import CheckpointError, PersistError, RootInUseError, StorageError
 from resumable.incremental import DeltaBase, Incremental
 from resumable.lock import LeaseFence
+from resumable.pieces import owned_tensors, pieces_from_json
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -133,7 +133,7 @@ if TYPE_CHECKING:
     from resumable.persist import Coordination
     from resumable.tiering import Mirror
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 WORKER_NICE_ENV = "RESUMABLE_WORKER_NICE"
 """How much lower than the trainer's the persist worker process's CPU priority is

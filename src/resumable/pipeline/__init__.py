@@ -3,7 +3,7 @@
 `Checkpointer` (``resumable.manager``) is a facade: it checks its arguments, builds
 these parts and calls them in its public methods. The same parts serve one process and
 several ranks; what differs is the coordination object they are given
-(`resumable.distributed.Group`: with one process every exchange returns at once).
+(`resumable.group.Group`: with one process every exchange returns at once).
 
 - `schedule.Schedule`: when to snapshot and when to persist (cadences, clocks, a
   persist owed after a busy worker, the measured persist cost; with several ranks,

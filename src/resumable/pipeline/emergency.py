@@ -22,13 +22,13 @@ from typing import Any
 
 from resumable.audit import AuditLog
 from resumable.coordination import Agreement
-from resumable.distributed import Group
 from resumable.errors import PersistError
+from resumable.group import Group
 from resumable.pipeline.persister import Persister
 from resumable.preemption import GraceBudget, Preemption, PreemptionMonitor
 from resumable.snapshot import MemorySnapshot
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 
 class Emergency:

@@ -20,7 +20,7 @@ root is held by a lease (`resumable.lock`); its `LeaseFence` goes to whatever co
 is raised as `RootInUseError`, as is a lost lease at `wait`.
 
 The same code serves one process and several ranks: the coordination given (a
-`resumable.distributed.Group`, of one process or of the job's ranks) makes the
+`resumable.group.Group`, of one process or of the job's ranks) makes the
 difference. With several ranks a synchronous persist is collective (every rank calls
 it at the same step) and a background one is coordinated by the workers.
 """
@@ -35,12 +35,13 @@ from typing import Any
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.coordination import CoordinationStore
-from resumable.distributed import Group, owned_tensors, pieces_from_json
 from resumable.errors import PersistError, RootInUseError
 from resumable.format import json_metrics
+from resumable.group import Group
 from resumable.incremental import Incremental
 from resumable.lock import LeaseFence
 from resumable.monitor import Monitor
+from resumable.pieces import owned_tensors, pieces_from_json
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.messages import (
     Committed,
@@ -59,7 +60,7 @@ from resumable.snapshot import Arena, MemorySnapshot, Snapshot
 from resumable.storage import Storage
 from resumable.worker import JobRunner, PersistWorker, keep_to_json
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 
 class Persister:

@@ -33,7 +33,7 @@ import os
 import re
 import secrets
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -548,7 +548,3 @@ class FsspecStorage(Storage):
 
     def close(self) -> None:
         """fsspec keeps one session per filesystem for the life of the process."""
-
-
-def open_fsspec(url: str, options: Mapping[str, Any] | None) -> FsspecStorage:
-    return FsspecStorage(url, **dict(options or {}))
