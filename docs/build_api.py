@@ -33,7 +33,15 @@ from typing import Any
 import pdoc
 import pdoc.doc
 
-MODULES = ("resumable", "resumable.data", "resumable.storage", "resumable.distributed")
+MODULES = (
+    "resumable",
+    "resumable.data",
+    "resumable.storage",
+    "resumable.group",
+    "resumable.pieces",
+    "resumable.reshard",
+    "resumable.ddp",
+)
 REFERENCE = re.compile(r"(?<![`\w])`([A-Za-z_][\w.]*)`(?![`\w])")
 _MISSING = object()
 
