@@ -751,9 +751,16 @@ def run_key_of(path: Path) -> str | None:
     return name[len(PREFIX) :].split("-r", 1)[0]
 
 
+# Slot files per run and rank: two alternate (the newest complete snapshot and the one
+# before it), and a third is made only while a persist holds one of them, so that a
+# snapshot never overwrites the newest complete one (`snapshot.ShmArena`).
+SLOTS = 3
+
+
 def slot_paths(key: str, rank: int, directory: Path) -> list[Path]:
-    """The two slot files of run ``key`` and ``rank`` in a slot directory (`own_dir`)."""
-    return [directory / f"{PREFIX}{key}-r{rank}-s{i}" for i in range(2)]
+    """The slot files of run ``key`` and ``rank`` in a slot directory (`own_dir`): `SLOTS`
+    names, of which only those a snapshot was written to exist."""
+    return [directory / f"{PREFIX}{key}-r{rank}-s{i}" for i in range(SLOTS)]
 
 
 @dataclass(frozen=True)

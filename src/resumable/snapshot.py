@@ -10,10 +10,10 @@ the first ``optimizer.step()``). Pinned when any source tensor lives on CUDA.
 This is the only part of a save that blocks training: once `Arena.snapshot` returns,
 the trainer may mutate every tensor and the snapshot stays as it was.
 
-`ShmArena` is the memory tier: the same layout in two shared-memory slots
-(`resumable.shm`), so a persist worker process can write one slot out while the
-trainer snapshots into the other, and the newest complete snapshot outlives a crash
-of the training process. Large copies are split across a small thread pool.
+`ShmArena` is the memory tier: the same layout in shared-memory slots (`resumable.shm`),
+two alternating and a third while a persist worker process writes one out, so that the
+two newest complete snapshots outlive a crash of the training process, even one during
+a copy. Large copies are split across a small thread pool.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ import xxhash
 from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
 from resumable.format import TensorSlot, byte_view, checksum, plan_layout
 from resumable.shm import (
+    COMPLETE,
     PREFIX,
     ROOT_KEY,
     SHM_DIR,
+    SLOTS,
     RawJSON,
     ShmSlot,
     SlotContent,
@@ -149,10 +151,10 @@ class CopyPlan:
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Views of each tensor's place in ``buf``, in the tensors' order (made once per
-        buffer; a plan serves at most the two slots of a `ShmArena`)."""
+        buffer; a plan serves at most the `SLOTS` slots of a `ShmArena`)."""
         hit = self._views.get(id(buf))
         if hit is None or hit[0] is not buf:
-            if len(self._views) >= 2:
+            if len(self._views) >= SLOTS:
                 self._views.clear()
             hit = self._views[id(buf)] = (buf, [tensor_view(buf, s) for s in self._in_order])
         return hit[1]
@@ -347,12 +349,19 @@ class MemorySnapshot:
 
 
 class ShmArena:
-    """Two shared-memory slots (double buffer) for one run and rank.
+    """The shared-memory slots of one run and rank: two alternating, and a third while
+    the persist worker holds one.
 
     The trainer writes snapshots; the persist worker reads the slots it was handed
-    (``locked``). A snapshot goes to a slot that is neither locked nor the newest
-    complete one when possible, so a complete snapshot always survives a kill during
-    the next copy. Used from the training thread only.
+    (``locked``). A snapshot never goes to a locked slot nor to the newest complete one,
+    and of the others to the one with the oldest snapshot, so the newest complete
+    snapshot and the one before it survive a kill during the next copy: when ranks are
+    killed while some of them copy step s+1, every rank still holds step s (the restore
+    agrees on the newest step every rank holds; `resumable.pipeline.restorer`). While a
+    persist holds one of the two slots, the third is made (one more snapshot's worth of
+    shared memory, kept until `close`); if shared memory cannot hold it, the newest
+    snapshot is overwritten after all, with a WARNING, and a kill during that copy goes
+    back to the step being persisted. Used from the training thread only.
 
     The slots live in this user's `own_dir` of ``shm_dir`` (``directory``), or in a
     fresh `fallback_dir` if that cannot be trusted; a slot that cannot be created where
@@ -373,7 +382,8 @@ class ShmArena:
         self._held: list[int] = []  # locks on the fallback directories in use
         self.directory = own_dir(self.shm_dir) or self._fallback()
         self.paths = slot_paths(key, rank, self.directory)
-        self.slots: list[ShmSlot | None] = [None, None]
+        self.slots: list[ShmSlot | None] = [None] * SLOTS
+        self._third = True  # whether the third slot may be made (False: no room for it)
         self.locked: set[int] = set()
         self.newest: MemorySnapshot | None = None
         threads = copy_threads()
@@ -455,10 +465,25 @@ class ShmArena:
         # '{"layout":[...],' then the rest of the object: the head is the plan's
         blob = encode_meta(meta)[1:]
         head = plan.meta_head
-        index = self._choose()
+        index = self._choose(step)
         slot = self.slots[index]
         if slot is None or not slot.fits(len(head) + len(blob), len(layout), nbytes):
-            slot = self._allocate(index, len(head) + len(blob), len(layout), nbytes)
+            try:
+                slot = self._allocate(index, len(head) + len(blob), len(layout), nbytes)
+            except StorageError as exc:
+                if index < 2:
+                    raise
+                self._third = False
+                index = self._choose(step)
+                log.warning(
+                    "no room for a third shared-memory snapshot slot while a persist holds "
+                    "one (%s): this snapshot overwrites the newest one, so a kill during "
+                    "its copy goes back to the step being persisted",
+                    exc,
+                )
+                slot = self.slots[index]
+                if slot is None or not slot.fits(len(head) + len(blob), len(layout), nbytes):
+                    slot = self._allocate(index, len(head) + len(blob), len(layout), nbytes)
         slot.begin_write()
         data = slot.data_tensor()
         later = [s for s in layout if s.name in deferred] if deferred and executor else []
@@ -489,13 +514,62 @@ class ShmArena:
         plan = self._plan = CopyPlan(tensors)
         return plan, True
 
-    def _choose(self) -> int:
-        free = [i for i in (0, 1) if i not in self.locked]
+    def _choose(self, step: int) -> int:
+        """The slot the snapshot of ``step`` goes to: not a locked one, not the newest
+        complete one, and of the others the one with the oldest snapshot (an empty or
+        incomplete one first, or one of a step not before ``step``: left by a timeline a
+        restore went back from). The third slot is made only when the first two are taken (a persist
+        holds one, the other is the newest); the newest is overwritten only when there
+        is no room for a third."""
+        newest = self.newest.index if self.newest is not None else None
+        free = [i for i in range(SLOTS) if i not in self.locked]
         if not free:
-            raise CheckpointError("both snapshot slots are being persisted")
-        if self.newest is not None and len(free) == 2:
-            return 1 - self.newest.index
+            raise CheckpointError("every snapshot slot is being persisted")
+        spare = [i for i in free if i != newest]
+        made = [i for i in spare if i < 2 or self.slots[i] is not None]
+        if made:
+            return min(made, key=lambda i: self._age(i, step))
+        if spare and self._third:
+            return spare[0]
         return free[0]
+
+    def _age(self, index: int, step: int) -> tuple[int, int]:
+        """Sort key, oldest first: a missing, incomplete or stale slot, then by step."""
+        slot = self.slots[index]
+        if slot is None:
+            return (0, index)
+        c = slot.control()
+        if c.state != COMPLETE or c.seq % 2 or c.step >= step:
+            return (0, index)
+        return (1, c.step)
+
+    def complete(self) -> list[tuple[MemorySnapshot, SlotContent]]:
+        """Every complete snapshot in the slots (with its slot's content), newest first."""
+        out = []
+        for i, slot in enumerate(self.slots):
+            content = slot.read() if slot is not None else None
+            if content is not None:
+                out.append(
+                    (MemorySnapshot(i, content.seq, content.step, _nbytes(content.slots)), content)
+                )
+        out.sort(key=lambda sc: -sc[0].step)
+        return out
+
+    def forget_after(self, step: int, keep: MemorySnapshot | None = None) -> None:
+        """A restore went back to ``step`` (from ``keep``, a snapshot here, which becomes
+        the newest): snapshots of later steps, of a timeline this launch left, are
+        marked incomplete, so no restore finds them and the next snapshots overwrite
+        them first."""
+        for i, slot in enumerate(self.slots):
+            if slot is None or i in self.locked or (keep is not None and i == keep.index):
+                continue
+            c = slot.control()
+            if c.state == COMPLETE and c.seq % 2 == 0 and c.step > step:
+                slot.begin_write()
+                if self.newest is not None and self.newest.index == i:
+                    self.newest = None
+        if keep is not None:
+            self.newest = keep
 
     def _allocate(self, index: int, meta_len: int, n_tensors: int, nbytes: int) -> ShmSlot:
         old = self.slots[index]

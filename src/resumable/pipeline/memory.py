@@ -1,7 +1,9 @@
 """The memory tier: snapshots of the state in this user's shared memory.
 
 A snapshot captures the state (`resumable.capture`) and copies its tensors into one of
-two shared-memory slots (`resumable.snapshot.ShmArena`); the copy is the only part of a
+this rank's shared-memory slots (`resumable.snapshot.ShmArena`: two alternating, a third
+while a persist holds one, so the two newest complete snapshots survive a kill during a
+copy); the copy is the only part of a
 checkpoint that blocks training. With ``overlap``, the tensors only ``optimizer.step()``
 changes (parameters and optimizer state) are copied in the background during the next
 forward/backward, and an optimizer step pre-hook waits for that copy first.
@@ -53,7 +55,7 @@ STALE_SHM_S = 24 * 3600.0
 
 
 class MemoryTier:
-    """This rank's two shared-memory slots for the run in ``storage``."""
+    """This rank's shared-memory slots for the run in ``storage``."""
 
     def __init__(
         self,
@@ -204,8 +206,27 @@ class MemoryTier:
             return
         log.info("found a shared-memory snapshot of step %d from an earlier launch", step)
 
+    def complete(self) -> list[tuple[MemorySnapshot, SlotContent]]:
+        """This run's complete snapshots in this rank's slots (with their content),
+        newest first: what a restore may offer (`Restorer`). Snapshots another run of
+        the directory took are left out (`adopt` said so for the newest)."""
+        self.adopt()
+        return [
+            (snap, content)
+            for snap, content in self.arena.complete()
+            if self.run_id is None or snapshot_belongs(content.meta.get("run_id"), self.run_id)
+        ]
+
+    def restored(self, step: int, snap: MemorySnapshot | None = None) -> None:
+        """A restore loaded ``step`` (from ``snap``, a snapshot of this tier, which is
+        the newest one from now on): snapshots of later steps are dropped
+        (`ShmArena.forget_after`)."""
+        self.adopt()
+        self.arena.forget_after(step, snap)
+
     def preflight(self, state: Mapping[str, Any], *, rng: bool) -> None:
-        """Fail before training starts if shared memory cannot hold two snapshots."""
+        """Fail before training starts if shared memory cannot hold two snapshots (a
+        third, made while a persist holds one of them, is used only where it fits)."""
         captured = capture_mod.capture(state, include_rng=rng)
         need = 2 * sum(t.numel() * t.element_size() for t in captured.tensors.values())
         have = shm_free_bytes(self.arena.directory) + self.arena.existing_bytes()
@@ -213,7 +234,9 @@ class MemoryTier:
             raise StorageError(
                 errno.ENOSPC,
                 f"shared memory {self.arena.directory} has {have / 2**20:.0f} MiB available, "
-                f"two snapshots of this state need {need / 2**20:.0f} MiB; enlarge /dev/shm "
+                f"two snapshots of this state need {need / 2**20:.0f} MiB (and a third, "
+                "while a persist runs, keeps the previous snapshot during a copy where it "
+                "fits); enlarge /dev/shm "
                 "(docker run --shm-size, or a larger tmpfs mount) or checkpoint without "
                 "shared memory: persist='sync' with memory_every=None",
             )

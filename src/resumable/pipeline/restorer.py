@@ -145,6 +145,8 @@ class Restorer:
                     raise NoCheckpointError(f"no memory snapshot of step {step} {where}")
                 return Restored(0, "none", skipped=skipped, newest_committed=newest)
         restored = self._from_storage(roots, step, map_location, skipped)
+        if self.memory is not None:
+            self.memory.restored(restored.step)  # later snapshots: a timeline left
         restored.newest_committed = newest
         return restored
 
@@ -153,56 +155,54 @@ class Restorer:
     def _from_memory(
         self, steps: list[int], step: int | None, loc: Any, tier: str, skipped: list[str]
     ) -> Restored | None:
-        """Every rank from its own shared-memory snapshot, if every rank has one of the
-        same step (newer than the newest checkpoint, unless asked for); otherwise None,
-        and every rank falls back to storage together."""
+        """Every rank from its own shared-memory snapshot of the newest step that every
+        rank holds complete (newer than the newest checkpoint, unless asked for);
+        otherwise None, and every rank falls back to storage together.
+
+        A rank keeps its newest complete snapshot and the one before it
+        (`resumable.snapshot.ShmArena`) and offers each it could restore: ranks killed
+        while some of them copied step s+1 all still hold step s, and resume from it."""
         memory = self.memory
         assert memory is not None
-        memory.adopt()
+        held = memory.complete()
         if memory.discarded is not None:
             skipped.append(f"a memory snapshot ({memory.discarded})")
             memory.discarded = None
-        newest = memory.newest
-        mine = None
-        content = None
+        mine: list[int] = []  # the steps this rank can restore, newest first
         why, warned = "it has none", False  # why this rank offers none; said already?
-        if newest is not None:
-            content = memory.readable(newest)
-            saved_world = content.meta.get("world_size", 1) if content is not None else None
-            if content is None:
-                why, warned = "its snapshot is incomplete or was overwritten", True
-                self._skip_memory(
-                    newest.step, "the snapshot is incomplete or was overwritten", skipped
-                )
-            elif saved_world != self.world_size:
+        for snap, found in held:
+            saved_world = found.meta.get("world_size", 1)
+            if saved_world != self.world_size:
                 why = (
                     f"it was taken by a job of {saved_world} rank(s), this one has "
                     f"{self.world_size} (snapshots do not reshard; checkpoints do)"
                 )
-            elif not self._same_pieces(content.meta.get("pieces") or {}):
+            elif not self._same_pieces(found.meta.get("pieces") or {}):
                 why, warned = "it holds another sharding of the state", True
                 self._skip_memory(
-                    newest.step,
+                    snap.step,
                     "it holds another sharding of the state than this launch's (a changed "
                     "parallel layout at the same world size); the checkpoints reshard",
                     skipped,
                 )
             else:
-                mine = newest.step
-        had = newest.step if newest is not None else None
-        answers = self.group.gather((mine, had, why, warned))
-        offers = [a[0] for a in answers]
-        s = offers[0]
-        if s is None or any(o != s for o in offers):
+                mine.append(snap.step)
+        had = held[0][0].step if held else None
+        answers = [(_offered(a[0]), *a[1:]) for a in self.group.gather((mine, had, why, warned))]
+        common = set(answers[0][0]).intersection(*(a[0] for a in answers[1:]))
+        if step is not None:
+            common &= {step}
+        if not common:
             if step is None:
                 self._discarded(answers, steps[-1] if steps else None, skipped)
             return None
-        wanted = (
-            step == s if step is not None else (tier == "memory" or not steps or s >= steps[-1])
-        )
+        s = max(common)
+        wanted = step is not None or tier == "memory" or not steps or s >= steps[-1]
         if not wanted:
             return None
-        assert newest is not None
+        newest, content = next((sn, c) for sn, c in held if sn.step == s)
+        if step is None:
+            self._went_back(answers, s, skipped)
         t0 = time.perf_counter()
         problem = None
         values: dict[str, Any] = {}
@@ -245,6 +245,7 @@ class Restorer:
             why = f"{exc} (found while copying; the checkpoint restored next overwrites it)"
             self._skip_memory(s, why, skipped)
             return None
+        memory.restored(s, newest)
         self.audit.record(
             "restore",
             step=s,
@@ -284,9 +285,35 @@ class Restorer:
         live = by_fqn(pieces_to_json(current.pieces))
         return all(snap[f] == pieces for f, pieces in live.items() if f in snap)
 
+    def _went_back(
+        self, answers: list[tuple[list[int], int | None, str, bool]], s: int, skipped: list[str]
+    ) -> None:
+        """Say at WARNING (rank 0) which newer memory snapshot some ranks hold but not
+        every rank does (a copy cut short by a kill), when the ranks resume from the
+        snapshot before it: one snapshot's steps are trained again, not a persist's."""
+        lost = max((a[1] for a in answers if a[1] is not None), default=s)
+        if lost <= s:
+            return
+        whys = [
+            f"rank {r}: "
+            + (why if had == lost else f"its newest complete snapshot is of step {had}")
+            for r, (offer, had, why, _) in enumerate(answers)
+            if lost not in offer
+        ]
+        reason = "; ".join(whys) + f"; every rank holds step {s}"
+        if self.rank == 0:
+            log.warning(
+                "discarding the shared-memory snapshot of step %d: %s, which this launch "
+                "resumes from",
+                lost,
+                reason,
+            )
+        self.audit.record("skip", step=lost, tier="memory", reason=reason[:500])
+        skipped.append(f"memory snapshot of step {lost} ({reason})")
+
     def _discarded(
         self,
-        answers: list[tuple[int | None, int | None, str, bool]],
+        answers: list[tuple[list[int], int | None, str, bool]],
         committed: int | None,
         skipped: list[str],
     ) -> None:
@@ -301,7 +328,7 @@ class Restorer:
             return  # said by `_skip_memory` already
         whys = []
         for rank, (offer, had, why, _) in enumerate(answers):
-            if offer == lost:
+            if lost in offer:
                 continue
             if had is None or had == lost:
                 whys.append(f"rank {rank}: {why}" if len(answers) > 1 else why)
@@ -659,6 +686,14 @@ class Restorer:
         )
         if isinstance(self.state, dict):
             self.state.update(part)
+
+
+def _offered(offer: Any) -> list[int]:
+    """The steps a rank's memory offer names: a list of them, or one step, or None (the
+    single step an offer named before a rank offered each snapshot it holds)."""
+    if offer is None:
+        return []
+    return [offer] if isinstance(offer, int) else list(offer)
 
 
 def _destinations(
