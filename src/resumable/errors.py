@@ -64,3 +64,19 @@ class StepOrderError(CheckpointError, ValueError):
     step restored or saved: its checkpoint would never be the one restored (the newer
     one is), so the work since would be lost at the next launch. Raised instead of
     dropping the step in silence."""
+
+
+class ReplicaError(CheckpointError, OSError):
+    """A memory snapshot's replica on a peer node could not be sent, received or read:
+    the peer refused it (another job or run, a bad signature, a replayed message), its
+    bytes did not match their digest, the connection failed or timed out, or the replica
+    asked for is not held. ``reason`` names which (`resumable.replicas.transport`)."""
+
+    def __init__(self, message: str, *, reason: str = "io") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ReplicaPlacementError(CheckpointError, ValueError):
+    """Replicas of memory snapshots cannot be placed as asked: more copies than there
+    are nodes (failure domains), or a rank layout that names no node."""
