@@ -32,7 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class Emergency:
-    """Watches for a preemption and takes the emergency checkpoint."""
+    """Watches for a preemption and takes the emergency checkpoint.
+
+    Call order (the facade's, on the training thread): construction installs the
+    signal handlers and starts the watchers. `requested` at each `maybe_save`; once it
+    is true, `checkpoint` once, then `left_s` for what is left of the grace.
+    `reclaim_signals` whenever a framework replaced the handlers; `close` once, which
+    puts the earlier handlers back. `checkpoint` logs an earlier persist's failure and
+    still takes the emergency checkpoint; a failure of its own persist is raised."""
 
     def __init__(self, config: Preemption, coordination: Group, agreement: Agreement) -> None:
         self.monitor = PreemptionMonitor(config)

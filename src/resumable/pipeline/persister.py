@@ -65,7 +65,11 @@ log = logging.getLogger(__name__)
 
 class Persister:
     """What the two implementations share: accounting of each persist (audit, monitor,
-    the newest committed step), the mirror's reports, and raising failures."""
+    the newest committed step), the mirror's reports, and raising failures.
+
+    Call order (the facade's, on the training thread): `start` once, `persist` any
+    number of times, `collect` at every call of the facade, `wait` and `flush_mirror`
+    when asked, `close` once, after `wait`."""
 
     def __init__(
         self,

@@ -75,7 +75,12 @@ class Restored:
 
 
 class Restorer:
-    """Loads the newest valid state into ``state``."""
+    """Loads the newest valid state into ``state``.
+
+    Call order (the facade's, on every rank, on the training thread): `roots_by_step`
+    at any time (a listing). `restore` before training, and again for an explicit
+    step; every rank calls it together. It raises before touching a live object,
+    except when a memory snapshot asked for alone fails its check while copied."""
 
     def __init__(
         self,

@@ -29,7 +29,14 @@ class Schedule:
     """Decides, at each `maybe_save`, whether a persist or a snapshot is due.
 
     Used from the training thread only. The facade tells it what happened
-    (`snapshotted`, `persisted`, `deferred`, `restored`, `observe_cost`)."""
+    (`snapshotted`, `persisted`, `deferred`, `restored`, `observe_cost`).
+
+    Call order (the facade's): `on_absorbed` set once after construction;
+    `restored` after each restore that loaded a step. At each `maybe_save`:
+    `check_order`, then `persist_due`. If it is true, `persisted` when the persist
+    starts, or `deferred` when the worker is busy; `observe_cost` after a persist
+    started. Otherwise `memory_due`, then `snapshotted` once the snapshot is taken.
+    A pure state machine: no I/O; its clock is ``time.monotonic``."""
 
     def __init__(
         self, memory_every: Every | None, persist_every: Every, agreement: Agreement
