@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import resumable
 import resumable.cli
+import resumable.export
 from resumable.cli import COMMANDS, main
 from resumable.errors import NoCheckpointError
 
@@ -274,7 +275,7 @@ def test_export_refuses_overwrite_and_bad_key(
 
     before = out.read_bytes()
     with monkeypatch.context() as m:
-        m.setattr(resumable.cli, "byte_view", disk_full)
+        m.setattr(resumable.export, "byte_view", disk_full)
         assert main([*args, "--force"]) == 2
     assert "No space left" in _one_error_line(capsys.readouterr().err)
     assert out.read_bytes() == before  # the old file survives a failed write

@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from rich.text import Text
 
 from resumable import __version__
 from resumable.audit import AuditLog, read_audit
-from resumable.capture import CLASSES_KEY, decode, iter_refs, recorded_classes, subtree
+from resumable.capture import CLASSES_KEY, decode, recorded_classes
 from resumable.commit import (
     RenameCommit,
     list_committed,
@@ -53,22 +52,13 @@ from resumable.commit import (
     step_dir,
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from resumable.format import (
-    TensorSlot,
-    byte_view,
-    dtype_from_name,
-    human_bytes,
-    itemsize,
-    safetensors_header,
-    tensor_ranges,
-)
+from resumable.export import export_state_dict, has_tensors, write_atomic
+from resumable.format import human_bytes, itemsize, tensor_ranges
 from resumable.pieces import GlobalTensor, global_tensors
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
-from resumable.reshard import GlobalLoader
 from resumable.retention import PINS_DIR, apply_retention, pinned_steps
 from resumable.storage import OBJECT_SCHEMES, LocalStorage, Storage, open_storage
-from resumable.storage.writeback import write_all
 
 if TYPE_CHECKING:
     from resumable.shm import SegmentInfo
@@ -499,10 +489,6 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
 
 
-def _has_tensors(node: Any) -> bool:
-    return next(iter_refs(node), None) is not None
-
-
 def _inline(node: Any) -> str:
     """A one-line rendering of a subtree without tensors, shortened if long."""
     try:
@@ -558,7 +544,7 @@ def _tree_lines(node: Any, label: str, depth: int, index: _Index, out: list[str]
         if isinstance(node.get("global"), str):
             out.append(pad + _global_line(label, node["global"], index.globals))
             return
-    if not _has_tensors(node):
+    if not has_tensors(node):
         out.append(f"{pad}{label}: {_inline(node)}")
         return
     if "stateful" in node:
@@ -709,110 +695,25 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, str]]:
-    """Map the original state-dict keys under top-level ``key`` to ``(tag, name)`` of
-    their tensors (``global`` tensors of several ranks are named by fqn)."""
-    try:
-        if key == CLASSES_KEY:
-            raise KeyError(key)  # the classes record describes the state; it is not state
-        node = subtree(tree, key)
-    except (KeyError, AttributeError, TypeError, ValueError):
-        keys = _top_keys(tree)
-        raise CheckpointError(
-            f"{where} has no state key {key!r}; available keys: {', '.join(keys) or 'none'}"
-        ) from None
-    names: dict[str, tuple[str, str]] = {}
-    for path, tag, name in iter_refs(node):
-        sd_key = ".".join(str(p) for p in path) or key
-        if sd_key in names:
-            raise CheckpointError(
-                f"{where}: two tensors under {key!r} map to the state-dict key {sd_key!r}; "
-                "cannot export them to one flat file"
-            )
-        names[sd_key] = (tag, name)
-    if not names:
-        with_tensors = [k for k in _top_keys(tree) if _has_tensors(subtree(tree, k))]
-        raise CheckpointError(
-            f"{where}: state key {key!r} holds no tensors; keys with tensors: "
-            f"{', '.join(with_tensors) or 'none'}"
-        )
-    return names
+class _ExportBar:
+    """The byte bar told of an export's progress (`ExportProgress`)."""
 
+    def __init__(self, bar: _ByteProgress, text: str) -> None:
+        self._bar = bar
+        self._text = text
 
-def _top_keys(tree: Any) -> list[str]:
-    """The state keys of a tree, without the internal ``__classes__`` record."""
-    pairs = tree.get("dict", []) if isinstance(tree, dict) else []
-    return [str(p[0]) for p in pairs if isinstance(p, list) and len(p) == 2 and p[0] != CLASSES_KEY]
+    def start(self, total: int) -> None:
+        self._bar.start_over(self._text, total)
+
+    def advance(self, nbytes: int) -> None:
+        self._bar.advance(nbytes)
 
 
 def _export(
     storage: Storage, step: int, key: str, out: Path, bar: _ByteProgress
 ) -> tuple[int, int]:
-    """Write the tensors under ``key`` of checkpoint ``step`` to ``out`` as one safetensors
-    file, one tensor in memory at a time: a tensor sharded over several ranks is
-    assembled from its pieces, written, and dropped before the next. Returns (tensors,
-    bytes)."""
-    reader = CheckpointReader(storage, step)
-    names = _state_dict_names(reader.tree, key, f"checkpoint {step_dir(step)}")
-    reader.check_files()
-    index = reader.manifest["tensors"]
-    loader = GlobalLoader(reader, {})
-    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for sd_key, (tag, name) in names.items():
-        if tag == "global":
-            shape, dtype_text = loader.spec(name)
-        else:
-            shape, dtype_text = tuple(index[name]["shape"]), index[name]["dtype"]
-        specs[sd_key] = (dtype_from_name(dtype_text), shape)
-
-    def element_size(k: str) -> int:
-        return torch.empty(0, dtype=specs[k][0]).element_size()
-
-    slots, offset = [], 0
-    for sd_key in sorted(specs, key=lambda k: -element_size(k)):  # aligned, as the data files
-        dtype, shape = specs[sd_key]
-        n = math.prod(shape) * element_size(sd_key)
-        slots.append(TensorSlot(sd_key, dtype, shape, offset, offset + n))
-        offset += n
-    metadata = {"format": "pt", "producer": "resumable", "step": str(step), "key": key}
-
-    def chunks() -> Iterator[Any]:
-        yield safetensors_header(slots, metadata)
-        bar.start_over(f"exporting {key} of {step_dir(step)}", offset)
-        for slot in slots:
-            tag, name = names[slot.name]
-            if tag == "global":
-                t = loader.assemble(name)
-            else:
-                t = reader.tensors([name], verify=True)[name]
-            yield byte_view(t.contiguous().reshape(-1).view(torch.uint8))
-            bar.advance(slot.nbytes)
-
-    _write_atomic(chunks(), out)
-    return len(slots), offset
-
-
-def _write_atomic(chunks: Iterable[Any], out: Path) -> None:
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, chunks)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    progress = _ExportBar(bar, f"exporting {key} of {step_dir(step)}")
+    return export_state_dict(storage, step, key, out, progress)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -988,7 +889,7 @@ def run_report(args: argparse.Namespace) -> int:
         _print_json(report.to_json())
         return 0
     out = Path(args.out)
-    _write_atomic([render_html(report).encode()], out)
+    write_atomic([render_html(report).encode()], out)
     what = (
         "nothing to report yet (no audit entries, no checkpoints)"
         if report.empty
