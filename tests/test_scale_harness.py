@@ -1,0 +1,73 @@
+"""The scale harness (benchmarks/scale.py) at small N: counts of operations, never times.
+
+It runs the real `Agreement`, `write_distributed` through `StoreCoordinator`, retention and
+restore planning for 4 and 16 simulated ranks over one real TCPStore (libuv), and checks
+what must hold at any N: every rank but rank 0 does the same, constant number of store
+operations per save and per decision; rank 0 does at most a constant times N; nothing
+is left in the store by the decisions.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import scale
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    roots = tmp_path_factory.mktemp("scale")
+    return scale.measure([4, 16], roots=roots, commit_tensors=2, manifest_tensors=20)
+
+
+def _row(out: dict, n: int) -> dict:
+    return out["by_n"][str(n)]
+
+
+def test_agreement_is_constant_per_rank(measured: dict) -> None:
+    a4, a16 = _row(measured, 4)["agreement"], _row(measured, 16)["agreement"]
+    # compare_set + add on every rank; the last rank to read also deletes both keys.
+    assert a4["ops_per_rank"] == a16["ops_per_rank"] == {"max": 4, "min": 2}
+    assert a16["ops_total"] == 2 * 16 + 2
+    assert a4["keys_left"] == a16["keys_left"] == 0
+
+
+@pytest.mark.parametrize("where", ["commit_memory", "commit_local"])
+def test_commit_store_ops(measured: dict, where: str) -> None:
+    c4, c16 = _row(measured, 4)[where], _row(measured, 16)[where]
+    # Other ranks: wait for the attempt, post the report, wait for the outcome.
+    assert c4["ops_per_rank"] == c16["ops_per_rank"] == {"max": 3, "min": 3}
+    # Rank 0: post the attempt and its report, one wait and one multi_get for every
+    # report, post the outcome, then the N + 2 deletes of the keys of the save before
+    # the last: N + 7 (one get per report made it 2N + 6).
+    assert c4["ops_rank0"] == 4 + 7
+    assert c16["ops_rank0"] == 16 + 7
+    assert c16["ops_total"] == c16["ops_rank0"] + 3 * 15
+
+
+def test_retention_and_restore_ran(measured: dict) -> None:
+    for n in (4, 16):
+        row = _row(measured, n)
+        assert row["retention_local"]["steps_deleted"] == [1]
+        assert row["restore_local"]["per_rank_s"] > 0
+        assert row["manifest"]["tensors"] == 20 * n
+        assert row["gloo_model"]["messages_per_rank"] == 2 * (n - 1)
+
+
+def test_fits_and_docs_render(measured: dict, tmp_path: Path) -> None:
+    fits = measured["fits"]
+    assert fits["store ops, other rank per save"]["slope"] == 0.0
+    assert fits["store ops, rank 0 per save"]["slope"] > 0
+    doc = tmp_path / "scale.md"
+    doc.write_text(f"# x\n\n{scale.BEGIN}\nold\n{scale.END}\n\ntail\n")
+    measured = {**measured, "settings": {"commit_tensors": 2, "manifest_tensors": 20}}
+    scale.write_docs(measured, "test", doc)
+    text = doc.read_text()
+    assert "old" not in text and "tail" in text
+    assert "| store ops, other rank per save | 3 | 3 | 0.0 | 3 |" in text
+    assert (tmp_path / "scale-times.svg").read_text().startswith("<svg")
