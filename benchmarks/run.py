@@ -66,6 +66,7 @@ import mcore_bench  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
 import s3_bench  # noqa: E402
+import scale  # noqa: E402
 import small_bench  # noqa: E402
 import state as state_mod  # noqa: E402
 import torch  # noqa: E402
@@ -469,6 +470,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="samples per method in the small-tensor phase (150; --quick: 30)",
     )
     ap.add_argument("--no-incr", action="store_true", help="skip the incremental checkpoints phase")
+    ap.add_argument("--no-scale", action="store_true", help="skip the simulated-ranks phase")
     ap.add_argument("--keep-bench-dir", action="store_true")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -691,6 +693,20 @@ def main(argv: list[str] | None = None) -> int:
         if got is not None:
             out["data"] = got
 
+    if args.no_scale:
+        out["scale"] = {"error": "skipped (--no-scale)"}
+    else:
+        log("scale: coordination, commit, retention, restore planning for 4 to 4,096 ranks")
+        got = guarded(
+            out,
+            "scale",
+            lambda: scale.run_phase(
+                work / "scale", log, ns=[4, 16, 64, 256] if args.quick else None, s3=not args.no_s3
+            ),
+        )
+        if got is not None:
+            out["scale"] = got
+
     out["machine"]["loadavg_end"] = _read("/proc/loadavg").strip()
     out["wall_s"] = round(time.perf_counter() - started, 1)
     out["targets"] = report.targets(out)
@@ -706,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
         cloud = {**out["cloud"], "file": path.name, "machine": cloud_bench.machine()}
         cloud_bench.write_doc(cloud)
         log(f"regenerated {cloud_bench.DOC}")
+    if "by_n" in out.get("scale", {}):
+        scale.write_docs(out["scale"], f"benchmarks/results/{path.name}")
+        log(f"regenerated {scale.DOCS}")
     if not args.keep_bench_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

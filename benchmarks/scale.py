@@ -476,7 +476,7 @@ def measure(
     manifest_tensors: int = 500,
     manifest_max_n: int = 1024,
     commit_max_n: int = 1024,
-    s3_max_n: int = 1024,
+    s3_max_n: int = 256,
     log: Log = lambda m: None,
 ) -> dict[str, Any]:
     """Every phase at each N of ``ns``; ``s3`` is an `S3Server` (tests/s3server.py) or None."""
@@ -805,7 +805,7 @@ def run_phase(
     manifest_tensors: int = 500,
     manifest_max_n: int = 1024,
     commit_max_n: int = 1024,
-    s3_max_n: int = 1024,
+    s3_max_n: int = 256,
 ) -> dict[str, Any]:
     """The scale phase of ``make bench``: `measure` at every N, SeaweedFS started here."""
     ns = list(ns or NS)
@@ -866,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manifest-tensors", type=int, default=500)
     ap.add_argument("--manifest-max-n", type=int, default=1024)
     ap.add_argument("--commit-max-n", type=int, default=1024)
-    ap.add_argument("--s3-max-n", type=int, default=1024)
+    ap.add_argument("--s3-max-n", type=int, default=256)
     ap.add_argument("--docs", action="store_true", help="rewrite the block in docs/scale.md")
     ap.add_argument("--results-dir", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
