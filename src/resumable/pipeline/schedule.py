@@ -119,8 +119,10 @@ class Schedule:
         self._saw(step)
 
     def deferred(self) -> None:
-        """A persist was due but the worker was busy: owe one."""
+        """A persist was due but the worker was busy: owe one. A clock cadence's interval
+        starts again here, so the next busy step does not count as one more skipped."""
         self.owed = True
+        self._absorbed_clock = time.monotonic()
 
     def restored(self, step: int) -> None:
         """The state is now that of ``step`` (an older one too: ``restore(step=N)``)."""
