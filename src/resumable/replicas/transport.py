@@ -614,7 +614,8 @@ class ReplicaClient:
     def _fail(self, exc: BaseException, doing: str) -> ReplicaError:
         self.close()
         if isinstance(exc, ReplicaError):
-            return ReplicaError(f"{doing} (peer {self.peer}): {exc}", reason=exc.reason)
+            reason = "io" if exc.reason == "closed" else exc.reason
+            return ReplicaError(f"{doing} (peer {self.peer}): {exc}", reason=reason)
         reason = "timeout" if isinstance(exc, TimeoutError) else "io"
         return ReplicaError(
             f"{doing} (peer {self.peer}) failed: {type(exc).__name__}: {exc}", reason=reason
@@ -715,11 +716,14 @@ class ReplicaClient:
         try:
             ch.sock.settimeout(2.0)
             frame = ch.recv(max_payload=0)
-            _raise_if_error(frame, "error", self.peer)
+        except (ReplicaError, OSError):
+            return None
+        if frame.header.get("type") != "error":
+            return None
+        try:
+            _raise_if_error(frame, "error-reply", self.peer)
         except ReplicaError as exc:
             return exc
-        except OSError:
-            return None
         return None
 
     def fetch(self, source_rank: int, step: int | None = None) -> Replica:

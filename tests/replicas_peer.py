@@ -1,0 +1,60 @@
+"""A replica peer in its own process, for tests that SIGKILL one side mid-transfer.
+
+    python replicas_peer.py serve <store dir> <run id> <rank>
+        prints "port <n>" once listening, serves until killed
+    python replicas_peer.py push <port> <run id> <rank> <step> <data bytes> <rate B/s>
+        pushes a replica of deterministic bytes (seed = step), prints "pushed" or "error"
+
+The job's secret comes from the environment (REPLICA_SECRET, hex).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from resumable.errors import ReplicaError
+from resumable.replicas.store import ReplicaStore
+from resumable.replicas.transport import ReplicaClient, ReplicaServer
+
+
+def payload(step: int, size: int) -> tuple[bytes, bytes]:
+    meta = b'{"tree": {"step": %d}, "layout": []}' % step
+    block = bytes((step * 31 + i) % 251 for i in range(4096))
+    data = (block * (size // len(block) + 1))[:size]
+    return meta, data
+
+
+def main(argv: list[str]) -> int:
+    secret = bytes.fromhex(os.environ["REPLICA_SECRET"])
+    if argv[0] == "serve":
+        store = ReplicaStore(argv[1], argv[2])
+        server = ReplicaServer(store, secret=secret, rank=int(argv[3]))
+        print(f"port {server.start()[1]}", flush=True)
+        while True:
+            time.sleep(1)
+    if argv[0] == "push":
+        port, run_id, rank, step, size, rate = argv[1:7]
+        meta, data = payload(int(step), int(size))
+        client = ReplicaClient(
+            ("127.0.0.1", int(port)),
+            secret=secret,
+            run_id=run_id,
+            rank=int(rank),
+            rate=float(rate),
+        )
+        print("pushing", flush=True)
+        try:
+            with client:
+                client.push(int(step), meta, data)
+        except ReplicaError as exc:
+            print(f"error {exc.reason}: {exc}", flush=True)
+            return 1
+        print("pushed", flush=True)
+        return 0
+    raise SystemExit(f"unknown command {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
