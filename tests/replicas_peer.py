@@ -10,13 +10,24 @@ The job's secret comes from the environment (REPLICA_SECRET, hex).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
+import types
 
-from resumable.errors import ReplicaError
-from resumable.replicas.store import ReplicaStore
-from resumable.replicas.transport import ReplicaClient, ReplicaServer
+# The replica modules need neither torch nor the package facade; importing the facade
+# (torch) takes seconds to tens of seconds on a loaded machine, so this peer registers
+# the package without running its __init__ and imports only what it uses.
+_spec = importlib.util.find_spec("resumable")
+assert _spec is not None and _spec.submodule_search_locations is not None
+_pkg = types.ModuleType("resumable")
+_pkg.__path__ = list(_spec.submodule_search_locations)
+sys.modules.setdefault("resumable", _pkg)
+
+from resumable.errors import ReplicaError  # noqa: E402
+from resumable.replicas.store import ReplicaStore  # noqa: E402
+from resumable.replicas.transport import ReplicaClient, ReplicaServer  # noqa: E402
 
 
 def payload(step: int, size: int) -> tuple[bytes, bytes]:

@@ -54,7 +54,7 @@ def server(tmp_path: Path) -> Iterator[ReplicaServer]:
     store.close()
 
 
-def _wait_for(cond: Callable[[], object], what: str, limit: float = 20.0) -> None:
+def _wait_for(cond: Callable[[], object], what: str, limit: float = 60.0) -> None:
     deadline = time.monotonic() + limit
     while not cond():
         if time.monotonic() > deadline:
@@ -64,7 +64,7 @@ def _wait_for(cond: Callable[[], object], what: str, limit: float = 20.0) -> Non
 
 def _failures(srv: ReplicaServer, n: int = 1) -> list[ReplicaError]:
     found: list[ReplicaError] = []
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while len(found) < n and time.monotonic() < deadline:
         found += [f.error for f in srv.take_failures()]
         time.sleep(0.02)

@@ -31,13 +31,14 @@ import dataclasses
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,27 @@ CHUNK = 4 << 20  # default piece size
 _TAIL = struct.Struct("<QI8s")  # trailer xxh3, trailer length, magic
 _MAX_TRAILER = 64 << 20
 _NAME = re.compile(r"^r(\d+)-s(\d+)\.replica\Z")
+
+
+def replica_memory(snapshot_bytes: int, replicas: int) -> int:
+    """The memory a node gives to its peers' replicas, in steady state: ``replicas - 1``
+    copies of a snapshot of ``snapshot_bytes`` (each node holds as many other nodes'
+    snapshots as it sends out). While a newer replica is received the older one is
+    kept, so the peak is up to twice that."""
+    return max(0, replicas - 1) * snapshot_bytes
+
+
+def check_room(directory: Path, needed: int) -> None:
+    """Refuse, with what to do, when ``directory``'s filesystem has less than
+    ``needed`` bytes free (`ReplicaError`, reason ``space``)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise ReplicaError(
+            f"replicas need {needed} bytes in {directory}, {free} are free; enlarge the "
+            "memory directory (docker --shm-size, a larger tmpfs) or lower replicas",
+            reason="space",
+        )
 
 
 def digest(data: Any) -> str:
@@ -177,11 +199,19 @@ def info_from_header(raw: Any, path: Path) -> ReplicaInfo:
 
 @dataclass(frozen=True)
 class Replica:
-    """A replica's bytes: the source rank's snapshot metadata JSON and data region."""
+    """A replica's bytes, ``meta || data`` in one buffer: the source rank's snapshot
+    metadata JSON and its data region (a view, not a copy)."""
 
     info: ReplicaInfo
-    meta: bytes
-    data: bytes
+    buffer: bytearray
+
+    @property
+    def meta(self) -> bytes:
+        return bytes(self.buffer[: self.info.meta_len])
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self.buffer)[self.info.meta_len :]
 
 
 class PartialReplica:
@@ -431,7 +461,30 @@ class ReplicaStore:
                     f"{p.digest}; the replica was damaged at rest and is not used",
                     reason="corrupt",
                 )
-        return Replica(info, bytes(view[: info.meta_len]), bytes(view[info.meta_len :]))
+        return Replica(info, buf)
+
+    @contextlib.contextmanager
+    def mapped(
+        self, source_rank: int, step: int | None = None
+    ) -> Iterator[tuple[ReplicaInfo, memoryview]]:
+        """A complete replica's ``meta || data`` mapped read-only, unchecked (the caller
+        checks each piece's digest as it uses it); still valid if a newer replica
+        replaces the file meanwhile."""
+        info = self.find(source_rank, step)
+        with open(info.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < info.nbytes:
+                raise ReplicaError(f"replica {info.path} is truncated", reason="corrupt")
+            if info.nbytes == 0:
+                yield info, memoryview(b"")
+                return
+            mm = mmap.mmap(f.fileno(), info.nbytes, prot=mmap.PROT_READ)
+        view = memoryview(mm)
+        try:
+            yield info, view
+        finally:
+            with contextlib.suppress(BufferError):  # a slice still held: closed when freed
+                view.release()
+                mm.close()
 
     # ------------------------------------------------------------------ writing
 
@@ -453,15 +506,7 @@ class ReplicaStore:
                 f"{step} is older and is not stored",
                 reason="stale",
             )
-        st = os.statvfs(self.directory)
-        free = st.f_bavail * st.f_frsize
-        if info.nbytes > free:
-            raise ReplicaError(
-                f"a replica of rank {source_rank} needs {info.nbytes} bytes in "
-                f"{self.directory}, {free} are free; enlarge the memory directory or "
-                "lower replicas",
-                reason="space",
-            )
+        check_room(self.directory, info.nbytes)
         return PartialReplica(self, info)
 
     def _publish(self, partial: PartialReplica) -> ReplicaInfo:

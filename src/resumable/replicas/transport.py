@@ -73,7 +73,8 @@ CONTEXT = b"resumable-replica-v1\0"
 _LENGTHS = struct.Struct(">IQ")
 _TAG = 32
 _NONCE = 16
-MAX_HEADER = 16 << 20
+MAX_HEADER = 16 << 20  # a put's header lists its pieces: 100,000 tensors fit
+_SMALL = 64 << 10  # frames before authentication
 IO_CHUNK = 256 << 10
 TO_SERVER, TO_CLIENT = b"C", b"S"
 
@@ -200,16 +201,32 @@ class Channel:
         sequenced: bool = True,
         max_payload: int = 64 << 20,
         sink: Callable[[dict[str, Any]], Callable[[memoryview], None] | None] | None = None,
+        max_header: int = MAX_HEADER,
+        idle: float | None = None,
     ) -> Frame:
         """Receive one frame and check its tag and sequence number; `ReplicaError`
         (``refused``) if either fails. With ``sink``, a payload is not kept: ``sink``
         is called with the (not yet authenticated) header and returns a function that
         takes the payload chunk by chunk, or None to keep it (up to ``max_payload``).
-        The caller must discard what the sink took if this raises."""
-        hlen, plen = _LENGTHS.unpack(self._recv_exact(_LENGTHS.size, first=True))
-        if hlen > MAX_HEADER:
+        The caller must discard what the sink took if this raises. ``idle``: the
+        timeout for the frame's first byte (then the socket's own); a frame that does not
+        start in time raises `ReplicaError` (``closed``)."""
+        if idle is not None:
+            io_timeout = self.sock.gettimeout()
+            self.sock.settimeout(idle)
+            try:
+                first = self._recv_exact(1, first=True)
+            except TimeoutError:
+                raise ReplicaError("the connection was idle too long", reason="closed") from None
+            finally:
+                self.sock.settimeout(io_timeout)
+            lengths = bytes(first) + bytes(self._recv_exact(_LENGTHS.size - 1))
+        else:
+            lengths = bytes(self._recv_exact(_LENGTHS.size, first=True))
+        hlen, plen = _LENGTHS.unpack(lengths)
+        if hlen > max_header:
             raise ReplicaError(
-                f"a frame header of {hlen} bytes (at most {MAX_HEADER}); not a replica peer?",
+                f"a frame header of {hlen} bytes (at most {max_header}); not a replica peer?",
                 reason="refused",
             )
         seq = self._in_seq if sequenced else 0
@@ -299,7 +316,8 @@ class ReplicaServer:
     listener and every connection and joins the threads.
 
     ``peers``: the ranks allowed to connect (None: any rank of the job). Every
-    connection has ``io_timeout`` seconds for each socket operation."""
+    connection has ``io_timeout`` seconds for each socket operation, and is closed
+    quietly after ``idle_timeout`` seconds without a request (a client reconnects)."""
 
     def __init__(
         self,
@@ -311,6 +329,7 @@ class ReplicaServer:
         port: int = 0,
         peers: Collection[int] | None = None,
         io_timeout: float = 30.0,
+        idle_timeout: float = 300.0,
         max_connections: int = 32,
         rate: float | None = None,
     ) -> None:
@@ -322,6 +341,7 @@ class ReplicaServer:
         self._bind = (host, port)
         self._peers = None if peers is None else frozenset(peers)
         self._io_timeout = io_timeout
+        self._idle_timeout = idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
         self._rate = rate
         self._listener: socket.socket | None = None
@@ -413,7 +433,7 @@ class ReplicaServer:
                 nonce=b"",
                 sequenced=False,
             )
-            hello = ch.recv(max_payload=0)
+            hello = ch.recv(max_payload=0, max_header=_SMALL)
             nonce = hello.header.get("nonce")
             if not isinstance(nonce, str) or len(nonce) != 2 * _NONCE:
                 raise ReplicaError("a hello without a nonce", reason="refused")
@@ -422,10 +442,10 @@ class ReplicaServer:
             ch.send({"type": "welcome", "rank": self.rank})
             while True:
                 try:
-                    frame = ch.recv(max_payload=0)
+                    frame = ch.recv(max_payload=0, idle=self._idle_timeout)
                 except ReplicaError as exc:
                     if exc.reason == "closed":
-                        return  # the client closed between requests
+                        return  # the client closed, or went idle, between requests
                     raise
                 self._check_rank(frame.header, sender)
                 kind = frame.header.get("type")
@@ -549,18 +569,22 @@ class ReplicaServer:
         if step is not None:
             step = _int_field(header, "step")
         try:
-            replica = self.store.read(source, step)
+            with self.store.mapped(source, step) as (info, payload):
+                ch.send({"type": "replica", "rank": self.rank, "replica": info.header()})
+                for index, p in enumerate(info.pieces):
+                    piece = payload[p.offset : p.offset + p.length]
+                    if xxhash.xxh3_64_hexdigest(piece) != p.digest:
+                        raise ReplicaError(
+                            f"replica {info.path}: piece {index} fails its digest; it was "
+                            "damaged at rest and is not served",
+                            reason="corrupt",
+                        )
+                    ch.send({"type": "piece", "rank": self.rank, "index": index}, piece)
+                ch.send({"type": "end", "rank": self.rank})
         except ReplicaError as exc:
+            if exc.reason != "absent":
+                raise
             ch.send(_error_frame(exc))
-            return
-        ch.send({"type": "replica", "rank": self.rank, "replica": replica.info.header()})
-        payload = memoryview(replica.meta + replica.data)
-        for index, p in enumerate(replica.info.pieces):
-            ch.send(
-                {"type": "piece", "rank": self.rank, "index": index},
-                payload[p.offset : p.offset + p.length],
-            )
-        ch.send({"type": "end", "rank": self.rank})
 
 
 def _drain(conn: socket.socket, *, limit_s: float = 3.0) -> None:
@@ -632,7 +656,7 @@ class ReplicaClient:
         ch = Channel(sock, self._secret, out_dir=TO_SERVER, in_dir=TO_CLIENT, limiter=self._limiter)
         self._ch = ch
         try:
-            challenge = ch.recv(nonce=b"", sequenced=False, max_payload=0)
+            challenge = ch.recv(nonce=b"", sequenced=False, max_payload=0, max_header=_SMALL)
             _raise_if_error(challenge, "challenge", self.peer)
             nonce = challenge.header.get("nonce")
             if not isinstance(nonce, str) or len(nonce) != 2 * _NONCE:
@@ -783,7 +807,7 @@ class ReplicaClient:
             _raise_if_error(end, "end", self.peer)
         except (ReplicaError, OSError, ValueError) as exc:
             raise self._fail(exc, f"fetching rank {source_rank}'s replica") from exc
-        return Replica(info, bytes(view[: info.meta_len]), bytes(view[info.meta_len :]))
+        return Replica(info, buf)
 
     def held(self) -> list[ReplicaInfo]:
         """The complete replicas the peer holds for this run."""
