@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from resumable.errors import ReplicaError
-from resumable.replicas.store import PARTIAL, ReplicaInfo, ReplicaStore, plan_pieces
+from resumable.replicas.store import (
+    PARTIAL,
+    ReplicaInfo,
+    ReplicaStore,
+    check_room,
+    plan_pieces,
+    replica_memory,
+)
 
 RUN = "ab" * 16
 
@@ -127,3 +134,12 @@ def test_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
     shared.chmod(0o777)
     with pytest.raises(ReplicaError, match="nobody else may write"):
         ReplicaStore(shared, RUN)
+
+
+def test_memory_cost_and_room_check(tmp_path: Path) -> None:
+    assert replica_memory(10 << 30, 1) == 0
+    assert replica_memory(10 << 30, 3) == 20 << 30
+    check_room(tmp_path, 1)
+    with pytest.raises(ReplicaError, match="lower replicas") as full:
+        check_room(tmp_path, 1 << 60)
+    assert full.value.reason == "space"

@@ -418,3 +418,35 @@ def test_the_token_bucket_paces_the_sender(monkeypatch: pytest.MonkeyPatch) -> N
     assert sum(slept) == pytest.approx(4.5, rel=1e-6)
     with pytest.raises(ValueError):
         TokenBucket(0)
+
+
+def test_a_replica_damaged_at_rest_is_not_served(server: ReplicaServer) -> None:
+    addr = server.address
+    assert addr is not None
+    info = push_replica(
+        addr, secret=SECRET, run_id=RUN, rank=0, step=1, meta=_meta(1), data=_data(9000)
+    )
+    path = server.store.find(0).path
+    raw = bytearray(path.read_bytes())
+    raw[info.meta_len + 5000] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ReplicaError) as corrupt:
+        fetch_replica(addr, secret=SECRET, run_id=RUN, rank=0, source_rank=0)
+    assert corrupt.value.reason == "corrupt" and "damaged at rest" in str(corrupt.value)
+
+
+def test_an_idle_connection_is_closed_quietly(tmp_path: Path) -> None:
+    with (
+        ReplicaStore(tmp_path, RUN) as store,
+        ReplicaServer(store, secret=SECRET, rank=1, idle_timeout=0.2) as srv,
+    ):
+        assert srv.address is not None
+        client = ReplicaClient(srv.address, secret=SECRET, run_id=RUN, rank=0)
+        assert client.held() == []
+        assert client._ch is not None
+        _wait_for(lambda: not srv._conns, "the idle connection's close")
+        with pytest.raises(ReplicaError):  # this connection is gone; the next one works
+            client.held()
+        assert client.held() == []
+        client.close()
+        assert srv.take_failures() == []

@@ -796,7 +796,8 @@ class ReplicaClient:
                     return take
 
                 frame = ch.recv(max_payload=0, sink=sink)
-                if frame.header.get("type") != "piece" or frame.header.get("index") != index:
+                _raise_if_error(frame, "piece", self.peer)
+                if frame.header.get("index") != index:
                     raise ReplicaError(f"expected piece {index}", reason="refused")
                 if at[0] != p.offset + p.length or hasher.hexdigest() != p.digest:
                     raise ReplicaError(
