@@ -450,3 +450,32 @@ def test_an_idle_connection_is_closed_quietly(tmp_path: Path) -> None:
         assert client.held() == []
         client.close()
         assert srv.take_failures() == []
+
+
+def test_a_sender_gone_between_two_pieces_is_a_truncated_replica(server: ReplicaServer) -> None:
+    addr = server.address
+    assert addr is not None
+    push_replica(addr, secret=SECRET, run_id=RUN, rank=0, step=1, meta=_meta(1), data=b"old")
+    data = _data(2000)
+    pieces = plan_pieces(_meta(2), data, chunk=1000)
+    client = ReplicaClient(addr, secret=SECRET, run_id=RUN, rank=0)
+    client.connect()
+    ch = client._ch
+    assert ch is not None
+    ch.send(
+        client._header(
+            "put",
+            source_rank=0,
+            step=2,
+            meta_len=len(_meta(2)),
+            data_len=len(data),
+            pieces=[[p.offset, p.length, p.digest] for p in pieces],
+        )
+    )
+    assert ch.recv(max_payload=0).header["type"] == "ready"
+    ch.send(client._header("piece", index=0), _meta(2))
+    client.close()  # at a frame boundary, two pieces short
+    errors = _failures(server)
+    assert [e.reason for e in errors] == ["truncated"]
+    _wait_for(lambda: not _partials(server.store.directory), "the partial's removal")
+    assert bytes(server.store.read(0).data) == b"old"

@@ -461,11 +461,11 @@ class ReplicaServer:
                 else:
                     raise ReplicaError(f"unknown request {str(kind)[:40]!r}", reason="refused")
         except (ReplicaError, OSError, ValueError, KeyError) as exc:
-            error = (
-                exc
-                if isinstance(exc, ReplicaError)
-                else ReplicaError(f"{type(exc).__name__}: {exc}", reason="io")
-            )
+            if isinstance(exc, ReplicaError):
+                error = exc
+            else:
+                reason = "timeout" if isinstance(exc, TimeoutError) else "io"
+                error = ReplicaError(f"{type(exc).__name__}: {exc}", reason=reason)
             if not self._stopping.is_set():
                 log.warning(
                     "replica server of rank %d: connection from %s failed: %s",
@@ -555,6 +555,15 @@ class ReplicaServer:
                     reason="refused",
                 )
             stored = partial.commit()
+        except ReplicaError as exc:
+            partial.abort()
+            if exc.reason == "closed":
+                raise ReplicaError(
+                    f"rank {sender} closed the connection in the middle of its replica at step "
+                    f"{info.step}; the replica is discarded",
+                    reason="truncated",
+                ) from None
+            raise
         except BaseException:
             partial.abort()
             raise
