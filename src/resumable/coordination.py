@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import socket
 import threading
@@ -46,9 +45,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from resumable import settings
 from resumable.errors import PersistError
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 ATTEMPT, REPORTS, OUTCOME = "attempt", "reports", "outcome"
 
@@ -80,7 +80,7 @@ class CoordinationStore:
         self.timeout_s = timeout_s
         hosts = group.gather(socket.gethostname())
         if self.rank == 0:
-            host = os.environ.get("RESUMABLE_STORE_HOST") or (
+            host = settings.STORE_HOST.read() or (
                 "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn()
             )
             self._store = _store(host, 0, timeout_s, master=True)

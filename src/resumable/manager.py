@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from resumable import settings
 from resumable.audit import PROGRESS_EVERY_S, AuditLog, ProgressNotes
 from resumable.commit import (
     committer_for,
@@ -47,8 +48,8 @@ from resumable.commit import (
     warn_uncommitted,
 )
 from resumable.coordination import Agreement, CoordinationStore, Pending
-from resumable.distributed import DEFAULT_TIMEOUT_S, Group, current_group
 from resumable.errors import CheckpointError, NoCheckpointError, StorageError
+from resumable.group import DEFAULT_TIMEOUT_S, Group, current_group
 from resumable.incremental import Incremental, incremental_option
 from resumable.lock import RootLock, acquire_root
 from resumable.monitor import AlertCallback, Monitor
@@ -65,7 +66,7 @@ from resumable.snapshot import MemorySnapshot
 from resumable.storage import OBJECT_SCHEMES, MemoryStorage, Storage, open_storage
 from resumable.worker import worker_nice
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = Keep(last=3)
 PersistMode = Literal["auto", "process", "thread", "sync"]
@@ -917,7 +918,7 @@ def _persist_mode(persist: str) -> PersistMode:
     if persist not in PERSIST_MODES:
         raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
     if persist == "auto":
-        persist = os.environ.get("RESUMABLE_PERSIST", "auto")
+        persist = settings.PERSIST.read() or "auto"
         if persist not in PERSIST_MODES:
             raise ValueError(f"RESUMABLE_PERSIST must be one of {PERSIST_MODES}, got {persist!r}")
     return persist
@@ -926,7 +927,7 @@ def _persist_mode(persist: str) -> PersistMode:
 def _progress_every_s() -> float:
     """Seconds between ``progress`` audit entries, ``RESUMABLE_PROGRESS_EVERY_S``
     overriding `PROGRESS_EVERY_S` (0: one at every step, for tests)."""
-    text = os.environ.get("RESUMABLE_PROGRESS_EVERY_S")
+    text = settings.PROGRESS_EVERY_S.read()
     if text is None:
         return PROGRESS_EVERY_S
     try:

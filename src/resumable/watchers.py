@@ -32,7 +32,6 @@ import http.client
 import io
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -41,10 +40,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from resumable import settings
+
 log = logging.getLogger(__name__)
 
-WATCH_ENV = "RESUMABLE_WATCH"
-WATCH_ENDPOINT_ENV = "RESUMABLE_WATCH_ENDPOINT"
+WATCH_ENV = settings.WATCH.name
+WATCH_ENDPOINT_ENV = settings.WATCH_ENDPOINT.name
 
 _MAX_BODY = 1 << 16
 
@@ -486,9 +487,8 @@ def watchers_from_env(environ: Mapping[str, str] | None = None) -> list[Watcher]
 
     Raises `ValueError` for an unknown name or a malformed endpoint.
     """
-    env = os.environ if environ is None else environ
     names: list[str] = []
-    for item in env.get(WATCH_ENV, "").split(","):
+    for item in (settings.WATCH.read(environ) or "").split(","):
         key = item.strip().lower()
         if not key or key in names:
             continue
@@ -498,7 +498,7 @@ def watchers_from_env(environ: Mapping[str, str] | None = None) -> list[Watcher]
                 f"expected a comma list of {', '.join(sorted(WATCHERS))}"
             )
         names.append(key)
-    endpoint = env.get(WATCH_ENDPOINT_ENV) or None
+    endpoint = settings.WATCH_ENDPOINT.read(environ) or None
     try:
         return [WATCHERS[key](endpoint=endpoint) for key in names]
     except ValueError as exc:

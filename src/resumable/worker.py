@@ -97,6 +97,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from resumable import settings
 from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, PersistError, RootInUseError, StorageError
@@ -135,7 +136,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WORKER_NICE_ENV = "RESUMABLE_WORKER_NICE"
+WORKER_NICE_ENV = settings.WORKER_NICE.name
 """How much lower than the trainer's the persist worker process's CPU priority is
 (added to its ``nice`` value; 0 to 19, default 10)."""
 DEFAULT_WORKER_NICE = 10
@@ -143,7 +144,7 @@ DEFAULT_WORKER_NICE = 10
 
 def worker_nice() -> int:
     """The niceness increment of the persist worker process (`WORKER_NICE_ENV`)."""
-    text = os.environ.get(WORKER_NICE_ENV, "").strip()
+    text = (settings.WORKER_NICE.read() or "").strip()
     if not text:
         return DEFAULT_WORKER_NICE
     try:

@@ -29,6 +29,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from resumable import settings
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -45,7 +46,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
-DIRECT_IO_ENV = "RESUMABLE_DIRECT_IO"  # "0": every file written through the page cache
+DIRECT_IO_ENV = settings.DIRECT_IO.name  # "0": every file written through the page cache
 _CHANGED = "changed"  # what `_refusal` is told when a name changed kind under the walk
 _MAX_TREE_DEPTH = 64  # deeper than any checkpoint; a hostile tree must not exhaust fds
 
@@ -128,7 +129,8 @@ class LocalStorage(Storage):
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         if direct_io is None:
-            direct_io = os.environ.get(DIRECT_IO_ENV, "1").strip() not in ("0", "false", "no")
+            text = settings.DIRECT_IO.read() or settings.DIRECT_IO.default
+            direct_io = text.strip() not in ("0", "false", "no")
         # Files of `DIRECT_MIN_BYTES` or more are written with O_DIRECT (`direct`).
         self.direct_io = direct_io and direct.available()
 
