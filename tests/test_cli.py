@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import resumable
-import resumable.cli
+import resumable.cli.common
 import resumable.export
 from resumable.cli import COMMANDS, main
 from resumable.errors import NoCheckpointError
@@ -410,7 +410,7 @@ def test_ls_show_and_verify_agree_on_a_checkpoints_size(
     for step in STEPS:
         assert main(["show", str(run.root), "--step", str(step)]) == 0
         files = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("files"))
-        assert resumable.cli._human_bytes(listed[step]) in files
+        assert resumable.cli.common.human_size(listed[step]) in files
 
 
 def test_pin_and_unpin_commands(run: Run, capsys: pytest.CaptureFixture[str]) -> None:

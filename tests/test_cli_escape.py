@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import resumable
-from resumable.cli import main, printable
+from resumable.cli import main
+from resumable.cli.common import printable
 
 pytestmark = pytest.mark.usefixtures("sync_persist")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import resumable
-import resumable.cli
+import resumable.cli.progress
 from resumable.cli import main
 
 pytestmark = pytest.mark.usefixtures("sync_persist")
@@ -113,12 +113,12 @@ def test_reading_in_batches_checks_the_same(
 ) -> None:
     """With a bar and one tensor per batch, ``verify`` finds the same bytes, and a bit
     flipped in the last tensor read."""
-    monkeypatch.setattr(resumable.cli, "_stderr_is_terminal", lambda: True)
-    monkeypatch.setattr(resumable.cli, "_PROGRESS_BATCH", 1)
+    monkeypatch.setattr(resumable.cli.progress, "stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(resumable.cli.progress, "PROGRESS_BATCH", 1)
     advanced: list[int] = []
-    real = resumable.cli._ByteProgress.advance
+    real = resumable.cli.progress.ByteProgress.advance
     monkeypatch.setattr(
-        resumable.cli._ByteProgress,
+        resumable.cli.progress.ByteProgress,
         "advance",
         lambda self, n: (advanced.append(n), real(self, n))[1],
     )
