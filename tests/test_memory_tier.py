@@ -487,17 +487,23 @@ def test_memory_and_descriptors_flat_over_1000_saves(tmp_path: Path, shm_dir: Pa
         persist="thread",
         shm_dir=shm_dir,
     )
+    slots = ck._memory.arena.slots  # type: ignore[union-attr]
     for step in range(1, 101):
         ck.maybe_save(step)
     ck.wait()
     rss0, fds0 = _rss_kib(), _idle_fds(tmp_path / "ck")
+    made0 = sum(s is not None for s in slots)
     for step in range(101, 1101):
         state["w"]["t0"].add_(1)
         ck.maybe_save(step)
     ck.wait()
     rss1, fds1 = _rss_kib(), _idle_fds(tmp_path / "ck")
+    # The third slot is made the first time a persist still holds a slot at the next
+    # snapshot (docs/two-tier.md), whenever that is: once, 6 descriptors (the trainer's
+    # and the worker's file and mapping of it), flat after (measured over 2,000 saves).
+    made = sum(s is not None for s in slots) - made0
     ck.close()
-    assert fds1 <= fds0 + 2, f"descriptors grew {fds0} -> {fds1}"
+    assert fds1 <= fds0 + 2 + 6 * made, f"descriptors grew {fds0} -> {fds1}"
     # Two arenas are 8 MiB; allow noise but not a per-save leak (1000 x 4 MiB).
     assert rss1 - rss0 < 24 * 1024, f"RSS grew {rss0} -> {rss1} KiB"
 

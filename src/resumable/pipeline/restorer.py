@@ -175,6 +175,14 @@ class Restorer:
             memory.discarded = None
         mine: list[int] = []  # the steps this rank can restore, newest first
         why, warned = "it has none", False  # why this rank offers none; said already?
+        same: dict[str, bool] = {}  # `_same_pieces` by the pieces' JSON: one capture each
+
+        def same_pieces(pieces: Mapping[str, Any]) -> bool:
+            key = json.dumps(pieces, sort_keys=True)
+            if key not in same:
+                same[key] = self._same_pieces(pieces)
+            return same[key]
+
         for snap, found in held:
             saved_world = found.meta.get("world_size", 1)
             if saved_world != self.world_size:
@@ -182,7 +190,7 @@ class Restorer:
                     f"it was taken by a job of {saved_world} rank(s), this one has "
                     f"{self.world_size} (snapshots do not reshard; checkpoints do)"
                 )
-            elif not self._same_pieces(found.meta.get("pieces") or {}):
+            elif not same_pieces(found.meta.get("pieces") or {}):
                 why, warned = "it holds another sharding of the state", True
                 self._skip_memory(
                     snap.step,
