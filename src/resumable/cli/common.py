@@ -12,8 +12,9 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from rich.console import Console
@@ -23,6 +24,8 @@ from resumable.commit import list_committed, refuse_checkpoint_as_root
 from resumable.errors import NoCheckpointError
 from resumable.format import human_bytes
 from resumable.storage import OBJECT_SCHEMES, LocalStorage, Storage, open_storage
+
+_T = TypeVar("_T")
 
 PROG = "resumable"
 DEBUG_ENV = "RESUMABLE_DEBUG"
@@ -135,31 +138,33 @@ def require_step(storage: Storage, step: int) -> int:
     return step
 
 
-def step_arg(text: str) -> int:
+def _parsed(text: str, convert: Callable[[str], _T], expected: str) -> _T:
+    """``convert(text)``; a usage error naming what was ``expected`` if it fails."""
     try:
-        value = int(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def step_arg(text: str) -> int:
+    """An argparse type: a step number (an integer >= 0)."""
+    value = _parsed(text, int, "a step number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"step must be >= 0, got {value}")
     return value
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    """An argparse type: an integer >= 1."""
+    value = _parsed(text, int, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _parsed(text, float, "a positive number")
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
@@ -177,7 +182,7 @@ def add_dir(parser: argparse.ArgumentParser) -> None:
     )
     remote.add_argument(
         "--connect-timeout",
-        type=positive_float,
+        type=_positive_float,
         default=5.0,
         metavar="SECONDS",
         help="seconds to wait for a connection (default: 5)",
