@@ -537,6 +537,7 @@ def measure(
 
 # (label, path in a row, unit): the costs whose growth is fitted and drawn.
 SERIES: list[tuple[str, tuple[str, ...], str]] = [
+    ("store connect, all N clients", ("connect_s",), "s"),
     ("agreement wall (all ranks)", ("agreement", "wall_s"), "s"),
     ("agreement latency per rank", ("agreement", "rank_latency_s", "median"), "s"),
     ("commit wall, memory://", ("commit_memory", "wall_s"), "s"),
@@ -830,9 +831,10 @@ def run_phase(
     if big:
         stops.append(
             f"manifest rows stop at N={manifest_max_n}: at {manifest_tensors} tensors per "
-            f"rank the manifest of N={big[0]} would exceed the reader's cap "
-            f"(MAX_MANIFEST_BYTES, {MAX_MANIFEST_BYTES >> 20} MiB) along the measured slope, "
-            "and building it takes several GiB of memory here"
+            f"rank the manifest of N={big[0]} has about {big[0] // manifest_max_n} times the "
+            f"bytes of N={manifest_max_n}, near the reader's cap (MAX_MANIFEST_BYTES, "
+            f"{MAX_MANIFEST_BYTES >> 20} MiB), and its build and decode would take minutes "
+            "of the phase here"
         )
     if any(n > commit_max_n for n in ns):
         stops.append(
@@ -869,7 +871,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s3-max-n", type=int, default=256)
     ap.add_argument("--docs", action="store_true", help="rewrite the block in docs/scale.md")
     ap.add_argument("--results-dir", type=Path, default=HERE / "results")
+    ap.add_argument(
+        "--render", type=Path, help="rewrite docs/scale.md from this results file; run nothing"
+    )
     args = ap.parse_args(argv)
+    if args.render is not None:
+        out = json.loads(args.render.read_text())
+        out["fits"] = fits(out)
+        write_docs(out, f"benchmarks/results/{args.render.name}")
+        return 0
     work = Path(tempfile.mkdtemp(prefix="resumable-scale-"))
     try:
         out = run_phase(
