@@ -51,6 +51,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -179,8 +180,13 @@ class Ranks:
         self.n = n
         self.master = _tcp_store(0, master=True)
         self.port = int(self.master.port)
+        # Connected 64 at a time: one connect in 25 or so stalls for seconds here (with
+        # the libuv server and the older one alike); one after another, 4,096 of them
+        # took 810 s of the run of 2026-12-02 (benchmarks/results/scale-20261202T015256Z).
         t0 = time.perf_counter()
-        self.clients = [CountingStore(_tcp_store(self.port, master=False)) for _ in range(n)]
+        with ThreadPoolExecutor(min(64, n)) as pool:
+            stores = list(pool.map(lambda _: _tcp_store(self.port, master=False), range(n)))
+        self.clients = [CountingStore(s) for s in stores]
         self.connect_s = time.perf_counter() - t0
 
     def close(self) -> None:
