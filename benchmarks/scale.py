@@ -629,7 +629,7 @@ def svg(out: dict[str, Any], labels: list[str], title: str, unit: str) -> str:
     in the environment)."""
     series = [(lab, _points(out, p)) for lab, p, _ in SERIES if lab in labels]
     series = [(lab, pts) for lab, pts in series if pts]
-    w, h, left, right, top, bottom = 720, 400, 70, 250, 30, 40
+    w, h, left, right, top, bottom = 880, 400, 70, 380, 30, 40
     xs = [n for _, pts in series for n, _ in pts] or [4, 4096]
     ys = [v for _, pts in series for _, v in pts] or [1e-3, 1.0]
     x0, x1 = math.log10(min(xs)), math.log10(max(xs))
