@@ -41,6 +41,7 @@ MODULES = (
     "resumable.pieces",
     "resumable.reshard",
     "resumable.ddp",
+    "resumable.export",
 )
 REFERENCE = re.compile(r"(?<![`\w])`([A-Za-z_][\w.]*)`(?![`\w])")
 _MISSING = object()

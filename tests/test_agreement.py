@@ -1,4 +1,4 @@
-"""`resumable.coordination.Agreement` and `resumable.distributed.Group.any`, on a real
+"""`resumable.coordination.Agreement` and `resumable.group.Group.any`, on a real
 two-rank gloo group (two processes, a file store) and the real coordination store:
 
 - through the store, the first rank to decide decides for both, and neither waits for

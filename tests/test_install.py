@@ -40,7 +40,11 @@ def test_distribution_is_resumable_training_with_the_resumable_command() -> None
     # One version: the distribution's is the `__version__` that manifests record.
     assert "version" in project["dynamic"]
     dynamic = _pyproject()["tool"]["setuptools"]["dynamic"]
-    assert dynamic["version"] == {"attr": "resumable.__version__"}
+    assert dynamic["version"] == {"attr": "resumable._version.__version__"}
+    import resumable
+    from resumable import format as fmt
+
+    assert fmt.versions()["resumable"] == resumable.__version__
 
 
 def test_test_extra_holds_what_the_demo_and_s3_need() -> None:

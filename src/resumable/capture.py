@@ -38,8 +38,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from resumable.distributed import Piece, dtensor_piece, is_dtensor, piece_name
 from resumable.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from resumable.pieces import Piece, dtensor_piece, is_dtensor, piece_name
 from resumable.tree import MAX_TREE_DEPTH, RNG_KEY
 
 CLASSES_KEY = "__classes__"

@@ -115,7 +115,7 @@ class Checkpointer:
         mirror_keep: retention in ``mirror`` (default: keep all).
         dist_timeout_s: with several ranks (``torch.distributed`` initialised), how long
             a rank waits for the others during a coordinated save or restore before it
-            gives up with `PersistError` (default 600 s); see `resumable.distributed`.
+            gives up with `PersistError` (default 600 s); see `resumable.group`.
         incremental: write only what changed since the writer's last checkpoint (an
             `Incremental`; the default writes incrementally when that avoids at least a
             quarter of the bytes, and every checkpoint whole otherwise); ``False``

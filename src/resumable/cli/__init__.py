@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from resumable import __version__
+from resumable import settings
+from resumable._version import __version__
 from resumable.cli.common import DEBUG_ENV, PROG, one_line, printable, say_err
 from resumable.cli.export import export_arguments, run_export
 from resumable.cli.listing import (
@@ -160,7 +161,7 @@ def _command_logging() -> Iterator[None]:
     handler.setFormatter(_WarningFormatter())
     package = logging.getLogger("resumable")
     package.addHandler(handler)
-    quiet = [] if os.environ.get(DEBUG_ENV) == "1" else _THIRD_PARTY_LOGGERS
+    quiet = [] if settings.DEBUG.read() == "1" else _THIRD_PARTY_LOGGERS
     levels = {name: logging.getLogger(name).level for name in quiet}
     for name in quiet:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -189,12 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 1
     except KeyboardInterrupt:
-        if os.environ.get(DEBUG_ENV) == "1":
+        if settings.DEBUG.read() == "1":
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except (CheckpointError, OSError, ValueError) as exc:
-        if os.environ.get(DEBUG_ENV) == "1":
+        if settings.DEBUG.read() == "1":
             raise
         say_err(f"{PROG}: error: {one_line(exc)}")
         return 2

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from rich.console import Console
 from rich.text import Text
 
+from resumable import settings
 from resumable.commit import list_committed, refuse_checkpoint_as_root
 from resumable.errors import NoCheckpointError
 from resumable.format import human_bytes
@@ -28,7 +29,7 @@ from resumable.storage import OBJECT_SCHEMES, LocalStorage, Storage, open_storag
 _T = TypeVar("_T")
 
 PROG = "resumable"
-DEBUG_ENV = "RESUMABLE_DEBUG"
+DEBUG_ENV = settings.DEBUG.name
 
 
 # Characters that a terminal acts on instead of printing: C0 controls (ESC starts CSI

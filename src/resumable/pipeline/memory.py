@@ -34,9 +34,9 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.capture_plan import CapturePlan
-from resumable.distributed import is_dtensor, pieces_to_json
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
+from resumable.pieces import is_dtensor, pieces_to_json
 from resumable.runid import snapshot_belongs
 from resumable.shm import (
     ROOT_KEY,
@@ -49,7 +49,7 @@ from resumable.shm import (
 from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 STALE_SHM_S = 24 * 3600.0
 

@@ -9,7 +9,7 @@ if checkpoints exist and none is valid, `CorruptCheckpointError` (never a silent
 from scratch).
 
 Every decision is the same on every rank: each rank offers what it found and the
-coordination (`resumable.distributed.Group`; with one process it returns at once)
+coordination (`resumable.group.Group`; with one process it returns at once)
 gathers the offers, so all ranks restore the same step from the same tier or fall back
 together. Model and optimizer state reshard to another world size (`GlobalLoader`);
 per-rank state (random streams, data positions) cannot, and needs an explicit opt-in.
@@ -30,15 +30,17 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import list_committed, step_dir
-from resumable.distributed import GlobalLoader, Group, is_dtensor, pieces_to_json, shaped_like
 from resumable.errors import CorruptCheckpointError, NoCheckpointError, StateMismatchError
+from resumable.group import Group
+from resumable.pieces import is_dtensor, pieces_to_json
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
+from resumable.reshard import GlobalLoader, shaped_like
 from resumable.shm import SlotContent
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import Storage
 
-log = logging.getLogger("resumable")
+log = logging.getLogger(__name__)
 
 TIERS = ("auto", "memory", "storage")
 _LOOK_BACK = 20  # older checkpoints whose manifests a refused restore reads for a way back
