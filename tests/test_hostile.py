@@ -256,7 +256,7 @@ class Planter:
         assert any(
             dir_name(HOSTILE) in r.getMessage()
             for r in self.caplog.records
-            if r.name == LOGGER and r.levelno == logging.WARNING
+            if r.name.partition(".")[0] == LOGGER and r.levelno == logging.WARNING
         ), self.caplog.text
         new = read_audit(open_storage(self.root))[logged:]
         skips = [e["step"] for e in new if e["event"] == "skip"]
