@@ -121,8 +121,22 @@ def _populate(mm: mmap.mmap, address: int, begin: int, end: int) -> None:
             return
         stop = min(end, offset - offset % PIECE_BYTES + PIECE_BYTES)
         if _MADVISE(address + offset, stop - offset, MADV_POPULATE_READ):
-            if ctypes.get_errno() == errno.EINVAL and offset == begin:  # unknown advice
+            if ctypes.get_errno() == errno.EINVAL and offset == begin and _advice_unknown():
                 _state["refused"] = True
                 log.debug("MADV_POPULATE_READ refused: mapped files are read by faults")
             return
         offset = stop
+
+
+def _advice_unknown() -> bool:
+    """Whether the kernel refuses the advice itself, asked on a page of our own. It also
+    refuses it (EINVAL) for a range of some mappings: one a closed reader's address now
+    holds, say. Only the first means no file is ever to be read ahead."""
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    view = memoryview(probe)
+    try:
+        failed = _MADVISE(direct.address(view), len(probe), MADV_POPULATE_READ) != 0
+        return failed and ctypes.get_errno() == errno.EINVAL
+    finally:
+        view.release()
+        probe.close()
