@@ -80,7 +80,9 @@ def warnings_naming(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name.partition(".")[0] == LOGGER and r.levelno == logging.WARNING and name in r.getMessage()
+        if r.name.partition(".")[0] == LOGGER
+        and r.levelno == logging.WARNING
+        and name in r.getMessage()
     ]
 
 
