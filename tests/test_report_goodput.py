@@ -181,3 +181,21 @@ def test_timeline_tooltips_show_steps_and_byte_counts_as_integers(
     tips = re.findall(r"<circle [^>]*><title>([^<]*)</title>", page)
     assert any("step=10" in tip for tip in tips)
     assert not [tip for tip in tips if re.search(r"(step|bytes)=\d+\.0\b", tip)]
+
+
+@pytest.mark.parametrize("event", [{"a": 1}, ["launch"], 7, None])
+def test_an_event_name_that_is_not_a_string_is_skipped_not_a_crash(
+    tmp_path: Path, event: Any
+) -> None:
+    """A hand-edited or damaged log line whose ``event`` is a JSON object or list
+    (unhashable) is not a training entry; the report still renders."""
+    import json
+
+    from resumable.audit import AUDIT_LOG
+
+    storage = LocalStorage(str(tmp_path))
+    good = {"time": 1_800_000_000.0, "event": "launch", "rank": 0, "pid": 1, "host": "h"}
+    bad = dict(good, time=1_800_000_001.0, event=event)
+    storage.write(AUDIT_LOG, [(json.dumps(good) + "\n" + json.dumps(bad) + "\n").encode()])
+    page = render_html(build_report(storage))
+    assert "<html" in page.lower()

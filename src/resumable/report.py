@@ -118,7 +118,7 @@ def is_training(entry: Entry) -> bool:
     """Whether ``entry`` is one a training job wrote while it ran (`TRAINING_EVENTS`);
     a ``skip`` without a step is retention's, which ``resumable prune`` writes too."""
     kind = entry.get("event")
-    if kind not in TRAINING_EVENTS:
+    if not isinstance(kind, str) or kind not in TRAINING_EVENTS:
         return False
     return kind != "skip" or _int(entry, "step") is not None
 
