@@ -60,8 +60,10 @@ from resumable.pipeline.restorer import Restorer
 from resumable.pipeline.schedule import Schedule
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
+from resumable.replicas.peers import Replication, check_option
 from resumable.retention import PINS_DIR
 from resumable.runid import ensure_run_id
+from resumable.shm import run_key_for
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import OBJECT_SCHEMES, MemoryStorage, Storage, open_storage
 from resumable.worker import worker_nice
@@ -123,6 +125,12 @@ class Checkpointer:
         save_on_close: whether `close` checkpoints the final state (default True). The
             integrations pass False: their framework decides every save, the last one
             included (Transformers' ``save_strategy="no"`` saves nothing).
+        replicas: copies of each node's newest memory snapshot, its own included, kept
+            in the memory of that many distinct nodes (default 1: none elsewhere). With
+            2, a replaced node's ranks fetch their snapshots from a peer and lose no
+            steps; each node then holds one more snapshot's worth of its peers' (two
+            while a newer one arrives). Needs the memory tier and as many nodes (torchrun
+            ``GROUP_RANK``); see ``docs/replicas.md``.
     """
 
     def __init__(
@@ -149,12 +157,19 @@ class Checkpointer:
         dist_timeout_s: float | None = None,
         incremental: Incremental | bool = True,
         save_on_close: bool = True,
+        replicas: int = 1,
     ) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         mode = _persist_mode(persist)
+        replicas = check_option(replicas)
+        if replicas > 1 and mode == "sync" and memory_every is None:
+            raise ValueError(
+                f"replicas={replicas} copies memory snapshots to other nodes: it needs the "
+                "memory tier (memory_every=..., or a persist mode other than 'sync')"
+            )
         self.incremental = incremental_option(incremental)
         worker_nice()  # RESUMABLE_WORKER_NICE checked before the root is touched
         # What every part agrees through: the ranks' group, or one process alone (whose
@@ -244,6 +259,16 @@ class Checkpointer:
                     audit=self.audit,
                     run_id=self.run_id,
                 )
+                if replicas > 1:
+                    self._memory.replication = Replication(
+                        replicas,
+                        group=group,
+                        run_id=self.run_id,
+                        directory=self._memory.arena.directory,
+                        key=run_key_for(self.storage.location),
+                        audit=self.audit,
+                        monitor=self.monitor,
+                    )
             parts: dict[str, Any] = {
                 "coordination": group,
                 "memory": self._memory,

@@ -51,6 +51,13 @@ STORE_HOST = Knob(
     "The address other ranks reach rank 0's coordination store at (default: loopback "
     "when every rank runs on one host, else rank 0's fully qualified host name).",
 )
+REPLICA_HOST = Knob(
+    "RESUMABLE_REPLICA_HOST",
+    "",
+    "The address other ranks reach this rank's replica server at, with replicas > 1 "
+    "(default: loopback when every rank runs on one host, else this host's fully "
+    "qualified name).",
+)
 WATCH = Knob(
     "RESUMABLE_WATCH",
     "",
@@ -73,6 +80,7 @@ KNOBS: tuple[Knob, ...] = (
     WORKER_NICE,
     DIRECT_IO,
     STORE_HOST,
+    REPLICA_HOST,
     WATCH,
     WATCH_ENDPOINT,
     DEBUG,

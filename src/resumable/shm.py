@@ -653,7 +653,7 @@ class ShmSlot:
                 return None
             if not isinstance(meta, dict) or "tree" not in meta:
                 return None
-            found = _layout(meta.get("layout"), c.data_cap)
+            found = slot_layout(meta.get("layout"), c.data_cap)
             if found is None:
                 return None
             slots = found
@@ -667,13 +667,26 @@ class ShmSlot:
             return None
         return SlotContent(c.step, c.seq, meta, slots, sums)
 
+    def replica_bytes(self, seq: int) -> tuple[bytes, memoryview] | None:
+        """Snapshot ``seq``'s metadata JSON (checked against its recorded hash) and a
+        view of its data region, as a replica carries them (`resumable.replicas`); None
+        if the slot no longer holds that snapshot complete. The view is valid until the
+        slot is rewritten: the caller checks `still` after using it."""
+        c = self.control()
+        if c.seq != seq or c.state != COMPLETE or c.meta_len > c.meta_cap:
+            return None
+        meta = bytes(self.mm[CONTROL : CONTROL + c.meta_len])
+        if xxhash.xxh3_64_intdigest(meta) != c.meta_xxh:
+            return None
+        return meta, self.data_view(c.data_len)
+
     def still(self, seq: int) -> bool:
         """True while the slot still holds snapshot ``seq``."""
         c = self.control()
         return c.seq == seq and c.state == COMPLETE
 
 
-def _layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
+def slot_layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
     """The tensor slots of a snapshot's ``layout`` metadata if it is one `layout_meta`
     writes for a `plan_layout`: distinct names, known dtypes, shapes of non-negative
     integers, each tensor's bytes right after the previous one's, aligned to its element

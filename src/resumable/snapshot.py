@@ -52,6 +52,7 @@ from resumable.shm import (
     own_dir,
     release_fd,
     replaced_size,
+    slot_layout,
     slot_paths,
     unusable,
 )
@@ -502,6 +503,31 @@ class ShmArena:
         if later and executor is not None:
             return executor.submit(publish)
         return publish()
+
+    def install(self, step: int, meta: bytes, data: Any) -> MemorySnapshot:
+        """Write a snapshot received whole (a peer's replica of this rank's snapshot:
+        its slot metadata JSON and data region, checked by digest on the way) into a
+        slot, as `snapshot` writes one, and publish it as the newest. Raises
+        `CheckpointError` if ``meta`` is not a slot's metadata for ``data``."""
+        try:
+            parsed = json.loads(meta)
+        except (ValueError, RecursionError):
+            raise CheckpointError("a received snapshot's metadata is not JSON") from None
+        view = memoryview(data).cast("B")
+        nbytes = len(view)
+        layout = parsed.get("layout") if isinstance(parsed, dict) else None
+        if not isinstance(layout, list) or slot_layout(layout, nbytes) is None:
+            raise CheckpointError("a received snapshot's layout does not fit its data")
+        index = self._choose(step)
+        slot = self.slots[index]
+        if slot is None or not slot.fits(len(meta), len(layout), nbytes):
+            slot = self._allocate(index, len(meta), len(layout), nbytes)
+        slot.begin_write()
+        if nbytes:
+            slot.data_view(nbytes)[:] = view
+        seq = slot.finish_write(step=step, blob=meta, data_len=nbytes)
+        self.newest = MemorySnapshot(index, seq, step, nbytes)
+        return self.newest
 
     def plan(self, tensors: Mapping[str, torch.Tensor]) -> tuple[CopyPlan, bool]:
         """The copy plan for ``tensors``: the last one if they have its structure, else

@@ -37,6 +37,7 @@ from resumable.capture_plan import CapturePlan
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
 from resumable.pieces import is_dtensor, pieces_to_json
+from resumable.replicas.peers import Replication
 from resumable.runid import snapshot_belongs
 from resumable.shm import (
     ROOT_KEY,
@@ -88,6 +89,9 @@ class MemoryTier:
         self._adopted = False
         self._tree_json = TreeJSON()
         self._plan = CapturePlan()  # what the captures of one snapshot after another share
+        # Set by the facade with replicas > 1: each snapshot is pushed to the peers, and
+        # the next one waits for that push (`resumable.replicas.peers`).
+        self.replication: Replication | None = None
 
     @property
     def newest(self) -> MemorySnapshot | None:
@@ -100,6 +104,8 @@ class MemoryTier:
         left to an overlapped copy."""
         self.adopt()
         t0 = time.perf_counter()
+        if self.replication is not None:
+            self.replication.wait()  # counted as this snapshot's stall: it blocks
         captured = self._capture(state, rng)
         copy_plan, new = self.arena.plan(captured.tensors)
         if new and captured.reused:  # a tensor changed dtype, shape or device in place
@@ -130,6 +136,8 @@ class MemoryTier:
         )
         if isinstance(done, Future):
             self._pending = done  # resolved by the next optimizer.step() or `settle`
+        if self.replication is not None:
+            self.replication.push(self.arena, done)
         seconds = time.perf_counter() - t0
         overlapped = sum(
             captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
@@ -226,10 +234,14 @@ class MemoryTier:
 
     def preflight(self, state: Mapping[str, Any], *, rng: bool) -> None:
         """Fail before training starts if shared memory cannot hold two snapshots (a
-        third, made while a persist holds one of them, is used only where it fits)."""
+        third, made while a persist holds one of them, is used only where it fits) and,
+        with replicas, the peers' snapshots this rank keeps (`Replication.check_room`)."""
         captured = capture_mod.capture(state, include_rng=rng)
-        need = 2 * sum(t.numel() * t.element_size() for t in captured.tensors.values())
+        size = sum(t.numel() * t.element_size() for t in captured.tensors.values())
+        need = 2 * size
         have = shm_free_bytes(self.arena.directory) + self.arena.existing_bytes()
+        if self.replication is not None:  # collective: every rank, every restore
+            self.replication.check_room(size, have, need)
         if need > have:
             raise StorageError(
                 errno.ENOSPC,
@@ -306,6 +318,9 @@ class MemoryTier:
             self.arena.locked.discard(index)
 
     def close(self, *, unlink: bool) -> None:
+        if self.replication is not None:
+            self.replication.close()
+            self.replication = None
         for _, handle in self._hooks:
             handle.remove()
         self._hooks.clear()

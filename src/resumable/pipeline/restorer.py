@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,12 @@ import torch
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import list_committed, step_dir
-from resumable.errors import CorruptCheckpointError, NoCheckpointError, StateMismatchError
+from resumable.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StateMismatchError,
+)
 from resumable.group import Group
 from resumable.pieces import is_dtensor, pieces_to_json
 from resumable.pipeline.memory import MemoryTier
@@ -58,11 +63,14 @@ class Restored:
     skipped: list[str] = field(default_factory=list)
     newest_committed: int | None = None
     partial: list[str] = field(default_factory=list)  # what a partial restore left
+    from_peers: list[int] = field(default_factory=list)  # ranks restored from a replica
 
     def summary(self, url: str, seconds: float) -> str:
         """The one line a resumed run prints: the step, where from and how long."""
         where = {"memory": "shared memory", "local": url, "mirror": "the mirror"}[self.tier]
         tier = "storage" if self.tier == "local" else self.tier
+        if self.from_peers:
+            where += f" (rank(s) {_ranks(self.from_peers)} from peers' replicas)"
         return f"resumable: restored step {self.step} from {where} ({tier}, {seconds:.2f} s)"
 
     def describe(self, url: str) -> str:
@@ -70,6 +78,8 @@ class Restored:
             head = f"nothing to restore in {url}: starting from step 0"
         else:
             where = {"memory": "shared memory", "local": url, "mirror": "the mirror"}[self.tier]
+            if self.from_peers:
+                where += f" (rank(s) {_ranks(self.from_peers)} from peers' replicas)"
             head = f"restored step {self.step} from {where}"
         if self.skipped:
             head += "; skipped: " + "; ".join(self.skipped)
@@ -203,24 +213,46 @@ class Restorer:
             else:
                 mine.append(snap.step)
         had = held[0][0].step if held else None
-        answers = [(_offered(a[0]), *a[1:]) for a in self.group.gather((mine, had, why, warned))]
-        common = set(answers[0][0]).intersection(*(a[0] for a in answers[1:]))
+        replication = memory.replication
+        replicas = replication.held() if replication is not None else []
+        gathered = self.group.gather((mine, had, why, warned, replicas))
+        answers = [(_offered(a[0]), *a[1:4]) for a in gathered]
+        # Where each rank's snapshot of a step is: its own memory, or a peer's replica.
+        holders: dict[tuple[int, int], list[int]] = {}
+        for holder, a in enumerate(gathered):
+            for source, at in a[4] if len(a) > 4 else ():
+                holders.setdefault((int(source), int(at)), []).append(holder)
+        reachable = [
+            set(a[0]) | {at for (source, at) in holders if source == r}
+            for r, a in enumerate(answers)
+        ]
+        common = reachable[0].intersection(*reachable[1:])
         if step is not None:
             common &= {step}
         if not common:
             if step is None:
-                self._discarded(answers, steps[-1] if steps else None, skipped)
+                self._discarded(answers, steps[-1] if steps else None, skipped, holders)
             return None
         s = max(common)
         wanted = step is not None or tier == "memory" or not steps or s >= steps[-1]
         if not wanted:
             return None
-        newest, content = next((sn, c) for sn, c in held if sn.step == s)
-        if step is None:
-            self._went_back(answers, s, skipped)
         t0 = time.perf_counter()
         problem = None
         values: dict[str, Any] = {}
+        fetched = s not in mine
+        if fetched:
+            try:
+                assert replication is not None
+                newest, content = self._fetch(s, holders.get((self.rank, s), []))
+            except CheckpointError as exc:
+                problem = f"rank {self.rank}: {exc}"
+        else:
+            newest, content = next((sn, c) for sn, c in held if sn.step == s)
+        if step is None:
+            self._went_back(
+                answers, s, skipped, fetched=[r for r, a in enumerate(answers) if s not in a[0]]
+            )
         # Checked while copied where something else can be restored if the check fails
         # (or, asked for memory only, the failure is raised): `_decode_memory`. One
         # process only: a coordinated persist of several ranks records no checksums in
@@ -228,13 +260,16 @@ class Restorer:
         fallback = tier != "memory" and bool(steps) and (step is None or step in steps)
         fuse = self.world_size == 1 and (tier == "memory" or fallback)
         fused: _Fused | None = None
-        try:
-            values, fused = self._decode_memory(newest, content, loc, fuse=fuse)
-        except CorruptCheckpointError as exc:
-            problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
+        if problem is None:
+            try:
+                values, fused = self._decode_memory(newest, content, loc, fuse=fuse)
+            except CorruptCheckpointError as exc:
+                problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
         problems = [p for p in self.group.gather(problem) if p]
         if problems:
             self._skip_memory(s, "; ".join(problems), skipped)
+            if replication is not None:
+                self._replica_fallback(s, "; ".join(problems), steps)
             return None
         # Borrowed: the slot is rewritten by later snapshots, so whatever the live state
         # would keep a reference to is copied out (but what `fused` copied already).
@@ -261,6 +296,9 @@ class Restorer:
             self._skip_memory(s, why, skipped)
             return None
         memory.restored(s, newest)
+        from_peers = [r for r, a in enumerate(answers) if s not in a[0]]
+        if replication is not None:
+            replication.restored(s)
         self.audit.record(
             "restore",
             step=s,
@@ -268,8 +306,55 @@ class Restorer:
             bytes=newest.nbytes,
             ranks=self.world_size,
             duration_s=round(time.perf_counter() - t0, 6),
+            **({"from_peers": from_peers} if from_peers else {}),
         )
-        return Restored(int(s), "memory", snapshot=newest, skipped=skipped)
+        return Restored(int(s), "memory", snapshot=newest, skipped=skipped, from_peers=from_peers)
+
+    def _fetch(self, step: int, holders: list[int]) -> tuple[MemorySnapshot, SlotContent]:
+        """This rank's snapshot of ``step`` from a peer's replica (its own memory lost
+        it: a replaced node), written into one of its slots and checked as one of its
+        own snapshots would be (same world size, same sharding)."""
+        memory = self.memory
+        assert memory is not None and memory.replication is not None
+        replica = memory.replication.fetch(step, holders)
+        snap = memory.arena.install(step, replica.meta, replica.data)
+        del replica
+        content = memory.readable(snap)
+        if content is None:
+            raise CorruptCheckpointError(f"the replica of step {step} did not read back")
+        saved_world = content.meta.get("world_size", 1)
+        if saved_world != self.world_size:
+            raise CorruptCheckpointError(
+                f"the replica of step {step} was taken by a job of {saved_world} rank(s), "
+                f"this one has {self.world_size} (snapshots do not reshard; checkpoints do)"
+            )
+        if not self._same_pieces(content.meta.get("pieces") or {}):
+            raise CorruptCheckpointError(
+                f"the replica of step {step} holds another sharding of the state"
+            )
+        log.info("rank %d: fetched its snapshot of step %d from a peer's replica", self.rank, step)
+        return snap, content
+
+    def _replica_fallback(self, s: int, reason: str, steps: list[int]) -> None:
+        """Say (rank 0, WARNING) that the snapshot of step ``s``, reachable only through
+        peers' replicas for some ranks, could not be restored, and what that costs."""
+        committed = steps[-1] if steps else 0
+        if self.rank == 0:
+            log.warning(
+                "could not restore step %d from memory and peers' replicas (%s): this "
+                "launch falls back to storage (step %d) and trains %d step(s) again",
+                s,
+                reason,
+                committed,
+                max(0, s - committed),
+            )
+        self.audit.record(
+            "replica_fallback",
+            step=s,
+            committed=committed,
+            lost=max(0, s - committed),
+            reason=reason[:500],
+        )
 
     def _same_pieces(self, saved: Mapping[str, Any]) -> bool:
         """Whether each global tensor of this rank's live state that a snapshot's pieces
@@ -301,20 +386,31 @@ class Restorer:
         return all(snap[f] == pieces for f, pieces in live.items() if f in snap)
 
     def _went_back(
-        self, answers: list[tuple[list[int], int | None, str, bool]], s: int, skipped: list[str]
+        self,
+        answers: list[tuple[list[int], int | None, str, bool]],
+        s: int,
+        skipped: list[str],
+        *,
+        fetched: Sequence[int] = (),
     ) -> None:
         """Say at WARNING (rank 0) which newer memory snapshot some ranks hold but not
-        every rank does (a copy cut short by a kill), when the ranks resume from the
-        snapshot before it: one snapshot's steps are trained again, not a persist's."""
+        every rank does (a copy cut short by a kill, or a push to a peer cut short with
+        the node that sent it), when the ranks resume from the snapshot before it: one
+        snapshot's steps are trained again, not a persist's. ``fetched``: the ranks that
+        restore from a peer's replica."""
         lost = max((a[1] for a in answers if a[1] is not None), default=s)
         if lost <= s:
             return
-        whys = [
-            f"rank {r}: "
-            + (why if had == lost else f"its newest complete snapshot is of step {had}")
-            for r, (offer, had, why, _) in enumerate(answers)
-            if lost not in offer
-        ]
+        whys = []
+        for r, (offer, had, why, _) in enumerate(answers):
+            if lost in offer:
+                continue
+            if r in fetched:
+                whys.append(f"rank {r}: its memory is gone, its peers' newest replica is step {s}")
+            elif had == lost or had is None:
+                whys.append(f"rank {r}: {why}")
+            else:
+                whys.append(f"rank {r}: its newest complete snapshot is of step {had}")
         reason = "; ".join(whys) + f"; every rank holds step {s}"
         if self.rank == 0:
             log.warning(
@@ -331,10 +427,12 @@ class Restorer:
         answers: list[tuple[list[int], int | None, str, bool]],
         committed: int | None,
         skipped: list[str],
+        holders: Mapping[tuple[int, int], list[int]] | None = None,
     ) -> None:
         """Say at WARNING (rank 0) which memory snapshot newer than every committed
         checkpoint is thrown away because not every rank can restore it, and why each
-        rank that cannot does not: the steps since the checkpoint are trained again."""
+        rank that cannot does not: the steps since the checkpoint are trained again.
+        ``holders``: with replicas, which ranks hold which rank's replica of which step."""
         held = [a[1] for a in answers if a[1] is not None]
         lost = max(held, default=None)
         if lost is None or (committed is not None and lost <= committed):
@@ -345,22 +443,36 @@ class Restorer:
         for rank, (offer, had, why, _) in enumerate(answers):
             if lost in offer:
                 continue
-            if had is None or had == lost:
+            if holders is not None and (rank, lost) in holders:
+                continue  # a peer holds it
+            if had is None and holders is not None:
+                have = sorted(at for (src, at) in holders if src == rank)
+                whys.append(
+                    f"rank {rank}: its memory holds no snapshot (a replaced node) and "
+                    + (
+                        f"its peers' replicas are of step(s) {have}"
+                        if have
+                        else "no peer holds a replica of it (its replica holders were lost too)"
+                    )
+                )
+            elif had is None or had == lost:
                 whys.append(f"rank {rank}: {why}" if len(answers) > 1 else why)
             else:
                 whys.append(f"rank {rank}: its snapshot is of step {had}")
         reason = "; ".join(whys) or "the ranks' snapshots are of different steps"
         after = f"step {committed}" if committed is not None else "step 0"
+        cost = lost - (committed or 0)
         if self.rank == 0:
             log.warning(
                 "discarding the shared-memory snapshot of step %d, newer than every "
                 "committed checkpoint, because not every rank can restore it (%s): this "
-                "launch resumes from %s and trains the steps after it again",
+                "launch resumes from %s and trains the %d step(s) after it again",
                 lost,
                 reason,
                 after,
+                cost,
             )
-        self.audit.record("skip", step=lost, tier="memory", reason=reason[:500])
+        self.audit.record("skip", step=lost, tier="memory", reason=reason[:500], lost=cost)
         skipped.append(f"memory snapshot of step {lost} ({reason})")
 
     def _skip_memory(self, step: int, reason: str, skipped: list[str]) -> None:
@@ -701,6 +813,12 @@ class Restorer:
         )
         if isinstance(self.state, dict):
             self.state.update(part)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (
+        f" and {len(ranks) - 16} more" if len(ranks) > 16 else ""
+    )
 
 
 def _offered(offer: Any) -> list[int]:

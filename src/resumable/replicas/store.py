@@ -422,6 +422,25 @@ class ReplicaStore:
         found.sort(key=lambda i: (i.source_rank, i.step))
         return found
 
+    def drop_other_runs(self) -> list[Path]:
+        """Delete the complete replicas of other runs (an earlier run of the same
+        directory) and those whose trailer is damaged (owner only); returns them."""
+        dropped = []
+        for entry in sorted(self.directory.iterdir()):
+            if not _NAME.match(entry.name):
+                continue
+            try:
+                keep = self._trailer(entry).run_id == self.run_id
+            except FileNotFoundError:
+                continue
+            except ReplicaError:
+                keep = False
+            if not keep:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+                dropped.append(entry)
+        return dropped
+
     def newest(self, source_rank: int) -> ReplicaInfo | None:
         held = [i for i in self.held() if i.source_rank == source_rank]
         return held[-1] if held else None

@@ -1,0 +1,300 @@
+"""Replicas in a job: this rank's server and store, its peers, and the push of each
+memory snapshot to them (``Checkpointer(..., replicas=R)``; docs/replicas.md).
+
+Call order (the facade's and the memory tier's): the constructor once, on every rank
+together (it broadcasts the job's secret and gathers every rank's place and address
+through the checkpoint group, before training); `check_room` in the first `restore`,
+on every rank; then, on the training thread, `wait` before each snapshot and `push`
+after it; in a restore `held` (collectively gathered by the restorer) and `fetch`, then
+`restored`; `close` last.
+
+A snapshot is pushed to the peers in the background, and the next snapshot waits for
+that push to end: so a peer's newest replica of this rank is never more than one
+snapshot behind this rank's newest, and every rank still holds it (a rank keeps its
+two newest complete snapshots), which is what a restore needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from resumable import settings
+from resumable.errors import CheckpointError, ReplicaError, ReplicaPlacementError
+from resumable.replicas.domains import (
+    Topology,
+    check_replicas,
+    peer_ranks,
+    place_from_env,
+    source_ranks,
+)
+from resumable.replicas.store import Replica, ReplicaStore, plan_pieces
+from resumable.replicas.transport import ReplicaClient, ReplicaServer
+
+if TYPE_CHECKING:
+    from resumable.audit import AuditLog
+    from resumable.group import Group
+    from resumable.monitor import Monitor
+    from resumable.snapshot import MemorySnapshot, ShmArena
+
+log = logging.getLogger(__name__)
+
+ALERT_REPLICA = "replica_failed"
+
+
+def check_option(replicas: Any) -> int:
+    """``replicas`` as the constructor takes it: an int of at least 1."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(
+            f"replicas must be an integer >= 1 (copies of each node's memory snapshot, its "
+            f"own included; 1: none on other nodes), got {replicas!r}"
+        )
+    return replicas
+
+
+class Replication:
+    """This rank's part of keeping each node's newest snapshot on ``replicas - 1`` other
+    nodes: its `ReplicaServer` over a `ReplicaStore` in ``directory`` (the rank's
+    shared-memory directory), the peers it pushes to, and the push thread."""
+
+    def __init__(
+        self,
+        replicas: int,
+        *,
+        group: Group,
+        run_id: str,
+        directory: Path,
+        key: str,
+        audit: AuditLog,
+        monitor: Monitor,
+        rate: float | None = None,
+        io_timeout: float = 30.0,
+    ) -> None:
+        self.replicas = replicas
+        self.group = group
+        self.rank = group.rank
+        self.run_id = run_id
+        self.audit = audit
+        self.monitor = monitor
+        self._rate = rate
+        self._io_timeout = io_timeout
+        # The job's secret: rank 0's random bytes, over the checkpoint group (the
+        # ranks' own connections, set up by the rendezvous), before training starts.
+        secret = group.broadcast(secrets.token_bytes(32) if self.rank == 0 else None)
+        self._secret = bytes(secret)
+        hosts = group.gather(socket.gethostname())
+        self.host = settings.REPLICA_HOST.read() or (
+            "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn()
+        )
+        self.store: ReplicaStore | None = None
+        self.server: ReplicaServer | None = None
+        problem, place, address = None, None, None
+        try:  # what can fail on one rank only: said on every rank below
+            place = place_from_env()
+            self.store = ReplicaStore(directory / f"replicas-{key}-r{self.rank}", run_id)
+            self.store.drop_other_runs()
+            bind = "127.0.0.1" if self.host == "127.0.0.1" else ""
+            self.server = ReplicaServer(
+                self.store,
+                secret=self._secret,
+                rank=self.rank,
+                host=bind,
+                io_timeout=io_timeout,
+                rate=rate,
+            )
+            address = (self.host, self.server.start()[1])
+        except (OSError, CheckpointError) as exc:
+            problem = f"rank {self.rank}: {exc}"
+        answers = group.gather((problem, place, address))
+        problems = [a[0] for a in answers if a[0]]
+        if problems:
+            self.close()
+            raise ReplicaError("replicas could not start: " + "; ".join(problems), reason="io")
+        try:
+            self.topology = Topology.from_places([a[1] for a in answers])
+            check_replicas(replicas, self.topology.n_nodes)
+        except ReplicaPlacementError:
+            self.close()
+            raise
+        self.addresses: list[tuple[str, int]] = [(a[2][0], int(a[2][1])) for a in answers]
+        self.peers = peer_ranks(self.rank, self.topology, replicas)
+        self.sources = source_ranks(self.rank, self.topology, replicas)
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="resumable-replicate")
+        self._pending: Future[list[str]] | None = None
+        self._pending_step: int | None = None
+        self._clients: dict[int, ReplicaClient] = {}
+        self.stats = {"pushes": 0, "bytes_sent": 0, "push_s": 0.0, "failures": 0, "fetches": 0}
+        self.newest_pushed: int | None = None  # the newest step every peer holds
+
+    # ------------------------------------------------------------ start-up
+
+    def check_room(self, snapshot_bytes: int, available: int, own_bytes: int) -> None:
+        """Refuse (`ReplicaError`, reason ``space``, on every rank) before training when
+        some rank's shared memory (``available`` bytes, counting what its own slots and
+        replicas already take) cannot hold its own snapshots (``own_bytes``) and, at
+        their peak, the replicas it keeps for its peers: while a newer replica is
+        received, the previous one is kept, so two per source rank. Collective."""
+        assert self.store is not None
+        available += sum(i.path.stat().st_size for i in self.store.held() if i.path.exists())
+        where = str(self.store.directory.parent)
+        sizes = self.group.gather((snapshot_bytes, available, own_bytes, self.sources, where))
+        problems = []
+        for rank, (_, have, own, sources, at) in enumerate(sizes):
+            incoming = sum(2 * int(sizes[s][0]) for s in sources)
+            if own + incoming > have:
+                steady = sum(int(sizes[s][0]) for s in sources)
+                problems.append(
+                    f"rank {rank}: shared memory {at} has {have / 2**20:.0f} MiB available; "
+                    f"its own snapshots need {own / 2**20:.0f} MiB and replicas="
+                    f"{self.replicas} keeps {incoming / 2**20:.0f} MiB of its peers' "
+                    f"snapshots at the peak ({steady / 2**20:.0f} MiB in steady state)"
+                )
+        if problems:
+            raise ReplicaError(
+                "; ".join(problems[:8])
+                + ". Enlarge /dev/shm (docker --shm-size, a larger tmpfs), or lower replicas",
+                reason="space",
+            )
+
+    # ------------------------------------------------------------ pushing
+
+    def wait(self) -> None:
+        """Wait for the push of the previous snapshot; a failed one is reported (WARNING,
+        audit entry, alert), never raised: the snapshot is still in this rank's memory,
+        only a lost node would go back further."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step = self._pending_step
+        try:
+            errors = pending.result()
+        except Exception as exc:  # a bug, not a peer's failure: said, not swallowed
+            errors = [f"{type(exc).__name__}: {exc}"]
+        if not errors:
+            self.newest_pushed = step
+            return
+        self.stats["failures"] += 1
+        message = (
+            f"rank {self.rank} could not replicate its snapshot of step {step}: "
+            + "; ".join(errors)
+            + " (a node lost now goes back to an older step, or to storage)"
+        )
+        self.audit.record("replica_failed", step=step, rank=self.rank, reason=message[:500])
+        self.monitor.alert(ALERT_REPLICA, message, step=step)
+
+    def push(self, arena: ShmArena, snap: MemorySnapshot | Future[MemorySnapshot]) -> None:
+        """Send ``snap`` (or the snapshot an overlapped copy publishes) to every peer, in
+        the background; the next `wait` ends it."""
+        self.wait()
+        self._pending_step = snap.step if not isinstance(snap, Future) else None
+        self._pending = self._exec.submit(self._push, arena, snap)
+
+    def _push(self, arena: ShmArena, snap: MemorySnapshot | Future[MemorySnapshot]) -> list[str]:
+        """Push one snapshot to every peer; returns what failed, as text (no exception
+        or traceback keeps a view of the slot alive past this call)."""
+        if isinstance(snap, Future):
+            snap = snap.result()
+            self._pending_step = snap.step
+        slot = arena.slots[snap.index]
+        got = slot.replica_bytes(snap.seq) if slot is not None else None
+        if got is None:
+            return [f"its slot no longer holds step {snap.step}"]
+        meta, data = got
+        errors: list[str] = []
+        try:
+            pieces = plan_pieces(meta, data)
+            if slot is None or not slot.still(snap.seq):
+                return [f"its slot was rewritten while step {snap.step} was read"]
+            t0 = time.perf_counter()
+            for peer in self.peers:
+                client = self._clients.get(peer)
+                if client is None:
+                    client = self._clients[peer] = ReplicaClient(
+                        self.addresses[peer],
+                        secret=self._secret,
+                        run_id=self.run_id,
+                        rank=self.rank,
+                        io_timeout=self._io_timeout,
+                        rate=self._rate,
+                    )
+                try:
+                    client.push(snap.step, meta, data, pieces=pieces)
+                    self.stats["bytes_sent"] += len(meta) + len(data)
+                except ReplicaError as exc:
+                    errors.append(f"rank {peer} ({exc.reason}): {exc}")
+            self.stats["pushes"] += 1
+            self.stats["push_s"] += time.perf_counter() - t0
+        finally:
+            del data, got
+        return errors
+
+    # ------------------------------------------------------------ restoring
+
+    def held(self) -> list[tuple[int, int]]:
+        """``(source rank, step)`` of every complete replica this rank holds."""
+        if self.store is None:
+            return []
+        return [(i.source_rank, i.step) for i in self.store.held()]
+
+    def fetch(self, step: int, holders: list[int]) -> Replica:
+        """This rank's snapshot of ``step`` from the first of ``holders`` (ranks) that
+        serves it complete, every piece checked; `ReplicaError` naming each failure."""
+        errors = []
+        for holder in holders:
+            if holder == self.rank:
+                try:
+                    assert self.store is not None
+                    return self.store.read(self.rank, step)
+                except ReplicaError as exc:
+                    errors.append(f"its own store ({exc.reason}): {exc}")
+                    continue
+            client = ReplicaClient(
+                self.addresses[holder],
+                secret=self._secret,
+                run_id=self.run_id,
+                rank=self.rank,
+                io_timeout=self._io_timeout,
+            )
+            try:
+                with client:
+                    replica = client.fetch(self.rank, step)
+                self.stats["fetches"] += 1
+                return replica
+            except ReplicaError as exc:
+                errors.append(f"rank {holder} ({exc.reason}): {exc}")
+        raise ReplicaError(
+            f"no peer served rank {self.rank}'s replica of step {step}: " + "; ".join(errors),
+            reason="absent" if not errors else "corrupt",
+        )
+
+    def restored(self, step: int) -> None:
+        """A restore went back to ``step``: replicas of later steps (a timeline left)
+        are dropped, so the next pushes are not refused as older."""
+        if self.store is None:
+            return
+        for info in self.store.held():
+            if info.step > step:
+                with contextlib.suppress(FileNotFoundError):
+                    info.path.unlink()
+        self.newest_pushed = None
+
+    def close(self) -> None:
+        exec_ = getattr(self, "_exec", None)
+        if exec_ is not None:
+            with contextlib.suppress(Exception):
+                self.wait()
+            exec_.shutdown(wait=True)
+        for client in getattr(self, "_clients", {}).values():
+            client.close()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None

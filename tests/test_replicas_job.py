@@ -1,0 +1,218 @@
+"""A lost node costs no steps (issue 45): simulated nodes under real ``torchrun``
+launchers (``--nnodes=N --node-rank=K`` on 127.0.0.1), each with its own shared-memory
+directory, DDP on gloo, ``replicas=2``.
+
+A node is lost: every launcher is SIGKILLed (the survivors' ranks restart, as a job
+restart does) and the lost node's memory directory is deleted (a replaced machine).
+The relaunch restores the newest snapshot step on every rank, the lost node's ranks
+fetching theirs from a peer's replica, and ends bit-identical to a run never
+interrupted. Losing a node with its replica holder, or a replica damaged at rest,
+falls back to storage and says so."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import kill_session, start
+
+JOB = Path(__file__).with_name("replica_job.py")
+STEPS, STOP, COMMITTED = 12, 8, 5  # a persist every 5 steps: step 5 is committed at 8
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (torchrun starts each worker in a session
+    of its own, so a session kill misses them)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            found.append(k)
+            todo.append(k)
+    return found
+
+
+def kill_node(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a node: its launcher and every process under it."""
+    pids = descendants(proc.pid)
+    kill_session(proc.pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    nodes: int, per_node: int, port: int, root: Path, shm: list[Path], out: Path, stop: int
+) -> list[subprocess.Popen[str]]:
+    return [
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--node-rank={k}",
+                f"--nproc-per-node={per_node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--max-restarts=0",
+                str(JOB),
+                str(root),
+                str(shm[k]),
+                str(out),
+                str(STEPS),
+                str(stop),
+                "2",
+            ]
+        )
+        for k in range(nodes)
+    ]
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 240.0) -> str:
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_node(p)
+    text = "\n".join(outputs)
+    assert all(p.returncode == 0 for p in procs), text[-6000:]
+    return text
+
+
+def replica_files(shm: Path, step: int) -> list[Path]:
+    return sorted(shm.rglob(f"r*-s{step}.replica"))
+
+
+def run_until_stopped(nodes: int, per_node: int, root: Path, shm: list[Path], out: Path) -> None:
+    """Train to `STOP` and wait until every rank stopped and every node holds its peer's
+    replica of step `STOP`; then SIGKILL every launcher with its ranks."""
+    world = nodes * per_node
+    procs = launch(nodes, per_node, free_port(), root, shm, out, STOP)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            stopped = all((out / f"stop-r{r}").exists() for r in range(world))
+            held = sum(len(replica_files(s, STOP)) for s in shm)
+            if stopped and held == world:
+                break
+            if any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job did not reach step 8 with its replicas in time")
+        for p in procs:
+            if p.poll() is not None:
+                output = p.communicate()[0]
+                pytest.fail(f"a node ended before being killed:\n{output[-6000:]}")
+    finally:
+        for p in procs:
+            kill_node(p)
+
+
+def reference(tmp_path: Path, nodes: int, per_node: int) -> list[str]:
+    out = tmp_path / "ref-out"
+    out.mkdir()
+    shm = [tmp_path / f"ref-shm{k}" for k in range(nodes)]
+    for s in shm:
+        s.mkdir()
+    finish(launch(nodes, per_node, free_port(), tmp_path / "ref-ck", shm, out, 0))
+    return [
+        json.loads((out / f"final-r{r}.json").read_text())["digest"]
+        for r in range(nodes * per_node)
+    ]
+
+
+def setup(tmp_path: Path, nodes: int) -> tuple[Path, list[Path], Path]:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    shm = [tmp_path / f"shm{k}" for k in range(nodes)]
+    for s in shm:
+        s.mkdir()
+    return root, shm, out
+
+
+def restored(out: Path, world: int) -> list[int]:
+    return [json.loads((out / f"restored-r{r}.json").read_text())["step"] for r in range(world)]
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 1)])
+def test_a_replaced_node_resumes_from_peers_with_no_step_lost(
+    tmp_path: Path, nodes: int, per_node: int
+) -> None:
+    world = nodes * per_node
+    want = reference(tmp_path, nodes, per_node)
+    root, shm, out = setup(tmp_path, nodes)
+    run_until_stopped(nodes, per_node, root, shm, out)
+    shutil.rmtree(shm[1])  # node 1 is replaced: its memory is gone
+    shm[1].mkdir()
+    output = finish(launch(nodes, per_node, free_port(), root, shm, out, 0))
+    assert restored(out, world) == [STOP] * world, output[-6000:]
+    lost = ", ".join(str(r) for r in range(per_node, 2 * per_node))
+    assert f"restored step {STOP} from shared memory (rank(s) {lost} from peers' replicas)" in (
+        output
+    ), output[-6000:]
+    got = [json.loads((out / f"final-r{r}.json").read_text())["digest"] for r in range(world)]
+    assert got == want
+
+
+def test_a_node_lost_with_its_replica_holder_falls_back_to_storage_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """Three nodes, one rank each: node 1's replica lives on node 2. Both are lost: rank
+    1's step 8 is nowhere, and the job resumes from the committed step 5, saying why
+    and what it cost."""
+    root, shm, out = setup(tmp_path, 3)
+    run_until_stopped(3, 1, root, shm, out)
+    for k in (1, 2):
+        shutil.rmtree(shm[k])
+        shm[k].mkdir()
+    output = finish(launch(3, 1, free_port(), root, shm, out, 0))
+    assert restored(out, 3) == [COMMITTED] * 3, output[-6000:]
+    assert "rank 1: its memory holds no snapshot (a replaced node) and no peer holds" in output
+    assert f"trains the {STOP - COMMITTED} step(s) after it again" in output
+    audit = (root / "audit.jsonl").read_text()
+    assert '"lost": 3' in audit
+
+
+def test_a_replica_damaged_at_rest_is_never_restored(tmp_path: Path) -> None:
+    """Node 0's replica of rank 1 has a byte flipped; node 1 is replaced. Rank 1's fetch
+    fails its digest check and every rank falls back to the committed step."""
+    root, shm, out = setup(tmp_path, 2)
+    run_until_stopped(2, 1, root, shm, out)
+    (replica,) = [p for p in replica_files(shm[0], STOP) if p.name.startswith("r1-")]
+    data = bytearray(replica.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    replica.write_bytes(bytes(data))
+    shutil.rmtree(shm[1])
+    shm[1].mkdir()
+    output = finish(launch(2, 1, free_port(), root, shm, out, 0))
+    assert restored(out, 2) == [COMMITTED] * 2, output[-6000:]
+    assert "could not restore step 8 from memory and peers' replicas" in output
+    assert "corrupt" in output
