@@ -1,16 +1,17 @@
-"""Worker of `test_replicas_job`: DDP training on simulated nodes with ``replicas``.
+"""Worker of `test_replicas_job`: DDP or FSDP2 training on simulated nodes with replicas.
 
 ``python -m torch.distributed.run --nnodes=N --node-rank=K ... tests/replica_job.py
-ROOT SHM_DIR OUT STEPS STOP REPLICAS`` on each simulated node (its own ``SHM_DIR``).
-Every rank trains a small DDP model with momentum SGD on its own deterministic batches
-plus noise from torch's global random stream (captured with the state), with a memory
-snapshot every step and a persist every 5 steps, and ``replicas`` copies of each
-node's snapshot. It restores first and writes ``OUT/restored-r{rank}.json`` (the step).
+ROOT SHM_DIR OUT STEPS STOP REPLICAS [ddp|fsdp]`` on each simulated node (its own
+``SHM_DIR``). Every rank trains a small model with momentum SGD on its own
+deterministic batches plus noise from torch's global random stream (captured with the
+state), with a memory snapshot every step, a persist every 5 steps, and ``REPLICAS``
+copies of each node's snapshot. It restores first and writes
+``OUT/restored-r{rank}.json`` (the step).
 
 - ``STOP`` > 0: after the snapshot of step STOP, the rank writes ``OUT/stop-r{rank}``
   and sleeps until the test SIGKILLs its node.
 - otherwise it trains to STEPS, closes, and writes ``OUT/final-r{rank}.json``: a
-  SHA-256 of its parameters and optimizer moments, bytes as they are.
+  SHA-256 of its parameters and optimizer moments (its shards), bytes as they are.
 """
 
 from __future__ import annotations
@@ -35,26 +36,43 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x + 0.01 * torch.randn(16, 32), torch.randn(16, 4, generator=g)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes on this rank: an FSDP2 parameter's (a DTensor's) local shard."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(local(p.detach()).numpy().tobytes())
         buf = opt.state[p].get("momentum_buffer")
         if buf is not None:
-            h.update(buf.numpy().tobytes())
+            h.update(local(buf).numpy().tobytes())
     return h.hexdigest()
 
 
 def main() -> None:
     root, shm_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     steps, stop, replicas = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    fsdp = len(sys.argv) > 7 and sys.argv[7] == "fsdp"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    # Gradients all-reduced per parameter: from three ranks on, a resumed run matches
-    # an uninterrupted one bit for bit only so (docs/distributed.md).
-    ddp = reduce_per_parameter(DistributedDataParallel(model))
+    ddp: torch.nn.Module
+    if fsdp:  # FSDP2: each rank holds a shard of every parameter and moment
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        # Gradients all-reduced per parameter: from three ranks on, a resumed run
+        # matches an uninterrupted one bit for bit only so (docs/distributed.md).
+        ddp = reduce_per_parameter(DistributedDataParallel(model))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     torch.manual_seed(100 + rank)  # each rank's own noise stream, restored with the state
     ck = Checkpointer(

@@ -63,7 +63,14 @@ def free_port() -> int:
 
 
 def launch(
-    nodes: int, per_node: int, port: int, root: Path, shm: list[Path], out: Path, stop: int
+    nodes: int,
+    per_node: int,
+    port: int,
+    root: Path,
+    shm: list[Path],
+    out: Path,
+    stop: int,
+    parallel: str = "ddp",
 ) -> list[subprocess.Popen[str]]:
     return [
         start(
@@ -84,6 +91,7 @@ def launch(
                 str(STEPS),
                 str(stop),
                 "2",
+                parallel,
             ]
         )
         for k in range(nodes)
@@ -110,11 +118,13 @@ def replica_files(shm: Path, step: int) -> list[Path]:
     return sorted(shm.rglob(f"r*-s{step}.replica"))
 
 
-def run_until_stopped(nodes: int, per_node: int, root: Path, shm: list[Path], out: Path) -> None:
+def run_until_stopped(
+    nodes: int, per_node: int, root: Path, shm: list[Path], out: Path, parallel: str = "ddp"
+) -> None:
     """Train to `STOP` and wait until every rank stopped and every node holds its peer's
     replica of step `STOP`; then SIGKILL every launcher with its ranks."""
     world = nodes * per_node
-    procs = launch(nodes, per_node, free_port(), root, shm, out, STOP)
+    procs = launch(nodes, per_node, free_port(), root, shm, out, STOP, parallel)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -136,13 +146,13 @@ def run_until_stopped(nodes: int, per_node: int, root: Path, shm: list[Path], ou
             kill_node(p)
 
 
-def reference(tmp_path: Path, nodes: int, per_node: int) -> list[str]:
+def reference(tmp_path: Path, nodes: int, per_node: int, parallel: str = "ddp") -> list[str]:
     out = tmp_path / "ref-out"
     out.mkdir()
     shm = [tmp_path / f"ref-shm{k}" for k in range(nodes)]
     for s in shm:
         s.mkdir()
-    finish(launch(nodes, per_node, free_port(), tmp_path / "ref-ck", shm, out, 0))
+    finish(launch(nodes, per_node, free_port(), tmp_path / "ref-ck", shm, out, 0, parallel))
     return [
         json.loads((out / f"final-r{r}.json").read_text())["digest"]
         for r in range(nodes * per_node)
@@ -162,17 +172,19 @@ def restored(out: Path, world: int) -> list[int]:
     return [json.loads((out / f"restored-r{r}.json").read_text())["step"] for r in range(world)]
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 1)])
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "parallel"), [(2, 2, "ddp"), (3, 1, "ddp"), (2, 2, "fsdp")]
+)
 def test_a_replaced_node_resumes_from_peers_with_no_step_lost(
-    tmp_path: Path, nodes: int, per_node: int
+    tmp_path: Path, nodes: int, per_node: int, parallel: str
 ) -> None:
     world = nodes * per_node
-    want = reference(tmp_path, nodes, per_node)
+    want = reference(tmp_path, nodes, per_node, parallel)
     root, shm, out = setup(tmp_path, nodes)
-    run_until_stopped(nodes, per_node, root, shm, out)
+    run_until_stopped(nodes, per_node, root, shm, out, parallel)
     shutil.rmtree(shm[1])  # node 1 is replaced: its memory is gone
     shm[1].mkdir()
-    output = finish(launch(nodes, per_node, free_port(), root, shm, out, 0))
+    output = finish(launch(nodes, per_node, free_port(), root, shm, out, 0, parallel))
     assert restored(out, world) == [STOP] * world, output[-6000:]
     lost = ", ".join(str(r) for r in range(per_node, 2 * per_node))
     assert f"restored step {STOP} from shared memory (rank(s) {lost} from peers' replicas)" in (
