@@ -11,7 +11,8 @@ copies of each node's snapshot. It restores first and writes
 - ``STOP`` > 0: after the snapshot of step STOP, the rank writes ``OUT/stop-r{rank}``
   and sleeps until the test SIGKILLs its node.
 - otherwise it trains to STEPS, closes, and writes ``OUT/final-r{rank}.json``: a
-  SHA-256 of its parameters and optimizer moments (its shards), bytes as they are.
+  SHA-256 of its parameters and optimizer moments (its shards), bytes as they are,
+  and the replication's counters.
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ def main() -> None:
         if step == stop:
             (out / f"stop-r{rank}").write_text("")
             time.sleep(600)  # until the test kills this node
+    replication = ck._memory.replication if ck._memory is not None else None
+    stats = dict(replication.stats) if replication is not None else {}
     ck.close()
-    (out / f"final-r{rank}.json").write_text(json.dumps({"digest": digest(model, opt)}))
+    final = {"digest": digest(model, opt), "replication": stats}
+    (out / f"final-r{rank}.json").write_text(json.dumps(final))
     dist.destroy_process_group()
 
 

@@ -190,8 +190,16 @@ def test_a_replaced_node_resumes_from_peers_with_no_step_lost(
     assert f"restored step {STOP} from shared memory (rank(s) {lost} from peers' replicas)" in (
         output
     ), output[-6000:]
-    got = [json.loads((out / f"final-r{r}.json").read_text())["digest"] for r in range(world)]
-    assert got == want
+    finals = [json.loads((out / f"final-r{r}.json").read_text()) for r in range(world)]
+    assert [f["digest"] for f in finals] == want
+    # What data parallelism replicates is not sent again: a DDP peer holds the same
+    # parameters and moments in its own snapshot of the step (checked by digest); an
+    # FSDP2 shard differs from the peer's and travels.
+    sent = sum(f["replication"]["bytes_sent"] for f in finals)
+    held = sum(f["replication"]["bytes_held"] for f in finals)
+    assert sent > 0
+    if parallel == "ddp":
+        assert held > sent, (held, sent)
 
 
 def test_a_node_lost_with_its_replica_holder_falls_back_to_storage_and_says_so(

@@ -12,11 +12,15 @@ import torch
 
 from resumable import Checkpointer, Every
 from resumable.errors import CheckpointError, ReplicaPlacementError
-from resumable.replicas.peers import check_option
+from resumable.replicas.peers import check_option, own_snapshot, tensor_ranges
+from resumable.replicas.store import ReplicaStore, plan_pieces
+from resumable.replicas.transport import ReplicaClient, ReplicaServer
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 
 __all__ = ["shm_dir"]  # a fixture
+
+SECRET = b"s" * 32
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2", None])
@@ -98,3 +102,75 @@ def test_a_hostile_replica_is_refused_before_any_slot_is_written(
         assert arena.newest is None and all(s is None for s in arena.slots)
     finally:
         arena.close(unlink=True)
+
+
+def test_a_peer_is_sent_only_the_pieces_its_own_snapshot_lacks(shm_dir: Path) -> None:
+    """A receiver holding the same step in its own slots (a DDP peer: the same
+    parameters and moments) fills those pieces from there, each proven by its digest;
+    the per-rank tensor and the metadata travel. The stored replica is the sender's,
+    byte for byte."""
+    sender = ShmArena("a", shm_dir=shm_dir, rank=0)
+    receiver = ShmArena("b", shm_dir=shm_dir, rank=1)
+    w = torch.arange(100_000, dtype=torch.float32)
+    try:
+        snap = sender.snapshot(
+            3,
+            {"w": w, "rng": torch.full((5000,), 1, dtype=torch.uint8)},
+            {"step": 3, "tree": {}, "replicated": ["w"]},
+        )
+        receiver.snapshot(
+            3,
+            {"w": w, "rng": torch.full((5000,), 2, dtype=torch.uint8)},
+            {"step": 3, "tree": {}, "replicated": ["w"]},
+        )
+        slot = sender.slots[snap.index]
+        assert slot is not None
+        got = slot.replica_bytes(snap.seq)
+        assert got is not None
+        meta, data = got
+        ranges = tensor_ranges(meta, len(data))
+        assert ranges == [(0, 400_000), (400_000, 5000)]
+        pieces = plan_pieces(meta, data, ranges=ranges)
+        with (
+            ReplicaStore(shm_dir / "store", "run") as store,
+            ReplicaServer(
+                store,
+                secret=SECRET,
+                rank=1,
+                local=lambda step, n: own_snapshot(receiver, step, n, wait_s=0.0),
+            ) as server,
+        ):
+            assert server.address is not None
+            with ReplicaClient(server.address, secret=SECRET, run_id="run", rank=0) as client:
+                client.push(3, meta, data, pieces=pieces)
+                assert client.skipped_bytes == 400_000
+                assert client.sent_bytes == len(meta) + 5000
+                stored = store.read(0, 3)
+                assert bytes(stored.data) == bytes(data) and stored.meta == meta
+                # a receiver without that step (another step in its slots): all travels
+                client.push(4, meta, data, pieces=pieces)
+                assert client.skipped_bytes == 400_000
+                assert client.sent_bytes == 2 * len(meta) + 5000 + 405_000
+        del data
+    finally:
+        sender.close(unlink=True)
+        receiver.close(unlink=True)
+
+
+def test_tensor_ranges_keep_per_rank_tensors_out_of_replicated_pieces() -> None:
+    layout = [
+        {"name": n, "begin": b, "end": e}
+        for n, b, e in [("a", 0, 100), ("b", 128, 200), ("rng", 256, 300), ("c", 320, 400)]
+    ]
+    meta = json.dumps({"layout": layout, "replicated": ["a", "b", "c"]}).encode()
+    assert tensor_ranges(meta, 400) == [(0, 256), (256, 64), (320, 80)]
+    # a tensor larger than a chunk is split into chunks, not merged with its neighbours
+    big = [{"name": "a", "begin": 0, "end": 300_000}, {"name": "b", "begin": 300_032, "end": 1}]
+    meta = json.dumps({"layout": big, "replicated": ["a", "b"]}).encode()
+    assert tensor_ranges(meta, 300_100, chunk=100_000) == [
+        (0, 100_000),
+        (100_000, 100_000),
+        (200_000, 100_000),
+        (300_000, 100),
+    ]
+    assert tensor_ranges(b"not json", 10) is None

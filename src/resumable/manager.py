@@ -268,6 +268,7 @@ class Checkpointer:
                         key=run_key_for(self.storage.location),
                         audit=self.audit,
                         monitor=self.monitor,
+                        arena=self._memory.arena,
                     )
             parts: dict[str, Any] = {
                 "coordination": group,

@@ -17,10 +17,12 @@ two newest complete snapshots), which is what a restore needs.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import secrets
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +36,9 @@ from resumable.replicas.domains import (
     place_from_env,
     source_ranks,
 )
-from resumable.replicas.store import Replica, ReplicaStore, plan_pieces
+from resumable.replicas.store import CHUNK, Replica, ReplicaStore, plan_pieces
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
+from resumable.shm import COMPLETE
 
 if TYPE_CHECKING:
     from resumable.audit import AuditLog
@@ -46,6 +49,76 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ALERT_REPLICA = "replica_failed"
+
+
+LOCAL_WAIT_S = 1.0  # how long a receiver waits for its own snapshot of a pushed step
+MERGE = 64 << 10  # tensors smaller than this travel together, in pieces of up to this
+
+
+def tensor_ranges(meta: bytes, data_len: int, chunk: int = CHUNK) -> list[tuple[int, int]] | None:
+    """Piece ranges of a snapshot's data along its tensors (the slot metadata's
+    ``layout``): each tensor its own pieces of at most ``chunk`` bytes, small
+    neighbours merged up to `MERGE` only with tensors of their kind (``replicated``,
+    every rank holds them whole, or not), so per-rank bytes never spoil a piece of
+    replicated ones. None (fixed chunks) if the layout cannot be read."""
+    try:
+        parsed = json.loads(meta)
+        layout = parsed["layout"]
+        replicated = set(parsed.get("replicated") or ())
+        starts = sorted((int(t["begin"]), str(t["name"]) in replicated) for t in layout)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    starts = [(b, r) for b, r in starts if 0 <= b < data_len]
+    if not starts or starts[0][0] != 0:
+        starts.insert(0, (0, False))
+    ends = [b for b, _ in starts[1:]] + [data_len]
+    ranges: list[tuple[int, int]] = []
+    kinds: list[bool] = []
+    for (begin, kind), end in zip(starts, ends):
+        for at in range(begin, end, chunk):
+            length = min(chunk, end - at)
+            if ranges and kinds[-1] == kind and ranges[-1][1] + length <= MERGE:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
+            else:
+                ranges.append((at, length))
+                kinds.append(kind)
+    return ranges
+
+
+@contextlib.contextmanager
+def own_snapshot(
+    arena: ShmArena | None, step: int, data_len: int, wait_s: float = LOCAL_WAIT_S
+) -> Iterator[memoryview | None]:
+    """A view of this rank's own complete snapshot of ``step`` (data region of
+    ``data_len`` bytes), for its server to fill an incoming replica's pieces that are
+    the same bytes (`ReplicaServer._fill_locally`, which checks each digest). Runs on a
+    server thread while the trainer may write the slots: it only reads, and a slot
+    rewritten meanwhile fails the digests. Waits up to ``wait_s`` for the snapshot (the
+    ranks snapshot together; a peer may push before this rank finished its copy)."""
+    view = None
+    deadline = time.monotonic() + wait_s
+    while arena is not None and view is None:
+        found = False
+        for slot in list(arena.slots):
+            try:
+                if slot is None:
+                    continue
+                c = slot.control()
+                if c.state == COMPLETE and c.seq % 2 == 0 and c.step == step:
+                    found = True
+                    if c.data_len == data_len:
+                        view = slot.data_view(data_len)
+                    break
+            except (CheckpointError, ValueError):  # closed meanwhile
+                continue
+        if found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    try:
+        yield view
+    finally:
+        if view is not None:
+            view.release()
 
 
 def check_option(replicas: Any) -> int:
@@ -73,6 +146,7 @@ class Replication:
         key: str,
         audit: AuditLog,
         monitor: Monitor,
+        arena: ShmArena | None = None,
         rate: float | None = None,
         io_timeout: float = 30.0,
     ) -> None:
@@ -84,6 +158,7 @@ class Replication:
         self.monitor = monitor
         self._rate = rate
         self._io_timeout = io_timeout
+        self._arena = arena  # this rank's own slots: pieces a peer sends that it holds
         # The job's secret: rank 0's random bytes, over the checkpoint group (the
         # ranks' own connections, set up by the rendezvous), before training starts.
         secret = group.broadcast(secrets.token_bytes(32) if self.rank == 0 else None)
@@ -107,6 +182,7 @@ class Replication:
                 host=bind,
                 io_timeout=io_timeout,
                 rate=rate,
+                local=self._local if arena is not None else None,
             )
             address = (self.host, self.server.start()[1])
         except (OSError, CheckpointError) as exc:
@@ -129,7 +205,14 @@ class Replication:
         self._pending: Future[list[str]] | None = None
         self._pending_step: int | None = None
         self._clients: dict[int, ReplicaClient] = {}
-        self.stats = {"pushes": 0, "bytes_sent": 0, "push_s": 0.0, "failures": 0, "fetches": 0}
+        self.stats = {
+            "pushes": 0,
+            "bytes_sent": 0,  # pushed bytes sent over the network
+            "bytes_held": 0,  # pushed bytes the peer held already (not sent)
+            "push_s": 0.0,
+            "failures": 0,
+            "fetches": 0,
+        }
         self.newest_pushed: int | None = None  # the newest step every peer holds
 
     # ------------------------------------------------------------ start-up
@@ -208,7 +291,7 @@ class Replication:
         meta, data = got
         errors: list[str] = []
         try:
-            pieces = plan_pieces(meta, data)
+            pieces = plan_pieces(meta, data, ranges=tensor_ranges(meta, len(data)))
             if slot is None or not slot.still(snap.seq):
                 return [f"its slot was rewritten while step {snap.step} was read"]
             t0 = time.perf_counter()
@@ -223,16 +306,21 @@ class Replication:
                         io_timeout=self._io_timeout,
                         rate=self._rate,
                     )
+                sent, held = client.sent_bytes, client.skipped_bytes
                 try:
                     client.push(snap.step, meta, data, pieces=pieces)
-                    self.stats["bytes_sent"] += len(meta) + len(data)
                 except ReplicaError as exc:
                     errors.append(f"rank {peer} ({exc.reason}): {exc}")
+                self.stats["bytes_sent"] += client.sent_bytes - sent
+                self.stats["bytes_held"] += client.skipped_bytes - held
             self.stats["pushes"] += 1
             self.stats["push_s"] += time.perf_counter() - t0
         finally:
             del data, got
         return errors
+
+    def _local(self, step: int, data_len: int) -> contextlib.AbstractContextManager[Any]:
+        return own_snapshot(self._arena, step, data_len)
 
     # ------------------------------------------------------------ restoring
 

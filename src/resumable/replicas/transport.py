@@ -48,6 +48,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ import xxhash
 from resumable.errors import ReplicaError
 from resumable.replicas.store import (
     CHUNK,
+    PartialReplica,
     Piece,
     Replica,
     ReplicaInfo,
@@ -80,6 +82,11 @@ TO_SERVER, TO_CLIENT = b"C", b"S"
 
 
 # --------------------------------------------------------------------------- rate limit
+
+
+# ``local(step, data_len)``: a context manager giving a view of this rank's own
+# snapshot data of ``step`` if it holds one complete of that length, else None.
+LocalBytes = Callable[[int, int], AbstractContextManager[Any]]
 
 
 class TokenBucket:
@@ -332,6 +339,7 @@ class ReplicaServer:
         idle_timeout: float = 300.0,
         max_connections: int = 32,
         rate: float | None = None,
+        local: LocalBytes | None = None,
     ) -> None:
         if not secret:
             raise ReplicaError("the replica secret is empty; pass the job's secret", reason="io")
@@ -344,6 +352,7 @@ class ReplicaServer:
         self._idle_timeout = idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
         self._rate = rate
+        self._local = local
         self._listener: socket.socket | None = None
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
@@ -531,8 +540,11 @@ class ReplicaServer:
         info = info_from_header(raw, self.store.directory)
         partial = self.store.begin(source, info.step, info.meta_len, info.data_len, info.pieces)
         try:
-            ch.send({"type": "ready", "rank": self.rank})
+            have = self._fill_locally(partial, info)
+            ch.send({"type": "ready", "rank": self.rank, "have": sorted(have)})
             for index in range(len(info.pieces)):
+                if index in have:
+                    continue
                 writer = partial.piece_writer(index)
 
                 def sink(h: dict[str, Any], w: Any = writer, i: int = index) -> Any:
@@ -571,6 +583,31 @@ class ReplicaServer:
             "replica server of rank %d: stored rank %d's step %d", self.rank, source, stored.step
         )
         ch.send({"type": "ok", "rank": self.rank, "replica": stored.header()})
+
+    def _fill_locally(self, partial: PartialReplica, info: ReplicaInfo) -> set[int]:
+        """The data pieces of an incoming replica this rank already holds, byte for
+        byte, in its own snapshot of the same step (``local``: what data parallelism
+        replicates, DDP parameters and moments), copied from there into the replica;
+        a piece counts only once its digest matched, so a piece whose bytes differ
+        (per-rank state, a shard) or changed while copied is asked of the sender."""
+        if self._local is None or info.data_len == 0:
+            return set()
+        have: set[int] = set()
+        with self._local(info.step, info.data_len) as view:
+            if view is None:
+                return have
+            for index, p in enumerate(info.pieces):
+                start = p.offset - info.meta_len
+                if start < 0 or p.length == 0:
+                    continue  # the metadata (per rank) always travels
+                writer = partial.piece_writer(index)
+                try:
+                    writer.write(view[start : start + p.length])
+                    writer.finish()
+                except (ReplicaError, ValueError):
+                    continue
+                have.add(index)
+        return have
 
     def _send_replica(self, ch: Channel, header: dict[str, Any]) -> None:
         source = _int_field(header, "source_rank")
@@ -643,6 +680,8 @@ class ReplicaClient:
         self._limiter = TokenBucket(rate) if rate else None
         self._ch: Channel | None = None
         self.peer_rank: int | None = None
+        self.sent_bytes = 0  # pushed pieces' bytes sent
+        self.skipped_bytes = 0  # and those the peer held already (`ReplicaServer` local)
 
     def _fail(self, exc: BaseException, doing: str) -> ReplicaError:
         self.close()
@@ -734,8 +773,13 @@ class ReplicaClient:
             ch.send(header)
             ready = ch.recv(max_payload=0)
             _raise_if_error(ready, "ready", self.peer)
+            have = _have(ready.header.get("have"), len(pieces))
             for index, p in enumerate(pieces):
+                if index in have:
+                    self.skipped_bytes += p.length
+                    continue
                 ch.send(self._header("piece", index=index), _slice(m, d, p.offset, p.length))
+                self.sent_bytes += p.length
             ch.send(self._header("commit"))
             done = ch.recv(max_payload=0)
             _raise_if_error(done, "ok", self.peer)
@@ -834,6 +878,17 @@ class ReplicaClient:
             return [info_from_header(r, Path(f"tcp:{self.peer}")) for r in raw]
         except (ReplicaError, OSError, ValueError) as exc:
             raise self._fail(exc, "listing a peer's replicas") from exc
+
+
+def _have(raw: Any, n: int) -> set[int]:
+    """The piece indices a server's ``ready`` says it holds already (none if absent)."""
+    if raw is None:
+        return set()
+    if not isinstance(raw, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in raw
+    ):
+        raise ReplicaError(f"a ready frame names pieces {str(raw)[:80]}", reason="refused")
+    return set(raw)
 
 
 def _slice(meta: memoryview, data: memoryview, offset: int, length: int) -> Any:
