@@ -174,3 +174,16 @@ def test_tensor_ranges_keep_per_rank_tensors_out_of_replicated_pieces() -> None:
         (300_000, 100),
     ]
     assert tensor_ranges(b"not json", 10) is None
+
+
+def test_the_lightning_callback_passes_replicas_to_its_checkpointer(tmp_path: Path) -> None:
+    """The option reaches the `Checkpointer` the callback opens: one process is one node,
+    so two copies are refused there, by the same error."""
+    pytest.importorskip("lightning")
+    from resumable.integrations.lightning import ResumableCheckpoint
+
+    cb = ResumableCheckpoint(
+        tmp_path / "ck", memory_every=Every(steps=1), persist="thread", replicas=2
+    )
+    with pytest.raises(ReplicaPlacementError, match="replicas=2 needs 2 distinct nodes"):
+        cb._open()

@@ -125,7 +125,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         keep: a `resumable.Keep` replacing the retention above (``None``: keep all).
         preemption: on SIGTERM/SIGUSR1 (or a cloud notice) an emergency checkpoint at the
             next step boundary, then an exit with `resumable.REQUEUE_EXIT_CODE`.
-        persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`
+        persist, on_busy, mirror, mirror_keep, storage_options, replicas: as for `Checkpointer`
             (``on_busy`` defaults to ``"wait"``: every due persist commits).
 
     Call order (Lightning's, on the training thread): ``ckpt_path`` (while ``fit``
@@ -152,6 +152,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         mirror: str | None = None,
         mirror_keep: Keep | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        replicas: int = 1,
     ) -> None:
         root = os.fspath(dirpath)
         super().__init__(dirpath=root, filename="last")
@@ -174,6 +175,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
             "mirror": mirror,
             "mirror_keep": mirror_keep,
             "storage_options": storage_options,
+            "replicas": replicas,
         }
         digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
         self._marker = f"memory://resumable-lightning/{digest}-{id(self):x}/last.ckpt"

@@ -206,7 +206,7 @@ class ResumableTrainer(Trainer):
             next step boundary, then an exit with `resumable.REQUEUE_EXIT_CODE`. By default
             `default_preemption`: SIGTERM, unless something else already handles it;
             ``None`` leaves every signal alone.
-        persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`.
+        persist, on_busy, mirror, mirror_keep, storage_options, replicas: as for `Checkpointer`.
             ``on_busy`` defaults to ``"wait"``: every save the Trainer asks for commits.
 
     With DeepSpeed (any ZeRO stage) the engine's whole state is checkpointed through
@@ -227,6 +227,7 @@ class ResumableTrainer(Trainer):
         mirror: str | None = None,
         mirror_keep: Keep | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        replicas: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -269,6 +270,7 @@ class ResumableTrainer(Trainer):
             "mirror": mirror,
             "mirror_keep": mirror_keep,
             "storage_options": storage_options,
+            "replicas": replicas,
         }
         self.checkpointer: Checkpointer | None = None
         self._marker = f"resumable:{self.checkpoint_dir}"
