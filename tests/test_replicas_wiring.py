@@ -12,7 +12,7 @@ import torch
 
 from resumable import Checkpointer, Every
 from resumable.errors import CheckpointError, ReplicaPlacementError
-from resumable.replicas.peers import check_option, own_snapshot, tensor_ranges
+from resumable.replicas.peers import check_option, own_snapshot, rate_from_env, tensor_ranges
 from resumable.replicas.store import ReplicaStore, plan_pieces
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
 from resumable.snapshot import ShmArena
@@ -187,3 +187,21 @@ def test_the_lightning_callback_passes_replicas_to_its_checkpointer(tmp_path: Pa
     )
     with pytest.raises(ReplicaPlacementError, match="replicas=2 needs 2 distinct nodes"):
         cb._open()
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "inf", "nan", "1e400"])
+def test_a_bad_replica_rate_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    monkeypatch.setenv("RESUMABLE_REPLICA_RATE", bad)
+    with pytest.raises(ValueError, match="RESUMABLE_REPLICA_RATE should be MiB per second"):
+        rate_from_env()
+
+
+def test_the_replica_rate_is_mib_per_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESUMABLE_REPLICA_RATE", "2.5")
+    assert rate_from_env() == 2.5 * 2**20
+    monkeypatch.setenv("RESUMABLE_REPLICA_RATE", "0")
+    assert rate_from_env() is None
+    monkeypatch.delenv("RESUMABLE_REPLICA_RATE")
+    assert rate_from_env() is None

@@ -58,6 +58,12 @@ REPLICA_HOST = Knob(
     "(default: loopback when every rank runs on one host, else this host's fully "
     "qualified name).",
 )
+REPLICA_RATE = Knob(
+    "RESUMABLE_REPLICA_RATE",
+    "0",
+    "The most MiB per second each rank sends to its replica peers, with replicas > 1 "
+    "(0: no limit); the next snapshot waits for a push that pacing stretches.",
+)
 WATCH = Knob(
     "RESUMABLE_WATCH",
     "",
@@ -81,6 +87,7 @@ KNOBS: tuple[Knob, ...] = (
     DIRECT_IO,
     STORE_HOST,
     REPLICA_HOST,
+    REPLICA_RATE,
     WATCH,
     WATCH_ENDPOINT,
     DEBUG,

@@ -121,6 +121,23 @@ def own_snapshot(
             view.release()
 
 
+def rate_from_env() -> float | None:
+    """``RESUMABLE_REPLICA_RATE`` in bytes per second, None for no limit."""
+    raw = settings.REPLICA_RATE.read()
+    if raw is None or raw.strip() in ("", "0"):
+        return None
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0 or mib == float("inf"):
+        raise ValueError(
+            f"RESUMABLE_REPLICA_RATE should be MiB per second, a number >= 0 (0: no limit), "
+            f"found {raw!r}"
+        )
+    return mib * 2**20 if mib > 0 else None
+
+
 def check_option(replicas: Any) -> int:
     """``replicas`` as the constructor takes it: an int of at least 1."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -172,6 +189,8 @@ class Replication:
         problem, place, address = None, None, None
         try:  # what can fail on one rank only: said on every rank below
             place = place_from_env()
+            if self._rate is None:
+                self._rate = rate_from_env()
             self.store = ReplicaStore(directory / f"replicas-{key}-r{self.rank}", run_id)
             self.store.drop_other_runs()
             bind = "127.0.0.1" if self.host == "127.0.0.1" else ""
@@ -181,11 +200,11 @@ class Replication:
                 rank=self.rank,
                 host=bind,
                 io_timeout=io_timeout,
-                rate=rate,
+                rate=self._rate,
                 local=self._local if arena is not None else None,
             )
             address = (self.host, self.server.start()[1])
-        except (OSError, CheckpointError) as exc:
+        except (OSError, CheckpointError, ValueError) as exc:
             problem = f"rank {self.rank}: {exc}"
         answers = group.gather((problem, place, address))
         problems = [a[0] for a in answers if a[0]]
