@@ -205,3 +205,37 @@ def test_the_replica_rate_is_mib_per_second(monkeypatch: pytest.MonkeyPatch) -> 
     assert rate_from_env() is None
     monkeypatch.delenv("RESUMABLE_REPLICA_RATE")
     assert rate_from_env() is None
+
+
+def test_with_replicas_a_rank_keeps_its_two_newest_snapshots_while_copying_the_next(
+    shm_dir: Path,
+) -> None:
+    """A peer's replica of a rank may be one snapshot behind the rank's newest, and the
+    other ranks may be one snapshot ahead: each keeps its two newest complete snapshots
+    while it copies the next (three slots in rotation, a fourth while a persist holds
+    one), so the step a replica holds is still on every rank."""
+    arena = ShmArena("keep2", shm_dir=shm_dir)
+    arena.keep = 2
+    t = {"w": torch.zeros(256)}
+    try:
+        for step in range(1, 6):
+            t["w"].fill_(step)
+            arena.snapshot(step, t, {"step": step, "tree": {}})
+            assert sorted(sn.step for sn, _ in arena.complete())[-3:] == list(
+                range(max(1, step - 2), step + 1)
+            )
+        assert [s is not None for s in arena.slots] == [True, True, True, False]
+        assert arena.newest is not None
+        arena.locked.add(arena.newest.index)  # a persist of step 5
+        arena.snapshot(6, t, {"step": 6, "tree": {}})
+        arena.snapshot(7, t, {"step": 7, "tree": {}})
+        assert sorted(sn.step for sn, _ in arena.complete()) == [5, 6, 7]
+        assert arena.slots[3] is None  # the persisted one was among the kept so far
+        arena.snapshot(8, t, {"step": 8, "tree": {}})  # 5 held, 6 and 7 kept: a fourth
+        assert arena.slots[3] is not None
+        assert sorted(sn.step for sn, _ in arena.complete()) == [5, 6, 7, 8]
+        arena.locked.clear()
+        arena.snapshot(9, t, {"step": 9, "tree": {}})  # overwrites the oldest: step 5
+        assert sorted(sn.step for sn, _ in arena.complete()) == [6, 7, 8, 9]
+    finally:
+        arena.close(unlink=True)

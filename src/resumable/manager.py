@@ -128,9 +128,9 @@ class Checkpointer:
         replicas: copies of each node's newest memory snapshot, its own included, kept
             in the memory of that many distinct nodes (default 1: none elsewhere). With
             2, a replaced node's ranks fetch their snapshots from a peer and lose no
-            steps; each node then holds one more snapshot's worth of its peers' (two
-            while a newer one arrives). Needs the memory tier and as many nodes (torchrun
-            ``GROUP_RANK``); see ``docs/replicas.md``.
+            steps; each node then holds one snapshot's worth of its peers' (two while
+            a newer one arrives) and keeps one more of its own. Needs the memory tier
+            and as many nodes (torchrun ``GROUP_RANK``); see ``docs/replicas.md``.
     """
 
     def __init__(
@@ -270,6 +270,9 @@ class Checkpointer:
                         monitor=self.monitor,
                         arena=self._memory.arena,
                     )
+                    # A peer's replica of a rank may be one snapshot behind the rank's
+                    # newest: every rank keeps its two newest while copying the next.
+                    self._memory.arena.keep = 2
             parts: dict[str, Any] = {
                 "coordination": group,
                 "memory": self._memory,

@@ -766,8 +766,10 @@ def run_key_of(path: Path) -> str | None:
 
 # Slot files per run and rank: two alternate (the newest complete snapshot and the one
 # before it), and a third is made only while a persist holds one of them, so that a
-# snapshot never overwrites the newest complete one (`snapshot.ShmArena`).
-SLOTS = 3
+# snapshot never overwrites the newest complete one (`snapshot.ShmArena`). With
+# replicas, the two newest are kept while the next is copied: three in rotation, and a
+# fourth while a persist holds one.
+SLOTS = 4
 
 
 def slot_paths(key: str, rank: int, directory: Path) -> list[Path]:

@@ -384,7 +384,10 @@ class ShmArena:
         self.directory = own_dir(self.shm_dir) or self._fallback()
         self.paths = slot_paths(key, rank, self.directory)
         self.slots: list[ShmSlot | None] = [None] * SLOTS
-        self._third = True  # whether the third slot may be made (False: no room for it)
+        self._third = True  # whether more than two slots may be made (False: no room)
+        # How many newest complete snapshots a new one never overwrites: 1, or 2 with
+        # replicas (a peer's replica of a rank may be one snapshot behind it).
+        self.keep = 1
         self.locked: set[int] = set()
         self.newest: MemorySnapshot | None = None
         threads = copy_threads()
@@ -541,23 +544,39 @@ class ShmArena:
         return plan, True
 
     def _choose(self, step: int) -> int:
-        """The slot the snapshot of ``step`` goes to: not a locked one, not the newest
-        complete one, and of the others the one with the oldest snapshot (an empty or
-        incomplete one first, or one of a step not before ``step``: left by a timeline a
-        restore went back from). The third slot is made only when the first two are taken (a persist
-        holds one, the other is the newest); the newest is overwritten only when there
-        is no room for a third."""
-        newest = self.newest.index if self.newest is not None else None
+        """The slot the snapshot of ``step`` goes to: not a locked one, not one of the
+        `keep` newest complete ones, and of the others the one with the oldest snapshot
+        (an empty or incomplete one first, or one of a step not before ``step``: left by
+        a timeline a restore went back from). A slot beyond the first two is made only
+        when those are taken (a persist holds one, the other is kept); a kept snapshot
+        is overwritten only when there is no room for another slot."""
         free = [i for i in range(SLOTS) if i not in self.locked]
         if not free:
             raise CheckpointError("every snapshot slot is being persisted")
-        spare = [i for i in free if i != newest]
+        kept = self._kept(step)
+        spare = [i for i in free if i not in kept]
         made = [i for i in spare if i < 2 or self.slots[i] is not None]
         if made:
             return min(made, key=lambda i: self._age(i, step))
         if spare and self._third:
             return spare[0]
-        return free[0]
+        existing = [i for i in free if i < 2 or self.slots[i] is not None]
+        return min(existing or free, key=lambda i: self._age(i, step))
+
+    def _kept(self, step: int) -> set[int]:
+        """The slots a snapshot of ``step`` must not overwrite: the newest, and with
+        `keep` > 1 the `keep` newest complete snapshots of steps before ``step``."""
+        kept = {self.newest.index} if self.newest is not None else set()
+        if self.keep > 1:
+            done = []
+            for i, slot in enumerate(self.slots):
+                if slot is None:
+                    continue
+                c = slot.control()
+                if c.state == COMPLETE and c.seq % 2 == 0 and c.step < step:
+                    done.append((c.step, i))
+            kept |= {i for _, i in sorted(done, reverse=True)[: self.keep]}
+        return kept
 
     def _age(self, index: int, step: int) -> tuple[int, int]:
         """Sort key, oldest first: a missing, incomplete or stale slot, then by step."""

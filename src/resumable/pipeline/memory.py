@@ -233,12 +233,14 @@ class MemoryTier:
         self.arena.forget_after(step, snap)
 
     def preflight(self, state: Mapping[str, Any], *, rng: bool) -> None:
-        """Fail before training starts if shared memory cannot hold two snapshots (a
-        third, made while a persist holds one of them, is used only where it fits) and,
-        with replicas, the peers' snapshots this rank keeps (`Replication.check_room`)."""
+        """Fail before training starts if shared memory cannot hold two snapshots (three
+        with replicas; one more, made while a persist holds one of them, is used only
+        where it fits) and, with replicas, the peers' snapshots this rank keeps
+        (`Replication.check_room`)."""
         captured = capture_mod.capture(state, include_rng=rng)
         size = sum(t.numel() * t.element_size() for t in captured.tensors.values())
-        need = 2 * size
+        count = self.arena.keep + 1  # those kept, and the one being copied
+        need = count * size
         have = shm_free_bytes(self.arena.directory) + self.arena.existing_bytes()
         if self.replication is not None:  # collective: every rank, every restore
             self.replication.check_room(size, have, need)
@@ -246,7 +248,7 @@ class MemoryTier:
             raise StorageError(
                 errno.ENOSPC,
                 f"shared memory {self.arena.directory} has {have / 2**20:.0f} MiB available, "
-                f"two snapshots of this state need {need / 2**20:.0f} MiB (and a third, "
+                f"{count} snapshots of this state need {need / 2**20:.0f} MiB (and one more, "
                 "while a persist runs, keeps the previous snapshot during a copy where it "
                 "fits); enlarge /dev/shm "
                 "(docker run --shm-size, or a larger tmpfs mount) or checkpoint without "
