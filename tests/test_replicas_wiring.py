@@ -5,6 +5,7 @@ replaced node does with a fetched replica), and a hostile replica refused there.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from resumable import Checkpointer, Every
 from resumable.errors import CheckpointError, ReplicaPlacementError
 from resumable.replicas.peers import check_option, own_snapshot, rate_from_env, tensor_ranges
-from resumable.replicas.store import ReplicaStore, plan_pieces
+from resumable.replicas.store import ReplicaStore, plan_pieces, remove_dead_stores
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
@@ -239,3 +240,31 @@ def test_with_replicas_a_rank_keeps_its_two_newest_snapshots_while_copying_the_n
         assert sorted(sn.step for sn, _ in arena.complete()) == [6, 7, 8, 9]
     finally:
         arena.close(unlink=True)
+
+
+def test_store_directories_of_dead_runs_are_removed_and_a_clean_close_removes_its_own(
+    tmp_path: Path,
+) -> None:
+    """A store nobody holds, unchanged for the stale age, is removed (a run that crashed
+    and was never relaunched); a held one and a recent one are not; a store closed with
+    ``remove`` (a run that finished cleanly) leaves nothing behind."""
+    dead = ReplicaStore(tmp_path / "replicas-dead-r0", "run")
+    (dead.directory / "r1-s3.replica").write_bytes(b"x")
+    dead.close()
+    held = ReplicaStore(tmp_path / "replicas-held-r0", "run")
+    recent = ReplicaStore(tmp_path / "replicas-recent-r0", "run")
+    recent.close()
+    other = tmp_path / "not-a-store"
+    other.mkdir()
+    old = 1_000_000_000
+    for d in (dead.directory, held.directory, other):
+        for e in [d, *d.iterdir()]:
+            os.utime(e, (old, old))
+    try:
+        removed = remove_dead_stores(tmp_path, "replicas-", 3600.0)
+        assert removed == [dead.directory]
+        assert not dead.directory.exists()
+        assert held.directory.exists() and recent.directory.exists() and other.exists()
+    finally:
+        held.close(remove=True)
+    assert not held.directory.exists()

@@ -321,7 +321,7 @@ class MemoryTier:
 
     def close(self, *, unlink: bool) -> None:
         if self.replication is not None:
-            self.replication.close()
+            self.replication.close(unlink=unlink)
             self.replication = None
         for _, handle in self._hooks:
             handle.remove()

@@ -36,7 +36,13 @@ from resumable.replicas.domains import (
     place_from_env,
     source_ranks,
 )
-from resumable.replicas.store import CHUNK, Replica, ReplicaStore, plan_pieces
+from resumable.replicas.store import (
+    CHUNK,
+    Replica,
+    ReplicaStore,
+    plan_pieces,
+    remove_dead_stores,
+)
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
 from resumable.shm import COMPLETE
 
@@ -51,6 +57,7 @@ log = logging.getLogger(__name__)
 ALERT_REPLICA = "replica_failed"
 
 
+STALE_S = 24 * 3600.0  # replicas of a run nobody holds, unchanged this long, are removed
 LOCAL_WAIT_S = 1.0  # how long a receiver waits for its own snapshot of a pushed step
 MERGE = 64 << 10  # tensors smaller than this travel together, in pieces of up to this
 
@@ -191,6 +198,8 @@ class Replication:
             place = place_from_env()
             if self._rate is None:
                 self._rate = rate_from_env()
+            for path in remove_dead_stores(directory, "replicas-", STALE_S):
+                log.info("removed the replicas %s of a run that ended without closing", path)
             self.store = ReplicaStore(directory / f"replicas-{key}-r{self.rank}", run_id)
             self.store.drop_other_runs()
             bind = "127.0.0.1" if self.host == "127.0.0.1" else ""
@@ -391,7 +400,9 @@ class Replication:
                     info.path.unlink()
         self.newest_pushed = None
 
-    def close(self) -> None:
+    def close(self, *, unlink: bool = False) -> None:
+        """Stop pushing and serving; with ``unlink`` (a run that finished cleanly) the
+        replicas this rank holds for its peers are deleted too."""
         exec_ = getattr(self, "_exec", None)
         if exec_ is not None:
             with contextlib.suppress(Exception):
@@ -403,5 +414,5 @@ class Replication:
             self.server.stop()
             self.server = None
         if self.store is not None:
-            self.store.close()
+            self.store.close(remove=unlink)
             self.store = None

@@ -38,6 +38,7 @@ import secrets
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,6 +326,47 @@ class PieceWriter:
         self._partial._mark(self._index)
 
 
+def remove_dead_stores(parent: Path, prefix: str, older_than_s: float) -> list[Path]:
+    """Remove the store directories named ``prefix*`` in ``parent`` that no process
+    holds (their ``.lock`` is free) and that nothing changed for ``older_than_s``
+    seconds: those of runs that ended without closing (a crash no relaunch followed).
+    Directories of other users, and anything not a directory, are left alone."""
+    removed: list[Path] = []
+    cutoff = time.time() - older_than_s
+    try:
+        entries = sorted(parent.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        if not path.name.startswith(prefix):
+            continue
+        try:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            newest = max([st.st_mtime] + [e.lstat().st_mtime for e in path.iterdir()])
+            if newest > cutoff:
+                continue
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            for entry in path.iterdir():
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
 class ReplicaStore:
     """The complete replicas in ``directory`` that belong to run ``run_id``.
 
@@ -360,7 +402,19 @@ class ReplicaStore:
             self._lock_fd = fd
             self._remove_partials()
 
-    def close(self) -> None:
+    def close(self, *, remove: bool = False) -> None:
+        """Release the directory; with ``remove`` (the owner, at the end of a run that
+        finished cleanly) delete its replicas and the directory first."""
+        if remove and self._lock_fd is not None:
+            for entry in self.directory.iterdir():
+                if entry.name == LOCK:
+                    continue
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    entry.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / LOCK).unlink()
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
