@@ -20,12 +20,9 @@ checks must catch the steps lost.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +34,7 @@ from typing import Any
 from resumable.commit import list_committed
 from resumable.errors import CheckpointError
 from resumable.storage import LocalStorage
+from stress.nodes import free_port, kill_node
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "nodekill_job.py"
@@ -49,42 +47,8 @@ SEED = 4
 START_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, and so on (torchrun starts each worker in a session
-    of its own: a kill of the launcher's session misses them)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            found.append(k)
-            todo.append(k)
-    return found
-
-
-def _kill_node(proc: subprocess.Popen[str]) -> str:
-    """SIGKILL a node's launcher and every process under it; its output."""
-    pids = _descendants(proc.pid)
-    for pid in [proc.pid, *pids]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
-    return out or ""
-
-
 def _launch(root: Path, shm: list[Path], out: Path, replicas: int) -> list[subprocess.Popen[str]]:
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -163,7 +127,7 @@ def _campaign(size: str, replicas: int) -> dict[str, Any]:
                             ended = [p.poll() is not None for p in procs]
                     finally:
                         for k, p in enumerate(procs):
-                            outputs[k] = _kill_node(p)
+                            outputs[k] = kill_node(p)
                     restored = [_read_int(out / f"restored-r{r}") for r in range(2)]
                     if not started or any(ended):
                         problems.append(
@@ -211,7 +175,7 @@ def _campaign(size: str, replicas: int) -> dict[str, Any]:
                         if any(p.poll() is not None for p in procs):
                             break
                         time.sleep(0.05)
-                    outputs = [_kill_node(p) for p in procs]
+                    outputs = [kill_node(p) for p in procs]
                     restored = [_read_int(out / f"restored-r{r}") for r in range(2)]
                     common, committed = expect
                     if restored[0] is None or restored[0] != restored[1]:

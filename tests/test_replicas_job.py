@@ -11,55 +11,20 @@ falls back to storage and says so."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from stress.nodes import free_port, kill_node
 
-from launch import kill_session, start
+from launch import start
 
 JOB = Path(__file__).with_name("replica_job.py")
 STEPS, STOP, COMMITTED = 12, 8, 5  # a persist every 5 steps: step 5 is committed at 8
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, and so on (torchrun starts each worker in a session
-    of its own, so a session kill misses them)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            found.append(k)
-            todo.append(k)
-    return found
-
-
-def kill_node(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL a node: its launcher and every process under it."""
-    pids = descendants(proc.pid)
-    kill_session(proc.pid)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.communicate()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(
