@@ -292,6 +292,16 @@ def unusable(path: Path, exc: Exception) -> str:
     return f"{path} cannot be opened: {exc.strerror}"
 
 
+def attach_unlocked(path: Path) -> ShmSlot | None:
+    """``path``'s slot, attached without taking its lock, or None with a WARNING saying
+    why it is no usable slot: a file in the way costs its slot, never the caller."""
+    try:
+        return ShmSlot.attach(path, lock=False)
+    except (OSError, CheckpointError) as exc:
+        log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
+        return None
+
+
 def _same_file(path: Path, fd: int) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
@@ -798,10 +808,8 @@ def list_segments(shm_dir: Path = SHM_DIR) -> Iterator[SegmentInfo]:
     Files that are not private slots of this user are skipped with a WARNING."""
     for directory in user_dirs(shm_dir):
         for path in _entries(directory, tmp=False):
-            try:
-                slot = ShmSlot.attach(path, lock=False)
-            except (OSError, CheckpointError) as exc:
-                log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
+            slot = attach_unlocked(path)
+            if slot is None:
                 continue
             try:
                 c = slot.control()

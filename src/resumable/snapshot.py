@@ -46,6 +46,7 @@ from resumable.shm import (
     RawJSON,
     ShmSlot,
     SlotContent,
+    attach_unlocked,
     encode_meta,
     fallback_dir,
     layout_meta,
@@ -54,7 +55,6 @@ from resumable.shm import (
     replaced_size,
     slot_layout,
     slot_paths,
-    unusable,
 )
 
 log = logging.getLogger(__name__)
@@ -415,10 +415,8 @@ class ShmArena:
         for i, path in enumerate(self.paths):
             if self.slots[i] is not None or not os.path.lexists(path):
                 continue
-            try:
-                slot = ShmSlot.attach(path, lock=False)
-            except (OSError, CheckpointError) as exc:
-                log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
+            slot = attach_unlocked(path)
+            if slot is None:
                 continue
             try:
                 taken = _take_over(slot, wait_s)

@@ -153,17 +153,15 @@ def _incomplete_rows(storage: Storage, pinned: set[int]) -> list[dict[str, Any]]
 def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
     """The memory tier: this run's complete shared-memory snapshots on this host, in
     this user's slot directories."""
-    from resumable.shm import ShmSlot, run_key_for, slot_paths, unusable, user_dirs
+    from resumable.shm import attach_unlocked, run_key_for, slot_paths, user_dirs
 
     rows: list[dict[str, Any]] = []
     key = run_key_for(storage.location)
     for path in (p for d in user_dirs(shm_dir) for p in slot_paths(key, 0, d)):
         if not os.path.lexists(path):
             continue
-        try:
-            slot = ShmSlot.attach(path, lock=False)
-        except (OSError, CheckpointError) as exc:
-            log.warning("ignoring a shared-memory snapshot file: %s", unusable(path, exc))
+        slot = attach_unlocked(path)
+        if slot is None:
             continue
         try:
             content = slot.read()
