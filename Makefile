@@ -13,7 +13,7 @@ AZURITE := azurite@3.35.0
 # The CPU build of torch that lies on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-tf lint typecheck docs campaign stress bench bench-peers-env bench-s3fs-env clean
+.PHONY: install demo test test-tf lint typecheck docs campaign stress bench bench-peers-env bench-nvrx-env bench-s3fs-env clean
 
 # $(1): the extras of the editable install. torch goes in first, pinned, or pip would pull
 # another (multi-GB CUDA) build. The distribution was called `resumable` before it became
@@ -100,6 +100,8 @@ bench: $(STAMP)
 	-$(MAKE) bench-peers-env
 	-$(MAKE) bench-s3fs-env
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
+	-$(MAKE) bench-nvrx-env
+	-$(PY) benchmarks/replicas_bench.py
 
 # DLRover Flash Checkpoint, a peer measured by `make bench`, in its own environment
 # (its torchrun runs there); pinned to the same torch so pip does not fetch another one.
@@ -107,6 +109,14 @@ bench-peers-env:
 	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
 	.venv-peers/bin/python -c "import torch, dlrover, grpc" 2>/dev/null || \
 		.venv-peers/bin/pip install -q "$(TORCH_PIN)" dlrover grpcio
+
+# NVIDIA Resiliency Extension's local checkpoints with peer replication, the peer of
+# replicas=2 (benchmarks/peer_nvrx.py, run by benchmarks/replicas_bench.py), in its own
+# environment; on CPU it needs the shims peer_nvrx.py documents.
+bench-nvrx-env:
+	test -x .venv-nvrx/bin/python || $(PYTHON) -m venv .venv-nvrx
+	.venv-nvrx/bin/python -c "import torch, nvidia_resiliency_ext" 2>/dev/null || \
+		.venv-nvrx/bin/pip install -q "$(TORCH_PIN)" nvidia-resiliency-ext numpy
 
 # s3fs, measured beside boto3 by `make bench` (benchmarks/cloud_bench.py), in its own
 # environment: it pins botocore through aiobotocore, below what .venv's boto3 wants.

@@ -349,6 +349,40 @@ def shm_base(work: Path) -> tuple[Path, bool]:
     return work / "shm", False
 
 
+def nvrx_python() -> str | None:
+    """The interpreter of NVRx's environment (``make bench-nvrx-env``), if there is one:
+    ``NVRX_PYTHON``, else ``.venv-nvrx/bin/python`` of this checkout."""
+    found = os.environ.get("NVRX_PYTHON") or str(REPO / ".venv-nvrx" / "bin" / "python")
+    return found if os.access(found, os.X_OK) else None
+
+
+def nvrx_run(s: Settings, work: Path, log: Log) -> dict[str, Any]:
+    """The peer: NVRx's local checkpoints with peer replication on the same state
+    (`benchmarks/peer_nvrx.py`, in its own environment); its JSON, or why not."""
+    python = nvrx_python()
+    if python is None:
+        return {"not_measured": "not measured: no NVRx environment (make bench-nvrx-env)"}
+    out = work / "nvrx.json"
+    log("peer: nvidia-resiliency-ext local checkpoints, replication factor 2")
+    cmd = [
+        python,
+        str(HERE / "peer_nvrx.py"),
+        f"--param-mib={s.param_mib:g}",
+        f"--repeats={s.repeats}",
+        f"--out={out}",
+    ]
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=s.timeout_s * 2, check=False
+        )
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+            return {"not_measured": f"not measured: peer_nvrx.py failed ({tail[0][:200]})"}
+        return dict(json.loads(out.read_text()))
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        return {"not_measured": f"not measured: peer_nvrx.py failed ({why(exc)})"}
+
+
 def run_phase(work: Path, s: Settings, log: Log = _print) -> dict[str, Any]:
     """Every run of the benchmark; returns the results (raw samples and medians)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -405,6 +439,9 @@ def run_phase(work: Path, s: Settings, log: Log = _print) -> dict[str, Any]:
         finally:
             if on_dev_shm:
                 shutil.rmtree(memory, ignore_errors=True)
+    nvrx = nvrx_run(s, work, log)
+    if "not_measured" in nvrx:
+        not_measured["nvrx"] = nvrx["not_measured"]
 
     summary: dict[str, Any] = {"throughput": {}, "recovery": {}}
     for replicas, runs in tp.items():
@@ -431,8 +468,18 @@ def run_phase(work: Path, s: Settings, log: Log = _print) -> dict[str, Any]:
     for kind in summary["recovery"]:
         mine = summary["recovery"][kind]["restore_s_max"]
         summary["recovery"][kind]["vs_peers"] = mine / peers if peers and mine else None
+    if "median_s" in nvrx:
+        load = nvrx["median_s"]["load_apply"]
+        summary["nvrx"] = {
+            "save_s": nvrx["median_s"]["save"],
+            "load_s": load,
+            "vs_peers": load / peers if peers and load else None,
+            "version": nvrx.get("nvidia_resiliency_ext"),
+            "ranks": nvrx.get("ranks"),
+        }
     summary["not_measured"] = not_measured
     return {
+        "nvrx_run": nvrx,
         "settings": asdict(s),
         "memory_dir": "/dev/shm" if on_dev_shm else "disk (no room in /dev/shm)",
         "summary": summary,
@@ -496,8 +543,25 @@ def table(results: dict[str, Any]) -> str:
             f"{_f(r['restore_s_replaced'], '.3f')} | {_f(r['restored'], 'g')} | "
             f"{_f(r['steps_lost'], 'g')} | {_f(r['vs_peers'], '.2f')} |"
         )
-    for kind, why in summ["not_measured"].items():
-        lines.append(f"| {names[kind]} | {why} | | | | |")
+    for kind, reason in summ["not_measured"].items():
+        if kind in names:
+            lines.append(f"| {names[kind]} | {reason} | | | | |")
+    nv = summ.get("nvrx")
+    title = "Peer: NVIDIA Resiliency Extension's local checkpoints, replication factor 2:"
+    lines += ["", title, ""]
+    if nv is None:
+        lines.append(summ["not_measured"].get("nvrx", "not measured"))
+    else:
+        lines += [
+            "| | NVRx " + str(nv["version"]) + f" ({nv['ranks']} ranks, one node) | "
+            "resumable replicas=2 |",
+            "|---|---|---|",
+            f"| save, blocking (s) | {_f(nv['save_s'], '.3f')} | a snapshot per step "
+            "(step times above) |",
+            f"| load after a rank lost its own copy (s) | {_f(nv['load_s'], '.3f')} | "
+            f"{_f(summ['recovery'].get('peers', {}).get('restore_s_max'), '.3f')} "
+            f"(x{_f(nv['vs_peers'], '.2f')} NVRx / ours) |",
+        ]
     return "\n".join(lines)
 
 
@@ -516,7 +580,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--src", default=d.src, help="the `resumable` package's parent directory the ranks import"
     )
+    ap.add_argument(
+        "--render", type=Path, help="only write this results file's table into docs/replicas.md"
+    )
     args = ap.parse_args(argv)
+    if args.render is not None:
+        done = json.loads(args.render.read_text())
+        done["table"] = table(done)
+        write_doc(DOC, done, args.render.resolve())
+        print(done["table"])
+        return done
     if args.stop % args.persist_every == 0:
         ap.error("--stop must not be a multiple of --persist-every (no steps would be lost)")
     s = Settings(
@@ -556,7 +629,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(results["table"])
     print(f"\nresults: {path} ({results['wall_s']:.0f} s)")
+    if args.results_dir.resolve() == RESULTS.resolve() and DOC.exists():
+        write_doc(DOC, results, path)
     return results
+
+
+DOC = REPO / "docs" / "replicas.md"
+BEGIN, END = "<!-- replicas-bench:begin -->", "<!-- replicas-bench:end -->"
+
+
+def write_doc(doc: Path, results: dict[str, Any], path: Path) -> None:
+    """Put a run's table (and where it came from) between the markers of ``doc``."""
+    text = doc.read_text()
+    if BEGIN not in text or END not in text:
+        return
+    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    body = (
+        f"Run of `benchmarks/replicas_bench.py` (`make bench`) at {results['utc']} on "
+        f"{results['host']} ({results['cpus']} CPUs), commit {results['commit'][:7]}, "
+        f"{results['wall_s']:.0f} s; raw samples in `{where}`.\n\n{results['table']}"
+    )
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    doc.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
 
 
 if __name__ == "__main__":
