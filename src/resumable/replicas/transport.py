@@ -38,6 +38,7 @@ in `ReplicaServer.failures` for its owner to report.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -136,6 +137,12 @@ class Channel:
         limiter: TokenBucket | None = None,
     ) -> None:
         self.sock = sock
+        # A frame goes out in several writes and the peer answers it: without this,
+        # Nagle's algorithm holds each frame's tail until the peer's delayed ACK (40 ms
+        # on Linux), several times a push (measured: 195 ms a push of 18 MiB that the
+        # peer held, 15 ms of which was work).
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._secret = secret
         self._out_dir, self._in_dir = out_dir, in_dir
         self.my_nonce = secrets.token_bytes(_NONCE)
