@@ -460,6 +460,17 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _fd_names() -> list[str]:
+    """What this process's descriptors point at (for a failure's message)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sorted(out)
+
+
 def _idle_fds(root: Path, timeout: float = 5.0) -> int:
     """`_fds` once the persist worker's thread that removes deleted checkpoints is idle
     (it runs after ``wait()`` returns, with a directory or two open while it works): no
@@ -503,7 +514,10 @@ def test_memory_and_descriptors_flat_over_1000_saves(tmp_path: Path, shm_dir: Pa
     # and the worker's file and mapping of it), flat after (measured over 2,000 saves).
     made = sum(s is not None for s in slots) - made0
     ck.close()
-    assert fds1 <= fds0 + 2 + 6 * made, f"descriptors grew {fds0} -> {fds1}"
+    # A leak per save would be a thousand descriptors; a few may be other tests' threads
+    # of this process opening something meanwhile (seen once in a full CI run: +4, every
+    # one of them outside this arena), so a small slack, and the new ones named.
+    assert fds1 <= fds0 + 8 + 6 * made, f"descriptors grew {fds0} -> {fds1}: {_fd_names()}"
     # Two arenas are 8 MiB; allow noise but not a per-save leak (1000 x 4 MiB).
     assert rss1 - rss0 < 24 * 1024, f"RSS grew {rss0} -> {rss1} KiB"
 

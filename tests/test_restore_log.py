@@ -66,13 +66,14 @@ def test_a_restore_from_shared_memory_names_the_tier(
 
 def one_more_rank(answer: tuple[Any, ...]) -> Any:
     """`Group.gather` as if a second rank answered the memory tier's offer (``mine``,
-    ``had``, ``why``, ``warned``) with ``answer``; every other exchange agrees."""
+    ``had``, ``why``, ``warned``, and the replicas it holds: none) with ``answer``;
+    every other exchange agrees."""
     real = Group.gather
 
     def gather(self: Group, obj: Any, name: str = "") -> list[Any]:
         out = real(self, obj, name)
-        if isinstance(obj, tuple) and len(obj) == 4:
-            return [*out, answer]
+        if isinstance(obj, tuple) and len(obj) == 5 and isinstance(obj[2], str):
+            return [*out, (*answer, [])]
         return out
 
     return gather

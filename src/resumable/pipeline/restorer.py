@@ -231,7 +231,12 @@ class Restorer:
             common &= {step}
         if not common:
             if step is None:
-                self._discarded(answers, steps[-1] if steps else None, skipped, holders)
+                self._discarded(
+                    answers,
+                    steps[-1] if steps else None,
+                    skipped,
+                    holders if replication is not None else None,
+                )
             return None
         s = max(common)
         wanted = step is not None or tier == "memory" or not steps or s >= steps[-1]
