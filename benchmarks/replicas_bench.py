@@ -39,8 +39,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +54,9 @@ REPO = HERE.parent
 WORKER = HERE / "replicas_worker.py"
 RESULTS = HERE / "results"
 MiB = 2**20
+
+sys.path.insert(0, str(REPO))  # the simulated nodes' launcher kill, shared with stress/
+from stress.nodes import free_port, kill_node  # noqa: E402
 
 Log = Callable[[str], None]
 
@@ -80,39 +81,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, and so on (torchrun starts each worker in a session
-    of its own, so killing the launcher's session misses them)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            found.append(k)
-            todo.append(k)
-    return found
-
-
-def kill_node(proc: subprocess.Popen[str]) -> str:
-    """SIGKILL a node: its launcher and every process under it; returns its output."""
-    pids = descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return proc.communicate()[0] or ""
 
 
 def launch(
