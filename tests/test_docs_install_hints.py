@@ -36,10 +36,3 @@ def test_no_hint_installs_resumable_training_from_an_index() -> None:
         if FROM_AN_INDEX.search(line)
     ]
     assert wrong == []
-
-
-def test_the_integrations_say_how_to_install_their_extra() -> None:
-    import resumable.integrations
-
-    doc = resumable.integrations.__doc__ or ""
-    assert "pip install '.[transformers]'" in doc
