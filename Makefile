@@ -76,7 +76,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/mypy
 	$(PY) docs/build_api.py --out build/api
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=60
 
 campaign: $(STAMP)
 	$(PY) -m pytest -q -m slow
