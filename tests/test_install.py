@@ -26,6 +26,10 @@ WRONG_HINT = re.compile(
     r"pip3? install\s+(-\S+\s+)*['\"]?resumable(?![\w-])"  # pip install resumable
     r"|(?<![\w./-])resumable\["  # resumable[s3], not resumable-training[s3] nor ./resumable[s3]
 )
+# `resumable-training` is installed from a clone (the README's `pip install
+# /path/to/this/clone`), not from an index: a hint must name the packages themselves
+# (`pip install gcsfs`) or the clone's extra (`'.[gcs]'`).
+FROM_AN_INDEX = re.compile(r"pip3? install\s+(-\S+\s+)*['\"]?resumable-training(?![\w-])")
 
 
 def _pyproject() -> dict:
@@ -53,17 +57,33 @@ def test_test_extra_holds_what_the_demo_and_s3_need() -> None:
     assert set(extras["s3"]) <= set(extras["test"])
 
 
-def test_no_hint_installs_the_unrelated_pypi_package() -> None:
+def _hints_matching(pattern: re.Pattern[str]) -> list[str]:
+    """``"path:line: text"`` for each line of the README, the build files and the
+    sources, docs, examples and benchmarks that ``pattern`` finds."""
     files = [REPO / "README.md", REPO / "pyproject.toml", REPO / "Makefile"]
     for folder in ("src", "docs", "examples", "benchmarks"):
         files += [p for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".md", ".sh")]
-    wrong = [
+    return [
         f"{path.relative_to(REPO)}:{n}: {line.strip()}"
         for path in files
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
-        if WRONG_HINT.search(line)
+        if pattern.search(line)
     ]
-    assert wrong == []
+
+
+def test_no_hint_installs_the_unrelated_pypi_package() -> None:
+    assert _hints_matching(WRONG_HINT) == []
+
+
+def test_the_pattern_finds_the_hint_pip_cannot_find() -> None:
+    assert FROM_AN_INDEX.search("(``pip install 'resumable-training[transformers]'``)")
+    assert FROM_AN_INDEX.search("pip install -U resumable-training")
+    assert not FROM_AN_INDEX.search("pip install /path/to/this/clone  # resumable-training")
+    assert not FROM_AN_INDEX.search("pip install -e '.[gcs]'")
+
+
+def test_no_hint_installs_resumable_training_from_an_index() -> None:
+    assert _hints_matching(FROM_AN_INDEX) == []
 
 
 def test_s3_without_boto3_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
