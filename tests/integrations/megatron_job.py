@@ -11,7 +11,9 @@ and prints, on rank 0:
 - ``rank <r> resumed step=<s>`` (every rank) after the restore, and, when something
   was restored, ``restored step=<s> params_sha256=<hex> optim_sha256=<hex>``;
 - ``step <i> loss <x>`` after each iteration, and ``at step=<i> params_sha256=<hex>
-  optim_sha256=<hex>`` after each K-th (the state a commit of that step holds);
+  optim_sha256=<hex>`` after each (the state a commit of that step holds: a persist
+  due while the worker is busy is deferred to the next iteration, so a commit may
+  hold any step, not only a K-th);
 - ``final step=<N> params_sha256=<hex> optim_sha256=<hex>`` at the end.
 
 The digests are of the *global* parameters and optimizer state (gathered over the TP
@@ -213,8 +215,7 @@ def main() -> None:
         optimizer.step()
         scheduler.step(1)
         rmegatron.save_checkpoint_if_needed(iteration + 1, model, optimizer, scheduler)
-        if (iteration + 1) % args.every == 0:
-            report("at", iteration + 1, ckpt.state)
+        report("at", iteration + 1, ckpt.state)
         if rank == 0:
             print(f"step {iteration + 1} loss {loss.item():.6f}", flush=True)
         if args.sleep:

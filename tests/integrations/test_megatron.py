@@ -172,7 +172,8 @@ class Reference:
     output: str
 
     def at(self, step: int) -> Final:
-        """The digests at ``step`` (a multiple of the job's ``--every``)."""
+        """The digests at ``step`` (any step: a persist deferred by a busy worker
+        commits the next iteration, 7 rather than 6 in a CI run)."""
         found = {int(s): Final(int(s), p, o) for s, p, o in AT.findall(self.output)}
         return found[step]
 
