@@ -15,7 +15,7 @@ several ranks; what differs is the coordination object they are given
   failures come back as `PersistError` at the next call; the mirror's flush.
 - `restorer.Restorer`: the restore candidates in memory, the local root and the mirror,
   their order and fallback; verify, decode and apply.
-- `emergency.emergency_checkpoint`: the checkpoint within a preemption's grace period.
+- `emergency.Emergency`: the checkpoint within a preemption's grace period.
 - `messages`: the typed messages between the trainer and its persist worker.
 
 Below them sit the layers that were always separate: `resumable.capture` (state to

@@ -46,7 +46,6 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
-DIRECT_IO_ENV = settings.DIRECT_IO.name  # "0": every file written through the page cache
 _CHANGED = "changed"  # what `_refusal` is told when a name changed kind under the walk
 _MAX_TREE_DEPTH = 64  # deeper than any checkpoint; a hostile tree must not exhaust fds
 
