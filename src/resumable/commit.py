@@ -51,7 +51,7 @@ _STEP_DIR = re.compile(r"^step-([0-9]{12,20})\Z")
 _STAGING = re.compile(r"^\.(tmp|trash)-step-([0-9]{12,20})\.([0-9]+)\.([0-9a-f]+)\Z")
 _ATTEMPT = re.compile(r"^att-([0-9]{13})-([0-9]+)-([0-9a-f]{8})\Z")
 
-log = logging.getLogger("resumable.commit")
+log = logging.getLogger(__name__)
 
 Fence = Callable[[str], None]
 """Raises (`RootInUseError`) if the writer may no longer change the root; its argument

@@ -47,7 +47,7 @@ from resumable.errors import (
 from resumable.format import check_relpath
 from resumable.storage.base import Buffer, Storage
 
-log = logging.getLogger("resumable.storage.fsspec")
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,221}[a-z0-9]\Z")

@@ -45,7 +45,7 @@ from resumable.errors import (
 from resumable.format import check_relpath
 from resumable.storage.base import Buffer, Storage
 
-log = logging.getLogger("resumable.storage.s3")
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # S3's limits: parts of 5 MiB..5 GiB (the last may be smaller), at most 10,000 per upload.
