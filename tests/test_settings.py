@@ -29,10 +29,34 @@ def test_the_docs_list_exactly_the_knobs() -> None:
     block = re.search(r"<!-- knobs -->\n(.*?)\n<!-- /knobs -->", text, re.S)
     assert block is not None
     assert block.group(1) == _table()
+    defined = [k for k in vars(settings).values() if isinstance(k, settings.Knob)]
+    assert sorted(k.name for k in defined) == sorted(k.name for k in settings.KNOBS)
+
+
+def _variable_names(tree: ast.AST) -> dict[str, str]:
+    """Module-level names bound to a variable's name: ``X = "RESUMABLE_..."`` or
+    ``X = settings.KNOB.name``."""
+    knobs = {name: k.name for name, k in vars(settings).items() if isinstance(k, settings.Knob)}
+    found = {}
+    for stmt in getattr(tree, "body", []):
+        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+            continue
+        target, value = stmt.targets[0], stmt.value
+        if not isinstance(target, ast.Name):
+            continue
+        if isinstance(value, ast.Constant) and str(value.value).startswith("RESUMABLE_"):
+            found[target.id] = str(value.value)
+        text = ast.unparse(value)
+        for name, variable in knobs.items():
+            if text in (f"settings.{name}.name", f"{name}.name"):
+                found[target.id] = variable
+    return found
 
 
 def _environ_reads(tree: ast.AST) -> list[str]:
-    """String constants starting with RESUMABLE_ passed to os.environ.get/[]/getenv."""
+    """The RESUMABLE_ variables passed to os.environ.get/[]/getenv: as a string, or as a
+    module-level name bound to one (`_variable_names`)."""
+    aliases = _variable_names(tree)
     found = []
     for node in ast.walk(tree):
         args: list[ast.expr] = []
@@ -45,6 +69,8 @@ def _environ_reads(tree: ast.AST) -> list[str]:
         for arg in args:
             if isinstance(arg, ast.Constant) and str(arg.value).startswith("RESUMABLE_"):
                 found.append(str(arg.value))
+            elif isinstance(arg, ast.Name) and arg.id in aliases:
+                found.append(aliases[arg.id])
     return found
 
 
@@ -62,6 +88,25 @@ def test_no_module_reads_a_resumable_variable_of_its_own() -> None:
 def test_the_scan_sees_a_direct_read() -> None:
     tree = ast.parse("import os\nos.environ.get('RESUMABLE_X')\nos.environ['RESUMABLE_Y']")
     assert _environ_reads(tree) == ["RESUMABLE_X", "RESUMABLE_Y"]
+
+
+def test_the_scan_sees_a_read_through_a_name() -> None:
+    source = (
+        "import os\nfrom resumable import settings\nA = 'RESUMABLE_A'\n"
+        "B = settings.WATCH.name\nos.environ.get(A)\nos.getenv(B)\nos.environ.get(C)\n"
+    )
+    assert _environ_reads(ast.parse(source)) == ["RESUMABLE_A", "RESUMABLE_WATCH"]
+
+
+def test_every_knob_is_read_somewhere() -> None:
+    """No option that nothing reads: each knob's ``read`` is called outside settings.py."""
+    text = "\n".join(p.read_text() for p in SRC.rglob("*.py") if p.name != "settings.py")
+    unread = [
+        name
+        for name, k in vars(settings).items()
+        if isinstance(k, settings.Knob) and f"settings.{name}.read(" not in text
+    ]
+    assert unread == []
 
 
 def test_knobs_reach_the_modules_that_use_them(
