@@ -6,6 +6,7 @@ filesystem backend; ``s3://bucket/prefix`` S3-compatible object storage (boto3, 
 ``gs://bucket/prefix`` Google Cloud Storage and ``az://container/prefix`` (or
 ``abfs://``) Azure Blob Storage, both through fsspec (gcsfs, adlfs; see
 `resumable.storage.fsspec_store`); ``memory://name`` an in-process store (tests).
+``storage_options`` given for any other root are refused (`resumable.storage.options`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,22 @@ from resumable.errors import CheckpointError
 from resumable.storage.base import Storage
 from resumable.storage.local import LocalStorage
 from resumable.storage.memory import MemoryStorage
+from resumable.storage.options import (
+    FSSPEC_SCHEMES,
+    OBJECT_SCHEMES,
+    check_storage_options,
+    options_for,
+)
 
-__all__ = ["OBJECT_SCHEMES", "LocalStorage", "MemoryStorage", "Storage", "open_storage"]
-
-# The remote schemes; ``storage_options`` apply to these.
-FSSPEC_SCHEMES = ("gs", "gcs", "az", "abfs", "abfss")
-OBJECT_SCHEMES = ("s3", *FSSPEC_SCHEMES)
+__all__ = [
+    "OBJECT_SCHEMES",
+    "LocalStorage",
+    "MemoryStorage",
+    "Storage",
+    "check_storage_options",
+    "open_storage",
+    "options_for",
+]
 
 _memory_stores: dict[str, MemoryStorage] = {}
 _memory_lock = threading.Lock()
@@ -37,7 +48,13 @@ def open_storage(
     """The backend for ``url``: a path or ``file://`` URL, ``s3://BUCKET/PREFIX``,
     ``gs://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX`` (``abfs://``), ``memory://NAME``,
     or an already-built `Storage` (returned as is). ``storage_options`` go to the
-    backend (object stores only)."""
+    backend of an object-store URL.
+
+    Raises:
+        CheckpointError: ``storage_options`` for another root (`check_storage_options`),
+            a local root that would mean another directory, or an unsupported scheme.
+    """
+    check_storage_options(url, storage_options)
     if isinstance(url, Storage):
         return url
     text = os.fspath(url)
@@ -50,11 +67,6 @@ def open_storage(
         from resumable.storage.fsspec_store import FsspecStorage
 
         return FsspecStorage(text, **dict(storage_options or {}))
-    if storage_options:
-        raise CheckpointError(
-            f"storage_options {sorted(storage_options)} apply to object storage URLs only "
-            f"(s3://, gs://, az://, abfs://), not {text!r}"
-        )
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and os.name == "nt"):
         _refuse_misleading_root(text, parsed.scheme, parsed.netloc, parsed.path)
         return LocalStorage(parsed.path if parsed.scheme == "file" else text)
