@@ -1,0 +1,548 @@
+"""The entries of a `resumable.capture_plan.CapturePlan`, and the checks that guard them.
+
+An entry keeps the tree node and the live tensors that a walk made of one top-level
+object: a module (`ModuleEntry`), an optimizer (`OptimizerEntry`) or a plain container
+(`ContainerEntry`). Its ``valid`` check says whether the object still has the structure
+they were made from. `Globals` notes what the walk met of global tensors (several
+ranks, or DTensors).
+
+The trade-off: each check is a few C-level passes (``map`` over lists, no Python loop
+per item), so an entry holds every object it compares, and their ids stay theirs. A
+check does not see a tensor's dtype, shape or device change: the caller compares those.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from itertools import chain, compress, islice
+from typing import Any
+
+import torch
+
+from resumable._encode import PLAIN_TENSORS, Encoder
+from resumable.pieces import Piece, is_dtensor
+
+_MODULE_ATTRS = operator.itemgetter(  # from a module's __dict__
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+)
+_SAVE_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
+_TORCH_MODULE = torch.nn.Module
+_TORCH_SAVE = tuple(getattr(_TORCH_MODULE, m) for m in _SAVE_METHODS)
+_IMMUTABLE = (int, float, bool, str, type(None))
+
+
+_LOCAL = operator.attrgetter("_local_tensor")
+_SPEC = operator.attrgetter("_spec")
+
+
+class Globals:
+    """What a walk of a module or optimizer notes of its global tensors (at several ranks,
+    or DTensors) beside the tensors it hands out: each tensor's piece (where its shard
+    lies) and whether it is replicated, and the live objects under their global names.
+    Of each DTensor it keeps the local tensor and the spec (mesh and placements) objects:
+    a reuse needs them unchanged (FSDP2 keeps both from step to step; resharding or
+    loading a state dict with ``assign`` makes new ones)."""
+
+    def __init__(
+        self,
+        pieces: dict[str, Piece],
+        replicated: set[str],
+        live: dict[str, Any],
+        world_size: int,
+    ) -> None:
+        self.pieces, self.replicated, self.live = pieces, replicated, live
+        self.world_size = world_size
+        self.dtensors = [t for t in live.values() if is_dtensor(t)]
+        self._locals = list(map(_LOCAL, self.dtensors))  # held: the ids below stay theirs
+        self._specs = list(map(_SPEC, self.dtensors))
+        self.local_ids = list(map(id, self._locals))
+        self.spec_ids = list(map(id, self._specs))
+
+    @staticmethod
+    def marks(enc: Encoder) -> tuple[int, int, frozenset[str]]:
+        return len(enc.pieces), len(enc.live), frozenset(enc.replicated)
+
+    @classmethod
+    def made(cls, enc: Encoder, marks: tuple[int, int, frozenset[str]]) -> Globals | None:
+        """What a walk noted after ``marks``; None if it met no global tensor (a plain
+        state of one process)."""
+        pieces_at, live_at, replicated = marks
+        live = dict(islice(enc.live.items(), live_at, None))
+        if not live:
+            return None
+        if not all(
+            hasattr(t, "_local_tensor") and hasattr(t, "_spec")
+            for t in live.values()
+            if is_dtensor(t)
+        ):
+            return None
+        pieces = dict(islice(enc.pieces.items(), pieces_at, None))
+        return cls(pieces, set(enc.replicated - replicated), live, enc.world_size)
+
+    def valid(self) -> bool:
+        """Whether each DTensor holds the local tensor and spec it held."""
+        return (
+            list(map(id, map(_LOCAL, self.dtensors))) == self.local_ids
+            and list(map(id, map(_SPEC, self.dtensors))) == self.spec_ids
+        )
+
+    def add(self, enc: Encoder) -> None:
+        enc.pieces.update(self.pieces)
+        enc.replicated.update(self.replicated)
+        enc.live.update(self.live)
+
+    def handout(
+        self, made: list[tuple[str, torch.Tensor]], fqns: list[str], values: list[Any]
+    ) -> dict[str, torch.Tensor] | None:
+        """The tensors a reuse hands out under the names the walk gave them (``made``):
+        for a DTensor its local tensor, else the live tensor; None unless the walk took
+        ``values`` under the names ``fqns`` (the global ones, all at several ranks and
+        the DTensors at one, as live objects) and each tensor it took is the local
+        tensor (or a detached alias) of its own live object."""
+        if len(values) != len(fqns):
+            return None
+        glob = [self.world_size > 1 or is_dtensor(v) for v in values]
+        if list(self.live) != [f for f, g in zip(fqns, glob) if g]:
+            return None
+        if not all(a is b for a, b in zip(self.live.values(), compress(values, glob))):
+            return None
+        plain = {f: v for f, v, g in zip(fqns, values, glob) if not g}
+        out: dict[str, torch.Tensor] = {}
+        for name, walked in made:
+            piece = self.pieces.get(name)
+            if piece is not None:
+                v = self.live.get(piece.fqn)
+                src = _LOCAL(v) if is_dtensor(v) else v
+            else:
+                src = plain.pop(name, None)
+            if src is None or not _same_tensor(walked, src):
+                return None
+            out[name] = src
+        return None if plain else out
+
+
+def _own_tensors(
+    key: str,
+    made: list[tuple[str, torch.Tensor]],
+    paths: list[tuple[Any, ...]],
+    values: list[Any],
+    glob: Globals | None,
+) -> dict[str, torch.Tensor] | None:
+    """The tensors an entry hands out at a reuse, by name: the live ones where the walk
+    took ``values`` (at ``paths`` under ``key``) under the names a walk gives them; None
+    if it did not (names taken, or values that are not plain tensors of their own)."""
+    names = _base_names(key, paths)
+    if glob is not None:
+        return glob.handout(made, names, values)
+    if [n for n, _ in made] != names or len(made) != len(values):
+        return None
+    if not all(_same_tensor(t, v) for (_, t), v in zip(made, values)):
+        return None
+    return {n: v for (n, _), v in zip(made, values)}
+
+
+def _same_tensor(walked: torch.Tensor, live: Any) -> bool:
+    """Whether ``walked`` (a tensor the walk collected) is ``live`` or its detached
+    alias, and ``live`` is a plain tensor."""
+    if type(live) not in PLAIN_TENSORS:
+        return False
+    if walked is live:
+        return True
+    return (
+        walked.data_ptr() == live.data_ptr()
+        and walked.dtype == live.dtype
+        and walked.shape == live.shape
+        and walked.stride() == live.stride()
+    )
+
+
+def _base_names(key: str, paths: Iterable[tuple[Any, ...]]) -> list[str]:
+    return ["/".join(map(str, (key, *p))) for p in paths]
+
+
+def torch_saves_modules() -> bool:
+    """Whether ``nn.Module``'s own state-dict methods are torch's (not patched)."""
+    return all(
+        getattr(_TORCH_MODULE, m) is f and getattr(f, "__module__", "") == "torch.nn.modules.module"
+        for m, f in zip(_SAVE_METHODS, _TORCH_SAVE)
+    )
+
+
+def _keeps_torch_state_dict(cls: type) -> bool:
+    return all(getattr(cls, m, f) is f for m, f in zip(_SAVE_METHODS, _TORCH_SAVE))
+
+
+def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules in the order (and with the repeats) of
+    ``state_dict()``'s recursion."""
+    out: list[torch.nn.Module] = []
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        out.append(m)
+        todo.extend(reversed([s for s in m._modules.values() if s is not None]))
+    return out
+
+
+class ModuleEntry:
+    """A module's node and tensors, and what they were made from."""
+
+    def __init__(
+        self,
+        obj: Any,
+        module: torch.nn.Module,
+        node: Any,
+        tensors: dict[str, torch.Tensor],
+        classes: tuple[tuple[Any, ...], str],
+        glob: Globals | None,
+    ) -> None:
+        self.obj, self.module, self.node, self.tensors = obj, module, node, tensors
+        self.classes, self.glob = classes, glob
+        self.mods = _submodules(module)
+        self.own = [vars(m) for m in self.mods]  # a per-object override would land here
+        attrs = list(map(_MODULE_ATTRS, self.own))
+        self._attrs = attrs  # held: the ids below stay theirs
+        self.attr_ids = list(map(id, chain.from_iterable(attrs)))
+        self.types = list(map(type, self.mods))
+        self.dicts = [d for a in attrs for d in a[0:3]]
+        self.lens = list(map(len, self.dicts))  # a key moved to the next dict keeps the keys
+        self.keys = list(chain.from_iterable(self.dicts))
+        self._values = list(chain.from_iterable(map(dict.values, self.dicts)))
+        self.value_ids = list(map(id, self._values))
+        self.sets = [a[3] for a in attrs]
+        self.set_copies = list(map(frozenset, self.sets))
+        self.post_hooks = [a[4] for a in attrs]
+        self.pre_hooks = [a[5] for a in attrs]
+        # FSDP2's pre-hooks (`make` allows no other), run before each check
+        self.pre_calls = [(m, h) for m, a in zip(self.mods, attrs) for h in a[5].values()]
+        self.pre_ids = [id(h) for _, h in self.pre_calls]
+        # (class, method name) for each class and state-dict method, and torch's methods
+        kinds = list(dict.fromkeys(self.types))
+        self.cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
+        self.names_rep = list(_SAVE_METHODS) * len(kinds)
+        self.torch_rep = list(_TORCH_SAVE) * len(kinds)
+
+    @classmethod
+    def make(
+        cls,
+        key: str,
+        obj: Any,
+        module: torch.nn.Module,
+        node: Any,
+        made: list[tuple[str, torch.Tensor]],
+        classes: list[tuple[tuple[Any, ...], str]],
+        glob: Globals | None,
+    ) -> tuple[ModuleEntry | None, str]:
+        """The entry of a module just walked (``node``, the tensors ``made``, the notes
+        on its global tensors ``glob``), or None and why it cannot be reused."""
+        mods = _submodules(module)
+        for m in mods:
+            if not _keeps_torch_state_dict(type(m)):
+                return None, f"{type(m).__name__} has its own state_dict methods"
+            if m._state_dict_hooks:
+                return None, f"{type(m).__name__} has state_dict hooks"
+            if not all(map(_fsdp_pre_hook, m._state_dict_pre_hooks.values())):
+                return None, f"{type(m).__name__} has state_dict pre-hooks"
+            if any(name in vars(m) for name in _SAVE_METHODS):
+                return None, f"a {type(m).__name__} object has its own state_dict"
+        live = module.state_dict(keep_vars=True)
+        tensors = _own_tensors(key, made, [(k,) for k in live], list(live.values()), glob)
+        if tensors is None:
+            return None, "its tensors' names are taken, or its state_dict() holds more"
+        if len(classes) != 1:
+            return None, "its state holds stateful objects"
+        return cls(obj, module, node, tensors, classes[0], glob), ""
+
+    def valid(self, obj: Any, module: torch.nn.Module) -> bool:
+        """Whether the module has the structure this entry was made from (its FSDP2
+        pre-hooks run first, as ``state_dict()`` runs them)."""
+        if obj is not self.obj or module is not self.module:
+            return False
+        for m, hook in self.pre_calls:
+            hook(m, "", True)
+        return (
+            list(map(type, self.mods)) == self.types
+            and list(map(id, chain.from_iterable(map(_MODULE_ATTRS, self.own)))) == self.attr_ids
+            and list(map(len, self.dicts)) == self.lens
+            and list(chain.from_iterable(self.dicts)) == self.keys
+            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and not any(map(len, self.post_hooks))
+            and list(map(id, chain.from_iterable(map(dict.values, self.pre_hooks)))) == self.pre_ids
+            and list(map(frozenset, self.sets)) == self.set_copies
+            and not any(map(_overrides, self.own))
+            and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
+            and (self.glob is None or self.glob.valid())
+        )
+
+
+def _fsdp_pre_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the state-dict pre-hook FSDP2's ``fully_shard`` registers (it
+    makes sure the module holds its sharded parameters, and does nothing else)."""
+    return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp") and getattr(
+        hook, "__qualname__", ""
+    ).endswith("._register_state_dict_hooks.<locals>.to_sharded_hook")
+
+
+def _overrides(attrs: dict[str, Any]) -> bool:
+    return "state_dict" in attrs or "_save_to_state_dict" in attrs or "get_extra_state" in attrs
+
+
+class ContainerEntry:
+    """A top-level dict or list of plain dicts, lists, tensors and immutable values: its
+    node and tensors, and the containers they were made from (the same objects, with
+    the same keys, lengths and value objects)."""
+
+    def __init__(
+        self,
+        obj: Any,
+        node: Any,
+        tensors: dict[str, torch.Tensor],
+        dicts: list[dict[Any, Any]],
+        lists: list[list[Any]],
+    ) -> None:
+        self.obj, self.node, self.tensors = obj, node, tensors
+        self.classes = None  # plain containers record no class
+        self.glob: Globals | None = None  # of one process, plain tensors only
+        self.dicts, self.lists = dicts, lists
+        self.dict_lens = list(map(len, dicts))
+        self.keys = list(chain.from_iterable(dicts))
+        self._values = list(chain.from_iterable(map(dict.values, dicts)))  # held
+        self.value_ids = list(map(id, self._values))
+        self.list_lens = list(map(len, lists))
+        self._items = list(chain.from_iterable(lists))  # held
+        self.item_ids = list(map(id, self._items))
+
+    @classmethod
+    def make(
+        cls, key: str, obj: Any, node: Any, made: list[tuple[str, torch.Tensor]]
+    ) -> tuple[ContainerEntry | None, str]:
+        dicts: list[dict[Any, Any]] = []
+        lists: list[list[Any]] = []
+        paths: list[tuple[Any, ...]] = []
+        live: list[Any] = []
+        todo: list[tuple[Any, tuple[Any, ...]]] = [(obj, ())]
+        while todo:  # depth first, in the walk's order
+            v, path = todo.pop()
+            tv = type(v)
+            if tv is dict:
+                dicts.append(v)
+                todo.extend(reversed([(x, (*path, k)) for k, x in v.items()]))
+            elif tv is list:
+                lists.append(v)
+                todo.extend(reversed([(x, (*path, i)) for i, x in enumerate(v)]))
+            elif tv in PLAIN_TENSORS:
+                paths.append(path)
+                live.append(v)
+            elif tv is tuple:
+                if not all(type(x) in _IMMUTABLE_TYPES for x in v):
+                    return None, "it holds a tuple of containers"
+            elif tv not in _IMMUTABLE_TYPES:
+                return None, f"it holds a {tv.__name__}"
+        if [n for n, _ in made] != _base_names(key, paths):
+            return None, "its tensors' names are taken"
+        if len(made) != len(live) or not all(_same_tensor(t, v) for (_, t), v in zip(made, live)):
+            return None, "its tensors are not its own"
+        tensors = {n: v for (n, _), v in zip(made, live)}
+        return cls(obj, node, tensors, dicts, lists), ""
+
+    def valid(self, obj: Any) -> bool:
+        return (
+            obj is self.obj
+            and list(map(len, self.dicts)) == self.dict_lens
+            and list(chain.from_iterable(self.dicts)) == self.keys
+            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and list(map(len, self.lists)) == self.list_lens
+            and list(map(id, chain.from_iterable(self.lists))) == self.item_ids
+        )
+
+
+_IMMUTABLE_TYPES = (int, float, bool, str, type(None))
+
+
+def _stable(v: Any) -> bool:
+    """Whether ``v``'s node depends only on the object (an immutable value)."""
+    tv = type(v)
+    return tv in _IMMUTABLE_TYPES or (tv is tuple and all(type(x) in _IMMUTABLE_TYPES for x in v))
+
+
+_OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
+_PARAMS = operator.itemgetter("params")
+
+
+class OptimizerEntry:
+    """The node and tensors of an optimizer's ``state_dict()["state"]``, and the
+    per-parameter dicts and values they were made from.
+
+    Where the optimizer keeps torch's ``state_dict`` with no hooks, and this entry's
+    packing of the parameter groups matched that ``state_dict()``'s when it was made
+    (``can_pack``), `direct` checks the optimizer's own ``state`` and groups instead,
+    and `pack_groups` packs the groups as torch does: ``state_dict()`` is not called."""
+
+    def __init__(
+        self,
+        obj: torch.optim.Optimizer,
+        sd: dict[str, Any],
+        node: Any,
+        tensors: dict[str, torch.Tensor],
+        classes: tuple[tuple[Any, ...], str],
+        glob: Globals | None,
+    ) -> None:
+        st = sd["state"]
+        self.obj, self.node, self.tensors, self.classes = obj, node, tensors, classes
+        self.glob = glob
+        self.cls = type(obj)
+        self.keys = list(st)
+        self._inner = list(st.values())  # held: the ids below stay theirs
+        self.inner_ids = list(map(id, self._inner))
+        self.inner_lens = list(map(len, self._inner))
+        self.inner_keys = list(chain.from_iterable(self._inner))
+        self._values = list(chain.from_iterable(map(dict.values, self._inner)))
+        self.value_ids = list(map(id, self._values))
+        # what `direct` compares: the optimizer's state keys (its parameters) and groups
+        self._params = list(obj.state)
+        self.param_ids = list(map(id, self._params))
+        self._flat = list(chain.from_iterable(map(_PARAMS, obj.param_groups)))
+        self.flat_ids = list(map(id, self._flat))
+        self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
+        self.indices = [g["params"] for g in sd["param_groups"]]
+        self._group_items: list[dict[Any, tuple[Any, list[Any]]]] = []  # groups_node's
+        self.can_pack = (
+            self.cls.state_dict is _OPTIMIZER_STATE_DICT
+            and all(type(k) in PLAIN_TENSORS or is_dtensor(k) for k in self._params)
+            and _same_groups(self.pack_groups(obj), sd["param_groups"])
+        )
+
+    @classmethod
+    def make(
+        cls,
+        key: str,
+        obj: torch.optim.Optimizer,
+        sd: dict[str, Any],
+        node: Any,
+        made: list[tuple[str, torch.Tensor]],
+        classes: tuple[tuple[Any, ...], str],
+        glob: Globals | None,
+    ) -> tuple[OptimizerEntry | None, str]:
+        st, groups = sd["state"], sd["param_groups"]
+        if type(st) is not dict:
+            return None, f"its state is a {type(st).__name__}"
+        if type(groups) is not list or not all(type(g) is dict for g in groups):
+            return None, "its param_groups are not a list of dicts"
+        paths: list[tuple[Any, ...]] = []
+        live: list[Any] = []
+        for idx, inner in st.items():
+            if type(inner) is not dict or type(idx) not in (int, str):
+                return None, "its state is not a dict of dicts"
+            for name, v in inner.items():
+                if type(v) in PLAIN_TENSORS or is_dtensor(v):
+                    paths.append(("state", idx, name))
+                    live.append(v)
+                elif not isinstance(v, _IMMUTABLE) or type(name) not in (int, str):
+                    return None, f"its state holds a {type(v).__name__}"
+        tensors = _own_tensors(key, made, paths, live, glob)
+        if tensors is None:
+            return None, "its tensors' names are taken, or its state's tensors are not its own"
+        return cls(obj, sd, node, tensors, classes, glob), ""
+
+    def valid(self, obj: Any, st: Any) -> bool:
+        """Whether ``st`` (of ``obj.state_dict()``) holds the per-parameter dicts and
+        values this was made from."""
+        return (
+            obj is self.obj
+            and type(st) is dict
+            and list(st) == self.keys
+            and list(map(id, st.values())) == self.inner_ids
+            and self._same_inner()
+            and (self.glob is None or self.glob.valid())
+        )
+
+    def direct(self, obj: Any) -> bool:
+        """Whether ``obj.state_dict()`` would have the ``"state"`` this was made from,
+        and groups `pack_groups` packs as it would; checked without calling it."""
+        if not (
+            self.can_pack
+            and obj is self.obj
+            and type(obj) is self.cls
+            and self.cls.state_dict is _OPTIMIZER_STATE_DICT
+            and not obj._optimizer_state_dict_pre_hooks
+            and not obj._optimizer_state_dict_post_hooks
+            and "state_dict" not in vars(obj)
+        ):
+            return False
+        st = obj.state
+        groups = obj.param_groups
+        return (
+            list(map(id, st)) == self.param_ids
+            and list(map(id, st.values())) == self.inner_ids
+            and self._same_inner()
+            and list(map(id, chain.from_iterable(map(_PARAMS, groups)))) == self.flat_ids
+            and list(map(len, map(_PARAMS, groups))) == self.group_lens
+            and (self.glob is None or self.glob.valid())
+        )
+
+    def _same_inner(self) -> bool:
+        return (
+            list(map(len, self._inner)) == self.inner_lens
+            and list(chain.from_iterable(self._inner)) == self.inner_keys
+            and list(map(id, chain.from_iterable(map(dict.values, self._inner)))) == self.value_ids
+        )
+
+    def groups_node(self, obj: torch.optim.Optimizer, enc: Encoder, key: str) -> Any:
+        """The node ``enc.value(self.pack_groups(obj), (key, "param_groups"), 4)``
+        makes, built item by item: an item whose value is the very object of the last
+        call (an unchanged hyperparameter, a tuple of them, the parameter indices) is the
+        same ``[name, node]`` list as then, so `TreeJSON` reuses its text; a changed one
+        (a learning rate) and every tensor are walked."""
+        path = (key, "param_groups")
+        nodes = []
+        kept: list[dict[Any, tuple[Any, list[Any]]]] = []
+        for i, packed in enumerate(self.pack_groups(obj)):
+            last = self._group_items[i] if i < len(self._group_items) else {}
+            mine: dict[Any, tuple[Any, list[Any]]] = {}
+            if not all(type(k) is str for k in packed):  # keys the walk refuses: walk it
+                nodes.append(enc.value(packed, (*path, i), 5))
+                kept.append(mine)
+                continue
+            items = []
+            for k, v in packed.items():
+                hit = last.get(k)
+                if hit is not None and hit[0] is v:
+                    item = hit[1]
+                else:
+                    item = [k, enc.value(v, (*path, i, k), 6)]
+                if _stable(v) or v is self.indices[i]:
+                    mine[k] = (v, item)
+                items.append(item)
+            nodes.append({"dict": items})
+            kept.append(mine)
+        self._group_items = kept
+        return {"list": nodes}
+
+    def pack_groups(self, obj: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """``obj.state_dict()["param_groups"]`` while `direct` holds: each group but its
+        parameters, then their indices."""
+        out = []
+        for group, indices in zip(obj.param_groups, self.indices):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = indices
+            out.append(packed)
+        return out
+
+
+def _same_groups(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bool:
+    """Whether two packings of parameter groups hold the same keys, in order, the same
+    value objects, and equal parameter indices."""
+    if len(mine) != len(theirs):
+        return False
+    for a, b in zip(mine, theirs):
+        if list(a) != list(b) or a["params"] != b["params"]:
+            return False
+        if any(a[k] is not b[k] for k in a if k != "params"):
+            return False
+    return True
