@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 from unittest import mock
 
-import resumable.worker
+import resumable._worker_jobs
 from resumable import Checkpointer, Every, Keep
 from resumable.commit import list_committed
 from resumable.storage.base import Buffer
@@ -117,7 +117,7 @@ def broken_save(kind: str | None) -> Iterator[None]:
         yield
         return
     if kind == "no-retention":
-        with mock.patch.object(resumable.worker, "apply_retention", lambda *a, **k: []):
+        with mock.patch.object(resumable._worker_jobs, "apply_retention", lambda *a, **k: []):
             yield
         return
     if kind != "leak-fd":

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import resumable
+import resumable._shm_slot
 import resumable.pipeline.memory
-import resumable.shm
 from resumable.cli import main
 from resumable.errors import StorageError
 from resumable.shm import SHM_REMEDY, ShmSlot
@@ -87,7 +87,7 @@ def test_export_does_not_offer_the_classes_record(
 def test_shared_memory_too_small_gives_one_remedy(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(resumable.shm, "shm_free_bytes", lambda directory: 0)
+    monkeypatch.setattr(resumable._shm_slot, "shm_free_bytes", lambda directory: 0)
     with pytest.raises(StorageError) as slot:
         ShmSlot.create(
             shm_dir / "resumable-x-r0-s0", meta_cap=4096, sums_cap=4096, data_cap=1 << 20

@@ -295,12 +295,12 @@ def test_with_nothing_else_to_restore_the_check_comes_before_the_copy(
 def test_a_tree_with_a_tensor_recorded_on_a_gpu_is_checked_first() -> None:
     """Such tensors are moved off the CPU when decoded: the restore checks the snapshot
     first rather than decode them from destinations it has not filled yet."""
-    from resumable.pipeline.restorer import _on_cpu
+    from resumable.pipeline._restore_values import on_cpu
 
     cpu = {"dict": [["a", {"tensor": "a", "device": "cpu"}], ["b", {"list": [{"tensor": "b"}]}]]}
-    assert _on_cpu(cpu)
+    assert on_cpu(cpu)
     gpu = {"dict": [["a", {"tensor": "a", "device": "cpu"}], ["b", {"list": [
         {"stateful": {"dict": [["w", {"tensor": "w", "device": "cuda:0"}]]}}
     ]}]]}  # fmt: skip
-    assert not _on_cpu(gpu)
-    assert not _on_cpu({"dict": [["g", {"global": "m.w", "device": "cuda:1"}]]})
+    assert not on_cpu(gpu)
+    assert not on_cpu({"dict": [["g", {"global": "m.w", "device": "cuda:1"}]]})

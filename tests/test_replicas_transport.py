@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from resumable.errors import CheckpointError, ReplicaError
-from resumable.replicas import transport
+from resumable.replicas import _framing
 from resumable.replicas.store import PARTIAL, ReplicaStore, plan_pieces
 from resumable.replicas.transport import (
     TO_CLIENT,
@@ -410,8 +410,8 @@ def test_the_token_bucket_paces_the_sender(monkeypatch: pytest.MonkeyPatch) -> N
         slept.append(s)
         clock[0] += s
 
-    monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(transport.time, "sleep", sleep)
+    monkeypatch.setattr(_framing.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_framing.time, "sleep", sleep)
     bucket = TokenBucket(1000.0, burst=500.0)
     for _ in range(20):
         bucket.take(250)  # 5000 bytes: the first 500 are the burst, the rest at 1000 B/s

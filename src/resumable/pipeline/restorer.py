@@ -2,17 +2,16 @@
 
 The candidates, newest first: this rank's shared-memory snapshot (left by a dead launch
 of this run; used if it is newer than every committed checkpoint, or asked for), then
-each committed step, from the local root or else the mirror. A candidate is read,
-verified and decoded without touching a live object; only a candidate every rank could
-decode is applied. Corrupt candidates are skipped with a WARNING and an audit entry;
-if checkpoints exist and none is valid, `CorruptCheckpointError` (never a silent start
-from scratch).
+each committed step, from the local root or else the mirror. Corrupt candidates are
+skipped with a WARNING and an audit entry; if checkpoints exist and none is valid,
+`CorruptCheckpointError` (never a silent start from scratch). A candidate's values are
+decoded without touching a live object (`RestoreValues`), and applied only if every
+rank could decode its own.
 
 Every decision is the same on every rank: each rank offers what it found and the
-coordination (`resumable.group.Group`; with one process it returns at once)
-gathers the offers, so all ranks restore the same step from the same tier or fall back
-together. Model and optimizer state reshard to another world size (`GlobalLoader`);
-per-rank state (random streams, data positions) cannot, and needs an explicit opt-in.
+coordination (`resumable.group.Group`) gathers the offers, so all ranks restore the
+same step from the same tier or fall back together. Per-rank state (random streams,
+data positions) cannot reshard to another world size, and needs an explicit opt-in.
 """
 
 from __future__ import annotations
@@ -20,12 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
@@ -37,10 +33,10 @@ from resumable.errors import (
     StateMismatchError,
 )
 from resumable.group import Group
-from resumable.pieces import is_dtensor, pieces_to_json
+from resumable.pieces import pieces_to_json
+from resumable.pipeline._restore_values import Fused, RestoreValues
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
-from resumable.reshard import GlobalLoader, shaped_like
 from resumable.shm import SlotContent
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import Storage
@@ -86,7 +82,7 @@ class Restored:
         return head
 
 
-class Restorer:
+class Restorer(RestoreValues):
     """Loads the newest valid state into ``state``.
 
     Call order (the facade's, on every rank, on the training thread): `roots_by_step`
@@ -264,7 +260,7 @@ class Restorer:
         # their snapshots, so theirs are copied as they are.
         fallback = tier != "memory" and bool(steps) and (step is None or step in steps)
         fuse = self.world_size == 1 and (tier == "memory" or fallback)
-        fused: _Fused | None = None
+        fused: Fused | None = None
         if problem is None:
             try:
                 values, fused = self._decode_memory(newest, content, loc, fuse=fuse)
@@ -485,89 +481,6 @@ class Restorer:
         self.audit.record("skip", step=step, tier="memory", reason=reason[:500])
         skipped.append(f"memory snapshot of step {step} ({reason})")
 
-    def _decode_memory(
-        self, snap: MemorySnapshot, content: SlotContent | None, loc: Any, *, fuse: bool
-    ) -> tuple[dict[str, Any], _Fused | None]:
-        """This rank's values from its shared-memory snapshot (same world size), and,
-        where the snapshot is checked while it is copied, what does that (`_Fused`: the
-        restore's ``prepare``). Otherwise the snapshot is checked here, before any
-        value is made. ``content``: the slot's, read just before. ``fuse``: whether
-        the caller can handle a check failing once live tensors were written."""
-        assert self.memory is not None
-        if content is None or not self.memory.arena.still(snap.index, content.seq):
-            raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
-        if (
-            fuse
-            and content.checksums is not None
-            and not content.meta.get("pieces")
-            and loc is None
-        ):
-            done = self._fused(snap, content)
-            if done is not None:
-                return done
-        content, views = self.memory.verified(snap, content)
-        live = self._live()
-        by_fqn = {str(f): n for n, (f, _, _) in content.meta.get("pieces", {}).items()}
-
-        def resolve(fqn: str) -> torch.Tensor:
-            target: Any = live.live.get(fqn)
-            if fqn in by_fqn:
-                local = views[by_fqn[fqn]]
-            elif target is not None and is_dtensor(target):
-                local = torch.empty_like(target.to_local())  # an empty shard
-            else:
-                raise CorruptCheckpointError(f"the snapshot has no tensor {fqn!r}")
-            if target is not None and is_dtensor(target):
-                return shaped_like(local.clone(), target)  # the slot is reused later
-            return local
-
-        return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve), None
-
-    def _fused(
-        self, snap: MemorySnapshot, content: SlotContent
-    ) -> tuple[dict[str, Any], _Fused] | None:
-        """Values whose tensors the restore's ``prepare`` fills while it checks the
-        snapshot: the live tensor where the restore would copy into it anyway, else a
-        new one (kept by the object: an optimizer's moments), each referred to once,
-        outside the random streams (checked before ``prepare``). None where a value
-        would not be the tensor given (moved to another device): checked first."""
-        assert self.memory is not None
-        tree = content.meta["tree"]
-        if not _on_cpu(tree):
-            return None  # tensors restored to a GPU are checked first, then moved there
-        views = self.memory.arena.tensors(snap.index, content)
-        refs = list(capture_mod.iter_refs(tree))
-        uses = Counter(name for _, _, name in refs)
-        live = _destinations(self.state, self._live(), tree, containers=True)
-        dests: dict[str, torch.Tensor] = {}
-        for path, tag, name in refs:
-            view = views.get(name)
-            if (
-                tag != "tensor"
-                or uses[name] != 1
-                or not path
-                or path[0] in capture_mod.RESERVED_KEYS
-                or view is None
-            ):
-                continue
-            dest = live.get(name)
-            dests[name] = (
-                dest
-                if dest is not None and _fits(dest, view)
-                else torch.empty(view.shape, dtype=view.dtype)
-            )
-        values = capture_mod.decode(tree, {**views, **dests}, None)
-        for path, _, name in refs:
-            if name in dests and _at(values, path) is not dests[name]:
-                return None  # a value moved off the CPU: the snapshot is checked first
-        try:
-            flat = {n: t.detach().view(-1).view(torch.uint8) for n, t in dests.items()}
-        except RuntimeError:  # a dtype without a byte view
-            return None
-        return values, _Fused(self.memory, snap, content, flat, frozenset(map(id, dests.values())))
-
-    # ------------------------------------------------------------ storage
-
     def _from_storage(
         self, roots: dict[int, list[Storage]], step: int | None, loc: Any, skipped: list[str]
     ) -> Restored:
@@ -690,135 +603,6 @@ class Restorer:
         self.audit.record("skip", step=step, url=root.url, reason=str(exc)[:500])
         skipped.append(f"{step_dir(step)} in {root.url} ({exc})")
 
-    def _live(self) -> capture_mod.Captured:
-        """The live state's tensors; a fresh optimizer of DTensors gets its state first,
-        so that a restore has targets to shard into."""
-        live = capture_mod.capture(
-            self.state, include_rng=False, rank=self.rank, world_size=self.world_size
-        )
-        if any(is_dtensor(t) for t in live.live.values()):
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-            for obj in self.state.values():
-                if isinstance(obj, torch.optim.Optimizer):
-                    _init_optim_state(obj)
-            live = capture_mod.capture(
-                self.state, include_rng=False, rank=self.rank, world_size=self.world_size
-            )
-        return live
-
-    def _decode(self, reader: CheckpointReader, loc: Any) -> tuple[dict[str, Any], set[str]]:
-        """Read, verify and decode this rank's values from ``reader`` without touching a
-        live object; returns them and the state keys to leave as they are."""
-        reader.check_files()
-        m = reader.manifest  # validated: one tree per rank of world_size
-        saved_world = m["world_size"]
-        trees = [r["tree"] for r in m["ranks"]]
-        plain = saved_world == 1 and self.world_size == 1
-        if plain and not any(True for _ in capture_mod.global_refs(trees[0])):
-            live = capture_mod.capture(self.state, include_rng=False)
-            if not live.pieces:
-                into = _destinations(self.state, live, trees[0])
-                tensors = reader.tensors(verify=True, into=into)
-                return capture_mod.decode(trees[0], tensors, loc), set()
-        global_keys = {k for k, v in self.state.items() if capture_mod.is_global_object(v)}
-        skip: set[str] = set()
-        if saved_world == self.world_size:
-            tree = trees[self.rank]
-        else:
-            tree = trees[0]
-            per_rank = self._per_rank_keys(reader, trees, global_keys)
-            # An object whose per-rank state is all of it (a DeepSpeed engine's ZeRO
-            # partitions) says why it cannot be reset: that would start it afresh.
-            fixed = {
-                k: hint
-                for k in sorted(per_rank)
-                if isinstance(
-                    hint := getattr(self.state.get(k), "resumable_world_size_hint", None), str
-                )
-            }
-            if fixed:
-                raise StateMismatchError(
-                    f"{reader.where} was saved by {saved_world} rank(s); this job has "
-                    f"{self.world_size}. "
-                    + "; ".join(f"{k!r}: {hint}" for k, hint in fixed.items())
-                )
-            if per_rank and not self.reset_per_rank:
-                raise StateMismatchError(
-                    f"{reader.where} was saved by {saved_world} rank(s); this job has "
-                    f"{self.world_size}. Per-rank state {sorted(per_rank)} cannot be "
-                    "resharded (each rank had its own). Model and optimizer state reshard; "
-                    "pass restore(reset_per_rank_state=True) to keep this launch's fresh "
-                    "values for the per-rank state"
-                )
-            skip = per_rank
-            tree = {"dict": [p for p in tree["dict"] if p[0] not in skip]}
-        live = self._live()
-        tree = capture_mod.globalize(tree, global_keys)
-        loader = GlobalLoader(reader, live.live)
-        loader.prepare(list(dict.fromkeys(capture_mod.global_refs(tree))))
-        names = list(dict.fromkeys(name for _, name in capture_mod.iter_tensor_refs(tree)))
-        tensors = reader.tensors(names, verify=True) if names else {}
-        return capture_mod.decode(tree, tensors, loc, resolve=loader.value), skip
-
-    def _per_rank_keys(
-        self, reader: CheckpointReader, trees: list[Any], global_keys: set[str]
-    ) -> set[str]:
-        """Top-level keys that are each rank's own: the random streams, data loaders,
-        and anything the saved ranks disagree on."""
-        index = reader.manifest["tensors"]
-
-        def by_content(node: Any) -> Any:  # tensor names replaced by their checksums
-            if isinstance(node, dict):
-                for tag in ("tensor", "ndarray", "torch_generator"):
-                    if isinstance(node.get(tag), str):
-                        return {**node, tag: index[node[tag]]["xxh3_64"]}
-                return {k: by_content(v) for k, v in node.items()}
-            if isinstance(node, list):
-                return [by_content(v) for v in node]
-            return node
-
-        def norm(node: Any) -> str:
-            return json.dumps(by_content(node), sort_keys=True)
-
-        keys: set[str] = set()
-        by_key = [dict((p[0], p[1]) for p in t.get("dict", [])) for t in trees]
-        for key in by_key[0]:
-            if key in global_keys:
-                continue
-            obj = self.state.get(key)
-            if (
-                key == capture_mod.RNG_KEY
-                or getattr(obj, "resumable_per_rank", False)
-                or len({norm(t.get(key)) for t in by_key}) > 1
-            ):
-                keys.add(key)
-        return keys
-
-    def _apply(
-        self,
-        values: dict[str, Any],
-        skip: set[str],
-        *,
-        borrowed: bool,
-        prepare: Callable[[], None] | None = None,
-    ) -> None:
-        """Restore decoded ``values`` into the live state, leaving the ``skip`` keys.
-        ``prepare``: see `capture.restore`."""
-        if not skip:
-            self.partial += capture_mod.restore(
-                self.state, values, borrowed=borrowed, strict=self.strict, prepare=prepare
-            )
-            return
-        log.warning("restore leaves per-rank state %s as this launch made it", sorted(skip))
-        part = {k: v for k, v in self.state.items() if k not in skip}
-        values = {k: v for k, v in values.items() if k not in skip}
-        self.partial += capture_mod.restore(
-            part, values, borrowed=borrowed, strict=self.strict, prepare=prepare
-        )
-        if isinstance(self.state, dict):
-            self.state.update(part)
-
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:16])) + (
@@ -832,97 +616,3 @@ def _offered(offer: Any) -> list[int]:
     if offer is None:
         return []
     return [offer] if isinstance(offer, int) else list(offer)
-
-
-def _destinations(
-    state: Mapping[str, Any], live: capture_mod.Captured, saved: Any, *, containers: bool = False
-) -> dict[str, torch.Tensor]:
-    """The live tensors a restore copies the checkpoint's tensors into, by the
-    checkpoint's names: where the saved tree and the live one hold a tensor at the same
-    path, under a module, an optimizer or a tensor at the top level (objects whose
-    loading copies each value into the tensor it came from, or keeps a copy of it), and
-    with ``containers``, under plain dicts and lists all the way down (restored in place,
-    a tensor of the same shape and dtype copied into). `CheckpointReader.tensors`
-    assembles a tensor stored in chunks straight into its destination instead of a
-    buffer of its own."""
-    at = {path: name for path, tag, name in capture_mod.iter_refs(live.tree) if tag == "tensor"}
-    out: dict[str, torch.Tensor] = {}
-    for path, tag, name in capture_mod.iter_refs(saved):
-        mine = at.get(path)
-        if tag != "tensor" or mine is None or not path:
-            continue
-        top = state.get(path[0])
-        if isinstance(top, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) or (
-            containers and _plain_path(top, path[1:], live.tensors[mine])
-        ):
-            out[name] = live.tensors[mine]
-    return out
-
-
-def _plain_path(obj: Any, path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
-    """Whether ``path`` leads from ``obj`` to ``tensor`` through dicts and lists only."""
-    for key in path:
-        inside = (type(obj) is dict and key in obj) or (
-            type(obj) is list and type(key) is int and 0 <= key < len(obj)
-        )
-        if not inside:
-            return False
-        obj = obj[key]
-    return obj is tensor
-
-
-def _on_cpu(tree: Any) -> bool:
-    """Whether every tensor of ``tree`` was recorded on the CPU (iterative)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if ("tensor" in node or "global" in node) and node.get("device", "cpu") != "cpu":
-                return False
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return True
-
-
-def _at(values: Any, path: tuple[Any, ...]) -> Any:
-    """The decoded value at ``path`` (None where there is none)."""
-    for key in path:
-        try:
-            values = values[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return values
-
-
-def _fits(dest: Any, view: torch.Tensor) -> bool:
-    """Whether ``dest`` is a plain contiguous CPU tensor of ``view``'s dtype and shape."""
-    return (
-        type(dest) in (torch.Tensor, torch.nn.Parameter)
-        and dest.device.type == "cpu"
-        and dest.is_contiguous()
-        and dest.dtype == view.dtype
-        and dest.shape == view.shape
-    )
-
-
-class _Fused:
-    """A restore's ``prepare`` for a shared-memory snapshot: its tensors copied into the
-    values' tensors (``dests``, flat bytes by name) while all are checked against the
-    checksums (`MemoryTier.copy_verified`). ``owned``: the ids of those tensors."""
-
-    def __init__(
-        self,
-        memory: MemoryTier,
-        snap: MemorySnapshot,
-        content: SlotContent,
-        dests: dict[str, torch.Tensor],
-        owned: frozenset[int],
-    ) -> None:
-        self.memory, self.snap, self.content = memory, snap, content
-        self.dests, self.owned = dests, owned
-        self.started = False
-
-    def __call__(self) -> None:
-        self.started = True
-        self.memory.copy_verified(self.snap, self.content, self.dests)
