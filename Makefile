@@ -71,12 +71,17 @@ docs: $(DOCS_STAMP)
 	$(PY) docs/build_api.py --out build/api
 	@echo "the API reference: build/api/index.html"
 
+# pytest-xdist runs the test files in TEST_WORKERS processes, each file whole in one of
+# them (--dist loadfile: a file's module fixtures, such as trained reference runs, are
+# built once). Most tests wait on subprocesses (torchrun ranks, persist workers, servers),
+# so three processes keep two cores busy; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/mypy
 	$(PY) docs/build_api.py --out build/api
-	$(PY) -m pytest -q -m "not slow and not gpu" --durations=60
+	$(PY) -m pytest -q -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=60
 
 campaign: $(STAMP)
 	$(PY) -m pytest -q -m slow
