@@ -260,3 +260,34 @@ def dead_pid() -> int:
         except ProcessLookupError:
             return proc.pid
     pytest.skip("could not find a dead pid")
+
+
+# --------------------------------------------------------------------------- DeepSpeed's op
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_shm_op_built(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSpeed compiles its CPU shared-memory op (``deepspeed_shm_comm``) at a
+    process's first ``deepspeed.initialize``, holding a lock file torch's JIT loader only
+    waits on. A test that SIGKILLs a rank during that compile (minutes on a busy machine)
+    would leave the lock behind, and every later DeepSpeed launch would wait on it until
+    its timeout. So it is built here, once per machine, before any test runs: one test
+    process builds it while the others (pytest-xdist workers) wait on an ``flock``."""
+    import fcntl
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    lock = tmp_path_factory.getbasetemp().parent / "deepspeed-shm-op.lock"
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=1800,
+            check=False,
+        )
