@@ -78,6 +78,11 @@ def test_the_first_damaged_tensor_in_file_order_is_named(tmp_path: Path) -> None
 
 
 def test_the_check_runs_on_several_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader asks `_digests` for every core where the bytes are in memory, for one
+    thread where they must come from the disk or are few. (Which thread runs which job
+    is up to the scheduler: on a loaded machine the calling thread may take them all
+    before another starts, so that is tested apart, below, with jobs that wait for
+    each other.)"""
     if copy_threads() < 2:
         pytest.skip("one core for this process: the check stays on one thread")
     state = _state()
@@ -85,29 +90,56 @@ def test_the_check_runs_on_several_threads(tmp_path: Path, monkeypatch: pytest.M
         ck.save(1)
     for f in tmp_path.glob("step-*/*.safetensors"):
         f.read_bytes()  # in the page cache: written with O_DIRECT, it was not
-    seen: dict[int, int] = {}
-    real = reader_mod.checksum
+    asked: list[tuple[int, int]] = []  # (jobs, threads) of each call
+    real = reader_mod._digests
 
-    def spy(data: Any) -> str:
-        seen[threading.get_ident()] = seen.get(threading.get_ident(), 0) + 1
-        return real(data)
+    def spy(jobs: list[Any], threads: int) -> list[str]:
+        asked.append((len(jobs), threads))
+        return real(jobs, threads)
 
-    monkeypatch.setattr(reader_mod, "checksum", spy)
+    monkeypatch.setattr(reader_mod, "_digests", spy)
     got = CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
-    assert sum(seen.values()) == len(got) and len(seen) >= 2
+    assert asked == [(len(got), copy_threads())]
     assert all(torch.equal(got[n].view(-1), t) for n, t in state.items())
     # bytes not all in memory (to be read from the disk): one thread, in the file's order
-    seen.clear()
+    asked.clear()
     monkeypatch.setattr(reader_mod, "_resident", lambda address, n: False)
     CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
-    assert list(seen) == [threading.get_ident()]
-    monkeypatch.undo()
-    monkeypatch.setattr(reader_mod, "checksum", spy)
-    # below the bound, one thread
+    assert asked == [(len(got), 1)]
+
+
+def test_digests_spread_jobs_over_threads_and_stay_on_one_below_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two jobs that each wait for the other: only two threads at once can finish them
+    # (one thread alone would wait out the barrier and raise BrokenBarrierError).
+    meet = threading.Barrier(2, timeout=60)
+    seen: set[int] = set()
+
+    def job(i: int) -> Any:
+        def fn() -> str:
+            seen.add(threading.get_ident())
+            meet.wait()
+            return f"sum{i}"
+
+        return fn
+
+    big = reader_mod._DIGESTS_SPLIT_MIN
+    assert _digests([(big, job(0)), (big, job(1))], 2) == ["sum0", "sum1"]
+    assert len(seen) == 2 and threading.get_ident() in seen
+    # below the bound, the calling thread runs every job
     seen.clear()
+    calls: list[int] = []
+
+    def small(i: int) -> Any:
+        return lambda: (calls.append(threading.get_ident()), f"sum{i}")[1]
+
+    assert _digests([(1, small(0)), (1, small(1))], 8) == ["sum0", "sum1"]
+    assert calls == [threading.get_ident()] * 2
     monkeypatch.setattr(reader_mod, "_DIGESTS_SPLIT_MIN", 1 << 40)
-    CheckpointReader(open_storage(str(tmp_path)), 1).tensors()
-    assert list(seen) == [threading.get_ident()]
+    calls.clear()
+    assert _digests([(big, small(0)), (big, small(1))], 8) == ["sum0", "sum1"]
+    assert calls == [threading.get_ident()] * 2
 
 
 def test_resident_tells_pages_in_memory_from_pages_not() -> None:
