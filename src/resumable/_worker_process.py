@@ -103,7 +103,18 @@ _WORKER_BOOT = (
     "sys.modules['resumable'] = package = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(package)\n"
     "from resumable.worker import worker_main\n"
-    "sys.exit(worker_main(['--fd', fd, '--fence', fence]))"
+    "code = worker_main(['--fd', fd, '--fence', fence])\n"
+    # Every job is done, its files closed and fsynced, its reply sent: the interpreter's
+    # teardown (a second or more of freeing torch's modules) would only delay the
+    # trainer's close, which waits for this process to end.
+    "import logging\n"
+    "logging.shutdown()\n"
+    "for stream in (sys.stdout, sys.stderr):\n"
+    "    try:\n"
+    "        stream.flush()\n"
+    "    except (AttributeError, OSError, ValueError):\n"
+    "        pass\n"
+    "os._exit(code)"
 )
 
 
