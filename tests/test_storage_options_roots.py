@@ -96,9 +96,6 @@ def test_which_roots_are_object_stores(root: str | os.PathLike[str] | None, expe
     assert is_object_root(root) is expected
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the Checkpointer drops them until manager.py calls check_storage_options"
-)
 def test_the_checkpointer_refuses_options_for_a_local_root(tmp_path: Path) -> None:
     state = {"w": torch.zeros(2)}
     with pytest.raises(CheckpointError, match="drop storage_options"):

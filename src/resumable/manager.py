@@ -65,7 +65,13 @@ from resumable.retention import PINS_DIR
 from resumable.runid import ensure_run_id
 from resumable.shm import run_key_for
 from resumable.snapshot import MemorySnapshot
-from resumable.storage import OBJECT_SCHEMES, MemoryStorage, Storage, open_storage
+from resumable.storage import (
+    MemoryStorage,
+    Storage,
+    check_storage_options,
+    open_storage,
+    options_for,
+)
 from resumable.worker import worker_nice
 
 log = logging.getLogger(__name__)
@@ -177,11 +183,13 @@ class Checkpointer:
         self._group = current_group(dist_timeout_s)
         group = self._group or Group(0, 1)
         self.rank, self.world_size = group.rank, group.world_size
+        # options that neither the root nor the mirror can use are refused, not dropped
+        check_storage_options(url, storage_options, mirror=mirror)
         self.storage_options = dict(storage_options) if storage_options else None
-        self.storage = open_storage(url, _options_for(url, self.storage_options))
+        self.storage = open_storage(url, options_for(url, self.storage_options))
         self.url = self.storage.url
         self.mirror: Storage | None = (
-            open_storage(mirror, _options_for(mirror, self.storage_options))
+            open_storage(mirror, options_for(mirror, self.storage_options))
             if mirror is not None
             else None
         )
@@ -297,9 +305,9 @@ class Checkpointer:
                     keep=keep,
                     mirror_keep=mirror_keep,
                     incremental=self.incremental,
-                    storage_options=_options_for(self.url, self.storage_options),
+                    storage_options=options_for(self.url, self.storage_options),
                     mirror_options=(
-                        _options_for(self.mirror.url, self.storage_options)
+                        options_for(self.mirror.url, self.storage_options)
                         if self.mirror is not None
                         else None
                     ),
@@ -1029,13 +1037,3 @@ def _close_all_at_exit() -> None:
             pass
         except Exception as exc:
             log.error("closing the checkpointer of %s at exit failed: %s", ckpt.url, exc)
-
-
-def _options_for(
-    url: str | os.PathLike[str] | Storage, options: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """``storage_options`` apply to the object storage roots only (s3://, gs://, az://)."""
-    remote = tuple(f"{scheme}://" for scheme in OBJECT_SCHEMES)
-    if options and isinstance(url, (str, os.PathLike)) and os.fspath(url).startswith(remote):
-        return options
-    return None

@@ -57,7 +57,7 @@ from resumable.integrations.staging import StagedState
 from resumable.manager import Checkpointer
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
-from resumable.storage import open_storage
+from resumable.storage import open_storage, options_for
 
 __all__ = ["ResumableCheckpoint", "ResumableCheckpointIO"]
 
@@ -380,7 +380,7 @@ def _any_committed(
 ) -> bool:
     """Whether ``root`` or ``mirror`` holds a committed checkpoint (read-only listing)."""
     for url in (root, mirror):
-        if url is not None and list_committed(open_storage(url, storage_options)):
+        if url is not None and list_committed(open_storage(url, options_for(url, storage_options))):
             return True
     return False
 
