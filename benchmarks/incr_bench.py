@@ -125,7 +125,8 @@ class Settings:
     """What to measure. ``ft_*``: the fine-tuning shape (``ft_persists`` persist points,
     ``ft_every`` steps apart); ``s3_persists``: persist points of the mirror run (0: no
     mirror run); ``emb_*``: the embedding shape; ``chunk_bytes``: the incremental
-    checkpointers' chunk sizes in the embedding runs; ``threads``: torch threads."""
+    checkpointers' chunk sizes in the embedding runs; ``threads``: torch threads;
+    ``restore_reps``: timed rounds of restores per root."""
 
     ft_width: int = 2048
     ft_depth: int = 16
@@ -148,6 +149,7 @@ class Settings:
     threads: int = 2
     seed: int = 0
     min_bytes: int | None = None  # None: the library's default (toy states pass 0)
+    restore_reps: int = 9
 
     @classmethod
     def quick(cls) -> Settings:
@@ -184,6 +186,7 @@ class Settings:
             chunk_bytes=(4 * MiB, 4 * KiB),
             threads=1,
             min_bytes=0,
+            restore_reps=2,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -568,7 +571,7 @@ def finetune(work: Path, s: Settings, log: Log, *, endpoint: str | None = None) 
         sbs.close()
     got = sbs.results()
     restored = sbs.check_restores(state, build)
-    restore_s = sbs.time_restores(build) if endpoint is None else {}
+    restore_s = sbs.time_restores(build, s.restore_reps) if endpoint is None else {}
     out: dict[str, Any] = {
         "model": {
             "width": s.ft_width,
@@ -752,7 +755,7 @@ def embedding(work: Path, s: Settings, pattern: str, log: Log) -> dict[str, Any]
     got = sbs.results()
     del prev
     restored = sbs.check_restores(state, build)
-    restore_s = sbs.time_restores(build)
+    restore_s = sbs.time_restores(build, s.restore_reps)
     full_med = (got.get("full", {}).get("bytes") or {}).get("median")
     summary: dict[str, Any] = {}
     for chunk in s.chunk_bytes:
