@@ -97,12 +97,22 @@ FAULT_SHARES = {"error": 0.45, "reset": 0.25, "lost_response": 0.20, "delay": 0.
 MODES = ("dropped", "landed")
 
 SIZES: dict[str, dict[str, Any]] = {
-    "small": {"reps": 1, "stride": 8, "modes": ("dropped",), "rates": (0.05, 0.20), "saves": 4},
+    "small": {"reps": 1, "stride": 8, "modes": ("dropped",), "rates": (0.20,), "saves": 4},
     "full": {"reps": 1, "stride": 1, "modes": MODES, "rates": RATES, "saves": 34},
     "able": {"reps": 1, "stride": 1, "modes": ("dropped",), "rates": (), "saves": 0},
+    "caught": {
+        "reps": 1,
+        "stride": 1,
+        "modes": ("dropped",),
+        "rates": (),
+        "saves": 0,
+        "until_caught": True,
+    },
 }
 """``saves``: per rate and shape; ``stride``: every how many request indices a kill;
-``able``: the runs of `able_to_fail`."""
+``able``: the runs of `able_to_fail`; ``caught``: ``able``'s sweep, ended by the first
+kill after which a problem is found (`make test`'s proof that the checks catch a broken
+commit, at a fraction of the kills)."""
 
 
 @dataclass(frozen=True)
@@ -558,6 +568,8 @@ def kill_sweep(
                     f"{where}: step {step} is {'' if step in listed else 'not '}listed, but its "
                     f"manifest {'reached' if landed else 'did not reach'} the server"
                 )
+            if problems and cfg.get("until_caught"):
+                return
             stats["steps_committed"] += step in listed
             saved = fresh_writer(url, direct, shape, max(listed, default=0), where, problems)
             if saved is None:

@@ -82,8 +82,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "small": {"rates": (0.10,), "saves": 4, "launches": 3, "shapes": (2,)},
     "full": {"rates": RATES, "saves": 30, "launches": 30, "shapes": (0, 1, 2)},
     "able": {"rates": (), "saves": 0, "launches": 12, "shapes": (0,)},
+    "caught": {"rates": (), "saves": 0, "launches": 12, "shapes": (0,), "until_caught": True},
 }
-"""``saves``: per rate and shape; ``launches``: killed launches per shape."""
+"""``saves``: per rate and shape; ``launches``: killed launches per shape; ``caught``:
+``able``'s launches, ended by the first after which a problem is found (`make test`'s
+proof that the checks catch a broken commit)."""
 
 
 def _mine(step: int, rank: int) -> torch.Tensor:
@@ -355,9 +358,10 @@ def fault_sweep(
 def kill_sweep(
     server: Any, proxy: Any, port: int, launch: list[int], bucket: str, shape: Shape,
     launches: int, rng: random.Random, problems: list[str], out: dict[str, Any],
-    broken: str | None,
+    broken: str | None, until_caught: bool = False,
 ) -> int:  # fmt: skip
-    """``launches`` launches of ``shape``, each killed in a save; returns the kills."""
+    """``launches`` launches of ``shape``, each killed in a save (``until_caught``: up to
+    the first after which a problem is found); returns the kills."""
     url = f"s3://{bucket}/ranks-kills-{SHAPES.index(shape)}-{broken or 'ok'}"
     through = s3_options(proxy.endpoint, server)
     checker = Checker(S3Storage(url, **s3_options(server.endpoint, server)))
@@ -412,6 +416,8 @@ def kill_sweep(
         extra = set(listed) - set(before) - {step}
         if extra:
             problems.append(f"{where}: steps {sorted(extra)} listed from nowhere")
+        if until_caught and problems:
+            break
     return kills
 
 
@@ -439,6 +445,7 @@ def run(size: str, *, broken: str | None = None) -> dict[str, Any]:
                 trials += kill_sweep(
                     server, proxy, store.port, launch, bucket, shape, cfg["launches"], rng,
                     problems, kills_out.setdefault(shape.name, {}), broken,
+                    cfg.get("until_caught", False),
                 )  # fmt: skip
             t1 = time.perf_counter()
             for rate in cfg["rates"]:

@@ -77,6 +77,8 @@ from stress.workload import (
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"saves": 3, "variants": 4, "restore_every": 50},
     "full": {"saves": 50, "variants": 32, "restore_every": 100},
+    # `make test`'s able-to-fail runs: "small", up to the first crash state found wrong
+    "caught": {"saves": 3, "variants": 4, "restore_every": 50, "until_caught": True},
 }
 SEED = 20261127
 WORLD = 2
@@ -456,9 +458,11 @@ def replay(
     restore_every: int,
     seed: int = SEED,
     rank0_waits: bool = True,
+    until_caught: bool = False,
 ) -> dict[str, Any]:
     """Check every distinct crash state of every consistent cut of the two logs
-    (``rank0_waits``: see `requirements`)."""
+    (``rank0_waits``: see `requirements`; ``until_caught``: up to the first state
+    found wrong)."""
     rng = random.Random(seed)
     # rank 0's commits and retention's renames, by position in its log
     commits = [(i, op[2]) for i, op in enumerate(ops[0]) if op[:2] == ("mark", "committed")]
@@ -511,6 +515,10 @@ def replay(
                                 "problems": problems[:3],
                             }
                         )
+                    if problems and until_caught:
+                        break
+                if counts and until_caught:
+                    break
     finally:
         quiet.setLevel(level)
     return {
@@ -568,12 +576,15 @@ def run(
             restore_every=cfg["restore_every"],
             seed=SEED + n,
             rank0_waits=rank0_waits,
+            until_caught=cfg.get("until_caught", False),
         )
         for key in ("states", "generated", "restores", "cuts"):
             totals[key] += result[key]
         for k, v in result["problem_counts"].items():
             counts[k] = counts.get(k, 0) + v
         examples += result["examples"][:3]
+        if counts and cfg.get("until_caught"):
+            break
     return {
         "trials": totals["states"],
         "failures": sum(counts.values()),

@@ -3,6 +3,9 @@ command any number of times, ends bit-identical to an uninterrupted run.
 
 Kills land anywhere: during interpreter start-up, during restore, mid-step and mid-save
 (the campaign saves every step so a large share of kills hit a save in flight).
+
+`make test` runs one chain of three kills (four launches and the one that ends it);
+`make campaign` adds the twenty kills of five chains, as four-kill chains.
 """
 
 from __future__ import annotations
@@ -76,19 +79,33 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return line
 
 
-@pytest.mark.timeout(1200)  # 25 launches: a hang guard, generous on a loaded machine
-def test_twenty_random_sigkills_end_bit_identical(reference: str, tmp_path: Path) -> None:
+def kill_chains(tmp_path: Path, reference: str, *, chains: int, kills: int) -> list[str]:
+    """``chains`` runs in fresh directories, each SIGKILLed ``kills`` times at random
+    moments then run to its end: each ends on the reference's line, with no staging
+    directory left. Returns how each kill was timed."""
     rng = random.Random(int(os.environ.get("RESUMABLE_CAMPAIGN_SEED", "20261122")))
-    kills = []
-    for chain in range(5):
+    timings = []
+    for chain in range(chains):
         directory = tmp_path / f"chain{chain}"
         cmd = demo_cmd(directory, workers=0)
-        for _ in range(4):
-            kills.append(run_and_kill(cmd, rng))
-        assert run_to_end(cmd) == reference, f"chain {chain} diverged after kills {kills[-4:]}"
+        for _ in range(kills):
+            timings.append(run_and_kill(cmd, rng))
+        diverged = f"chain {chain} diverged after kills {timings[-kills:]}"
+        assert run_to_end(cmd) == reference, diverged
         leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".tmp-")]
         assert leftovers == [], "stale staging directories survived a relaunch"
-    assert len(kills) == 20
+    return timings
+
+
+@pytest.mark.timeout(600)  # 5 launches and the reference's: a hang guard on a loaded machine
+def test_three_random_sigkills_end_bit_identical(reference: str, tmp_path: Path) -> None:
+    assert len(kill_chains(tmp_path, reference, chains=1, kills=3)) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 25 launches: a hang guard, generous on a loaded machine
+def test_twenty_random_sigkills_end_bit_identical(reference: str, tmp_path: Path) -> None:
+    assert len(kill_chains(tmp_path, reference, chains=5, kills=4)) == 20
 
 
 def test_sigkill_with_loader_workers(reference: str, tmp_path: Path) -> None:

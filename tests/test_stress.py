@@ -1,6 +1,11 @@
 """The reliability campaigns of `stress/` (issue 14), short versions: each must pass on
 the library's save path and fail on a deliberately broken one. `make stress` runs the
-full sizes and writes docs/reliability.md."""
+full sizes and writes docs/reliability.md.
+
+The passing campaigns run at their ``small`` size. A broken path is run at a size that
+ends at the first problem found (``caught``: the able-to-fail sweep of kills, launches
+or crash states, up to the first the checks catch); `make stress` runs every able-to-fail
+sweep whole and publishes how many of its trials failed."""
 
 from __future__ import annotations
 
@@ -252,7 +257,8 @@ def test_the_side_group_handshake_is_told_from_the_stacks_of_a_real_rank(
 
 
 def test_kill_at_two_ranks_checker_catches_a_manifest_written_first() -> None:
-    assert killranks.able_to_fail()["manifest written first"]["failures"] > 0
+    """`able_to_fail`'s launches, up to the first that the checks catch."""
+    assert killranks.run("caught", commit="manifest-first")["failures"] > 0
 
 
 def test_kill_with_incremental_checkpoints_small_campaign_passes() -> None:
@@ -383,7 +389,8 @@ def test_power_loss_at_two_ranks_small_campaign_passes() -> None:
 
 @pytest.mark.parametrize("broken", list(powerlossranks.BROKEN))
 def test_power_loss_at_two_ranks_checker_catches_a_broken_save_path(broken: str) -> None:
-    r = powerlossranks.run("small", **powerlossranks.BROKEN[broken])
+    """The small campaign on the broken path, up to the first crash state found wrong."""
+    r = powerlossranks.run("caught", **powerlossranks.BROKEN[broken])
     assert r["failures"] > 0
 
 
@@ -608,17 +615,18 @@ def test_object_storage_at_two_ranks_small_campaign_passes() -> None:
 
 
 def test_object_storage_at_two_ranks_catches_a_manifest_written_first() -> None:
+    """`able_to_fail`'s launches, up to the first that the checks catch."""
     try:
-        caught = objectstoreranks.able_to_fail()
+        r = objectstoreranks.run("caught", broken="manifest-first")
     except objectstore.SeaweedUnavailable as exc:
         pytest.skip(str(exc))
-    assert caught["manifest written first"]["failures"] > 0
+    assert r["failures"] > 0
 
 
 @pytest.mark.parametrize("broken", list(objectstore.BROKEN))
 def test_object_storage_checker_catches_a_broken_commit(broken: str) -> None:
     shape = objectstore.SHAPES[objectstore.BROKEN[broken]]
-    r = _objectstore(size="able", broken=broken, shapes=(shape,))
+    r = _objectstore(size="caught", broken=broken, shapes=(shape,))
     assert r["failures"] > 0
 
 
