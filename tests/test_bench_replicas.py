@@ -1,5 +1,8 @@
 """`benchmarks/replicas_bench.py` end to end, small: two simulated nodes of two ranks
-under real ``torchrun`` launchers, one repeat, a 1 MiB model, a few steps, no S3.
+under real ``torchrun`` launchers, one repeat, a 256 KiB model, one warm-up step and two
+timed steps, a stop at step 3 with a persist every 2 (one step lost from the disk), no S3.
+The benchmark's six launches of both nodes are its cost; the smallest sizes that still
+tell every checked field apart are used (`make bench` runs it at its full defaults).
 
 Structural checks only (no timings): the results file is written with the table; a
 replaced node resumes at the stop step from its peers at ``replicas=2`` and at the
@@ -14,17 +17,17 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "replicas_bench.py"
-STOP, PERSIST_EVERY = 7, 5
+STOP, PERSIST_EVERY, STEPS = 3, 2, 2
 
 
 def test_the_replicas_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         str(BENCH),
-        "--param-mib=1",
+        "--param-mib=0.25",
         "--repeats=1",
-        "--warmup=2",
-        "--steps=6",
+        "--warmup=1",
+        f"--steps={STEPS}",
         f"--stop={STOP}",
         f"--persist-every={PERSIST_EVERY}",
         "--no-s3",
@@ -41,9 +44,9 @@ def test_the_replicas_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     (one,), (two,) = tp["replicas=1"], tp["replicas=2"]
     assert one["bytes_sent"] == 0 and one["pushes"] == 0
     assert two["bytes_sent"] > 0
-    assert two["pushes"] == world * 6  # every timed step's snapshot, from every rank
+    assert two["pushes"] == world * STEPS  # every timed step's snapshot, from every rank
     assert two["failures"] == 0
-    assert len(one["job_step_s"]) == len(two["job_step_s"]) == 6
+    assert len(one["job_step_s"]) == len(two["job_step_s"]) == STEPS
 
     (peers,) = results["recovery_runs"]["peers"]
     assert peers["restored"] == [STOP] * world

@@ -13,8 +13,11 @@ CPU ranks, gloo), at TP=1 (data parallel over 2) and TP=2; the job is `megatron_
 
 Success is judged by the job's result markers (``final step=N params_sha256=...``),
 not by torchrun's exit code alone. Each launch takes 8-11 s on an idle 2-core machine
-(Megatron's import is ~3 s of it); ``make test`` runs seven launches (two reference runs,
-two killed ones and three relaunches), the rest is ``slow``.
+(Megatron's import is ~3 s of it). The short version, ``make test``, runs five launches:
+the TP=2 reference run (launched at its first use, with the refusals), two killed TP=2
+runs and their two relaunches (at TP=2, and at TP=1 after the crash). ``make campaign``
+(``slow``) adds the TP=1 reference run, the kill at TP=1, repeated kills, the TP changes
+from a finished run, four ranks and SGD.
 """
 
 from __future__ import annotations
@@ -178,21 +181,32 @@ class Reference:
         return found[step]
 
 
+class References:
+    """Uninterrupted runs at TP=1 and TP=2 (two ranks each), each launched at its first
+    use and kept for the module: `make test` needs only TP=2's, ``make campaign`` both.
+    The TP=2 one also tries the layouts and objects the wrappers must refuse, before it
+    trains."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._factory = tmp_path_factory
+        self._runs: dict[int, Reference] = {}
+
+    def __getitem__(self, tp: int) -> Reference:
+        if tp not in self._runs:
+            root = self._factory.mktemp(f"ref-tp{tp}") / "ck"
+            extra = ("--check-refusals",) if tp == 2 else ()
+            final, output = launch(2, root, "--tp", str(tp), *extra)
+            assert final.step == STEPS and resumed_at(output) == {0}, output[-3000:]
+            self._runs[tp] = Reference(final, root, output)
+        return self._runs[tp]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Reference]:
-    """Uninterrupted runs at TP=1 and TP=2 (two ranks each); the TP=2 one also tries
-    the layouts and objects the wrappers must refuse, before it trains."""
-    out = {}
-    for tp in (1, 2):
-        root = tmp_path_factory.mktemp(f"ref-tp{tp}") / "ck"
-        extra = ("--check-refusals",) if tp == 2 else ()
-        final, output = launch(2, root, "--tp", str(tp), *extra)
-        assert final.step == STEPS and resumed_at(output) == {0}, output[-3000:]
-        out[tp] = Reference(final, root, output)
-    return out
+def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
+    return References(tmp_path_factory)
 
 
-def test_what_would_checkpoint_wrongly_is_refused(reference: dict[int, Reference]) -> None:
+def test_what_would_checkpoint_wrongly_is_refused(reference: References) -> None:
     """A Megatron model given to a Checkpointer as it is (its TP shards would be taken
     for replicas) is refused at the first snapshot. TP shards whose offsets disagree
     with torch's ``Shard`` placement (here: TP ranks in reverse order) would reshard into
@@ -211,7 +225,7 @@ def test_what_would_checkpoint_wrongly_is_refused(reference: dict[int, Reference
 
 @pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_sigkilled_run_resumes_bit_identical(
-    tmp_path: Path, reference: dict[int, Reference], tp: int
+    tmp_path: Path, reference: References, tp: int
 ) -> None:
     root = tmp_path / "ck"
     reached = killed(2, root, random.Random(tp), "--tp", str(tp))
@@ -226,7 +240,7 @@ def test_a_sigkilled_run_resumes_bit_identical(
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_three_sigkills_at_tp2_end_bit_identical(
-    tmp_path: Path, reference: dict[int, Reference], seed: int
+    tmp_path: Path, reference: References, seed: int
 ) -> None:
     root, rng = tmp_path / "ck", random.Random(seed)
     for _ in range(3):
@@ -245,7 +259,7 @@ def test_three_sigkills_at_tp2_end_bit_identical(
 )
 def test_a_tp_change_restores_equal_values_and_trains_on(
     tmp_path: Path,
-    reference: dict[int, Reference],
+    reference: References,
     saved: int,
     nproc: int,
     tp: int,
@@ -266,7 +280,7 @@ def test_a_tp_change_restores_equal_values_and_trains_on(
 
 
 def test_a_tp_change_after_a_crash_restores_the_newest_commit(
-    tmp_path: Path, reference: dict[int, Reference]
+    tmp_path: Path, reference: References
 ) -> None:
     """Killed at TP=2, relaunched at TP=1 on the same two ranks: each rank's memory
     snapshot holds TP=2 shards and is not restored without resharding, so every rank
