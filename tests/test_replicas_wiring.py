@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from resumable import Checkpointer, Every
-from resumable.errors import CheckpointError, ReplicaPlacementError
-from resumable.replicas.peers import check_option, own_snapshot, rate_from_env, tensor_ranges
+from resumable.errors import CheckpointError, OptionError, ReplicaPlacementError
+from resumable.options import MemoryOptions
+from resumable.replicas.peers import own_snapshot, rate_from_env, tensor_ranges
 from resumable.replicas.store import ReplicaStore, plan_pieces, remove_dead_stores
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
 from resumable.snapshot import ShmArena
@@ -26,8 +27,8 @@ SECRET = b"s" * 32
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2", None])
 def test_replicas_must_be_a_positive_integer(bad: object) -> None:
-    with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
-        check_option(bad)
+    with pytest.raises(OptionError, match="replicas must be an integer >= 1"):
+        MemoryOptions(replicas=bad)  # type: ignore[arg-type]
 
 
 def test_replicas_need_the_memory_tier(tmp_path: Path) -> None:

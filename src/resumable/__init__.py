@@ -17,6 +17,7 @@ from resumable.errors import (
     CorruptCheckpointError,
     NewerFormatError,
     NoCheckpointError,
+    OptionError,
     PersistError,
     StateMismatchError,
     StepOrderError,
@@ -25,12 +26,14 @@ from resumable.errors import (
 )
 from resumable.incremental import Incremental
 from resumable.manager import Checkpointer
+from resumable.options import CheckpointOptions
 from resumable.policy import Every, Keep
 from resumable.preemption import REQUEUE_EXIT_CODE, Preemption
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
     "CheckpointError",
+    "CheckpointOptions",
     "Checkpointer",
     "CorruptCheckpointError",
     "Every",
@@ -38,6 +41,7 @@ __all__ = [
     "Keep",
     "NewerFormatError",
     "NoCheckpointError",
+    "OptionError",
     "PersistError",
     "Preemption",
     "StateMismatchError",

@@ -80,3 +80,9 @@ class ReplicaError(CheckpointError, OSError):
 class ReplicaPlacementError(CheckpointError, ValueError):
     """Replicas of memory snapshots cannot be placed as asked: more copies than there
     are nodes (failure domains), or a rank layout that names no node."""
+
+
+class OptionError(CheckpointError, ValueError):
+    """An option of a `Checkpointer` (or of an integration built on it) has a value of
+    the wrong type or range, or options that cannot work together were combined
+    (`resumable.options`). Raised when the options are built, before anything is opened."""

@@ -131,20 +131,6 @@ class Incremental:
         return None if d is None else cls(**d)
 
 
-def incremental_option(value: Any) -> Incremental | None:
-    """The ``incremental=`` argument of `Checkpointer`: an `Incremental`, True (the
-    defaults) or False/None (every checkpoint whole)."""
-    if value is True:
-        return Incremental()
-    if value is False or value is None:
-        return None
-    if isinstance(value, Incremental):
-        return value
-    raise TypeError(
-        f"incremental= takes an Incremental(...), True or False, got {type(value).__name__}"
-    )
-
-
 class Chunk(NamedTuple):
     """Where one chunk of a tensor lies: ``step`` None while it is this persist's own.
     (A tuple: a persist makes one per chunk, 65,536 for 256 MiB at 4 KiB chunks.)"""

@@ -32,9 +32,8 @@ import sys
 import time
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -48,11 +47,12 @@ from resumable.commit import (
     warn_uncommitted,
 )
 from resumable.coordination import Agreement, CoordinationStore, Pending
-from resumable.errors import CheckpointError, NoCheckpointError, StorageError
-from resumable.group import DEFAULT_TIMEOUT_S, Group, current_group
-from resumable.incremental import Incremental, incremental_option
+from resumable.errors import CheckpointError, NoCheckpointError, OptionError, StorageError
+from resumable.group import Group, current_group
+from resumable.incremental import Incremental
 from resumable.lock import RootLock, acquire_root
 from resumable.monitor import AlertCallback, Monitor
+from resumable.options import DEFAULT_KEEP, CheckpointOptions, PersistMode, resolve_options
 from resumable.pipeline.emergency import Emergency
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.persister import BackgroundPersister, Persister, SyncPersister
@@ -60,25 +60,15 @@ from resumable.pipeline.restorer import Restorer
 from resumable.pipeline.schedule import Schedule
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
-from resumable.replicas.peers import Replication, check_option
+from resumable.replicas.peers import Replication
 from resumable.retention import PINS_DIR
 from resumable.runid import ensure_run_id
 from resumable.shm import run_key_for
 from resumable.snapshot import MemorySnapshot
-from resumable.storage import (
-    MemoryStorage,
-    Storage,
-    check_storage_options,
-    open_storage,
-    options_for,
-)
+from resumable.storage import MemoryStorage, Storage, check_storage_options, open_storage
 from resumable.worker import worker_nice
 
 log = logging.getLogger(__name__)
-
-DEFAULT_KEEP = Keep(last=3)
-PersistMode = Literal["auto", "process", "thread", "sync"]
-PERSIST_MODES: tuple[PersistMode, ...] = ("auto", "process", "thread", "sync")
 
 
 class Checkpointer:
@@ -164,37 +154,31 @@ class Checkpointer:
         incremental: Incremental | bool = True,
         save_on_close: bool = True,
         replicas: int = 1,
+        options: CheckpointOptions | None = None,
     ) -> None:
+        opts = resolve_options(options, locals())
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict of named objects, found {type(state).__name__}")
-        if on_busy not in ("skip", "wait"):
-            raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
-        mode = _persist_mode(persist)
-        replicas = check_option(replicas)
-        if replicas > 1 and mode == "sync" and memory_every is None:
-            raise ValueError(
-                f"replicas={replicas} copies memory snapshots to other nodes: it needs the "
-                "memory tier (memory_every=..., or a persist mode other than 'sync')"
-            )
-        self.incremental = incremental_option(incremental)
+        self.options = opts
         worker_nice()  # RESUMABLE_WORKER_NICE checked before the root is touched
         # What every part agrees through: the ranks' group, or one process alone (whose
         # exchanges return at once): the same code serves both.
-        self._group = current_group(dist_timeout_s)
+        self._group = current_group(opts.distributed.timeout_s)
         group = self._group or Group(0, 1)
         self.rank, self.world_size = group.rank, group.world_size
         # options that neither the root nor the mirror can use are refused, not dropped
-        check_storage_options(url, storage_options, mirror=mirror)
-        self.storage_options = dict(storage_options) if storage_options else None
-        self.storage = open_storage(url, options_for(url, self.storage_options))
+        check_storage_options(url, opts.root.storage_options, mirror=opts.root.mirror)
+        self.storage = open_storage(url, opts.root.for_url(url))
         self.url = self.storage.url
+        mirror_url = opts.root.mirror
         self.mirror: Storage | None = (
-            open_storage(mirror, options_for(mirror, self.storage_options))
-            if mirror is not None
+            open_storage(mirror_url, opts.root.for_url(mirror_url))
+            if mirror_url is not None
             else None
         )
         if self.mirror is not None and self.mirror.url == self.url:
-            raise ValueError(f"mirror must be another root than {self.url}")
+            raise OptionError(f"mirror must be another root than {self.url}")
+        mode = opts.persist.mode
         if mode == "auto":
             # A separate process keeps the persist (hashing, syscalls, HTTP) off the
             # trainer's GIL; in-process stores (memory://) can only be reached by a thread.
@@ -202,18 +186,11 @@ class Checkpointer:
                 self.mirror, MemoryStorage
             )
             mode = "thread" if in_process else "process"
-        if overlap and mode == "sync" and memory_every is None:
-            raise ValueError("overlap=True needs the memory tier (not persist='sync' alone)")
-        self.persist_mode = mode
+        self.persist_mode: PersistMode = mode
         self.state = state
-        self.keep, self.mirror_keep = keep, mirror_keep
-        self.map_location = map_location
-        self.capture_rng = capture_rng
-        self.on_busy = on_busy
-        self._dist_timeout_s = dist_timeout_s or DEFAULT_TIMEOUT_S
-        self.overlap = overlap
+        self.save_on_close = opts.persist.save_on_close
+        self._dist_timeout_s = opts.distributed.seconds
         self.should_stop = False
-        self.save_on_close = save_on_close
         self.last_snapshot_s: float | None = None
         self._closed = False
         self._skip_flush = False  # close() leaves the newest snapshot in shared memory
@@ -229,14 +206,14 @@ class Checkpointer:
             self.audit.record(
                 "launch",
                 persist=mode,
-                memory=mode != "sync" or memory_every is not None,
+                memory=opts.memory_tier,
                 world_size=self.world_size,
             )
             self._progress = ProgressNotes(self.audit, _progress_every_s())
             self.monitor = Monitor(
-                alert=alert,
-                max_commit_age_s=max_commit_age_s,
-                prometheus_registry=prometheus_registry,
+                alert=opts.monitor.alert,
+                max_commit_age_s=opts.monitor.max_commit_age_s,
+                prometheus_registry=opts.monitor.prometheus_registry,
                 url=self.url,
             )
             # Several ranks persisting in the background: their workers meet in a store
@@ -249,27 +226,27 @@ class Checkpointer:
             )
             self._agreement = Agreement(group, self._store)
             self._schedule = Schedule(
-                memory_every,
-                persist_every if persist_every is not None else Every(steps=100),
+                opts.schedule.memory_every,
+                opts.schedule.persist_every,
                 self._agreement,
             )
             self._schedule.on_absorbed = lambda step: self.monitor.skipped(
                 step, "the previous persist is still running"
             )
             self._memory: MemoryTier | None = None
-            if mode != "sync" or memory_every is not None:
+            if opts.memory_tier:
                 self._memory = MemoryTier(
                     self.storage,
                     rank=self.rank,
                     world_size=self.world_size,
-                    shm_dir=Path(shm_dir) if shm_dir is not None else None,
-                    overlap=overlap,
+                    shm_dir=opts.memory.shm_dir,
+                    overlap=opts.memory.overlap,
                     audit=self.audit,
                     run_id=self.run_id,
                 )
-                if replicas > 1:
+                if opts.memory.replicas > 1:
                     self._memory.replication = Replication(
-                        replicas,
+                        opts.memory.replicas,
                         group=group,
                         run_id=self.run_id,
                         directory=self._memory.arena.directory,
@@ -293,23 +270,21 @@ class Checkpointer:
             self._persister: Persister = (
                 SyncPersister(
                     self.storage,
-                    keep=keep,
-                    mirror_keep=mirror_keep,
-                    incremental=self.incremental,
+                    keep=opts.retention.keep,
+                    mirror_keep=opts.retention.mirror_keep,
+                    incremental=opts.persist.writer,
                     **parts,
                 )
                 if mode == "sync"
                 else BackgroundPersister(
                     self.storage,
                     mode=mode,
-                    keep=keep,
-                    mirror_keep=mirror_keep,
-                    incremental=self.incremental,
-                    storage_options=options_for(self.url, self.storage_options),
+                    keep=opts.retention.keep,
+                    mirror_keep=opts.retention.mirror_keep,
+                    incremental=opts.persist.writer,
+                    storage_options=opts.root.for_url(self.url),
                     mirror_options=(
-                        options_for(self.mirror.url, self.storage_options)
-                        if self.mirror is not None
-                        else None
+                        opts.root.for_url(self.mirror.url) if self.mirror is not None else None
                     ),
                     store=self._store,
                     **parts,
@@ -326,7 +301,9 @@ class Checkpointer:
             self._remove_stale()
             _live.add(self)
             self._emergency = (
-                Emergency(preemption, group, self._agreement) if preemption is not None else None
+                Emergency(opts.preemption, group, self._agreement)
+                if opts.preemption is not None
+                else None
             )
         except BaseException:
             self._release_root()
@@ -369,7 +346,8 @@ class Checkpointer:
                 "memory snapshots need the memory tier; create the Checkpointer with "
                 "memory_every=... or a persist mode other than 'sync'"
             )
-        seconds, overlapped = self._memory.take(self.state, step, metrics, rng=self.capture_rng)
+        rng = self.options.capture.capture_rng
+        seconds, overlapped = self._memory.take(self.state, step, metrics, rng=rng)
         self.last_snapshot_s = seconds
         self.monitor.snapshot(seconds, overlapped)
         self._progress.snapshot(seconds)
@@ -412,12 +390,12 @@ class Checkpointer:
         if self._memory is None:  # sync without the memory tier: copy, then write here
             assert isinstance(self._persister, SyncPersister)
             self.last_snapshot_s = self._persister.persist_state(
-                self.state, step, metrics, rng=self.capture_rng
+                self.state, step, metrics, rng=self.options.capture.capture_rng
             )
             self._progress.snapshot(self.last_snapshot_s)
             self._schedule.persisted(step)
             return True
-        if self.on_busy == "wait" and self._persister.busy:
+        if self.options.schedule.on_busy == "wait" and self._persister.busy:
             self._persister.wait()
         # All ranks persist this step, or none: the first rank to ask decides for all,
         # from whether its worker is busy. The question goes out before the snapshot
@@ -426,7 +404,7 @@ class Checkpointer:
         # towards deferring, never towards a persist its worker cannot take. (With
         # one process, or ``persist="sync"``, the answer is taken after the copy.)
         busy: Pending | bool = False
-        if self.on_busy == "skip" and self.persist_mode != "sync":
+        if self.options.schedule.on_busy == "skip" and self.persist_mode != "sync":
             busy = self._agreement.decide_later("busy", step, lambda: self._persister.busy)
         snap = self._memory.current(step)
         if snap is None:  # the snapshot is taken either way
@@ -503,7 +481,8 @@ class Checkpointer:
 
     def _check_best_metric(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         """Warn once if ``Keep(best=...)`` ranks by a metric the saves do not report."""
-        best = self.keep.best if self.keep is not None else None
+        keep = self.options.retention.keep
+        best = keep.best if keep is not None else None
         if best is None or self._best_metric_seen is not None:
             return
         if metrics is not None and best[0] in metrics:
@@ -808,12 +787,12 @@ class Checkpointer:
             for name in warn_uncommitted(self.storage):
                 self.audit.record("uncommitted", name=name)
         if self._memory is not None:
-            self._memory.preflight(self.state, rng=self.capture_rng)
+            self._memory.preflight(self.state, rng=self.options.capture.capture_rng)
         self._persister.start()
         t0 = time.perf_counter()
         done = self._restorer.restore(
             step,
-            map_location=map_location or self.map_location,
+            map_location=map_location or self.options.capture.map_location,
             tier=tier,
             reset_per_rank=reset_per_rank_state,
             strict=strict,
@@ -948,17 +927,6 @@ class Checkpointer:
                 continue
             log.info("removed stale %s (data of a commit that never finished)", name)
             self.audit.record("stale_removed", name=name)
-
-
-def _persist_mode(persist: str) -> PersistMode:
-    """The persist mode asked for, ``RESUMABLE_PERSIST`` overriding ``"auto"``."""
-    if persist not in PERSIST_MODES:
-        raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
-    if persist == "auto":
-        persist = settings.PERSIST.read() or "auto"
-        if persist not in PERSIST_MODES:
-            raise ValueError(f"RESUMABLE_PERSIST must be one of {PERSIST_MODES}, got {persist!r}")
-    return persist
 
 
 def _progress_every_s() -> float:

@@ -145,16 +145,6 @@ def rate_from_env() -> float | None:
     return mib * 2**20 if mib > 0 else None
 
 
-def check_option(replicas: Any) -> int:
-    """``replicas`` as the constructor takes it: an int of at least 1."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(
-            f"replicas must be an integer >= 1 (copies of each node's memory snapshot, its "
-            f"own included; 1: none on other nodes), got {replicas!r}"
-        )
-    return replicas
-
-
 class Replication:
     """This rank's part of keeping each node's newest snapshot on ``replicas - 1`` other
     nodes: its `ReplicaServer` over a `ReplicaStore` in ``directory`` (the rank's
