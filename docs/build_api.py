@@ -35,6 +35,7 @@ import pdoc.doc
 
 MODULES = (
     "resumable",
+    "resumable.options",
     "resumable.data",
     "resumable.storage",
     "resumable.group",

@@ -291,8 +291,66 @@ class CheckpointOptions:
         save_on_close: bool = True,
         replicas: int = 1,
     ) -> CheckpointOptions:
-        """The options the keywords of `resumable.Checkpointer` describe (the same names,
-        defaults and meaning; see its docstring).
+        """The options the keywords of `resumable.Checkpointer` give (the same names and
+        defaults; the Checkpointer takes either these keywords or the result).
+
+        Args:
+            memory_every: cadence of memory snapshots taken by `Checkpointer.maybe_save`
+                (default none).
+            persist_every: cadence of persists taken by `Checkpointer.maybe_save` (default
+                every 100 steps).
+            keep: retention applied after each commit (default the 3 newest); ``None``
+                keeps all.
+            map_location: device (or callable mapping a recorded device string to one) for
+                tensors that are rebuilt rather than copied into existing ones.
+            capture_rng: also capture Python, NumPy, torch CPU and CUDA random streams.
+            persist: ``"auto"``, ``"process"``, ``"thread"`` or ``"sync"`` (see
+                `PersistOptions` and `resumable.manager`).
+            on_busy: when a persist is due while the previous one still runs: ``"skip"``
+                (default; logged, and the persist is taken as soon as the worker is free)
+                or ``"wait"``.
+            shm_dir: the shared-memory directory (default ``/dev/shm``); slots live in
+                this user's private ``resumable-<uid>`` directory inside it.
+            overlap: copy parameters and optimizer state in the background during the
+                next forward/backward; an optimizer step pre-hook waits for the copy
+                before the optimizer changes them. Until ``optimizer.step()`` runs, nothing else may
+                change parameters or optimizer state in place.
+            preemption: signals and cloud notices that trigger an emergency checkpoint
+                at the next `Checkpointer.maybe_save`, then ``Checkpointer.should_stop``
+                (and by default an exit with `REQUEUE_EXIT_CODE`); see
+                `resumable.preemption`.
+            alert: ``callback(kind, message, details)`` called (besides a WARNING log)
+                when a save fails, when nothing committed for ``max_commit_age_s``, and when
+                persists are deferred repeatedly.
+            prometheus_registry: a ``prometheus_client`` registry to export counters to.
+            storage_options: options for the ``s3://`` root(s): ``endpoint_url``,
+                credentials, ``part_size``, ``max_concurrency``, timeouts, ``max_attempts``
+                (see `resumable.storage.s3.S3Storage`); unset ones come from the standard
+                AWS configuration.
+            mirror: a second, usually remote, root (``s3://...``): every checkpoint
+                committed in the root is uploaded there in the background, local retention
+                keeps what is not mirrored yet, and restore takes the newest valid
+                checkpoint of either root (see `resumable.tiering`).
+            mirror_keep: retention in ``mirror`` (default: keep all).
+            dist_timeout_s: with several ranks (``torch.distributed`` initialised), how
+                long a rank waits for the others during a coordinated save or restore
+                before it gives up with `PersistError` (default 600 s); see
+                `resumable.group`.
+            incremental: write only what changed since the writer's last checkpoint
+                (an `Incremental`; the default writes incrementally when that avoids at
+                least a quarter of the bytes, and every checkpoint whole otherwise);
+                ``False`` writes every checkpoint whole. See ``docs/incremental.md``.
+            save_on_close: whether `Checkpointer.close` checkpoints the final state
+                (default True). The integrations pass False: their framework decides
+                every save, the last one included (Transformers' ``save_strategy="no"``
+                saves nothing).
+            replicas: copies of each node's newest memory snapshot, its own included,
+                kept in the memory of that many distinct nodes (default 1: none
+                elsewhere). With 2, a replaced node's ranks fetch their snapshots from
+                a peer and lose no steps; each node then holds one snapshot's worth of
+                its peers' (two while a newer one arrives) and keeps one more of its
+                own. Needs the memory tier and as many nodes (torchrun ``GROUP_RANK``);
+                see ``docs/replicas.md``.
 
         Raises:
             OptionError: a value of the wrong type or range, or a combination that

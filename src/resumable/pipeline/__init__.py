@@ -1,7 +1,8 @@
 """The save pipeline behind `resumable.Checkpointer`, in parts that each do one thing.
 
-`Checkpointer` (``resumable.manager``) is a facade: it checks its arguments, builds
-these parts and calls them in its public methods. The same parts serve one process and
+`Checkpointer` (``resumable.manager``) is a facade: it checks its step arguments, has
+`wiring.build_parts` build these parts from its `resumable.options.CheckpointOptions`,
+and calls them in its public methods. The same parts serve one process and
 several ranks; what differs is the coordination object they are given
 (`resumable.group.Group`: with one process every exchange returns at once).
 
@@ -15,7 +16,11 @@ several ranks; what differs is the coordination object they are given
   failures come back as `PersistError` at the next call; the mirror's flush.
 - `restorer.Restorer`: the restore candidates in memory, the local root and the mirror,
   their order and fallback; verify, decode and apply.
+- `saver.Saver`: snapshot, agree, persist or defer; the flush at close.
 - `emergency.Emergency`: the checkpoint within a preemption's grace period.
+- `root_claim.RootClaim`: the root's lock and run id, one writer per root.
+- `last_step.LastStep` and `first_save.FirstSaveChecks`: what close checkpoints, and
+  the warnings said once at the first save.
 - `messages`: the typed messages between the trainer and its persist worker.
 
 Below them sit the layers that were always separate: `resumable.capture` (state to
