@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 
 import resumable
 from resumable.data import ResumableDataLoader
-from resumable.integrations.keras import ResumableCallback
+from resumable.integrations.keras import FRAMEWORK_DRIVEN, ResumableCallback
 
 from .jobs import Job, steps_in
 
@@ -201,3 +201,16 @@ def test_sigkilled_at_random_moments_ends_bit_identical(
     seed = int(os.environ.get("RESUMABLE_CAMPAIGN_SEED", "20261124"))
     assert kill_campaign(tmp_path / "memory", 8, seed, "--memory-every", "1") == example_reference
     assert kill_campaign(tmp_path / "disk", 6, seed + 1, "--save-freq", "2") == example_reference
+
+
+def test_the_callback_builds_the_options_a_checkpointer_would(tmp_path: Path) -> None:
+    """The callback's keywords go through `CheckpointOptions.from_kwargs`, as the
+    `Checkpointer`'s do: the same arguments give the same options."""
+    same: dict[str, Any] = {"keep": resumable.Keep(last=4), "persist": "sync", "on_busy": "skip"}
+    callback = ResumableCallback(tmp_path / "a", **same)
+    own = {"persist_every": FRAMEWORK_DRIVEN, "save_on_close": False}
+    with resumable.Checkpointer(tmp_path / "b", {"w": torch.zeros(1)}, **same, **own) as ckpt:
+        assert callback.options == ckpt.options
+    assert not callback.options.memory_tier
+    with pytest.raises(resumable.CheckpointError, match=r"keep must be a resumable\.Keep"):
+        ResumableCallback(tmp_path / "c", keep="all")

@@ -24,6 +24,7 @@ from torch.utils.data import TensorDataset
 
 import resumable
 from resumable.data import ResumableDataLoader, ResumableSampler
+from resumable.integrations.lightning import ResumableCheckpoint
 
 from .jobs import Job, steps_in
 from .lightning_job import data, digest, fit
@@ -307,3 +308,25 @@ def test_fabric_wrapped_objects_resume_bit_identical(tmp_path: Path) -> None:
     assert reference.keys() == resumed.keys()
     for k in reference:
         assert torch.equal(reference[k], resumed[k]), k
+
+
+def test_the_callback_builds_the_options_a_checkpointer_would(tmp_path: Path) -> None:
+    """The callback's keywords go through `CheckpointOptions.from_kwargs`, as the
+    `Checkpointer`'s do: the same arguments give the same options."""
+    same: dict[str, Any] = {
+        "persist_every": EVERY_6,
+        "memory_every": resumable.Every(steps=2),
+        "keep": resumable.Keep(last=2),
+        "persist": "sync",
+        "on_busy": "wait",
+        "storage_options": {"endpoint_url": "http://example"},
+    }
+    callback = ResumableCheckpoint(tmp_path / "a", **same)
+    own = {"capture_rng": False, "save_on_close": False}
+    with resumable.Checkpointer(tmp_path / "b", {"w": torch.zeros(1)}, **same, **own) as ckpt:
+        assert callback.options == ckpt.options
+    assert callback.options.memory_tier
+    with pytest.raises(resumable.CheckpointError, match=r"keep must be a resumable\.Keep"):
+        ResumableCheckpoint(tmp_path / "c", keep="all")
+    with pytest.raises(resumable.CheckpointError, match="on_busy must be 'skip' or 'wait'"):
+        ResumableCheckpoint(tmp_path / "c", on_busy="later")

@@ -39,6 +39,7 @@ import numpy as np
 from resumable.data import ResumableDataLoader, ResumableSampler
 from resumable.errors import CheckpointError
 from resumable.manager import Checkpointer
+from resumable.options import CheckpointOptions
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
 
@@ -153,6 +154,10 @@ class ResumableCallback(keras.callbacks.Callback):
         persist, on_busy, mirror, mirror_keep, storage_options: as for `Checkpointer`
             (``on_busy`` defaults to ``"wait"``).
 
+    The keywords are checked here, by `resumable.CheckpointOptions.from_kwargs` as the
+    `Checkpointer`'s are (a bad one raises `resumable.OptionError`), and kept as
+    ``options``, which every `Checkpointer` this opens is given.
+
     Steps are the optimizer's ``iterations`` (batches trained, over all epochs).
     Call order (Keras', on the training thread): ``on_train_begin`` (open, restore, set
     the initial epoch), ``on_train_batch_end`` / ``on_epoch_end`` (saves; after a resumed
@@ -199,22 +204,22 @@ class ResumableCallback(keras.callbacks.Callback):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         if keep == "default":
             keep = Keep(last=keep_last, best=(monitor, mode, 1) if monitor else None)
-        elif isinstance(keep, str):
-            raise ValueError(f"keep must be a resumable.Keep or None, got {keep!r}")
+        self.options = CheckpointOptions.from_kwargs(
+            persist_every=FRAMEWORK_DRIVEN,
+            keep=keep,  # type: ignore[arg-type]  # another str is refused there
+            memory_every=memory_every,
+            preemption=preemption,
+            persist=persist,
+            on_busy=on_busy,
+            mirror=mirror,
+            mirror_keep=mirror_keep,
+            storage_options=storage_options,
+            save_on_close=False,  # on_train_end saves the final state
+        )
         self.dirpath = os.fspath(dirpath)
         self.loader = loader
         self.save_freq = save_freq
         self.monitor = monitor
-        self._options: dict[str, Any] = {
-            "keep": keep,
-            "memory_every": memory_every,
-            "preemption": preemption,
-            "persist": persist,
-            "on_busy": on_busy,
-            "mirror": mirror,
-            "mirror_keep": mirror_keep,
-            "storage_options": storage_options,
-        }
         self.checkpointer: Checkpointer | None = None
         self.restored_step = 0
         self.restored_epoch = 0
@@ -237,15 +242,8 @@ class ResumableCallback(keras.callbacks.Callback):
             reads_ahead = keras.backend.backend() != "torch"
             self._trained = TrainedPosition(self.loader) if reads_ahead else None
             state["data"] = self._trained or self.loader
-        ckpt = Checkpointer(
-            self.dirpath,
-            state=state,
-            persist_every=FRAMEWORK_DRIVEN,
-            save_on_close=False,  # on_train_end saves the final state
-            **self._options,
-        )
+        ckpt = Checkpointer(self.dirpath, state=state, options=self.options)
         self.checkpointer = ckpt
-        self._memory_tier = ckpt.persist_mode != "sync" or self._options["memory_every"] is not None
         self.restored_step = ckpt.restore()
         self.restored_epoch = self._epoch["epoch"]
         self._since_save = 0
@@ -343,7 +341,7 @@ class ResumableCallback(keras.callbacks.Callback):
         ckpt = self.checkpointer
         if ckpt is None:
             raise CheckpointError("ResumableCallback saves only inside fit()")
-        if self._memory_tier:
+        if self.options.memory_tier:
             ckpt.snapshot(step, metrics)  # fresh: a snapshot of this step may predate it
         ckpt.save(step, metrics)
         self._since_save = 0

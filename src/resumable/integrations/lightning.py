@@ -55,9 +55,10 @@ from resumable.data import ResumableDataLoader, ResumableSampler
 from resumable.errors import CheckpointError
 from resumable.integrations.staging import StagedState
 from resumable.manager import Checkpointer
+from resumable.options import CheckpointOptions
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
-from resumable.storage import open_storage, options_for
+from resumable.storage import Storage, open_storage, options_for
 
 __all__ = ["ResumableCheckpoint", "ResumableCheckpointIO"]
 
@@ -128,6 +129,10 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         persist, on_busy, mirror, mirror_keep, storage_options, replicas: as for `Checkpointer`
             (``on_busy`` defaults to ``"wait"``: every due persist commits).
 
+    The keywords are checked here, by `resumable.CheckpointOptions.from_kwargs` as the
+    `Checkpointer`'s are (a bad one raises `resumable.OptionError`), and kept as
+    ``options``, which every `Checkpointer` this opens is given.
+
     Call order (Lightning's, on the training thread): ``ckpt_path`` (while ``fit``
     resolves ``"last"``: opens the `Checkpointer` and restores), ``setup`` (installs
     `ResumableCheckpointIO`), Lightning's restore through it, ``on_train_start`` (random
@@ -161,22 +166,22 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         if keep == "default":
             best = (monitor, mode, save_top_k) if monitor is not None and save_top_k > 0 else None
             keep = Keep(last=keep_last, best=best)
-        elif isinstance(keep, str):
-            raise ValueError(f"keep must be a resumable.Keep or None, got {keep!r}")
+        self.options = CheckpointOptions.from_kwargs(
+            persist_every=persist_every,
+            memory_every=memory_every,
+            keep=keep,  # type: ignore[arg-type]  # another str is refused there
+            preemption=preemption,
+            persist=persist,
+            on_busy=on_busy,
+            mirror=mirror,
+            mirror_keep=mirror_keep,
+            storage_options=storage_options,
+            replicas=replicas,
+            capture_rng=False,  # the "rng" slot holds them, applied in on_train_start
+            save_on_close=False,  # on_train_end saves the final state, as Lightning decides
+        )
         self.root = root
         self.monitor = monitor
-        self._options: dict[str, Any] = {
-            "persist_every": persist_every,
-            "memory_every": memory_every,
-            "keep": keep,
-            "preemption": preemption,
-            "persist": persist,
-            "on_busy": on_busy,
-            "mirror": mirror,
-            "mirror_keep": mirror_keep,
-            "storage_options": storage_options,
-            "replicas": replicas,
-        }
         digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
         self._marker = f"memory://resumable-lightning/{digest}-{id(self):x}/last.ckpt"
         self._trainer: Trainer | None = None
@@ -202,7 +207,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         opening anything), and ``setup`` opens and restores, on every rank together."""
         if self.checkpointer is None and _group_pending():
             self._deferred = _any_committed(
-                self.root, self._options["mirror"], self._options["storage_options"]
+                self.root, self.options.root.mirror, self.options.root.storage_options
             )
             fs = fsspec.filesystem("memory")
             if self._deferred:
@@ -221,15 +226,9 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
     def _open(self) -> Checkpointer:
         if self.checkpointer is not None:
             return self.checkpointer
-        ckpt = Checkpointer(
-            self.root,
-            state={"lightning": self._lightning, "rng": self._rng},
-            capture_rng=False,  # the "rng" slot holds them, applied in on_train_start
-            save_on_close=False,  # on_train_end saves the final state, as Lightning decides
-            **self._options,
-        )
+        state = {"lightning": self._lightning, "rng": self._rng}
+        ckpt = Checkpointer(self.root, state=state, options=self.options)
         self.checkpointer = ckpt
-        self._memory_tier = ckpt.persist_mode != "sync" or self._options["memory_every"] is not None
         self._lightning.discard()
         self._rng.discard()
         deferred, self._deferred = self._deferred, None
@@ -325,7 +324,7 @@ class ResumableCheckpoint(OnExceptionCheckpoint):
         ckpt = self.checkpointer
         if ckpt is None:
             raise CheckpointError("ResumableCheckpoint saves only inside fit()")
-        if self._memory_tier:
+        if self.options.memory_tier:
             ckpt.snapshot(step, metrics)  # fresh: a snapshot of this step may predate it
         ckpt.save(step, metrics)
         self._boundary = step
@@ -376,7 +375,7 @@ def _group_pending() -> bool:
 
 
 def _any_committed(
-    root: str, mirror: str | None, storage_options: Mapping[str, Any] | None
+    root: str, mirror: str | os.PathLike[str] | Storage | None, storage_options: Any
 ) -> bool:
     """Whether ``root`` or ``mirror`` holds a committed checkpoint (read-only listing)."""
     for url in (root, mirror):

@@ -79,9 +79,10 @@ from transformers.trainer_utils import (
 
 from resumable.capture import rng_state, set_rng_state
 from resumable.commit import step_dir
-from resumable.errors import CheckpointError
+from resumable.errors import CheckpointError, OptionError
 from resumable.integrations.staging import StagedState
 from resumable.manager import Checkpointer
+from resumable.options import CheckpointOptions
 from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
 
@@ -209,6 +210,10 @@ class ResumableTrainer(Trainer):
         persist, on_busy, mirror, mirror_keep, storage_options, replicas: as for `Checkpointer`.
             ``on_busy`` defaults to ``"wait"``: every save the Trainer asks for commits.
 
+    The keywords are checked here, by `resumable.CheckpointOptions.from_kwargs` as the
+    `Checkpointer`'s are (a bad one raises `resumable.OptionError`), and kept as
+    ``options``, which every `Checkpointer` this opens is given.
+
     With DeepSpeed (any ZeRO stage) the engine's whole state is checkpointed through
     `resumable.integrations.deepspeed.DeepSpeedState`. Not supported: FSDP through
     accelerate and SageMaker model parallelism; constructing with FSDP raises
@@ -254,24 +259,27 @@ class ResumableTrainer(Trainer):
                 "(<output_dir>/resumable, never uploaded) or pick another directory"
             )
         if isinstance(preemption, str) and preemption != "default":
-            raise ValueError(
+            raise OptionError(
                 f"preemption must be a resumable.Preemption, None or 'default', got {preemption!r}"
             )
         if keep == "from_args":
             keep = keep_for(self.args)
-        elif isinstance(keep, str):
-            raise ValueError(f"keep must be a resumable.Keep or None, got {keep!r}")
-        self._options: dict[str, Any] = {
-            "keep": keep,
-            "memory_every": memory_every,
-            "preemption": preemption,
-            "persist": persist,
-            "on_busy": on_busy,
-            "mirror": mirror,
-            "mirror_keep": mirror_keep,
-            "storage_options": storage_options,
-            "replicas": replicas,
-        }
+        # "default" is resolved when training starts: it looks at the signal handlers then.
+        self._default_preemption = preemption == "default"
+        self.options = CheckpointOptions.from_kwargs(
+            persist_every=FRAMEWORK_DRIVEN,
+            keep=keep,  # type: ignore[arg-type]  # another str is refused there
+            memory_every=memory_every,
+            preemption=None if isinstance(preemption, str) else preemption,
+            persist=persist,
+            on_busy=on_busy,
+            mirror=mirror,
+            mirror_keep=mirror_keep,
+            storage_options=storage_options,
+            replicas=replicas,
+            capture_rng=False,  # the "rng" slot holds them, applied where the Trainer does
+            save_on_close=False,  # the Trainer's save_strategy decides every save
+        )
         self.checkpointer: Checkpointer | None = None
         self._marker = f"resumable:{self.checkpoint_dir}"
         self._eval_metrics: dict[str, float] = {}
@@ -407,17 +415,10 @@ class ResumableTrainer(Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
-        opts = dict(self._options)
-        if opts["preemption"] == "default":
-            opts["preemption"] = default_preemption()
-        self.checkpointer = Checkpointer(
-            self.checkpoint_dir,
-            state=self._state(),
-            persist_every=FRAMEWORK_DRIVEN,
-            capture_rng=False,  # the "rng" slot holds them, applied where the Trainer does
-            save_on_close=False,  # the Trainer's save_strategy decides every save
-            **opts,
-        )
+        options = self.options
+        if self._default_preemption:
+            options = dataclasses.replace(options, preemption=default_preemption())
+        self.checkpointer = Checkpointer(self.checkpoint_dir, state=self._state(), options=options)
         with self.checkpointer:
             for slot in self._slots.values():
                 slot.discard()
