@@ -319,7 +319,6 @@ def test_the_callback_builds_the_options_a_checkpointer_would(tmp_path: Path) ->
         "keep": resumable.Keep(last=2),
         "persist": "sync",
         "on_busy": "wait",
-        "storage_options": {"endpoint_url": "http://example"},
     }
     callback = ResumableCheckpoint(tmp_path / "a", **same)
     own = {"capture_rng": False, "save_on_close": False}
