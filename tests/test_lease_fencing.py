@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import resumable
-import resumable.manager
+import resumable.pipeline.root_claim
 from resumable import Checkpointer, Keep
 from resumable.audit import AuditLog
 from resumable.commit import list_committed
@@ -99,7 +99,7 @@ class Leases:
 def leases(monkeypatch: pytest.MonkeyPatch) -> Leases:
     """The Checkpointer's lease runs on a fake clock, renewed only when the test says so."""
     leases = Leases()
-    monkeypatch.setattr(resumable.manager, "acquire_root", leases.acquire)
+    monkeypatch.setattr(resumable.pipeline.root_claim, "acquire_root", leases.acquire)
     return leases
 
 
@@ -348,10 +348,10 @@ def test_a_worker_process_frozen_before_its_commit_does_not_commit_after_a_takeo
 TRAINER = """
 import functools, json, sys, time
 import torch
-import resumable, resumable.manager
+import resumable, resumable.pipeline.root_claim
 from resumable.lock import acquire_root
 url, options, shm = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-resumable.manager.acquire_root = functools.partial(acquire_root, ttl_s=2.0, skew_s=0.5)
+resumable.pipeline.root_claim.acquire_root = functools.partial(acquire_root, ttl_s=2.0, skew_s=0.5)
 ck = resumable.Checkpointer(url, {"w": torch.ones(1 << 24)}, persist="process",
                             storage_options=options, shm_dir=shm, save_on_close=False)
 ck.save(1)

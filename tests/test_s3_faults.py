@@ -510,7 +510,7 @@ def test_concurrent_checkpointers_of_one_step_have_one_winner(
 ) -> None:
     """Beneath the one-writer lock (which would refuse the second writer): should two
     writers ever commit at once (a lease lost mid-save), the commit still has one winner."""
-    monkeypatch.setattr("resumable.manager.acquire_root", lambda storage: RootLock())
+    monkeypatch.setattr("resumable.pipeline.root_claim.acquire_root", lambda storage: RootLock())
     monkeypatch.setattr("resumable.manager.Checkpointer._supersede", lambda self: None)
     url = f"s3://{s3_bucket}/run"
     barrier = threading.Barrier(2, timeout=30)
