@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 REST = 100  # captures an entry is walked the ordinary way after it could not be reused
 _MISSES = 3  # consecutive re-plans of an entry before it rests
 
+_MakeEntry = Callable[
+    [Any, list[tuple[str, torch.Tensor]], list[Any], Globals | None], tuple[Any, str]
+]
+"""Plans an entry from a walk's node, tensors, classes and global tensors' notes: the
+entry, or None and why it cannot be reused."""
+
 
 class CapturePlan:
     """The reusable part of this rank's captures (see the module docstring); used by one
@@ -146,15 +152,12 @@ class CapturePlan:
             log.debug("state[%r] is walked at every snapshot for a while: %s", key, why or n)
 
     def _container(self, key: str, obj: dict[Any, Any] | list[Any], enc: Encoder) -> Any | None:
-        hit = self._entries.get(key)
-        if isinstance(hit, ContainerEntry):
-            if hit.valid(obj) and _free_entry(enc, hit):
-                return self._reuse(key, hit, enc)
-            self._missed(key, "")
-        return self._walk(
+        return self._reuse_or_walk(
             key,
             obj,
             enc,
+            ContainerEntry,
+            lambda hit: hit.valid(obj),
             lambda node, made, classes, glob: (
                 ContainerEntry.make(key, obj, node, made)
                 if glob is None and not classes
@@ -163,24 +166,48 @@ class CapturePlan:
         )
 
     def _module(self, key: str, obj: Any, module: torch.nn.Module, enc: Encoder) -> Any | None:
-        hit = self._entries.get(key)
-        if isinstance(hit, ModuleEntry):
-            if hit.valid(obj, module) and _free_entry(enc, hit):
-                return self._reuse(key, hit, enc)
-            self._missed(key, "")
-        return self._walk(
+        return self._reuse_or_walk(
             key,
             obj,
             enc,
+            ModuleEntry,
+            lambda hit: hit.valid(obj, module),
             lambda node, made, classes, glob: ModuleEntry.make(
                 key, obj, module, node, made, classes, glob
             ),
         )
 
-    def _reuse(self, key: str, hit: ModuleEntry | ContainerEntry, enc: Encoder) -> Any:
+    def _reuse_or_walk(
+        self,
+        key: str,
+        obj: Any,
+        enc: Encoder,
+        kind: type[ModuleEntry] | type[ContainerEntry],
+        valid: Callable[[Any], bool],
+        make: _MakeEntry,
+    ) -> Any | None:
+        """The node of ``key``'s entry, reused when it is a ``kind`` that is still ``valid``
+        and free; else a miss (for a stale entry of that kind) and a fresh `_walk`."""
+        hit = self._entries.get(key)
+        if isinstance(hit, kind):
+            if valid(hit) and _free_entry(enc, hit):
+                return self._reuse(key, hit, enc)
+            self._missed(key, "")
+        return self._walk(key, obj, enc, make)
+
+    def _reuse(
+        self, key: str, hit: ModuleEntry | ContainerEntry | OptimizerEntry, enc: Encoder
+    ) -> Any:
         """``hit``'s node, its classes and live tensors added to ``enc``."""
         if hit.classes is not None:
             enc.classes.append(hit.classes)
+        return self._take(key, hit, enc)
+
+    def _take(
+        self, key: str, hit: ModuleEntry | ContainerEntry | OptimizerEntry, enc: Encoder
+    ) -> Any:
+        """``hit``'s node, its live tensors (and global tensors' notes) added to ``enc``;
+        the entry counts as reused."""
         enc.tensors.update(hit.tensors)
         if hit.glob is not None:
             hit.glob.add(enc)
@@ -193,9 +220,7 @@ class CapturePlan:
         key: str,
         obj: Any,
         enc: Encoder,
-        make: Callable[
-            [Any, list[tuple[str, torch.Tensor]], list[Any], Globals | None], tuple[Any, str]
-        ],
+        make: _MakeEntry,
     ) -> Any | None:
         """Walk ``obj`` as `Encoder.value` does, and plan its entry (``make``: from its
         node, the tensors, the classes and the global tensors' notes the walk made) for
@@ -224,14 +249,9 @@ class CapturePlan:
         hit = self._entries.get(key)
         if isinstance(hit, OptimizerEntry) and hit.direct(obj) and _free_entry(enc, hit):
             # torch's state_dict(), no hooks: its "state" as before, without calling it
-            enc.classes.append(hit.classes)
-            enc.tensors.update(hit.tensors)
-            if hit.glob is not None:
-                hit.glob.add(enc)
-            self._reused = True
-            self._misses[key] = 0
+            node = self._reuse(key, hit, enc)
             groups = hit.groups_node(obj, enc, key)
-            return {"stateful": {"dict": [["state", hit.node], ["param_groups", groups]]}}
+            return {"stateful": {"dict": [["state", node], ["param_groups", groups]]}}
         classes = len(enc.classes)
         sd = enc.state_dict_of(obj, path)
         if type(sd) is not dict or list(sd) != ["state", "param_groups"]:
@@ -239,12 +259,7 @@ class CapturePlan:
             return {"stateful": enc.value(sd, path, 3)}
         st = sd["state"]
         if isinstance(hit, OptimizerEntry) and hit.valid(obj, st) and _free_entry(enc, hit):
-            enc.tensors.update(hit.tensors)
-            if hit.glob is not None:
-                hit.glob.add(enc)
-            state_node = hit.node
-            self._reused = True
-            self._misses[key] = 0
+            state_node = self._take(key, hit, enc)  # its classes came with state_dict_of
         else:
             if hit is not None:
                 self._missed(key, "")

@@ -139,6 +139,13 @@ def require_step(storage: Storage, step: int) -> int:
     return step
 
 
+def chosen_step(storage: Storage, step: int | None) -> int:
+    """The checkpoint a command was asked for: ``step``, which must be committed
+    (`require_step`), or the newest committed one when it is None (`newest_step`).
+    Raises `NoCheckpointError` when there is no such checkpoint."""
+    return newest_step(storage) if step is None else require_step(storage, step)
+
+
 def _parsed(text: str, convert: Callable[[str], _T], expected: str) -> _T:
     """``convert(text)``; a usage error naming what was ``expected`` if it fails."""
     try:

@@ -25,19 +25,18 @@ from resumable.capture import CLASSES_KEY, decode, recorded_classes
 from resumable.cli.common import (
     add_dir,
     add_shm_dir,
+    chosen_step,
     declared_bytes,
     human_size,
     iso_time,
     metrics_text,
-    newest_step,
     open_root,
     print_json,
-    require_step,
     rich_text,
     stdout_console,
     step_arg,
 )
-from resumable.cli.progress import ByteProgress, ProgressReader, checkpoint_bytes
+from resumable.cli.progress import ByteProgress, ProgressReader
 from resumable.commit import (
     RenameCommit,
     list_committed,
@@ -227,8 +226,7 @@ def run_ls(args: argparse.Namespace) -> int:
     pinned = pinned_steps(storage)
     steps = list_committed(storage)
     with ByteProgress("verifying", enabled=args.verify) as bar:
-        if bar.active:
-            bar.set_total(checkpoint_bytes(storage, steps))
+        bar.count(storage, steps)
         rows = [_checkpoint_row(storage, s, pinned, args.verify, bar) for s in steps]
     rows += _incomplete_rows(storage, pinned)
     rows = _merge_memory(rows, _memory_rows(storage, Path(args.shm_dir)))
@@ -389,7 +387,7 @@ def _split_classes(tree: Any) -> tuple[Any, list[tuple[tuple[Any, ...], str]]]:
 
 def run_show(args: argparse.Namespace) -> int:
     storage = open_root(args)
-    step = newest_step(storage) if args.step is None else require_step(storage, args.step)
+    step = chosen_step(storage, args.step)
     m = CheckpointReader(storage, step).manifest
     if args.json:
         print_json(m)

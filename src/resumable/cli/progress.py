@@ -98,6 +98,12 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.update(self._task, total=total)
 
+    def count(self, storage: Storage, steps: Iterable[int]) -> None:
+        """Set the total to the tensor bytes of checkpoints ``steps`` (`checkpoint_bytes`);
+        their manifests are read only while the bar shows."""
+        if self.active:
+            self.set_total(checkpoint_bytes(storage, steps))
+
     def describe(self, text: str) -> None:
         if self._bar is not None:
             self._bar.update(self._task, description=printable(text))

@@ -10,16 +10,15 @@ from typing import Any
 
 from resumable.cli.common import (
     add_dir,
+    chosen_step,
     human_size,
-    newest_step,
     open_root,
     print_json,
-    require_step,
     rich_text,
     stdout_console,
     step_arg,
 )
-from resumable.cli.progress import ByteProgress, ProgressReader, checkpoint_bytes
+from resumable.cli.progress import ByteProgress, ProgressReader
 from resumable.commit import list_committed, step_dir
 from resumable.errors import CorruptCheckpointError, NoCheckpointError
 
@@ -38,14 +37,11 @@ def run_verify(args: argparse.Namespace) -> int:
         steps = list_committed(storage)
         if not steps:
             raise NoCheckpointError(f"nothing to verify: no committed checkpoint in {storage.url}")
-    elif args.step is not None:
-        steps = [require_step(storage, args.step)]
     else:
-        steps = [newest_step(storage)]
+        steps = [chosen_step(storage, args.step)]
     results: list[dict[str, Any]] = []
     with ByteProgress("verifying") as bar:
-        if bar.active:
-            bar.set_total(checkpoint_bytes(storage, steps))
+        bar.count(storage, steps)
         for step in steps:
             bar.describe(f"verifying {step_dir(step)}")
             try:

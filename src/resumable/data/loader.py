@@ -18,7 +18,14 @@ from typing import Any, get_args
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from resumable.data.order import WORKER_STREAM, ResumableSampler, ShardEnd, derive_seed, world
+from resumable.data.order import (
+    WORKER_STREAM,
+    ResumableSampler,
+    SeededEpochs,
+    ShardEnd,
+    derive_seed,
+    world,
+)
 from resumable.data.positions import (
     WHAT,
     BatchSizeChange,
@@ -83,7 +90,7 @@ class _EpochIterator(Iterator[Any]):
         self._inner = None
 
 
-class ResumableDataLoader(DataLoader[Any]):
+class ResumableDataLoader(DataLoader[Any], SeededEpochs):
     """A ``torch.utils.data.DataLoader`` whose position survives a restart exactly.
 
     Takes ``DataLoader``'s arguments with its defaults, plus ``seed`` (the order of every
@@ -306,19 +313,6 @@ class ResumableDataLoader(DataLoader[Any]):
             in_order=in_order,
             **sampler_args,
         )
-
-    @property
-    def seed(self) -> int:
-        return self._seed
-
-    @property
-    def shuffle(self) -> bool:
-        return self._shuffle
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next batch comes from."""
-        return self._epoch
 
     @property
     def position(self) -> int:

@@ -35,7 +35,15 @@ from resumable.data.state import (
 )
 from resumable.errors import StateMismatchError
 
-__all__ = ["ResumableSampler", "ShardEnd", "derive_seed", "shard", "shard_length", "world"]
+__all__ = [
+    "ResumableSampler",
+    "SeededEpochs",
+    "ShardEnd",
+    "derive_seed",
+    "shard",
+    "shard_length",
+    "world",
+]
 
 ShardEnd = Literal["pad", "drop"]
 """What to do with the end of an epoch that does not divide by the world size:
@@ -115,7 +123,30 @@ def consumed(n: int, start: int, world_size: int, shard_end: ShardEnd, taken: in
     return start + min(world_size * min(taken, per), n - start)
 
 
-class ResumableSampler(Sampler[int]):
+class SeededEpochs:
+    """The read-only ``seed``, ``shuffle`` and ``epoch`` of an object whose order of each
+    epoch is a pure function of ``(seed, epoch)`` (`ResumableSampler`,
+    `ResumableDataLoader`). The object sets ``_seed``, ``_shuffle`` and ``_epoch``."""
+
+    _seed: int
+    _shuffle: bool
+    _epoch: int
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def shuffle(self) -> bool:
+        return self._shuffle
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``__iter__`` draws its order from."""
+        return self._epoch
+
+
+class ResumableSampler(Sampler[int], SeededEpochs):
     """Sampler whose epoch permutation is a pure function of ``(seed, epoch, len)``, sharded
     over ranks like ``DistributedSampler``.
 
@@ -170,22 +201,10 @@ class ResumableSampler(Sampler[int]):
         return len(self._source) if self._source is not None else self._length
 
     @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
     def start(self) -> int:
         """Epoch position (entries consumed by all ranks) at which the next ``__iter__``
         begins."""
         return self._start
-
-    @property
-    def seed(self) -> int:
-        return self._seed
-
-    @property
-    def shuffle(self) -> bool:
-        return self._shuffle
 
     @property
     def num_replicas(self) -> int:

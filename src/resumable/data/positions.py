@@ -353,15 +353,80 @@ def sharded_by(obj: object) -> tuple[int, int] | None:
     return None
 
 
-class UserOrder:
+class _PerRankOrder:
+    """What the orders whose position is one rank's own share (`UserOrder`,
+    `IterableOrder`): the keys they save, and the check that a state resumes at the
+    same world size and rank. A subclass sets ``kind`` (saved as ``"order"``),
+    ``batch_size``, ``world_size`` and ``rank``."""
+
+    per_rank = True
+    kind: str
+    batch_size: int
+    world_size: int
+    rank: int
+
+    @staticmethod
+    def _keys(state_key: str, **extra: type) -> dict[str, type]:
+        """The keys of a saved state besides ``version``, for `validated_state`:
+        ``state_key`` holds the order's own state (anything), ``extra`` the subclass's."""
+        return {
+            "order": str,
+            "epoch": int,
+            "position": int,
+            state_key: object,
+            "batch_size": int,
+            **extra,
+            "world_size": int,
+            "rank": int,
+        }
+
+    def _state(
+        self, version: int, epoch: int, position: int, state_key: str, value: Any, **extra: Any
+    ) -> dict[str, Any]:
+        """A state with the keys of `_keys`, in that order."""
+        return {
+            "version": version,
+            "order": self.kind,
+            "epoch": epoch,
+            "position": position,
+            state_key: value,
+            "batch_size": self.batch_size,
+            **extra,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def _expect_same_rank(self, s: Mapping[str, Any], fix: str) -> None:
+        """`StateMismatchError` (with ``fix``) unless ``s`` was saved at this world size
+        and rank."""
+        for key, current in (("world_size", self.world_size), ("rank", self.rank)):
+            expect_same(WHAT, key, s[key], current, fix)
+
+    def _resume_position(
+        self,
+        s: Mapping[str, Any],
+        on_batch_size_change: BatchSizeChange,
+        cannot_continue: str | None,
+    ) -> int:
+        """The position to resume the saved epoch at (`batch_size_changed` with the saved
+        and this order's ``batch_size``)."""
+        return batch_size_changed(
+            s["batch_size"],
+            self.batch_size,
+            on_batch_size_change,
+            s["epoch"],
+            s["position"],
+            cannot_continue,
+        )
+
+
+class UserOrder(_PerRankOrder):
     """A user's sampler (``unit`` = 1 index) or batch sampler (``unit`` = 1 batch), wrapped
     so that its next iteration starts at a position. The DataLoader iterates `Skipping`.
 
     A batch sampler's state (version `BATCH_SAMPLER_VERSION`) also records
     `batch_sampler_shape`, checked on load; version-2 states, written before it was
     recorded, load unchecked with a WARNING."""
-
-    per_rank = True
 
     def __init__(
         self, inner: Iterable[Any], kind: str, batch_size: int, world_size: int, rank: int
@@ -435,16 +500,7 @@ class UserOrder:
         return None  # the DataLoader's own len() applies
 
     def state(self, epoch: int, position: int) -> dict[str, Any]:
-        state = {
-            "version": STATE_VERSION,
-            "order": self.kind,
-            "epoch": epoch,
-            "position": position,
-            "sampler_state": self._pass_state(),
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-            "rank": self.rank,
-        }
+        state = self._state(STATE_VERSION, epoch, position, "sampler_state", self._pass_state())
         if self.kind == "batch_sampler":
             state["version"] = BATCH_SAMPLER_VERSION
             state["batch_sampler"] = None if self.shape is None else dict(self.shape)
@@ -453,15 +509,7 @@ class UserOrder:
     def load(
         self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
     ) -> tuple[int, int]:
-        spec = {
-            "order": str,
-            "epoch": int,
-            "position": int,
-            "sampler_state": object,
-            "batch_size": int,
-            "world_size": int,
-            "rank": int,
-        }
+        spec = self._keys("sampler_state")
         s = validated_state(
             state,
             WHAT,
@@ -474,16 +522,12 @@ class UserOrder:
                 f"{WHAT} state has version {BATCH_SAMPLER_VERSION}, which only a batch "
                 f"sampler's state has, but order={s['order']!r}; the checkpoint is damaged."
             )
-        for key, current in (("world_size", self.world_size), ("rank", self.rank)):
-            expect_same(
-                WHAT,
-                key,
-                s[key],
-                current,
-                f"A position in a user's {self.kind} is one rank's own; it resumes only at the "
-                "same world size and rank. Use shuffle=/seed= (the loader's own sharded order) "
-                "to resume at another world size.",
-            )
+        self._expect_same_rank(
+            s,
+            f"A position in a user's {self.kind} is one rank's own; it resumes only at the "
+            "same world size and rank. Use shuffle=/seed= (the loader's own sharded order) "
+            "to resume at another world size.",
+        )
         stateful = self._state_target is not None
         if s["sampler_state"] is not None and not stateful:
             raise StateMismatchError(
@@ -503,14 +547,7 @@ class UserOrder:
             )
         # A sampler's position counts its indices, which any batch size goes on from; a
         # batch sampler's batch size is its own (the loader's is 1 and does not change).
-        position = batch_size_changed(
-            s["batch_size"],
-            self.batch_size,
-            on_batch_size_change,
-            s["epoch"],
-            s["position"],
-            None,
-        )
+        position = self._resume_position(s, on_batch_size_change, None)
         if self.kind == "batch_sampler":
             position = self._batches_changed(s, on_batch_size_change, position)
         self.pass_state = s["sampler_state"]
@@ -572,7 +609,7 @@ def has_state(obj: object) -> bool:
     )
 
 
-class IterableOrder:
+class IterableOrder(_PerRankOrder):
     """An ``IterableDataset``: the position is this rank's batches of the epoch.
 
     With ``state_dict()``/``load_state_dict()`` on the dataset, nothing is replayed:
@@ -592,7 +629,7 @@ class IterableOrder:
     states, written before it was recorded, load unchecked where they used workers).
     """
 
-    per_rank = True
+    kind = "iterable"
 
     def __init__(
         self,
@@ -668,34 +705,21 @@ class IterableOrder:
                 dataset_state = self.cursor.state()
             else:
                 dataset_state = self.dataset.state_dict()
-        return {
-            "version": ITERABLE_VERSION,
-            "order": "iterable",
-            "epoch": epoch,
-            "position": position,
-            "dataset_state": dataset_state,
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-            "replay": self.by_replay,
-            "num_workers": self.num_workers,
-            "world_size": self.world_size,
-            "rank": self.rank,
-        }
+        return self._state(
+            ITERABLE_VERSION,
+            epoch,
+            position,
+            "dataset_state",
+            dataset_state,
+            drop_last=self.drop_last,
+            replay=self.by_replay,
+            num_workers=self.num_workers,
+        )
 
     def load(
         self, state: Mapping[str, Any], on_batch_size_change: BatchSizeChange
     ) -> tuple[int, int]:
-        spec = {
-            "order": str,
-            "epoch": int,
-            "position": int,
-            "dataset_state": object,
-            "batch_size": int,
-            "drop_last": bool,
-            "replay": bool,
-            "world_size": int,
-            "rank": int,
-        }
+        spec = self._keys("dataset_state", drop_last=bool, replay=bool)
         s = validated_state(
             state,
             WHAT,
@@ -703,22 +727,18 @@ class IterableOrder:
             {STATE_VERSION: spec, ITERABLE_VERSION: {**spec, "num_workers": int}},
         )
         configuration: tuple[tuple[str, object], ...] = (
-            ("order", "iterable"),
+            ("order", self.kind),
             ("drop_last", self.drop_last),
             ("replay", self.by_replay),
         )
         for key, current in configuration:
             expect_same(WHAT, key, s[key], current, f"Construct it with {key}={s[key]!r}.")
         self._check_workers(s)
-        for key, rank_value in (("world_size", self.world_size), ("rank", self.rank)):
-            expect_same(
-                WHAT,
-                key,
-                s[key],
-                rank_value,
-                "A position in an IterableDataset is one rank's own (the dataset shards "
-                "itself); it resumes only at the same world size and rank.",
-            )
+        self._expect_same_rank(
+            s,
+            "A position in an IterableDataset is one rank's own (the dataset shards "
+            "itself); it resumes only at the same world size and rank.",
+        )
         if not self.by_replay and s["position"] and s["dataset_state"] is None:
             raise StateMismatchError(
                 f"{WHAT} state has position={s['position']} but no dataset_state; the "
@@ -726,12 +746,9 @@ class IterableOrder:
             )
         if self.cursor is not None and s["position"]:
             WorkerCursor(self.num_workers).load(s["dataset_state"], WHAT)  # check only
-        position = batch_size_changed(
-            s["batch_size"],
-            self.batch_size,
+        position = self._resume_position(
+            s,
             on_batch_size_change,
-            s["epoch"],
-            s["position"],
             f"the position in an IterableDataset counts this rank's batches of "
             f"{s['batch_size']}, and its samples are known only through the dataset's own "
             f"state or by re-reading batches of that size",

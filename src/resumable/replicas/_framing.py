@@ -107,6 +107,15 @@ class Channel:
         self._in_seq = 0
         self._limiter = limiter
 
+    def adopt_peer_nonce(self, frame: Frame, what: str) -> None:
+        """Take the nonce in ``frame``, the peer's ``what`` (its challenge or hello), as the
+        peer's: every frame sent from now on is under it. Raises `ReplicaError` ("refused")
+        when the frame carries no nonce of `NONCE` bytes, `ValueError` when it is not hex."""
+        nonce = frame.header.get("nonce")
+        if not isinstance(nonce, str) or len(nonce) != 2 * NONCE:
+            raise ReplicaError(f"a {what} without a nonce", reason="refused")
+        self.peer_nonce = bytes.fromhex(nonce)
+
     def _mac(self, direction: bytes, nonce: bytes, seq: int, hlen: int, plen: int) -> Any:
         mac = hmac.new(self._secret, digestmod=hashlib.sha256)
         mac.update(CONTEXT + direction + nonce + struct.pack(">Q", seq) + _LENGTHS.pack(hlen, plen))

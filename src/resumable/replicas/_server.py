@@ -23,7 +23,6 @@ import xxhash
 
 from resumable.errors import ReplicaError
 from resumable.replicas._framing import (
-    NONCE,
     PROTOCOL,
     SMALL_FRAME,
     TO_CLIENT,
@@ -184,10 +183,7 @@ class ReplicaServer:
                 sequenced=False,
             )
             hello = ch.recv(max_payload=0, max_header=SMALL_FRAME)
-            nonce = hello.header.get("nonce")
-            if not isinstance(nonce, str) or len(nonce) != 2 * NONCE:
-                raise ReplicaError("a hello without a nonce", reason="refused")
-            ch.peer_nonce = bytes.fromhex(nonce)  # authenticated: errors are sent under it
+            ch.adopt_peer_nonce(hello, "hello")  # authenticated: errors are sent under it
             sender = self._check_hello(hello.header)
             ch.send({"type": "welcome", "rank": self.rank})
             while True:

@@ -29,7 +29,6 @@ from resumable.replicas._framing import (
     CONTEXT,
     IO_CHUNK,
     MAX_HEADER,
-    NONCE,
     PROTOCOL,
     SMALL_FRAME,
     TO_CLIENT,
@@ -109,10 +108,7 @@ class ReplicaClient:
         try:
             challenge = ch.recv(nonce=b"", sequenced=False, max_payload=0, max_header=SMALL_FRAME)
             raise_if_error(challenge, "challenge", self.peer)
-            nonce = challenge.header.get("nonce")
-            if not isinstance(nonce, str) or len(nonce) != 2 * NONCE:
-                raise ReplicaError("a challenge without a nonce", reason="refused")
-            ch.peer_nonce = bytes.fromhex(nonce)
+            ch.adopt_peer_nonce(challenge, "challenge")
             ch.send(self._header("hello", protocol=PROTOCOL, nonce=ch.my_nonce.hex()))
             welcome = ch.recv(max_payload=0)
             raise_if_error(welcome, "welcome", self.peer)

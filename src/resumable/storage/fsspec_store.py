@@ -45,11 +45,11 @@ from resumable.errors import (
     StorageError,
 )
 from resumable.format import check_relpath
-from resumable.storage.base import Buffer, Storage
+from resumable.storage.base import Buffer
+from resumable.storage.object_store import ObjectStorage, not_installed
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,221}[a-z0-9]\Z")
 _OWN_OPTIONS = {
     "part_size",
@@ -71,6 +71,16 @@ def _status(exc: BaseException) -> int | None:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """How long and how often a filesystem's requests may try (from `FsspecStorage`'s
+    ``max_attempts``, ``connect_timeout`` and ``read_timeout``)."""
+
+    attempts: int  # tries per request, the first included; at least 1
+    connect: float  # seconds to connect
+    read: float  # seconds to wait for the next bytes of an answer
+
+
+@dataclass(frozen=True)
 class Flavor:
     """What one object store needs beyond fsspec's common verbs."""
 
@@ -80,14 +90,14 @@ class Flavor:
     refusal_status: int  # the HTTP status of a refused create-only write
     client_options: frozenset[str]  # constructor arguments passed through to fsspec
     credentials_hint: str
-    make_fs: Callable[[dict[str, Any]], Any]
+    make_fs: Callable[[dict[str, Any], Limits], Any]  # (client options, limits) -> filesystem
 
     def refused(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the server refusing a create-only write onto an existing object."""
         return isinstance(exc, FileExistsError) or _status(exc) == self.refusal_status
 
 
-def _make_gcs(options: dict[str, Any]) -> Any:
+def _make_gcs(options: dict[str, Any], limits: Limits) -> Any:
     # gcsfs's own `GCSFileSystem`, never the "experimental" subclass that
     # `import gcsfs` substitutes unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false *at the
     # time gcsfs is first imported* (by whichever library imports it first: Lightning
@@ -100,40 +110,39 @@ def _make_gcs(options: dict[str, Any]) -> Any:
         from gcsfs.core import GCSFileSystem
         from gcsfs.retry import retry_request
     except ImportError as exc:
-        raise CheckpointError(
-            "gs:// checkpoints need gcsfs, which is not installed: pip install gcsfs "
-            "(in a source checkout of resumable: pip install -e '.[gcs]')"
+        raise not_installed(
+            "gs://",
+            "gcsfs",
+            "pip install gcsfs (in a source checkout of resumable: pip install -e '.[gcs]')",
         ) from exc
-    attempts = max(1, int(options.pop("_max_attempts", 4)))
-    connect, read = options.pop("_timeouts", (10.0, 60.0))
     if "endpoint_url" not in options and os.environ.get("STORAGE_EMULATOR_HOST"):
         options.setdefault("token", "anon")  # an emulator takes no credentials
     # gcsfs sends each request with no timeout at all, and retries it six times over
     # about 35 s: a server that is not there took a minute to report. Both bounded here,
     # as the S3 backend bounds boto3's.
     options.setdefault(
-        "requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
+        "requests_timeout",
+        aiohttp.ClientTimeout(total=None, sock_connect=limits.connect, sock_read=limits.read),
     )
     fs = GCSFileSystem(**options)
     raw = getattr(GCSFileSystem._request, "__wrapped__", None)
     if raw is not None:
-        fs._request = types.MethodType(retry_request(retries=attempts)(raw), fs)
+        fs._request = types.MethodType(retry_request(retries=limits.attempts)(raw), fs)
     return fs
 
 
-def _make_azure(options: dict[str, Any]) -> Any:
+def _make_azure(options: dict[str, Any], limits: Limits) -> Any:
     try:
         import adlfs
     except ImportError as exc:
-        raise CheckpointError(
-            "az:// and abfs:// checkpoints need adlfs, which is not installed: "
+        raise not_installed(
+            "az:// and abfs://",
+            "adlfs",
             "pip install adlfs azure-identity (in a source checkout of resumable: "
-            "pip install -e '.[azure]')"
+            "pip install -e '.[azure]')",
         ) from exc
-    attempts = int(options.pop("_max_attempts", 4))
-    connect, read = options.pop("_timeouts", (10.0, 60.0))
-    options.setdefault("connection_timeout", connect)
-    options.setdefault("read_timeout", read)
+    options.setdefault("connection_timeout", limits.connect)
+    options.setdefault("read_timeout", limits.read)
     try:
         fs = adlfs.AzureBlobFileSystem(**options)
     except ValueError as exc:
@@ -149,7 +158,7 @@ def _make_azure(options: dict[str, Any]) -> Any:
     # server that is not there; bound it like the S3 backend's max_attempts.
     policy = getattr(getattr(fs.service_client, "_config", None), "retry_policy", None)
     if policy is not None and hasattr(policy, "total_retries"):
-        policy.total_retries = policy.connect_retries = max(0, attempts - 1)
+        policy.total_retries = policy.connect_retries = limits.attempts - 1
         if hasattr(policy, "initial_backoff"):
             policy.initial_backoff, policy.increment_base = 0.5, 2
     return fs
@@ -216,7 +225,7 @@ def parse_url(url: str) -> tuple[Flavor, str, str, str | None]:
     return flavor, netloc, prefix, account
 
 
-class FsspecStorage(Storage):
+class FsspecStorage(ObjectStorage):
     """Objects under ``gs://bucket/prefix`` or ``az://container/prefix`` (``abfs://``).
 
     Args:
@@ -239,6 +248,9 @@ class FsspecStorage(Storage):
 
     supports_rename = False
     supports_append = False
+    create_only = "create-only writes"
+    overwrite = "of a create-only write"
+    supported = "preconditions"
 
     def __init__(self, url: str, *, filesystem: Any = None, **options: Any) -> None:
         self.flavor, self.bucket, self.prefix, account = parse_url(url)
@@ -250,24 +262,19 @@ class FsspecStorage(Storage):
             )
         scheme = urlparse(url).scheme
         self.url = f"{scheme}://{self.bucket}/{self.prefix}".rstrip("/")
-        self.part_size = int(options.pop("part_size", 32 * MiB))
-        if self.part_size < 5 * MiB:
-            raise CheckpointError(f"part_size must be at least 5 MiB, got {self.part_size}")
-        self.max_concurrency = max(1, int(options.pop("max_concurrency", 8)))
-        self.allow_unconditional_commit = bool(options.pop("allow_unconditional_commit", False))
-        attempts = int(options.pop("max_attempts", 4))
+        self._take_transfer_options(options)
+        attempts = max(1, int(options.pop("max_attempts", 4)))
         if filesystem is None:
             if account is not None:
                 options.setdefault("account_name", account)
             options.update(skip_instance_cache=True, use_listings_cache=False)
-            options["_max_attempts"] = attempts
-            options["_timeouts"] = (
+            limits = Limits(
+                attempts,
                 float(options.pop("connect_timeout", 10)),
                 float(options.pop("read_timeout", 60)),
             )
-            filesystem = self.flavor.make_fs(options)
+            filesystem = self.flavor.make_fs(options, limits)
         self.fs = filesystem
-        self._conditional_ok: bool | None = None
         self._bucket_checked = False
 
     @property
@@ -346,16 +353,8 @@ class FsspecStorage(Storage):
             raise
         return total
 
-    def put_if_absent(self, path: str, data: bytes) -> bool:
-        """Create ``path`` holding ``data`` in one create-only request unless it exists;
-        returns whether this call created it. A retried request whose first try landed
-        reads as "exists": callers compare contents (see `MarkerCommit`)."""
-        key = self._object_key(path)
-        if not self.conditional_put_enforced():
-            if self.exists(path):
-                return False
-            self.write(path, [data])
-            return True
+    def _create(self, path: str, key: str, data: bytes) -> bool:
+        """``pipe_file(mode="create")``: one create-only request."""
         try:
             self.fs.pipe_file(key, bytes(data), mode="create")
         except Exception as exc:
@@ -363,28 +362,6 @@ class FsspecStorage(Storage):
                 return False
             raise self._error("write", path, exc) from exc
         return True
-
-    def conditional_put_enforced(self) -> bool:
-        """Whether the server refuses a create-only write onto an existing object;
-        probed once per storage (two writes and a delete under ``.resumable-probe/``).
-        Raises `StorageError` (every time) if not, unless ``allow_unconditional_commit``."""
-        if self._conditional_ok is None:
-            self._conditional_ok = self._probe()
-            if not self._conditional_ok and self.allow_unconditional_commit:
-                log.warning(
-                    "%s ignores create-only writes; commits rely on a single writer "
-                    "(allow_unconditional_commit=True)",
-                    self.url,
-                )
-        if not self._conditional_ok and not self.allow_unconditional_commit:
-            raise StorageError(
-                errno.ENOTSUP,
-                f"the server behind {self.url} accepted an overwrite of a create-only "
-                "write, so two writers could both commit one step. Use a server that "
-                "supports preconditions, or, with a single writer per root only, pass "
-                "storage_options={'allow_unconditional_commit': True}",
-            )
-        return self._conditional_ok
 
     def _probe(self) -> bool:
         key = self._key(f".resumable-probe/{secrets.token_hex(8)}")
@@ -519,24 +496,16 @@ class FsspecStorage(Storage):
 
     def exists(self, path: str) -> bool:
         """An object at ``path``, or any object under ``path/`` (a "directory")."""
-        if path:
-            try:
-                self.size(path)
-                return True
-            except NoCheckpointError:
-                pass
+        if path and self._is_object(path):
+            return True
         return bool(self.list_dir(path))
 
     def delete(self, path: str) -> None:
         """Delete the object ``path`` and every object under ``path/``."""
         names = [name for name, _, _ in self.list_files(path)]
         keys = [self._key(f"{path}/{name}" if path else name) for name in names]
-        if path:
-            try:
-                self.size(path)
-                keys.append(self._object_key(path))
-            except NoCheckpointError:
-                pass
+        if path and self._is_object(path):
+            keys.append(self._object_key(path))
         if not keys:
             return
         try:

@@ -43,13 +43,13 @@ from resumable.errors import (
     StorageError,
 )
 from resumable.format import check_relpath
-from resumable.storage.base import Buffer, Storage
+from resumable.storage.base import Buffer
+from resumable.storage.object_store import ObjectStorage, not_installed
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
-# S3's limits: parts of 5 MiB..5 GiB (the last may be smaller), at most 10,000 per upload.
-MIN_PART = 5 * MiB
+# S3's limits: parts of 5 MiB (`object_store.MIN_PART`) to 5 GiB, the last may be
+# smaller; at most 10,000 per upload.
 MAX_PARTS = 10_000
 _SESSIONS: dict[str | None, Any] = {}
 _SESSION_LOCK = threading.Lock()
@@ -159,7 +159,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-class S3Storage(Storage):
+class S3Storage(ObjectStorage):
     """Objects under ``s3://bucket/prefix``.
 
     Args:
@@ -181,6 +181,9 @@ class S3Storage(Storage):
     """
 
     supports_rename = False
+    create_only = "conditional writes"
+    overwrite = "despite 'If-None-Match: *'"
+    supported = "conditional writes (AWS S3, MinIO, SeaweedFS, ...)"
 
     def __init__(self, url: str, *, client: Any = None, **options: Any) -> None:
         unknown = set(options) - _OWN_OPTIONS - _CLIENT_OPTIONS
@@ -191,24 +194,18 @@ class S3Storage(Storage):
             )
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-        self.part_size = int(options.get("part_size", 32 * MiB))
-        if self.part_size < MIN_PART:
-            raise CheckpointError(f"part_size must be at least 5 MiB, got {self.part_size}")
-        self.max_concurrency = max(1, int(options.get("max_concurrency", 8)))
-        self.allow_unconditional_commit = bool(options.get("allow_unconditional_commit", False))
+        self._take_transfer_options(dict(options))
         self.client = client if client is not None else self._make_client(options)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._conditional_ok: bool | None = None
 
     def _make_client(self, options: Mapping[str, Any]) -> Any:
         try:
             import boto3
             from botocore.config import Config
         except ImportError as exc:  # pragma: no cover - boto3 is a test dependency
-            raise CheckpointError(
-                "s3:// checkpoints need boto3, which is not installed: pip install 'boto3>=1.36' "
-                "(the s3 extra of resumable-training)"
+            raise not_installed(
+                "s3://", "boto3", "pip install 'boto3>=1.36' (the s3 extra of resumable-training)"
             ) from exc
         with _SESSION_LOCK:  # a session loads its data files once (~0.25 s); clients are cheap
             profile = options.get("profile_name")
@@ -387,18 +384,10 @@ class S3Storage(Storage):
                 fut.cancel()
         return done
 
-    def put_if_absent(self, path: str, data: bytes) -> bool:
-        """Create ``path`` holding ``data`` unless it exists (``If-None-Match: *``);
-        returns whether this call created it. A retried request whose first try did
-        land reads as "exists": callers compare contents (see `MarkerCommit`)."""
+    def _create(self, path: str, key: str, data: bytes) -> bool:
+        """One PUT with ``If-None-Match: *``."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        key = self._object_key(path)
-        if not self.conditional_put_enforced():
-            if self.exists(path):
-                return False
-            self.write(path, [data])
-            return True
         try:
             self.client.put_object(
                 Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*", ChecksumAlgorithm="CRC32"
@@ -412,31 +401,6 @@ class S3Storage(Storage):
         except BotoCoreError as exc:
             raise self._error("write", path, exc) from exc
         return True
-
-    def conditional_put_enforced(self) -> bool:
-        """Whether the server refuses ``If-None-Match: *`` onto an existing key; probed
-        once per storage (two PUTs and a DELETE under ``.resumable-probe/``).
-
-        Raises `StorageError` (every time) if it does not, unless
-        ``allow_unconditional_commit``."""
-        if self._conditional_ok is None:
-            self._conditional_ok = self._probe()
-            if not self._conditional_ok and self.allow_unconditional_commit:
-                log.warning(
-                    "%s ignores conditional writes; commits rely on a single writer "
-                    "(allow_unconditional_commit=True)",
-                    self.url,
-                )
-        if not self._conditional_ok and not self.allow_unconditional_commit:
-            raise StorageError(
-                errno.ENOTSUP,
-                f"the server behind {self.url} accepted an overwrite despite "
-                "'If-None-Match: *', so two writers could both commit one step. Use "
-                "a server that supports conditional writes (AWS S3, MinIO, "
-                "SeaweedFS, ...), or, with a single writer per root only, pass "
-                "storage_options={'allow_unconditional_commit': True}",
-            )
-        return self._conditional_ok
 
     def _probe(self) -> bool:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -563,12 +527,8 @@ class S3Storage(Storage):
 
     def exists(self, path: str) -> bool:
         """An object at ``path``, or any object under ``path/`` (a "directory")."""
-        if path:
-            try:
-                self.size(path)
-                return True
-            except NoCheckpointError:
-                pass
+        if path and self._is_object(path):
+            return True
         base = self._key(path)
         r = self._call(
             "list",
