@@ -377,7 +377,7 @@ class Sandbox:
                 snap = tier.newest
                 if snap is not None:
                     content, views = tier.verified(snap)
-                    decode(content.meta["tree"], views, None, resolve=_no_global)
+                    decode(content.meta.tree, views, None, resolve=_no_global)
             finally:
                 tier.close(unlink=False)
             list(shm.list_segments(self.shm_dir))

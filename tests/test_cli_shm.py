@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from resumable.cli import main
+from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 
 TRAINER = textwrap.dedent(
@@ -137,7 +138,7 @@ def test_slot_without_a_recorded_root_is_kept_unless_forced(
 ) -> None:
     """A slot written before roots were recorded: nobody can tell what it holds."""
     arena = ShmArena("0123456789ab", shm_dir=shm_dir)  # no root, as older versions wrote
-    arena.snapshot(7, {"w": torch.arange(16.0)}, {"step": 7, "tree": {}, "metrics": {}})
+    arena.snapshot(7, {"w": torch.arange(16.0)}, SlotMeta(tree={}))
     arena.close(unlink=False)
     [row] = shm(shm_dir, capsys)
     assert (row["step"], row["root"], row["unsaved"]) == (7, None, None)

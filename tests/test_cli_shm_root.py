@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from resumable.cli import main
-from resumable.shm import run_key_for
+from resumable.shm import SlotMeta, run_key_for
 from resumable.snapshot import ShmArena
 from resumable.storage import LocalStorage
 
 
 def _snapshot(shm_dir: Path, key: str, root: Path | None, step: int) -> None:
     arena = ShmArena(key, shm_dir=shm_dir, root=None if root is None else str(root))
-    arena.snapshot(step, {"w": torch.arange(16.0)}, {"step": step, "tree": {}, "metrics": {}})
+    arena.snapshot(step, {"w": torch.arange(16.0)}, SlotMeta(tree={}))
     arena.close(unlink=False)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 import resumable
 from resumable.errors import CheckpointError
 from resumable.pipeline.memory import MemoryTier
+from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 
@@ -63,7 +64,7 @@ def test_copy_checked_copies_each_slot_and_hashes_it_as_checksums_does(
         if not threads and arena._pool is not None:
             arena._pool.shutdown(wait=True)
             arena._pool = None
-        snap = arena.snapshot(1, tensors, {"step": 1, "tree": {}, "metrics": {}})
+        snap = arena.snapshot(1, tensors, SlotMeta(tree={}))
         assert not isinstance(snap, bool)
         content = arena.content(snap.index)
         slot = arena.slots[snap.index]

@@ -21,6 +21,7 @@ import torch
 from launch import environment, kill_session, run, torchrun_cmd
 from memory_previous_job import checkpointer
 from resumable import shm
+from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 
@@ -78,17 +79,17 @@ def test_the_third_slot_is_made_only_while_a_persist_holds_one(shm_dir: Path) ->
     try:
         for step in range(1, 5):
             t["w"].fill_(step)
-            arena.snapshot(step, t, {"step": step, "tree": {}})
+            arena.snapshot(step, t, SlotMeta(tree={}))
         assert [s is not None for s in arena.slots] == [True, True, False, False]
         assert sorted(sn.step for sn, _ in arena.complete()) == [3, 4]
         assert arena.newest is not None
         arena.locked.add(arena.newest.index)  # a persist of step 4
-        arena.snapshot(5, t, {"step": 5, "tree": {}})
-        arena.snapshot(6, t, {"step": 6, "tree": {}})
+        arena.snapshot(5, t, SlotMeta(tree={}))
+        arena.snapshot(6, t, SlotMeta(tree={}))
         assert arena.slots[2] is not None
         assert sorted(sn.step for sn, _ in arena.complete()) == [4, 5, 6]
         arena.locked.clear()
-        arena.snapshot(7, t, {"step": 7, "tree": {}})  # overwrites the oldest: step 4
+        arena.snapshot(7, t, SlotMeta(tree={}))  # overwrites the oldest: step 4
         assert sorted(sn.step for sn, _ in arena.complete()) == [5, 6, 7]
         # A restore back to step 5 drops the later steps (a timeline left).
         five = next(sn for sn, _ in arena.complete() if sn.step == 5)

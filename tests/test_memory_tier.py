@@ -24,6 +24,7 @@ from torch import nn
 import resumable
 from resumable import shm
 from resumable.errors import PersistError, StorageError
+from resumable.shm import SlotMeta
 from resumable.snapshot import MemorySnapshot, ShmArena
 from resumable.storage.memory import MemoryStorage
 
@@ -163,14 +164,14 @@ def test_a_slot_keeps_its_layout_head_and_every_snapshot_reads_back_whole(shm_di
     arena = ShmArena("k-head", shm_dir=shm_dir)
     t = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3)}
     for step, note in enumerate(["x" * 300, "", "y" * 10, "z"], start=1):
-        snap = arena.snapshot(step, t, {"step": step, "tree": {}, "metrics": {"n": note}})
+        snap = arena.snapshot(step, t, SlotMeta(tree={}, metrics={"n": note}))
         assert isinstance(snap, MemorySnapshot)
         content = arena.slots[snap.index].read()  # type: ignore[union-attr]
         assert content is not None and content.step == step
-        assert content.meta["metrics"] == {"n": note}
+        assert content.meta.metrics == {"n": note}
         assert [s.name for s in content.slots] == ["w", "b"]
     t["c"] = torch.zeros(2)  # a new layout: a new head
-    snap = arena.snapshot(9, t, {"step": 9, "tree": {}, "metrics": {}})
+    snap = arena.snapshot(9, t, SlotMeta(tree={}))
     assert isinstance(snap, MemorySnapshot)
     slot = arena.slots[snap.index]
     assert slot is not None
@@ -185,10 +186,10 @@ def test_a_slot_keeps_its_layout_head_and_every_snapshot_reads_back_whole(shm_di
 def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     arena = ShmArena("k1", shm_dir=shm_dir)
     t = {"w": torch.arange(1000, dtype=torch.float32)}
-    arena.snapshot(5, t, {"step": 5, "tree": {}, "metrics": {}})
+    arena.snapshot(5, t, SlotMeta(tree={}))
     # A kill in the middle of the next copy: the other slot is left WRITING.
     t2 = {"w": torch.zeros(1000)}
-    second = arena.snapshot(6, t2, {"step": 6, "tree": {}, "metrics": {}})
+    second = arena.snapshot(6, t2, SlotMeta(tree={}))
     assert isinstance(second, MemorySnapshot)  # no overlap: published on return
     slot = arena.slots[second.index]
     assert slot is not None

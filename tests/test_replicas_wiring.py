@@ -17,6 +17,7 @@ from resumable.options import MemoryOptions
 from resumable.replicas.peers import own_snapshot, rate_from_env, tensor_ranges
 from resumable.replicas.store import ReplicaStore, plan_pieces, remove_dead_stores
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
+from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 
@@ -57,7 +58,7 @@ def test_a_slot_read_as_a_replica_installs_in_another_arena_bit_for_bit(shm_dir:
     dst = ShmArena("dst", shm_dir=shm_dir)
     t = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.tensor([7], dtype=torch.int64)}
     try:
-        snap = src.snapshot(3, t, {"step": 3, "tree": {"x": 1}})
+        snap = src.snapshot(3, t, SlotMeta(tree={"x": 1}))
         assert not isinstance(snap, type(None))
         slot = src.slots[snap.index]
         assert slot is not None
@@ -66,13 +67,13 @@ def test_a_slot_read_as_a_replica_installs_in_another_arena_bit_for_bit(shm_dir:
         meta, data = got
         installed = dst.install(3, meta, bytes(data))
         content = dst.content(installed.index)
-        assert content is not None and content.step == 3 and content.meta["tree"] == {"x": 1}
+        assert content is not None and content.step == 3 and content.meta.tree == {"x": 1}
         views = dst.tensors(installed.index, content)
         assert torch.equal(views["w"], t["w"]) and torch.equal(views["b"], t["b"])
         assert dst.newest is installed
         # a slot rewritten since: no bytes for the old snapshot
-        src.snapshot(4, t, {"step": 4, "tree": {}})
-        src.snapshot(5, t, {"step": 5, "tree": {}})
+        src.snapshot(4, t, SlotMeta(tree={}))
+        src.snapshot(5, t, SlotMeta(tree={}))
         assert slot.replica_bytes(snap.seq) is None
         del data
     finally:
@@ -118,12 +119,12 @@ def test_a_peer_is_sent_only_the_pieces_its_own_snapshot_lacks(shm_dir: Path) ->
         snap = sender.snapshot(
             3,
             {"w": w, "rng": torch.full((5000,), 1, dtype=torch.uint8)},
-            {"step": 3, "tree": {}, "replicated": ["w"]},
+            SlotMeta(tree={}, replicated=("w",)),
         )
         receiver.snapshot(
             3,
             {"w": w, "rng": torch.full((5000,), 2, dtype=torch.uint8)},
-            {"step": 3, "tree": {}, "replicated": ["w"]},
+            SlotMeta(tree={}, replicated=("w",)),
         )
         slot = sender.slots[snap.index]
         assert slot is not None
@@ -222,22 +223,22 @@ def test_with_replicas_a_rank_keeps_its_two_newest_snapshots_while_copying_the_n
     try:
         for step in range(1, 6):
             t["w"].fill_(step)
-            arena.snapshot(step, t, {"step": step, "tree": {}})
+            arena.snapshot(step, t, SlotMeta(tree={}))
             assert sorted(sn.step for sn, _ in arena.complete())[-3:] == list(
                 range(max(1, step - 2), step + 1)
             )
         assert [s is not None for s in arena.slots] == [True, True, True, False]
         assert arena.newest is not None
         arena.locked.add(arena.newest.index)  # a persist of step 5
-        arena.snapshot(6, t, {"step": 6, "tree": {}})
-        arena.snapshot(7, t, {"step": 7, "tree": {}})
+        arena.snapshot(6, t, SlotMeta(tree={}))
+        arena.snapshot(7, t, SlotMeta(tree={}))
         assert sorted(sn.step for sn, _ in arena.complete()) == [5, 6, 7]
         assert arena.slots[3] is None  # the persisted one was among the kept so far
-        arena.snapshot(8, t, {"step": 8, "tree": {}})  # 5 held, 6 and 7 kept: a fourth
+        arena.snapshot(8, t, SlotMeta(tree={}))  # 5 held, 6 and 7 kept: a fourth
         assert arena.slots[3] is not None
         assert sorted(sn.step for sn, _ in arena.complete()) == [5, 6, 7, 8]
         arena.locked.clear()
-        arena.snapshot(9, t, {"step": 9, "tree": {}})  # overwrites the oldest: step 5
+        arena.snapshot(9, t, SlotMeta(tree={}))  # overwrites the oldest: step 5
         assert sorted(sn.step for sn, _ in arena.complete()) == [6, 7, 8, 9]
     finally:
         arena.close(unlink=True)

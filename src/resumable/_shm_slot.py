@@ -15,15 +15,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
-import math
 import mmap
 import os
 import secrets
 import struct
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 import xxhash
 
+from resumable._shm_meta import SlotMeta, decode_meta
 from resumable._shm_places import (
     TMP_MARK,
     map_file,
@@ -41,8 +39,8 @@ from resumable._shm_places import (
     same_file,
     shm_free_bytes,
 )
-from resumable.errors import CheckpointError, StorageError
-from resumable.format import TensorSlot, dtype_from_name, dtype_name, itemsize
+from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
+from resumable.format import TensorSlot
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,6 @@ CONTROL = 4096
 ALIGN = 4096
 
 EMPTY, WRITING, COMPLETE = 0, 1, 2
-ROOT_KEY = "root"  # metadata key: the checkpoint root's URL
 # What to do when shared memory cannot hold the snapshots (also in
 # `pipeline.memory.MemoryTier.preflight`'s message: one remedy wherever it is said).
 SHM_REMEDY = (
@@ -120,7 +117,7 @@ class SlotContent:
 
     step: int
     seq: int
-    meta: dict[str, Any]
+    meta: SlotMeta
     slots: list[TensorSlot]
     checksums: list[str] | None
 
@@ -141,7 +138,7 @@ class ShmSlot:
         self._head: bytes | None = None
         self._head_hash: Any = None
         # What `read` last parsed: the metadata bytes, the data capacity, their parse.
-        self._parsed: tuple[bytes, int, dict[str, Any], list[TensorSlot]] | None = None
+        self._parsed: tuple[bytes, int, SlotMeta, list[TensorSlot]] | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -363,7 +360,7 @@ class ShmSlot:
         return seq + 1
 
     def finish_write(self, *, step: int, blob: bytes, data_len: int, head: bytes = b"") -> int:
-        """Write the metadata (``head`` then ``blob``: its JSON, from `encode_meta`) and
+        """Write the metadata (``head`` then ``blob``: its JSON, from `SlotMeta.encode`) and
         publish the slot as COMPLETE; returns its seq.
 
         ``head``, the same bytes object at every snapshot of one layout (its JSON), is
@@ -425,15 +422,9 @@ class ShmSlot:
             meta, slots = parsed[2], parsed[3]  # the same bytes as at the last read
         else:
             try:
-                meta = json.loads(blob)
-            except (ValueError, RecursionError):  # RecursionError: nested too deeply
+                meta, slots = decode_meta(blob, c.data_cap)
+            except CorruptCheckpointError:  # not written by this library: as if cut short
                 return None
-            if not isinstance(meta, dict) or "tree" not in meta:
-                return None
-            found = slot_layout(meta.get("layout"), c.data_cap)
-            if found is None:
-                return None
-            slots = found
             self._parsed = (blob, c.data_cap, meta, slots)
         sums = None
         if c.sums_seq == c.seq:
@@ -461,75 +452,6 @@ class ShmSlot:
         """True while the slot still holds snapshot ``seq``."""
         c = self.control()
         return c.seq == seq and c.state == COMPLETE
-
-
-def slot_layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
-    """The tensor slots of a snapshot's ``layout`` metadata if it is one `layout_meta`
-    writes for a `plan_layout`: distinct names, known dtypes, shapes of non-negative
-    integers, each tensor's bytes right after the previous one's, aligned to its element
-    size, as long as its shape needs, inside the data region; else None. (A slot whose
-    metadata checksum holds was written by this user, but a restore must not crash on
-    it either.)"""
-    if not isinstance(layout, list):
-        return None
-    slots: list[TensorSlot] = []
-    names: set[str] = set()
-    offset = 0
-    for t in layout:
-        if not isinstance(t, dict):
-            return None
-        name, dtype, shape, begin, end = (
-            t.get(k) for k in ("name", "dtype", "shape", "begin", "end")
-        )
-        if not isinstance(name, str) or name in names:
-            return None
-        try:
-            torch_dtype = dtype_from_name(dtype)
-        except CheckpointError:
-            return None
-        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
-            return None
-        size = itemsize(dtype_name(torch_dtype))
-        if type(begin) is not int or type(end) is not int or begin != offset or begin % size:
-            return None
-        if end != begin + math.prod(shape) * size or end > data_cap:
-            return None
-        names.add(name)
-        slots.append(TensorSlot(name, torch_dtype, tuple(shape), begin, end))
-        offset = end
-    return slots
-
-
-class RawJSON(str):
-    """A value of a snapshot's metadata already encoded as JSON (by `encode_meta`'s caller,
-    which caches the parts that do not change from one snapshot to the next)."""
-
-
-def encode_meta(meta: Mapping[str, Any]) -> bytes:
-    """The JSON object of ``meta``: `RawJSON` values as they are, the rest encoded."""
-    plain = {k: v for k, v in meta.items() if not isinstance(v, RawJSON)}
-    raw = [f"{_dumps(k)}:{v}" for k, v in meta.items() if isinstance(v, RawJSON)]
-    text = _dumps(plain)
-    if raw:
-        text = text[:-1] + ("," if plain else "") + ",".join(raw) + "}"
-    return text.encode()
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-
-def layout_meta(slots: list[TensorSlot]) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": s.name,
-            "dtype": dtype_name(s.dtype),
-            "shape": list(s.shape),
-            "begin": s.begin,
-            "end": s.end,
-        }
-        for s in slots
-    ]
 
 
 def _round_up(n: int, to: int) -> int:

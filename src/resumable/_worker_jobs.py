@@ -26,7 +26,7 @@ from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, RootInUseError, StorageError
 from resumable.incremental import DeltaBase, Incremental
 from resumable.lock import LeaseFence
-from resumable.pieces import owned_tensors, pieces_from_json
+from resumable.pieces import owned_tensors
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -212,9 +212,9 @@ class JobRunner:
         reply, sums = self.persist_snapshot(
             Snapshot(content.slots, slot.data_tensor()),
             step=content.step,
-            tree=content.meta["tree"],
-            metrics=content.meta.get("metrics"),
-            pieces=pieces_from_json(content.meta.get("pieces")),
+            tree=content.meta.tree,
+            metrics=content.meta.metrics,
+            pieces=content.meta.pieces,
         )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
@@ -286,9 +286,7 @@ class JobRunner:
         meta = content.meta
         data = slot.data_tensor()
         views = {s.name: tensor_view(data, s) for s in content.slots}
-        own = owned_tensors(
-            views, meta.get("replicated", []), coordinator.rank, coordinator.world_size
-        )
+        own = owned_tensors(views, meta.replicated, coordinator.rank, coordinator.world_size)
         snap = self._arena.snapshot(own)
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
@@ -296,9 +294,9 @@ class JobRunner:
             coordinator,
             snap,
             step=content.step,
-            tree=meta["tree"],
-            pieces=pieces_from_json(meta.get("pieces")),
-            metrics=meta.get("metrics"),
+            tree=meta.tree,
+            pieces=meta.pieces,
+            metrics=meta.metrics,
         )
 
     def persist_group(

@@ -3,7 +3,8 @@
 A slot is one file in ``/dev/shm``, mapped into the trainer and into the persist worker.
 It holds one complete snapshot (`ShmSlot`, in `resumable._shm_slot`). Its data region has
 a safetensors layout, so the worker writes it out without another copy. Its metadata
-holds all a restore needs, and ``root``, the URL of the checkpoint root it belongs to.
+(`SlotMeta`, in `resumable._shm_meta`) holds all a restore needs, and ``root``, the URL
+of the checkpoint root it belongs to.
 
 Slots are private to their user by construction (`resumable._shm_places`). Liveness is
 a lock, not a pid: each process mapping a slot holds a shared `flock` on it. A slot is
@@ -25,6 +26,15 @@ from pathlib import Path
 
 import xxhash
 
+from resumable._shm_meta import (
+    ROOT_KEY,
+    RawJSON,
+    SlotMeta,
+    decode_meta,
+    encode_meta,
+    layout_meta,
+    slot_layout,
+)
 from resumable._shm_places import (
     PREFIX,
     SHM_DIR,
@@ -44,18 +54,13 @@ from resumable._shm_slot import (
     CONTROL,
     EMPTY,
     MAGIC,
-    ROOT_KEY,
     SHM_REMEDY,
     VERSION,
     WRITING,
     Control,
-    RawJSON,
     ShmSlot,
     SlotContent,
     attach_unlocked,
-    encode_meta,
-    layout_meta,
-    slot_layout,
     unusable,
 )
 from resumable.errors import CheckpointError
@@ -138,8 +143,7 @@ def list_segments(shm_dir: Path = SHM_DIR) -> Iterator[SegmentInfo]:
 
 
 def _root_of(content: SlotContent | None) -> str | None:
-    root = content.meta.get(ROOT_KEY) if content is not None else None
-    return root if isinstance(root, str) else None
+    return content.meta.root if content is not None else None
 
 
 def _entries(directory: Path, *, tmp: bool) -> list[Path]:
@@ -243,7 +247,9 @@ __all__ = [
     "SegmentInfo",
     "ShmSlot",
     "SlotContent",
+    "SlotMeta",
     "attach_unlocked",
+    "decode_meta",
     "encode_meta",
     "fallback_dir",
     "layout_meta",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import mmap
@@ -40,20 +41,19 @@ from resumable.format import TensorSlot, byte_view, checksum, plan_layout
 from resumable.shm import (
     COMPLETE,
     PREFIX,
-    ROOT_KEY,
     SHM_DIR,
     SLOTS,
     RawJSON,
     ShmSlot,
     SlotContent,
+    SlotMeta,
     attach_unlocked,
-    encode_meta,
+    decode_meta,
     fallback_dir,
     layout_meta,
     own_dir,
     release_fd,
     replaced_size,
-    slot_layout,
     slot_paths,
 )
 
@@ -443,14 +443,14 @@ class ShmArena:
         self,
         step: int,
         tensors: Mapping[str, torch.Tensor],
-        meta: dict[str, Any],
+        meta: SlotMeta,
         *,
         deferred: Collection[str] = (),
         executor: ThreadPoolExecutor | None = None,
         plan: CopyPlan | None = None,
     ) -> MemorySnapshot | Future[MemorySnapshot]:
         """Copy ``tensors`` into a free slot and publish it with ``meta`` (which gets the
-        layout added); returns the published snapshot. ``plan``: what `plan` returned
+        layout and `root` added); returns the published snapshot. ``plan``: what `plan` returned
         for these ``tensors`` (else it is called here).
 
         Without ``deferred`` the copy is done when this returns. With ``deferred`` names
@@ -463,9 +463,9 @@ class ShmArena:
             plan = self.plan(tensors)[0]
         layout, nbytes = plan.slots, plan.nbytes
         if self.root is not None:
-            meta = {**meta, ROOT_KEY: self.root}
+            meta = dataclasses.replace(meta, root=self.root)
         # '{"layout":[...],' then the rest of the object: the head is the plan's
-        blob = encode_meta(meta)[1:]
+        blob = meta.encode(step)[1:]
         head = plan.meta_head
         index = self._choose(step)
         slot = self.slots[index]
@@ -509,16 +509,14 @@ class ShmArena:
         """Write a snapshot received whole (a peer's replica of this rank's snapshot:
         its slot metadata JSON and data region, checked by digest on the way) into a
         slot, as `snapshot` writes one, and publish it as the newest. Raises
-        `CheckpointError` if ``meta`` is not a slot's metadata for ``data``."""
-        try:
-            parsed = json.loads(meta)
-        except (ValueError, RecursionError):
-            raise CheckpointError("a received snapshot's metadata is not JSON") from None
+        `CorruptCheckpointError` if ``meta`` is not a slot's metadata for ``data``
+        (`decode_meta`), before any slot is written."""
         view = memoryview(data).cast("B")
         nbytes = len(view)
-        layout = parsed.get("layout") if isinstance(parsed, dict) else None
-        if not isinstance(layout, list) or slot_layout(layout, nbytes) is None:
-            raise CheckpointError("a received snapshot's layout does not fit its data")
+        try:
+            layout = decode_meta(meta, nbytes)[1]
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"a received snapshot is refused: {exc}") from None
         index = self._choose(step)
         slot = self.slots[index]
         if slot is None or not slot.fits(len(meta), len(layout), nbytes):

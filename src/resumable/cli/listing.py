@@ -173,13 +173,13 @@ def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
             {
                 "step": content.step,
                 "name": str(path),
-                "created": iso_time(content.meta.get("created")),
-                "created_unix": content.meta.get("created"),
+                "created": iso_time(content.meta.created),
+                "created_unix": content.meta.created,
                 "bytes": content.slots[-1].end if content.slots else 0,
                 "status": "memory",
                 "error": None,
                 "pinned": False,
-                "metrics": content.meta.get("metrics", {}),
+                "metrics": dict(content.meta.metrics),
                 "owner_pid": owner,
             }
         )

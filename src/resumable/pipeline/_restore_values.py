@@ -57,18 +57,13 @@ class RestoreValues:
         assert self.memory is not None
         if content is None or not self.memory.arena.still(snap.index, content.seq):
             raise CorruptCheckpointError("the snapshot is incomplete or was overwritten")
-        if (
-            fuse
-            and content.checksums is not None
-            and not content.meta.get("pieces")
-            and loc is None
-        ):
+        if fuse and content.checksums is not None and not content.meta.pieces and loc is None:
             done = self._fused(snap, content)
             if done is not None:
                 return done
         content, views = self.memory.verified(snap, content)
         live = self._live()
-        by_fqn = {str(f): n for n, (f, _, _) in content.meta.get("pieces", {}).items()}
+        by_fqn = {p.fqn: n for n, p in content.meta.pieces.items()}
 
         def resolve(fqn: str) -> torch.Tensor:
             target: Any = live.live.get(fqn)
@@ -82,7 +77,7 @@ class RestoreValues:
                 return shaped_like(local.clone(), target)  # the slot is reused later
             return local
 
-        return capture_mod.decode(content.meta["tree"], views, loc, resolve=resolve), None
+        return capture_mod.decode(content.meta.tree, views, loc, resolve=resolve), None
 
     def _fused(
         self, snap: MemorySnapshot, content: SlotContent
@@ -93,7 +88,7 @@ class RestoreValues:
         outside the random streams (checked before ``prepare``). None where a value
         would not be the tensor given (moved to another device): checked first."""
         assert self.memory is not None
-        tree = content.meta["tree"]
+        tree = content.meta.tree
         if not on_cpu(tree):
             return None  # tensors restored to a GPU are checked first, then moved there
         views = self.memory.arena.tensors(snap.index, content)

@@ -36,13 +36,13 @@ from resumable.audit import AuditLog
 from resumable.capture_plan import CapturePlan
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
-from resumable.pieces import is_dtensor, pieces_to_json
+from resumable.pieces import is_dtensor
 from resumable.replicas.peers import Replication
 from resumable.runid import snapshot_belongs
 from resumable.shm import (
-    ROOT_KEY,
     RawJSON,
     SlotContent,
+    SlotMeta,
     remove_dead_segments,
     run_key_for,
     shm_free_bytes,
@@ -112,21 +112,19 @@ class MemoryTier:
             self._plan.forget()
             captured = self._capture(state, rng)
             copy_plan = self.arena.plan(captured.tensors)[0]
-        meta: dict[str, Any] = {
-            "step": step,
-            "tree": self._tree_json.encode(captured.tree),
-            "metrics": json_metrics(metrics or {}),
-            "created": time.time(),
-        }
-        if self.run_id is not None:
-            meta["run_id"] = self.run_id
         # Several ranks (or DTensors): what a coordinated persist and a restore need. A
         # state of per-rank objects only (a DeepSpeed engine's) has no pieces, yet its
         # snapshot is of this world size all the same.
-        if captured.pieces or self.world_size > 1:
-            meta["world_size"] = self.world_size
-            meta["pieces"] = pieces_to_json(captured.pieces)
-            meta["replicated"] = sorted(captured.replicated)
+        sharded = bool(captured.pieces) or self.world_size > 1
+        meta = SlotMeta(
+            tree=self._tree_json.encode(captured.tree),
+            metrics=json_metrics(metrics or {}),
+            created=time.time(),
+            run_id=self.run_id,
+            world_size=self.world_size,
+            pieces=captured.pieces,
+            replicated=tuple(sorted(captured.replicated)) if sharded else (),
+        )
         deferred: set[str] = set()
         if self.overlap:
             owned = self._optimizer_owned(state)
@@ -199,12 +197,12 @@ class MemoryTier:
         if not found:
             return
         step, meta = found[0][1].step, found[0][1].meta
-        if self.run_id is not None and not snapshot_belongs(meta.get("run_id"), self.run_id):
+        if self.run_id is not None and not snapshot_belongs(meta.run_id, self.run_id):
             # Taken for another run of this directory: it was deleted or replaced since.
             self.arena.newest = None
             self.discarded = (
-                f"taken for another run of {meta.get(ROOT_KEY, 'this directory')} (run id "
-                f"{meta.get('run_id') or 'not recorded'}, the directory's is {self.run_id}): "
+                f"taken for another run of {meta.root or 'this directory'} (run id "
+                f"{meta.run_id or 'not recorded'}, the directory's is {self.run_id}): "
                 "the directory was deleted or replaced since; the slot is reused"
             )
             log.warning(
@@ -222,7 +220,7 @@ class MemoryTier:
         return [
             (snap, content)
             for snap, content in self.arena.complete()
-            if self.run_id is None or snapshot_belongs(content.meta.get("run_id"), self.run_id)
+            if self.run_id is None or snapshot_belongs(content.meta.run_id, self.run_id)
         ]
 
     def restored(self, step: int, snap: MemorySnapshot | None = None) -> None:

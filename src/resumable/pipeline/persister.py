@@ -41,7 +41,7 @@ from resumable.group import Group
 from resumable.incremental import Incremental
 from resumable.lock import LeaseFence
 from resumable.monitor import Monitor
-from resumable.pieces import owned_tensors, pieces_from_json
+from resumable.pieces import owned_tensors
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.messages import (
     Committed,
@@ -250,16 +250,14 @@ class SyncPersister(Persister):
         if self.group.world_size > 1:  # this rank's share, copied out of its slot
             views = {s.name: data.tensor(s) for s in data.slots}
             data = self._arena.snapshot(
-                owned_tensors(
-                    views, meta.get("replicated", []), self.group.rank, self.group.world_size
-                )
+                owned_tensors(views, meta.replicated, self.group.rank, self.group.world_size)
             )
         self._write(
             data,
             snap.step,
-            meta["tree"],
-            meta.get("metrics", {}),
-            pieces_from_json(meta.get("pieces")),
+            meta.tree,
+            meta.metrics,
+            meta.pieces,
             snapshot_s,
         )
 

@@ -16,7 +16,6 @@ data positions) cannot reshard to another world size, and needs an explicit opt-
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -33,7 +32,7 @@ from resumable.errors import (
     StateMismatchError,
 )
 from resumable.group import Group
-from resumable.pieces import pieces_to_json
+from resumable.pieces import Piece
 from resumable.pipeline._restore_values import Fused, RestoreValues
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
@@ -183,22 +182,22 @@ class Restorer(RestoreValues):
             memory.discarded = None
         mine: list[int] = []  # the steps this rank can restore, newest first
         why, warned = "it has none", False  # why this rank offers none; said already?
-        same: dict[str, bool] = {}  # `_same_pieces` by the pieces' JSON: one capture each
+        same: dict[frozenset[tuple[str, Piece]], bool] = {}  # `_same_pieces`: one capture each
 
-        def same_pieces(pieces: Mapping[str, Any]) -> bool:
-            key = json.dumps(pieces, sort_keys=True)
+        def same_pieces(pieces: Mapping[str, Piece]) -> bool:
+            key = frozenset(pieces.items())
             if key not in same:
                 same[key] = self._same_pieces(pieces)
             return same[key]
 
         for snap, found in held:
-            saved_world = found.meta.get("world_size", 1)
+            saved_world = found.meta.world_size
             if saved_world != self.world_size:
                 why = (
                     f"it was taken by a job of {saved_world} rank(s), this one has "
                     f"{self.world_size} (snapshots do not reshard; checkpoints do)"
                 )
-            elif not same_pieces(found.meta.get("pieces") or {}):
+            elif not same_pieces(found.meta.pieces):
                 why, warned = "it holds another sharding of the state", True
                 self._skip_memory(
                     snap.step,
@@ -323,13 +322,13 @@ class Restorer(RestoreValues):
         content = memory.readable(snap)
         if content is None:
             raise CorruptCheckpointError(f"the replica of step {step} did not read back")
-        saved_world = content.meta.get("world_size", 1)
+        saved_world = content.meta.world_size
         if saved_world != self.world_size:
             raise CorruptCheckpointError(
                 f"the replica of step {step} was taken by a job of {saved_world} rank(s), "
                 f"this one has {self.world_size} (snapshots do not reshard; checkpoints do)"
             )
-        if not self._same_pieces(content.meta.get("pieces") or {}):
+        if not self._same_pieces(content.meta.pieces):
             raise CorruptCheckpointError(
                 f"the replica of step {step} holds another sharding of the state"
             )
@@ -357,23 +356,20 @@ class Restorer(RestoreValues):
             reason=reason[:500],
         )
 
-    def _same_pieces(self, saved: Mapping[str, Any]) -> bool:
+    def _same_pieces(self, saved: Mapping[str, Piece]) -> bool:
         """Whether each global tensor of this rank's live state that a snapshot's pieces
         (``saved``) also hold has the same pieces there: global shape and offsets. A
         snapshot is restored without resharding, so one taken under another layout
         (tensor parallelism 2 -> 1 on the same ranks, another mesh) must not be. Tensors
         the live state does not hold yet (a fresh optimizer's moments) are not compared."""
 
-        def by_fqn(pieces: Mapping[str, Any]) -> dict[str, set[str]]:
-            out: dict[str, set[str]] = {}
-            for fqn, shape, offset in pieces.values():
-                out.setdefault(str(fqn), set()).add(json.dumps([list(shape), list(offset)]))
+        def by_fqn(pieces: Mapping[str, Piece]) -> dict[str, set[tuple[Any, ...]]]:
+            out: dict[str, set[tuple[Any, ...]]] = {}
+            for p in pieces.values():
+                out.setdefault(p.fqn, set()).add((tuple(p.global_shape), tuple(p.global_offset)))
             return out
 
-        try:
-            snap = by_fqn(saved)
-        except (TypeError, ValueError):  # not the pieces this library writes
-            return False
+        snap = by_fqn(saved)  # checked when the slot was read (`SlotMeta.from_json`)
         if not snap:
             return True  # nothing to compare (one process): no capture of the state
         # Not self._live(): that gives a fresh optimizer its state (a zero-lr step), which
@@ -383,7 +379,7 @@ class Restorer(RestoreValues):
         current = capture_mod.capture(
             self.state, include_rng=False, rank=self.rank, world_size=self.world_size
         )
-        live = by_fqn(pieces_to_json(current.pieces))
+        live = by_fqn(current.pieces)
         return all(snap[f] == pieces for f, pieces in live.items() if f in snap)
 
     def _went_back(

@@ -1,0 +1,135 @@
+"""`SlotMeta`, a shared-memory slot's metadata: written as earlier versions wrote it, read
+back whole, and refused with an error naming the key when a key is missing or holds
+what no writer writes. Keys it does not know are ignored, as they always were."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from resumable.errors import CorruptCheckpointError
+from resumable.format import TensorSlot
+from resumable.pieces import Piece
+from resumable.shm import RawJSON, SlotMeta, decode_meta, layout_meta, slot_layout
+
+# What the code before `SlotMeta` wrote for these snapshots (its `encode_meta` of the
+# dict `MemoryTier.take` built, ``root`` added by the arena), byte for byte.
+OLD_SHARDED = (
+    b'{"step":7,"metrics":{"loss":0.5,"tag":"a"},"created":1700000000.25,"run_id":"r1",'
+    b'"world_size":2,"pieces":{"w":["model.w",[4,2],[2,0]]},"replicated":["b"],'
+    b'"root":"file:///ck","tree":{"dict":[]}}'
+)
+OLD_PLAIN = b'{"step":3,"metrics":{},"created":1.5,"tree":{"dict":[]}}'
+
+SHARDED = SlotMeta(
+    tree=RawJSON('{"dict":[]}'),
+    metrics={"loss": 0.5, "tag": "a"},
+    created=1700000000.25,
+    run_id="r1",
+    world_size=2,
+    pieces={"w": Piece("model.w", (4, 2), (2, 0))},
+    replicated=("b",),
+    root="file:///ck",
+)
+
+LAYOUT = [TensorSlot("w", torch.float32, (4,), 0, 16)]
+
+
+def _blob(meta: dict[str, Any]) -> bytes:
+    """A slot's whole metadata JSON: ``meta`` and a layout of one tensor of 16 bytes."""
+    return json.dumps({"layout": layout_meta(LAYOUT), **meta}).encode()
+
+
+def test_the_bytes_are_those_earlier_versions_wrote() -> None:
+    assert SHARDED.encode(7) == OLD_SHARDED
+    plain = SlotMeta(tree=RawJSON('{"dict":[]}'), created=1.5)
+    assert plain.encode(3) == OLD_PLAIN
+
+
+@pytest.mark.parametrize("old", [OLD_SHARDED, OLD_PLAIN])
+def test_metadata_earlier_versions_wrote_reads_back(old: bytes) -> None:
+    blob = b'{"layout":' + json.dumps(layout_meta(LAYOUT)).encode() + b"," + old[1:]
+    meta, slots = decode_meta(blob, 16)
+    assert slots == LAYOUT
+    assert meta.tree == {"dict": []}
+    step = json.loads(old)["step"]
+    assert json.loads(meta.encode(step)) == json.loads(old)  # the tree read back: a dict
+
+
+def test_round_trip_keeps_every_field() -> None:
+    back = SlotMeta.from_json(json.loads(SHARDED.encode(7)))
+    assert back == SlotMeta(**{**SHARDED.__dict__, "tree": {"dict": []}})
+    assert back.pieces["w"] == Piece("model.w", (4, 2), (2, 0))
+    assert back.replicated == ("b",) and back.world_size == 2 and back.root == "file:///ck"
+
+
+def test_absent_keys_take_what_one_process_without_them_means() -> None:
+    """Only ``tree`` is required: slots of older versions lack ``run_id`` and ``root``, a
+    snapshot of one process without DTensors lacks the pieces."""
+    meta = SlotMeta.from_json({"tree": {}})
+    assert meta == SlotMeta(tree={})
+    assert meta.world_size == 1 and meta.pieces == {} and meta.replicated == ()
+    assert meta.metrics == {} and meta.created is None and meta.run_id is None
+    assert SlotMeta.from_json(json.loads(meta.encode(1))) == meta
+
+
+def test_unknown_keys_are_ignored() -> None:
+    meta = SlotMeta.from_json({"tree": {}, "step": 1, "future": [1, {"x": None}]})
+    assert meta == SlotMeta(tree={})
+
+
+@pytest.mark.parametrize(
+    ("meta", "key"),
+    [
+        ({}, "tree"),
+        ({"tree": []}, "tree"),
+        ({"tree": {}, "metrics": [1]}, "metrics"),
+        ({"tree": {}, "metrics": {"loss": [1]}}, "metrics"),
+        ({"tree": {}, "metrics": {"ok": True}}, "metrics"),
+        ({"tree": {}, "created": "yesterday"}, "created"),
+        ({"tree": {}, "created": None}, "created"),
+        ({"tree": {}, "run_id": 5}, "run_id"),
+        ({"tree": {}, "world_size": 0}, "world_size"),
+        ({"tree": {}, "world_size": 2.0}, "world_size"),
+        ({"tree": {}, "world_size": True}, "world_size"),
+        ({"tree": {}, "pieces": []}, "pieces"),
+        ({"tree": {}, "pieces": {"w": ["w", [4]]}}, "pieces"),
+        ({"tree": {}, "pieces": {"w": [1, [4], [0]]}}, "pieces"),
+        ({"tree": {}, "pieces": {"w": ["w", [4], [0, 0]]}}, "pieces"),
+        ({"tree": {}, "pieces": {"w": ["w", [4], [-1]]}}, "pieces"),
+        ({"tree": {}, "pieces": {"w": ["w", [4.0], [0]]}}, "pieces"),
+        ({"tree": {}, "replicated": "w"}, "replicated"),
+        ({"tree": {}, "replicated": [1]}, "replicated"),
+        ({"tree": {}, "root": {"url": "x"}}, "root"),
+    ],
+)
+def test_a_missing_or_wrong_typed_key_is_refused_by_name(meta: dict[str, Any], key: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=f"'{key}'"):
+        SlotMeta.from_json(meta)
+    with pytest.raises(CorruptCheckpointError, match=f"'{key}'"):
+        decode_meta(_blob(meta), 16)
+
+
+@pytest.mark.parametrize(
+    ("blob", "says"),
+    [
+        (b"not json", "not JSON"),
+        (b"[" * 100_000, "not JSON"),
+        (b"\xff", "not JSON"),
+        (b"[1, 2]", "JSON object, found list"),
+        (json.dumps({"tree": {}}).encode(), "'layout'"),
+        (json.dumps({"tree": {}, "layout": layout_meta(LAYOUT)}).encode()[:-1], "not JSON"),
+    ],
+)
+def test_a_blob_that_is_no_slot_metadata_is_refused(blob: bytes, says: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=says):
+        decode_meta(blob, 16)
+
+
+def test_a_layout_past_the_data_region_is_refused() -> None:
+    assert slot_layout(layout_meta(LAYOUT), 16) == LAYOUT
+    with pytest.raises(CorruptCheckpointError, match="fit its 8 bytes"):
+        decode_meta(_blob({"tree": {}}), 8)
