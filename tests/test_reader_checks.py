@@ -6,6 +6,7 @@ into the live one only once every tensor passed, and the threads really share th
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,11 @@ import torch
 
 import resumable.reader as reader_mod
 from resumable import Checkpointer, CorruptCheckpointError, Incremental
+from resumable.capture import capture, iter_tensor_refs
+from resumable.commit import committer_for
+from resumable.persist import write_distributed
 from resumable.reader import CheckpointReader, _digests
-from resumable.snapshot import copy_threads
+from resumable.snapshot import Arena, copy_threads
 from resumable.storage import open_storage
 
 pytestmark = pytest.mark.usefixtures("sync_persist")
@@ -199,3 +203,111 @@ def test_digests_keep_order_and_raise_a_jobs_error() -> None:
 
     with pytest.raises(OSError, match="read failed"):
         _digests([*jobs, (30 << 20, boom)], 2)
+
+
+class _Threads:
+    """`write_distributed`'s exchanges between ranks that are threads of this process
+    (each object through JSON, as through the coordination store)."""
+
+    def __init__(self, rank: int, world_size: int, shared: dict[Any, Any], meet: Any) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._shared, self._meet = shared, meet
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any, name: str) -> Any:
+        if self.coordinator:
+            self._shared[name] = json.dumps(obj)
+        self._meet.wait()
+        return json.loads(self._shared[name])
+
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        self._shared[(name, self.rank)] = json.dumps(obj)
+        self._meet.wait()
+        if not self.coordinator:
+            return []
+        return [json.loads(self._shared[(name, r)]) for r in range(self.world_size)]
+
+    def abandon(self, reason: str) -> None:
+        pass
+
+
+def _two_ranks(storage: Any) -> list[Any]:
+    """Step 1 of two ranks, each with its own data file; each rank's result."""
+    shared: dict[Any, Any] = {}
+    meet = threading.Barrier(2, timeout=60)
+    committer = committer_for(storage)
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        state = {"extra": {"w": torch.full((1000,), float(r))}}
+        cap = capture(state, include_rng=False, rank=r, world_size=2)
+        results[r] = write_distributed(
+            _Threads(r, 2, shared, meet),
+            storage,
+            committer,
+            step=1,
+            snapshot=Arena().snapshot(cap.tensors),
+            tree=cap.tree,
+            pieces={},
+        )
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+class _Counted:
+    """A storage whose calls are counted, by name and first argument (the path)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.paths: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.paths.append(str(args[0]) if args else "")
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_only_the_files_read_are_checked_and_each_once(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    results = _two_ranks(storage)
+    # the manifest stays on rank 0; every rank has its digest
+    assert results[0].manifest is not None and results[1].manifest is None
+    assert results[0].digest == results[1].digest == results[0].manifest["digest"]
+    trees = CheckpointReader(storage, 1).manifest["ranks"]
+    names = [[n for _, n in iter_tensor_refs(trees[r]["tree"])] for r in range(2)]
+    assert all(names)
+    # rank 1's file damaged (cut short): a reader of rank 0's tensors never asks for
+    # it, and reads them; it checks its one file once, however many reads
+    cut = tmp_path / "step-000000000001" / "rank-00001.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-4])
+    counted = _Counted(storage)
+    reader = CheckpointReader(counted, 1)  # type: ignore[arg-type]
+    got = reader.tensors(names[0])
+    assert all(float(t.float().mean()) == 0.0 for t in got.values())
+    # the manifest (size, read); its file checked (size, header length, header), read
+    own = "step-000000000001/rank-00000.safetensors"
+    assert counted.paths == ["step-000000000001/manifest.json"] * 2 + [own] * 4
+    checks = len(counted.paths)
+    reader.check_files(names[0])
+    reader.tensors(names[0], verify=False)
+    assert len(counted.paths) - checks == 1  # the data read alone, no check again
+    # rank 1's tensors: refused before a byte of them is returned, and so is a check
+    # of every file
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00001\.safetensors has"):
+        reader.tensors(names[1])
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00001\.safetensors has"):
+        CheckpointReader(storage, 1).check_files()

@@ -3,8 +3,9 @@
 It runs the real `Agreement`, `write_distributed` through `StoreCoordinator`, retention and
 restore planning for 4 and 16 simulated ranks over one real TCPStore (libuv), and checks
 what must hold at any N: every rank but rank 0 does the same, constant number of store
-operations per save and per decision; rank 0 does at most a constant times N; nothing
-is left in the store by the decisions.
+operations per save and per decision, and reads a constant number of bytes per save;
+rank 0 does at most a constant times N; nothing is left in the store by the decisions;
+a rank's restore planning makes a constant number of storage calls.
 """
 
 from __future__ import annotations
@@ -48,6 +49,27 @@ def test_commit_store_ops(measured: dict, where: str) -> None:
     assert c4["ops_rank0"] == 4 + 7
     assert c16["ops_rank0"] == 16 + 7
     assert c16["ops_total"] == c16["ops_rank0"] + 3 * 15
+
+
+@pytest.mark.parametrize("where", ["commit_memory", "commit_local"])
+def test_commit_store_bytes(measured: dict, where: str) -> None:
+    c4, c16 = _row(measured, 4)[where], _row(measured, 16)[where]
+    # Another rank reads the attempt, its own report echoed by compare_set and the
+    # outcome (nbytes, replaced, the manifest's digest): the same at any N but for a
+    # few digits (rank numbers, nbytes). The outcome once carried the whole manifest:
+    # 2,958 bytes per rank at N=4, 8,928 at N=16.
+    assert abs(c16["bytes_received_per_rank"] - c4["bytes_received_per_rank"]) <= 16
+    # So all the bytes of a save grow as N (rank 0 reads N reports), not N^2 (a
+    # quadratic total made N=16 cost 9 times N=4).
+    assert c16["bytes_total"] < 5 * c4["bytes_total"]
+
+
+@pytest.mark.parametrize("where", ["restore_memory", "restore_local"])
+def test_restore_planning_calls(measured: dict, where: str) -> None:
+    r4, r16 = _row(measured, 4)[where], _row(measured, 16)[where]
+    # The manifest (size, read), then the one file the rank reads (size, the 8-byte
+    # header length, the header): 5 at any N. Checking every rank's file made it 3N + 2.
+    assert r4["storage_calls_per_rank"] == r16["storage_calls_per_rank"] == 5
 
 
 def test_retention_and_restore_ran(measured: dict) -> None:

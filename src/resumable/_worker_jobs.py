@@ -252,19 +252,21 @@ class JobRunner:
             on_retry=on_retry,
         )
         seconds = time.perf_counter() - t0
+        manifest = result.manifest
+        assert manifest is not None  # write_checkpoint's caller built it
         self.audit.record(
             "commit",
             step=step,
             bytes=result.nbytes,
             duration_s=round(seconds, 6),
             replaced=result.replaced,
-            metrics=result.manifest["metrics"],
+            metrics=manifest["metrics"],
         )
-        self.metrics_cache[step] = retention_entry(result.manifest)
+        self.metrics_cache[step] = retention_entry(manifest)
         deleted = self._retain(step)
         if self.mirror is not None:
             self.mirror.submit(step)
-        sums = [result.manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
+        sums = [manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
         reply = Committed(
             step=step,
             seconds=seconds,
@@ -326,7 +328,7 @@ class JobRunner:
             base=self.delta,
         )
         deleted: list[int] = []
-        if group.coordinator:
+        if result.manifest is not None:  # rank 0: the only one holding the manifest
             self.audit.record(
                 "commit",
                 step=step,

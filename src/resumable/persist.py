@@ -49,11 +49,16 @@ def rank_file(rank: int) -> str:
 
 @dataclass(frozen=True)
 class PersistResult:
+    """What a persist committed. ``manifest`` is held only by the rank that built it (the
+    only one, or rank 0 of a coordinated persist); the others get None and the
+    manifest's ``digest``, so that the outcome every rank reads stays O(1) bytes."""
+
     step: int
     nbytes: int
     seconds: float
     replaced: bool
-    manifest: dict[str, Any]
+    manifest: dict[str, Any] | None
+    digest: str
 
 
 def write_checkpoint(
@@ -103,7 +108,8 @@ def write_checkpoint(
             sums.join()  # nothing reads the snapshot once this returns
     if base is not None and plan is not None:
         base.committed(step, plan)
-    return PersistResult(step, size + len(blob), time.perf_counter() - t0, replaced, manifest)
+    seconds = time.perf_counter() - t0
+    return PersistResult(step, size + len(blob), seconds, replaced, manifest, manifest["digest"])
 
 
 class Checksums:
@@ -547,10 +553,13 @@ def write_distributed(
     Rank 0 opens the attempt and tells every rank where to write; each rank writes its
     own data file (its shards, its share of the replicated tensors, its per-rank state)
     and reports it, or its error; rank 0 commits only if every rank succeeded, and
-    tells everyone the outcome. Any failure, on any rank, means nothing is committed, the
-    attempt is removed, and every rank raises `PersistError`: the previous checkpoint
-    stays the newest. ``check`` runs on every rank before it reports success and on
-    rank 0 before it commits (a worker whose trainer died reports an error instead).
+    tells everyone the outcome: the bytes, whether it replaced a commit, the manifest's
+    digest. The manifest stays on rank 0 (`PersistResult.manifest` is None on the
+    others), so each rank reads O(1) bytes of outcome. Any failure, on any rank, means
+    nothing is committed, the attempt is removed, and every rank raises `PersistError`:
+    the previous checkpoint stays the newest. ``check`` runs on every rank before it
+    reports success and on rank 0 before it commits (a worker whose trainer died
+    reports an error instead).
     """
     t0 = time.perf_counter()
     opened: dict[str, Any] | None = None
@@ -588,12 +597,12 @@ def write_distributed(
             abort_quietly(committer, attempt)
         raise
     outcome: dict[str, Any] | None = None
+    manifest: dict[str, Any] | None = None  # rank 0's alone
     if group.coordinator:
         errors = [r["error"] for r in reports if "error" in r]
         steps = [r.get("step") for r in reports]
         if len(set(steps)) != 1:  # never mix the states of different steps in one commit
             errors.append(f"the ranks saved different steps {steps}")
-        manifest: dict[str, Any] = {}
         if not errors:
             try:
                 index: dict[str, Any] = {}
@@ -614,7 +623,9 @@ def write_distributed(
                     check()
                 replaced = committer.commit(attempt, blob)
                 nbytes = sum(r["size"] for r in reports) + len(blob)
-                outcome = {"nbytes": nbytes, "replaced": replaced, "manifest": manifest}
+                # Not the manifest: every rank reads the outcome (O(N) bytes each, O(N²)
+                # in all); only rank 0 uses the manifest, and keeps it.
+                outcome = {"nbytes": nbytes, "replaced": replaced, "digest": manifest["digest"]}
             except Exception as exc:
                 errors.append(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
         if errors:
@@ -626,5 +637,10 @@ def write_distributed(
     if base is not None and plan is not None:
         base.committed(step, plan)
     return PersistResult(
-        step, outcome["nbytes"], time.perf_counter() - t0, outcome["replaced"], outcome["manifest"]
+        step,
+        outcome["nbytes"],
+        time.perf_counter() - t0,
+        outcome["replaced"],
+        manifest,
+        outcome["digest"],
     )

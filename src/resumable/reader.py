@@ -3,13 +3,14 @@
 This is the load path, and it trusts nothing it reads: the whole manifest is validated
 by `resumable.format.decode_manifest` (structure, names, sizes, digest, byte ranges,
 tiling of global tensors, state trees) before anything is allocated for it; every data
-file must have the size the manifest declares and a valid safetensors header that
-agrees with the tensor index; every tensor's bytes are checksummed (on several threads
-where there are many, `_digests`) before any tensor is returned. Only then does the
-manager touch the live training state. No byte of a
-data file belongs to two tensors and no tree references a tensor twice, so what a
-restore reads and builds is bounded by the checkpoint's real size. There is no pickle
-here, and every path goes through the storage's root check.
+file read must have the size the manifest declares and a valid safetensors header that
+agrees with the tensor index, checked before its first read (only the files read: a
+restoring rank reads a few of the N ranks' files); every tensor's bytes are checksummed
+(on several threads where there are many, `_digests`) before any tensor is returned.
+Only then does the manager touch the live training state. No byte of a data file
+belongs to two tensors and no tree references a tensor twice, so what a restore reads
+and builds is bounded by the checkpoint's real size. There is no pickle here, and every
+path goes through the storage's root check.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class CheckpointReader:
         # The long extents lists the manifest's validation made into arrays, by tensor.
         self._arrays: dict[str, np.ndarray] = {}
         self._locations_cache: _Locations | None = None
+        self._file_plan_cache: _FilePlan | None = None
+        # The files `check_files` found sound: (step or None for this one, file).
+        self._checked: set[tuple[int | None, str]] = set()
         # Tensors `tensors` returned unassembled, and where their bytes lie, for `fill`.
         self._fills: list[tuple[torch.Tensor, _Pieces]] = []
 
@@ -90,9 +94,79 @@ class CheckpointReader:
         """The state tree of rank 0."""
         return self.manifest["ranks"][0]["tree"]
 
-    def check_files(self) -> None:
-        """Every listed file exists with the declared size and a safetensors header that
-        agrees with the tensor index."""
+    def check_files(self, names: Iterable[str] | None = None) -> None:
+        """Check the data files that hold the bytes of tensors ``names`` (every file of
+        the checkpoint when None), each once per reader: present, of the declared size,
+        with a safetensors header that agrees with the tensor index; and the chunks
+        this checkpoint reads in an earlier one's file inside that file's data.
+        `tensors` calls it for the files it reads, so a restoring rank checks its own
+        files and those holding the pieces it loads, not every rank's. Raises
+        `CorruptCheckpointError` (names not in the index are left to `tensors`)."""
+        m = self.manifest
+        plan = self._file_plan()
+        keys = plan.keys if names is None else self._keys_of(names, plan)
+        if keys <= self._checked:
+            return
+        for step, fname in sorted((s, f) for s, f in keys - self._checked if s is not None):
+            holder = self._holder(step)
+            hkey = self._holder_file(holder, fname)
+            size = holder.manifest["files"][hkey]["size"]
+            # Where its data starts is all this checkpoint uses of that file's header:
+            # the bytes it reads there are checked against its own checksums, and that
+            # checkpoint's header is checked in full whenever it is itself read.
+            start = 8 + holder._header_length(hkey, size)
+            lo, hi = plan.bounds[(step, fname)]
+            if lo < start or hi > size:
+                raise CorruptCheckpointError(
+                    f"{self.where}: a chunk lies outside the data of {fname} in "
+                    f"{holder.dir} (bytes [{start}, {size})): one begins at {lo}, one ends "
+                    f"at {hi}"
+                )
+            self._checked.add((step, fname))
+        for fname, finfo in m["files"].items():
+            if (None, fname) not in keys or (None, fname) in self._checked:
+                continue
+            start, header = self._check_file(fname, finfo["size"])
+            for name, dtype, shape, offsets in plan.expect.get(fname, []):
+                h = header.get(name)
+                if (
+                    not isinstance(h, dict)
+                    or h.get("dtype") != dtype
+                    or h.get("shape") != shape
+                    or [start + o for o in h["data_offsets"]] != offsets
+                ):
+                    raise CorruptCheckpointError(
+                        f"{self.where}: {fname}'s safetensors header disagrees with the "
+                        f"manifest about tensor {name!r}"
+                    )
+            if fname in plan.chunks:
+                _check_chunk_entries(plan.chunks[fname], header, start, self.where, fname)
+            self._checked.add((None, fname))
+
+    def _keys_of(self, names: Iterable[str], plan: _FilePlan) -> set[tuple[int | None, str]]:
+        """The files (step or None for this checkpoint; file) holding bytes of ``names``."""
+        index = self.manifest["tensors"]
+        keys: set[tuple[int | None, str]] = set()
+        pieced: list[int] = []
+        for name in names:
+            info = index.get(name)
+            if info is None:
+                continue
+            if "chunks" in info or "extents" in info:
+                pieced.append(plan.position[name])
+            else:
+                keys.add((None, info["file"]))
+        if pieced:
+            x = self._extents()
+            sel = np.isin(x.rows[:, 0], pieced)
+            keys.update(x.keys[k] for k in np.unique(x.rows[sel, 1]).tolist())
+        return keys
+
+    def _file_plan(self) -> _FilePlan:
+        """What `check_files` checks each file against, worked out once from the
+        manifest for all files (no request to storage)."""
+        if self._file_plan_cache is not None:
+            return self._file_plan_cache
         m = self.manifest
         # What each own file's safetensors header must say: (name, dtype, shape, bytes).
         expect: dict[str, list[tuple[str, str, list[int], list[int]]]] = defaultdict(list)
@@ -131,39 +205,16 @@ class CheckpointReader:
         changed = own & ~whole[t]
         for k in np.unique(key[changed]).tolist():
             chunks[x.keys[k][1]].append(x.rows[changed & (key == k)][:, 2:])
-        for step, fname in sorted(bounds):
-            holder = self._holder(step)
-            key = self._holder_file(holder, fname)
-            size = holder.manifest["files"][key]["size"]
-            # Where its data starts is all this checkpoint uses of that file's header:
-            # the bytes it reads there are checked against its own checksums, and that
-            # checkpoint's header is checked in full whenever it is itself read.
-            start = 8 + holder._header_length(key, size)
-            lo, hi = bounds[(step, fname)]
-            if lo < start or hi > size:
-                raise CorruptCheckpointError(
-                    f"{self.where}: a chunk lies outside the data of {fname} in "
-                    f"{holder.dir} (bytes [{start}, {size})): one begins at {lo}, one ends "
-                    f"at {hi}"
-                )
-        for fname, finfo in m["files"].items():
-            start, header = self._check_file(fname, finfo["size"])
-            for name, dtype, shape, offsets in expect.get(fname, []):
-                h = header.get(name)
-                if (
-                    not isinstance(h, dict)
-                    or h.get("dtype") != dtype
-                    or h.get("shape") != shape
-                    or [start + o for o in h["data_offsets"]] != offsets
-                ):
-                    raise CorruptCheckpointError(
-                        f"{self.where}: {fname}'s safetensors header disagrees with the "
-                        f"manifest about tensor {name!r}"
-                    )
-            if fname in chunks:
-                _check_chunk_entries(
-                    np.concatenate(chunks[fname]), header, start, self.where, fname
-                )
+        keys: set[tuple[int | None, str]] = {(None, f) for f in m["files"]}
+        keys.update(bounds)
+        self._file_plan_cache = _FilePlan(
+            dict(expect),
+            {f: np.concatenate(c) for f, c in chunks.items()},
+            bounds,
+            keys,
+            {name: i for i, name in enumerate(x.names)},
+        )
+        return self._file_plan_cache
 
     def _check_file(self, fname: str, size: int) -> tuple[int, dict[str, Any]]:
         """One data file: present, of the declared size, with a valid safetensors
@@ -305,7 +356,8 @@ class CheckpointReader:
         into: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Read (and by default checksum) tensors, as CPU tensors. All of a file's
-        tensors are read with one sequential read of its data span.
+        tensors are read with one sequential read of its data span. The files read
+        are checked first (`check_files`, once per reader), only those.
 
         ``into``: where the caller will copy a tensor anyway (the live tensor of the
         same name, shape and dtype). A tensor whose bytes lie in several places (a
@@ -322,6 +374,7 @@ class CheckpointReader:
         for name in wanted:
             if name not in index:
                 raise CorruptCheckpointError(f"{self.where}: no tensor {name!r} in the index")
+        self.check_files(None if names is None else wanted)
         single: dict[str, tuple[str, int, int]] = {}  # bytes in one place: (path, b, e)
         pieces: dict[str, np.ndarray] = {}  # in several: (path index, begin, end) rows
         at = None
@@ -551,6 +604,19 @@ class _Extents(NamedTuple):
     keys: list[tuple[int | None, str]]
     rows: np.ndarray
     starts: np.ndarray
+
+
+class _FilePlan(NamedTuple):
+    """`CheckpointReader._file_plan`: per own file, the header entries it must hold
+    (name, dtype, shape, file offsets) and its changed chunks' (begin, end) rows; per
+    earlier checkpoint's file, the lowest begin and highest end read there; every file
+    key; each pieced tensor's index in `_Extents.names`."""
+
+    expect: dict[str, list[tuple[str, str, list[int], list[int]]]]
+    chunks: dict[str, np.ndarray]
+    bounds: dict[tuple[int, str], tuple[int, int]]
+    keys: set[tuple[int | None, str]]
+    position: dict[str, int]
 
 
 class _Locations(NamedTuple):

@@ -143,8 +143,8 @@ class RestoreValues:
 
     def _decode(self, reader: CheckpointReader, loc: Any) -> tuple[dict[str, Any], set[str]]:
         """Read, verify and decode this rank's values from ``reader`` without touching a
-        live object; returns them and the state keys to leave as they are."""
-        reader.check_files()
+        live object; returns them and the state keys to leave as they are. Only the
+        files it reads are checked (`CheckpointReader.tensors`), not every rank's."""
         m = reader.manifest  # validated: one tree per rank of world_size
         saved_world = m["world_size"]
         trees = [r["tree"] for r in m["ranks"]]
