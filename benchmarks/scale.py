@@ -877,7 +877,7 @@ def run_phase(
         stops.append(
             f"commit, retention and restore rows stop at N={commit_max_n} (--commit-max-n): "
             "the limit dates from when every rank read the whole manifest back in the "
-            "outcome (store bytes N^2; no longer since issue 47); the agreement rows go on"
+            "outcome (store bytes N^2; no longer since design change 1); the agreement rows go on"
         )
     if s3 and any(commit_max_n >= n > s3_max_n for n in ns):
         stops.append(
