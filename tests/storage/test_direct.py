@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resumable import Checkpointer
+from resumable import Checkpointer, Every
 from resumable.errors import StorageError
 from resumable.format import parse_safetensors_header
 from resumable.storage import LocalStorage, direct
@@ -272,9 +272,11 @@ def test_local_storage_writes_large_files_direct_and_small_ones_buffered(
     assert off.read("big2.bin") == bytes(big)
 
 
-@pytest.mark.parametrize("memory_every", [None, 1])
+@pytest.mark.parametrize(
+    "memory_every", [None, Every(steps=1)], ids=["no-memory-tier", "memory-tier"]
+)
 def test_a_large_checkpoint_has_its_data_on_a_page_and_restores_bit_identical(
-    tmp_path: Path, memory_every: int | None
+    tmp_path: Path, memory_every: Every | None
 ) -> None:
     """From the arena (memory tier off) or the shared-memory slot: the header is
     padded to a page, the file was written around the page cache (none of its pages
