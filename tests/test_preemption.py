@@ -43,6 +43,19 @@ def demo_cmd(directory: Path) -> list[str]:
     ]
 
 
+def read_until_step(fd: int, target: int) -> str:
+    """What the demo printed on ``fd`` up to and including its line ``step N`` with
+    N >= ``target`` (and whatever came in the same read)."""
+    out = ""
+    while True:
+        chunk = os.read(fd, 4096)
+        assert chunk, f"the demo ended before step {target}: {out[-2000:]}"
+        out += chunk.decode()
+        done = out.rpartition("\n")[0].splitlines()
+        if any(x.startswith("step ") and int(x.split()[1]) >= target for x in done):
+            return out
+
+
 def events(root: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (root / "audit.jsonl").read_text().splitlines() if x.strip()]
 
@@ -60,23 +73,22 @@ def test_sigterm_at_random_moments_loses_no_step(reference: str, tmp_path: Path)
     rng = random.Random(int(os.environ.get("RESUMABLE_CAMPAIGN_SEED", "6")))
     root = tmp_path / "run"
     for trial in range(2):
+        # Unbuffered bytes: a text pipe's read-ahead would hold lines that
+        # `communicate` (which reads the raw descriptor) then never sees.
         proc = subprocess.Popen(
-            demo_cmd(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            demo_cmd(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0
         )
         assert proc.stdout is not None
         target = rng.randint(2, STEPS - 5)
-        last = None
-        for line in proc.stdout:
-            if line.startswith("step "):
-                last = int(line.split()[1])
-                if last >= target:
-                    time.sleep(rng.uniform(0.0, 0.02))  # mid-step, or during a persist
-                    proc.send_signal(signal.SIGTERM)
-                    break
+        seen = read_until_step(proc.stdout.fileno(), target)
+        time.sleep(rng.uniform(0.0, 0.02))  # mid-step, or during a persist
+        proc.send_signal(signal.SIGTERM)
         rest, err = proc.communicate(timeout=120)
-        assert proc.returncode == resumable.REQUEUE_EXIT_CODE, f"trial {trial}: {err[-2000:]}"
-        printed = [int(x.split()[1]) for x in rest.splitlines() if x.startswith("step ")]
-        last_printed = max([last or 0, *printed])
+        assert proc.returncode == resumable.REQUEUE_EXIT_CODE, (
+            f"trial {trial}: {err.decode()[-2000:]}"
+        )
+        lines = (seen + rest.decode()).splitlines()
+        last_printed = max(int(x.split()[1]) for x in lines if x.startswith("step "))
         ev = events(root)
         emergency = [e for e in ev if e["event"] == "emergency_commit"][-1]
         assert emergency["within_grace"] is True
