@@ -17,7 +17,6 @@ two newest complete snapshots), which is what a restore needs.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import socket
@@ -28,7 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resumable import settings
-from resumable.errors import CheckpointError, ReplicaError, ReplicaPlacementError
+from resumable._shm_meta import decode_meta
+from resumable.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ReplicaError,
+    ReplicaPlacementError,
+)
 from resumable.replicas.domains import (
     Topology,
     check_replicas,
@@ -67,15 +72,14 @@ def tensor_ranges(meta: bytes, data_len: int, chunk: int = CHUNK) -> list[tuple[
     ``layout``): each tensor its own pieces of at most ``chunk`` bytes, small
     neighbours merged up to `MERGE` only with tensors of their kind (``replicated``,
     every rank holds them whole, or not), so per-rank bytes never spoil a piece of
-    replicated ones. None (fixed chunks) if the layout cannot be read."""
+    replicated ones. None (fixed chunks) if `decode_meta` refuses the metadata."""
     try:
-        parsed = json.loads(meta)
-        layout = parsed["layout"]
-        replicated = set(parsed.get("replicated") or ())
-        starts = sorted((int(t["begin"]), str(t["name"]) in replicated) for t in layout)
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        parsed, layout = decode_meta(meta, data_len)
+    except CorruptCheckpointError:
         return None
-    starts = [(b, r) for b, r in starts if 0 <= b < data_len]
+    replicated = set(parsed.replicated)
+    starts = sorted((t.begin, t.name in replicated) for t in layout)
+    starts = [(b, r) for b, r in starts if b < data_len]
     if not starts or starts[0][0] != 0:
         starts.insert(0, (0, False))
     ends = [b for b, _ in starts[1:]] + [data_len]
