@@ -13,10 +13,9 @@ from pathlib import Path
 from resumable.cli.common import (
     PROG,
     add_dir,
+    chosen_step,
     human_size,
-    newest_step,
     open_root,
-    require_step,
     rich_text,
     say_err,
     stdout_console,
@@ -72,7 +71,7 @@ def run_export(args: argparse.Namespace) -> int:
     storage = open_root(args)
     with ByteProgress("exporting") as bar:
         if args.step is not None or args.exact:
-            step = newest_step(storage) if args.step is None else require_step(storage, args.step)
+            step = chosen_step(storage, args.step)
             try:
                 count, nbytes = _export(storage, step, args.key, out, bar)
             except CorruptCheckpointError as exc:
