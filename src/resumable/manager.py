@@ -180,7 +180,9 @@ class Checkpointer:
         after the snapshot copy, and the persist commits in the background (`wait`
         blocks until it did). If the previous persist still runs and ``on_busy`` is
         ``"skip"``, only the memory snapshot is taken, the skip is logged, the persist
-        is taken as soon as the worker is free, and this returns False.
+        is taken as soon as the worker is free, and this returns False. With ``"wait"``
+        the persist queues behind the running one; this waits only if one is queued
+        already (or shared memory has no room for a spare slot).
 
         Raises `StepOrderError` if ``step`` is older than the newest step restored or
         saved (the same step again is allowed: it reuses that step's snapshot).

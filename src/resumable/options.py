@@ -308,7 +308,8 @@ class CheckpointOptions:
                 `PersistOptions` and `resumable.manager`).
             on_busy: when a persist is due while the previous one still runs: ``"skip"``
                 (default; logged, and the persist is taken as soon as the worker is free)
-                or ``"wait"``.
+                or ``"wait"`` (every due persist commits: one queues behind the running
+                one, and a save waits while one is queued already).
             shm_dir: the shared-memory directory (default ``/dev/shm``); slots live in
                 this user's private ``resumable-<uid>`` directory inside it.
             overlap: copy parameters and optimizer state in the background during the

@@ -612,6 +612,34 @@ class ShmArena:
         if keep is not None:
             self.newest = keep
 
+    def reserve_spare(self, taken: int) -> bool:
+        """Whether the next snapshot still finds a slot once slot ``taken`` is handed to a
+        persist while the locked ones still are (a persist queued behind a running one).
+        A slot other than those is made now if there is none, as large as ``taken``.
+        False, and nothing is made, if shared memory has no room for it, or if replicas
+        need the two newest snapshots kept (`keep` > 1): then the caller waits instead."""
+        busy = self.locked | {taken}
+        free = [i for i in range(SLOTS) if i not in busy]
+        if self.keep > 1 or not free:
+            return False
+        if any(self.slots[i] is not None for i in free):
+            return True
+        index = free[0]
+        like = self.slots[taken]
+        if like is None or (index >= 2 and not self._third):
+            return False
+        c = like.control()
+        try:
+            self._create(
+                index, {"meta_cap": c.meta_cap, "sums_cap": c.sums_cap, "data_cap": c.data_cap}
+            )
+        except StorageError as exc:
+            if index >= 2:
+                self._third = False
+            log.info("no room for a spare snapshot slot (%s): the persist waits its turn", exc)
+            return False
+        return True
+
     def _allocate(self, index: int, meta_len: int, n_tensors: int, nbytes: int) -> ShmSlot:
         old = self.slots[index]
         if self._plan is not None:
@@ -619,11 +647,17 @@ class ShmArena:
         if old is not None:
             old.close()
         self.slots[index] = None
-        caps = {
-            "meta_cap": meta_len + meta_len // 4 + 65536,
-            "sums_cap": 16 * n_tensors + 4096,
-            "data_cap": nbytes,
-        }
+        return self._create(
+            index,
+            {
+                "meta_cap": meta_len + meta_len // 4 + 65536,
+                "sums_cap": 16 * n_tensors + 4096,
+                "data_cap": nbytes,
+            },
+        )
+
+    def _create(self, index: int, caps: dict[str, int]) -> ShmSlot:
+        """Make slot ``index`` (empty now) with capacities ``caps``."""
         try:
             slot = ShmSlot.create(self.paths[index], **caps)
         except StorageError:

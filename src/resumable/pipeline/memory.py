@@ -310,6 +310,11 @@ class MemoryTier:
         """Keep ``snap``'s slot from being rewritten until `unlock` (a persist reads it)."""
         self.arena.locked.add(snap.index)
 
+    def room_to_queue(self, snap: MemorySnapshot) -> bool:
+        """Whether ``snap`` may go to a persist queued behind the running one: a slot is
+        left (or made now) for the snapshots taken meanwhile (`ShmArena.reserve_spare`)."""
+        return self.arena.reserve_spare(snap.index)
+
     def unlock(self, index: int | None = None) -> None:
         """Release one slot (``index``), or all of them."""
         if index is None:

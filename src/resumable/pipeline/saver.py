@@ -2,10 +2,12 @@
 
 A save reuses the memory snapshot of its step or takes one, then persists it, unless
 the previous persist still runs: with ``on_busy="skip"`` the persist is deferred (all
-ranks agree on it: one rank's busy worker defers every rank's), with ``"wait"`` the
-save waits. Without the memory tier (``persist="sync"`` alone) a save copies and
-writes on the training thread. At close, `Saver.flush` makes the final state, else the
-newest snapshot, durable if it is newer than the last commit.
+ranks agree on it: one rank's busy worker defers every rank's), with ``"wait"`` it
+queues behind the running one, and a save waits only while one is queued already or
+shared memory has no room for another slot. Without the memory tier
+(``persist="sync"`` alone) a save copies and writes on the training thread. At close,
+`Saver.flush` makes the final state, else the newest snapshot, durable if it is newer
+than the last commit.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from resumable.storage import Storage
 log = logging.getLogger(__name__)
 
 SnapshotCall = Callable[[int, Mapping[str, Any] | None], None]
+
+# With on_busy="wait": how many persists may be outstanding (one running, one queued)
+# before a save waits. Each holds a shared-memory slot until it is done; of the three
+# slots (`resumable.snapshot.ShmArena`) one is left for the snapshots taken meanwhile.
+QUEUE = 2
 
 
 class Saver:
@@ -102,7 +109,10 @@ class Saver:
             self._progress.snapshot(self.last_snapshot_s)
             self._schedule.persisted(step)
             return True
-        if self._on_busy == "wait" and self._persister.busy:
+        # "wait": every due persist commits. One may queue behind the running one (the
+        # worker takes them in turn), so a save blocks only while two are outstanding or
+        # shared memory has no slot left for the snapshots taken meanwhile.
+        if self._on_busy == "wait" and len(self._persister.running()) >= QUEUE:
             self._persister.wait()
         # All ranks persist this step, or none: the first rank to ask decides for all,
         # from whether its worker is busy. The question goes out before the snapshot
@@ -134,6 +144,9 @@ class Saver:
         if busy:
             self._defer(step)
             return False
+        if self._on_busy == "wait" and self._persister.busy:
+            if not self._memory.room_to_queue(snap):
+                self._persister.wait()
         self.persist(snap)
         return True
 

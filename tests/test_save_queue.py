@@ -1,0 +1,170 @@
+"""``on_busy="wait"``: a due persist queues behind the running one instead of blocking the
+save (the first saves of a launch find the worker process still starting), every due
+persist still commits, and a save waits only when one is queued already or shared
+memory has no slot left for the snapshots taken meanwhile."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import resumable
+from resumable._shm_meta import SlotMeta
+from resumable.errors import StorageError
+from resumable.snapshot import ShmArena
+from resumable.storage.memory import MemoryStorage
+
+GATE_S = 60.0  # the gate opens by itself after this: a wrong wait fails, never hangs
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d)
+
+
+class Gated(MemoryStorage):
+    """Memory storage whose data-file writes wait until `open` is called."""
+
+    def __init__(self) -> None:
+        super().__init__("memory://gated")
+        self.gate = threading.Event()
+        self.writing = threading.Event()
+        self.timer = threading.Timer(GATE_S, self.gate.set)
+        self.timer.start()
+
+    def write(self, path: str, chunks: Any) -> int:
+        if path.endswith(".safetensors"):
+            self.writing.set()
+            self.gate.wait()
+        return super().write(path, chunks)
+
+    def open(self) -> None:
+        self.timer.cancel()
+        self.gate.set()
+
+
+def _checkpointer(storage: Gated, shm_dir: Path) -> resumable.Checkpointer:
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    return resumable.Checkpointer(
+        storage,
+        {"model": model, "optim": torch.optim.AdamW(model.parameters())},
+        persist="thread",
+        on_busy="wait",
+        shm_dir=shm_dir,
+    )
+
+
+def _save_returns_before_the_gate(ck: resumable.Checkpointer, storage: Gated, step: int) -> bool:
+    """Save ``step`` on another thread, open the gate a moment later, and say whether
+    the save had returned before it opened (it queued) or only after (it waited)."""
+    before: list[bool] = []
+    saver = threading.Thread(
+        target=lambda: (ck.save(step), before.append(not storage.gate.is_set()))
+    )
+    saver.start()
+    saver.join(timeout=0.5)
+    storage.open()
+    saver.join(timeout=GATE_S)
+    assert before, f"save({step}) did not return"
+    return before[0]
+
+
+def test_a_second_save_queues_behind_the_running_persist(shm_dir: Path) -> None:
+    storage = Gated()
+    ck = _checkpointer(storage, shm_dir)
+    try:
+        ck.save(1)
+        assert storage.writing.wait(GATE_S), "the persist of step 1 never started writing"
+        assert _save_returns_before_the_gate(ck, storage, 2), "save(2) waited for step 1"
+        ck.wait()
+        assert ck.steps() == [1, 2], "every due persist commits, in order"
+    finally:
+        storage.open()
+        ck.close()
+
+
+def test_a_third_save_waits_while_one_is_queued(shm_dir: Path) -> None:
+    storage = Gated()
+    ck = _checkpointer(storage, shm_dir)
+    try:
+        ck.save(1)
+        assert storage.writing.wait(GATE_S)
+        ck.save(2)  # queued: returns at once (the test above)
+        assert not storage.gate.is_set()
+        assert not _save_returns_before_the_gate(ck, storage, 3), "save(3) did not wait"
+        ck.wait()
+        assert ck.steps() == [1, 2, 3]
+    finally:
+        storage.open()
+        ck.close()
+
+
+def test_without_room_for_a_spare_slot_the_save_waits(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = ShmArena._create
+
+    def no_third(self: ShmArena, index: int, caps: dict[str, int]) -> Any:
+        if index >= 2:
+            raise StorageError(28, "No space left on device (injected)")
+        return made(self, index, caps)
+
+    monkeypatch.setattr(ShmArena, "_create", no_third)
+    storage = Gated()
+    ck = _checkpointer(storage, shm_dir)
+    try:
+        ck.save(1)
+        assert storage.writing.wait(GATE_S)
+        assert not _save_returns_before_the_gate(ck, storage, 2), "save(2) queued anyway"
+        ck.wait()
+        assert ck.steps() == [1, 2]
+    finally:
+        storage.open()
+        ck.close()
+
+
+def test_reserve_spare_makes_a_slot_as_large_as_the_taken_one(shm_dir: Path) -> None:
+    arena = ShmArena("q", shm_dir=shm_dir)
+    t = {"w": torch.zeros(4096)}
+    try:
+        first = arena.snapshot(1, t, SlotMeta(tree={}))
+        assert not isinstance(first, type(None))
+        arena.locked.add(first.index)  # step 1 persisting
+        second = arena.snapshot(2, t, SlotMeta(tree={}))
+        assert arena.reserve_spare(second.index)
+        spare = [i for i, s in enumerate(arena.slots) if s is not None][-1]
+        assert spare not in (first.index, second.index)
+        assert arena.slots[spare].fits(1, 1, 4 * 4096)  # type: ignore[union-attr]
+        arena.locked.add(second.index)  # step 2 queued
+        third = arena.snapshot(3, t, SlotMeta(tree={}))
+        assert third.index == spare, "the snapshot taken meanwhile goes to the spare"
+        arena.locked |= {third.index}
+        assert not arena.reserve_spare(3), "every other slot locked: no spare is left"
+        arena.keep = 2  # replicas keep the two newest snapshots: never queue
+        arena.locked = {first.index}
+        assert not arena.reserve_spare(second.index)
+    finally:
+        arena.close(unlink=True)
+
+
+def test_a_queued_persist_survives_the_trainer_closing(shm_dir: Path) -> None:
+    storage = Gated()
+    ck = _checkpointer(storage, shm_dir)
+    ck.save(1)
+    assert storage.writing.wait(GATE_S)
+    ck.save(2)
+    threading.Timer(0.2, storage.open).start()
+    ck.close()  # waits for both
+    assert ck.steps() == [1, 2]
