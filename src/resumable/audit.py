@@ -1,25 +1,18 @@
 """The audit log: one JSON line per save start, commit, skip, failure, delete, restore
-and cleanup, at the checkpoint root. A failure to write it is logged and never fails
-training: the log describes the checkpoints, it is not one of them.
+and cleanup, at the checkpoint root.
 
-Where it lives depends on what the storage can do (`Storage.supports_append`):
+Contract: a failure to write the log is logged and never fails training. The log
+describes the checkpoints; it is not one of them. No writer loses or overwrites another
+writer's line, and an event costs a bounded write, however long the log.
 
-- **Stores that append atomically** (local filesystem, memory): ``audit.jsonl``. Each
-  line goes out in a single ``O_APPEND`` write, so concurrent writers (the trainer, the
-  persist worker, the mirror, ``resumable prune``) never lose or interleave a line, and
-  an event costs one line whatever the size of the log.
-- **Object stores** (objects cannot grow): ``audit/``, a prefix of *segments*. Each
-  `AuditLog` instance (one per writer and process) writes its own segment objects, named
-  ``audit/<ms>-<host>-<pid>-<nonce>-<seq>.jsonl`` so that names sort by creation time
-  and two writers never share one. An event re-puts only the writer's current segment,
-  which is rolled over to a new object once it holds `SEGMENT_BYTES`: an event costs at
-  most that much, however long the log, and no writer can overwrite another's line.
-  A read-modify-write of one shared object would cost the whole log per event and lose
-  the lines of a writer that raced another.
+Where it lives depends on `Storage.supports_append`. A store that appends atomically
+(local filesystem, memory) gets ``audit.jsonl``, one ``O_APPEND`` write per line. An
+object store gets ``audit/``: each `AuditLog` writes segment objects of its own, rolled
+over at `SEGMENT_BYTES`. The trade-off: many small objects, against one shared object
+that would cost the whole log per event and lose a racing writer's lines. `read_audit`
+reads both layouts and merges the writers' lines by time, each writer's kept in order.
 
-`read_audit` reads both (an object-store root written by an older version has its
-``audit.jsonl``; a root copied from object storage to a disk has ``audit/``) and
-merges the writers' lines by time, keeping each writer's own order.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from __future__ import annotations

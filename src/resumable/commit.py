@@ -1,30 +1,19 @@
 """Atomic commit: a checkpoint becomes visible all at once, or not at all.
 
-Strategy for filesystems (`RenameCommit`), the classic one:
+Contract: a checkpoint is committed iff ``step-N/manifest.json`` exists. A crash leaves
+no new checkpoint or a complete one, and the newest earlier checkpoint stays loadable at
+every instant. A ``step-N`` directory without a manifest is never deleted: it is moved
+into ``quarantine/``, with a warning, and the caller is told (``on_quarantine``).
 
-1. write every data file into a hidden staging directory next to the final one
-   (``.tmp-step-000000001200.<pid>.<nonce>``), each file fsync-ed;
-2. write ``manifest.json`` last, fsync it and the staging directory;
-3. rename the staging directory to ``step-000000001200`` and fsync the root.
+`RenameCommit` (filesystems) writes into a hidden staging directory, manifest last, and
+renames it into place. Object stores have no rename: `MarkerCommit` writes under keys
+unique to the attempt, then the manifest with a conditional put, so of two writers of
+one step exactly one commits. `committer_for` picks the one a storage supports. A
+``fence`` is checked right before the first visible change, so a writer whose lease
+lapsed changes nothing. The trade-off: a crash leaves staged data behind, which no
+listing reports and the next start removes.
 
-A crash before step 3 leaves only a staging directory, which no listing reports and
-the next start removes (and logs). A crash after it leaves a complete checkpoint. A
-committed checkpoint of the same step (possible only after resuming from an older one
-because the newer one was corrupt) is first moved aside to ``.trash-...``, so at every
-instant the newest earlier checkpoint stays loadable. A ``step-N`` directory without a
-manifest in the way (its manifest deleted, a copy cut short, another tool's data) is
-never deleted and never blocks the run: it is moved into ``quarantine/`` inside the
-root, with a warning, and the caller is told (``on_quarantine``) so it can audit it.
-
-Object stores have no rename: `MarkerCommit` writes data under keys unique to the
-attempt (``step-000000001200/att-<ms>-<pid>-<nonce>/rank-00000.safetensors``) and then
-the manifest with a conditional put (``If-None-Match: *``), so of two writers of one
-step exactly one commits. Both strategies list the same way: a checkpoint is committed
-iff ``step-N/manifest.json`` exists. `committer_for` picks the one a storage supports.
-
-A ``fence`` (`resumable.lock.LeaseFence.check`) is called right before the first change
-a commit or delete makes visible: a writer whose lease on the root lapsed changes
-nothing there (a commit's own staging data is still removed, as on any failure).
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from __future__ import annotations

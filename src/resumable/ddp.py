@@ -1,29 +1,23 @@
 """DDP gradient averaging whose bits do not depend on DDP's bucket layout.
 
-``DistributedDataParallel`` averages gradients bucket by bucket: it copies them into flat
-buckets and all-reduces each bucket. The first step of every launch uses buckets in
-parameter order (one bucket unless ``find_unused_parameters=True``); after it, DDP
-rebuilds them once in the order the gradients became ready and keeps that layout. A
-ring all-reduce (gloo, NCCL) splits a buffer into chunks and sums each chunk starting at
-a different rank, so an element's summation order, and from three ranks on its rounding,
-depends on where it sits in its bucket. An uninterrupted run reduces step K+1 in the
-rebuilt layout; a run resumed at step K reduces it in the first-step layout, and the two
-drift apart by a few ulps from there (measured at 4 ranks on gloo; at 2 ranks ``a + b``
-is commutative and the runs match).
+DDP all-reduces gradients bucket by bucket. The first step of a launch uses buckets in
+parameter order; after it, DDP rebuilds them once, in the order gradients became ready.
+A ring all-reduce sums an element in an order set by its place in its bucket. So a run
+resumed at step K reduces step K+1 in another layout than an uninterrupted run. From
+three ranks on, the two drift apart by a few ulps.
 
 `reduce_per_parameter` registers a comm hook that all-reduces each parameter's gradient
-as its own tensor. An element's summation order then depends only on its parameter, so
-every launch computes the same bits at every step, resumed or not. The trade-off: as
-many collectives as parameter tensors instead of one per bucket (the same bytes; more
-calls, which costs latency on models with many small tensors), and the hook slot of the
-model is taken (DDP allows one comm hook). It is opt-in for those reasons. (With
-``find_unused_parameters=True`` DDP never rebuilds its buckets and needs no hook, at the
-cost of an autograd-graph traversal every step.)
+as its own tensor. Every launch then computes the same bits at every step, resumed or
+not. The trade-off: one collective per parameter tensor instead of one per bucket (the
+same bytes, more latency with many small tensors), and the model's one comm hook slot is
+taken. So it is opt-in. ``find_unused_parameters=True`` needs no hook (DDP then never
+rebuilds its buckets), at the cost of an autograd-graph traversal every step.
 
-No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
-registration against the real types, not strings.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
+# No `from __future__ import annotations`: DDP checks the hook's annotations at
+# registration against the real types, not strings.
 import logging
 from typing import Any
 

@@ -1,21 +1,18 @@
 """The order of an epoch, and each rank's share of what is left of it.
 
-`ResumableSampler` draws the permutation of epoch ``e`` from a private ``torch.Generator``
-seeded with a pure function of ``(seed, e)``, so any position of any epoch can be recomputed
-without replaying the epochs before it. A position is one number: how many entries of that
-permutation have been consumed, by all ranks together (``start``). The rest of the epoch is
-dealt over the ranks the way ``DistributedSampler`` deals a whole epoch: padded to a multiple
-of the world size by repeating the epoch's first entries (``shard_end="pad"``) or cut to one
-(``"drop"``), rank ``r`` taking entries ``r, r + world, ...``. Because the deal is strided,
-``k`` entries consumed by each of ``world`` ranks are exactly the first ``k * world`` entries
-of the rest: the consumed set is always a prefix of the epoch's order, so the position does
-not depend on the world size and a restart at another world size deals what is left over the
-new ranks, each entry exactly once.
+`ResumableSampler` draws epoch ``e``'s permutation from a ``torch.Generator`` seeded by
+a pure function of ``(seed, e)``. So any position is recomputed without replaying the
+epochs before it. A position (``start``) is one number: the entries all ranks consumed
+together. The rest is dealt as ``DistributedSampler`` deals an epoch: padded or cut to a
+multiple of the world size, rank ``r`` taking ``r, r + world, ...``. The consumed set is
+thus a prefix of the epoch's order. A restart at another world size deals what is left
+over the new ranks, each entry exactly once.
 
-Trade-off: a position that is a prefix needs every rank to consume at the same pace (one batch
-per rank per step, as in data-parallel training); ranks that drift apart still resume exactly
-at the same world size, but their states differ and the checkpointer then treats the data
-position as per-rank state, which a world-size change cannot carry over.
+Trade-off: a prefix needs every rank to consume at the same pace (one batch per rank per
+step). Ranks that drift apart still resume exactly at the same world size. But their
+position is then per-rank state, which a world-size change cannot carry over.
+
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from collections.abc import Iterator, Mapping, Sized

@@ -1,24 +1,18 @@
 """Positions in an epoch: one object per way an epoch's order is made.
 
-`ResumableDataLoader` counts the batches it hands out and asks its `Order` what position
-that is, how to start the next pass from a position, and what to save:
+`ResumableDataLoader` counts the batches it hands out. Its `Order` says what position
+that is, how to start the next pass from one, and what to save:
 
-- `SeededOrder` (the default, ``shuffle=``/``seed=``): the loader's own `ResumableSampler`;
-  the position counts the entries of the epoch's permutation all ranks consumed together,
-  the same on every rank and valid at any world size (`resumable.data.order`).
-- `UserOrder`: a user's sampler or batch sampler, recomputed on resume by
-  ``set_epoch(epoch)`` or by loading its ``state_dict()`` from the start of the epoch, then
-  skipped up to the position without loading data (`Skipping`); the position is the rank's
-  own.
-- `IterableOrder`: an ``IterableDataset``; its own ``state_dict()`` (no workers), or replay.
+- `SeededOrder` (the default): the loader's own `ResumableSampler`. The position is the
+  same on every rank and valid at any world size.
+- `UserOrder`: a user's sampler or batch sampler, recomputed on resume, then skipped up
+  to the position without loading data (`Skipping`). The position is the rank's own.
+- `IterableOrder`: an ``IterableDataset``, through its own ``state_dict()`` or a replay.
 
-Each is validated on load like any input read from disk (`resumable.data.state`). A state
-saved at another batch size goes through `batch_size_changed`: refused by default; with
-``"continue"`` accepted only by an order whose position counts samples (the batch size then
-changes batch boundaries, not which samples come next); with ``"restart_epoch"`` resumed at
-the start of the saved epoch, with a WARNING. A batch sampler's batch size is its own: the
-state records it where the batch sampler says what it is (`batch_sampler_shape`), and its
-position counts batches, so a change is never continued.
+A saved state is validated like any input read from disk. A state saved at another batch
+size is refused by default (`batch_size_changed`). The trade-off: ``"continue"`` is
+accepted only where the position counts samples, ``"restart_epoch"`` anywhere.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 import itertools

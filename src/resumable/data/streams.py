@@ -1,27 +1,18 @@
 """An ``IterableDataset`` read by worker processes, resumed from each worker's own state.
 
-Each worker process iterates its own copy of the dataset (which shards itself with
-``get_worker_info()``), so the position of the stream is in the workers, one state per
-worker. Three parts carry it to the main process and back, the way torchdata's
-``StatefulDataLoader`` does, without replacing ``DataLoader``:
+Each worker iterates its own copy of the dataset, so the stream's position lives in the
+workers, one state per worker. Three parts carry it to the main process and back, as
+torchdata's ``StatefulDataLoader`` does, without replacing ``DataLoader``.
+`WorkerStreams` is the dataset each worker iterates, starting from its saved state.
+`TaggingCollate` tags each batch with its worker and that worker's ``state_dict()``.
+`WorkerCursor`, in the main process, records the round robin as batches are handed out.
 
-- `WorkerStreams` is the dataset the ``DataLoader`` iterates: in a worker it loads that
-  worker's saved state (or yields nothing more for a worker whose stream had ended), then
-  yields the user's dataset's items and, at the end, `END` markers up to the end of the
-  batch, so that the end of a worker's stream arrives as a batch of its own, also when
-  ``drop_last`` would drop a short one;
-- `TaggingCollate` runs in the worker after each batch is fetched: it drops the markers,
-  collates the rest with the user's ``collate_fn`` and returns a `Tagged` batch with the
-  worker's id and its dataset's ``state_dict()`` after the batch;
-- `WorkerCursor`, in the main process, hands the batches out in the order the
-  ``DataLoader`` gives them without resuming (round robin over the workers whose stream has
-  not ended, from worker 0), and records, when a batch is handed to the caller (not when it
-  is prefetched), the state of the worker it came from, which workers ended and which
-  worker is next. A resumed pass starts that round robin where it stood.
+Contract: the batches of an epoch are those of a ``DataLoader`` over the same dataset
+with the same ``num_workers``, in the same order. A resume at any batch boundary yields
+the rest of them without reading a consumed sample again. The cost: a ``state_dict()``
+per batch, and the end of each worker's stream arrives as a batch of its own.
 
-The batches of one epoch are therefore those of a ``DataLoader`` over the same dataset
-with the same ``num_workers``, in the same order, and a resume at any batch boundary
-yields the rest of them without reading a consumed sample again.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from collections import deque
