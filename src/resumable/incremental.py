@@ -1,36 +1,19 @@
 """Incremental checkpoints: a persist writes only the chunks that changed since the last
 checkpoint its writer committed, and refers to the rest where it already lies.
 
-Each writer (the persist worker of a rank, or the in-process one) keeps a `DeltaBase`:
-the tensor index of the last checkpoint it committed, with an XXH3-128 hash of every
-chunk (a tensor cut into ``chunk_bytes`` pieces; a tensor of at most ``chunk_bytes`` is
-one chunk) and where each chunk's bytes lie (a step, a data file, a byte range). At the
-next persist every chunk is hashed again (a pass over memory, on several threads where
-the chunks are large: `chunk_hashes`); a chunk of a tensor whose
-dtype and shape are unchanged and whose hash equals the remembered one is not written:
-the new manifest (format version 3, ``docs/format.md``) refers to the earlier
-checkpoint's bytes. Choices and their reasons are in ``docs/incremental.md``:
+Each writer (a rank's persist worker, or the in-process one) keeps a `DeltaBase`: the
+tensor index of its last commit, with an XXH3-128 hash of every chunk (``chunk_bytes``
+of a tensor) and where each chunk's bytes lie. At the next persist every chunk is hashed
+again (`chunk_hashes`). A chunk of a tensor with the same dtype and shape and the same
+hash is not written: the manifest (format version 3, ``docs/format.md``) refers to the
+earlier bytes. Every reference carries the tensor's XXH3-64 checksum, checked on read.
 
-- **Content, not version counters**, decides "unchanged": torch's per-tensor version
-  counter misses writes made through ``.data`` (which DeepSpeed, FSDP and many
-  optimizers use) and is not visible to a worker that reads a shared-memory snapshot.
-- **XXH3-128**: a changed chunk is taken for unchanged only if its 128-bit hash equals
-  the one its previous content had; for content that is not chosen by an adversary
-  that chance is 2**-128 per comparison (a billion chunks compared per second for a
-  century makes ~10**-20). The contents are the training job's own state, written by
-  its own code; a party that can choose weights bit for bit controls the job already.
-  Every reference also carries the tensor's XXH3-64 checksum, verified on every read.
-- **Write whole when it saves little** (``min_saving``): a reference ties a checkpoint
-  to an older one (retention keeps the older one while it is referred to), which is
-  worth it only for a real saving; a job whose every tensor changes keeps writing the
-  version 1 checkpoints it always wrote.
-- **Release old checkpoints** (``min_live``): chunks of an earlier checkpoint are
-  reused only while at least that fraction of its data is still reused; below it, its
-  live chunks are written again, like a log-structured file system's cleaner, so
-  checkpoints kept only for their references hold at most 1 / min_live times the
-  bytes still in use.
-- **Nothing remembered across processes**: the first persist of a process is written
-  whole, so a new launch never depends on a chunk index it did not compute itself.
+The trade-off: a reference ties a checkpoint to an older one, which retention must keep.
+So a persist that saves little is written whole (``min_saving``), and an old checkpoint
+is released once too little of it is reused (``min_live``). Nothing is remembered across
+processes: a process's first persist is written whole.
+
+Why content hashes, XXH3-128 and these thresholds: docs/incremental.md.
 """
 
 from __future__ import annotations

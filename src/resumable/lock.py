@@ -1,38 +1,20 @@
 """One writer per checkpoint root.
 
-Two jobs writing one root replace each other's committed checkpoints and share their
-shared-memory slots; an "is anyone there?" check before starting is a race both pass.
-So a job holds the root for as long as it writes it, and a second one is refused with
-`RootInUseError` naming the holder (host, pid, since when). `acquire_root` picks how:
+Contract: a job holds its root for as long as it writes it, since a check before
+starting is a race. A second job is refused with `RootInUseError`, which names the
+holder (host, pid, since when). `acquire_root` picks how to hold the root:
 
-- **Filesystem roots** (`Storage.open_lock` gives a descriptor): ``flock(LOCK_EX |
-  LOCK_NB)`` on the file ``.resumable-lock`` in the root. The kernel drops the lock when
-  the holder exits, however it exits (SIGKILL, OOM kill, power loss): no expiry, no
-  clock, nothing stale to clean up. The descriptor is close-on-exec and is closed in
-  every child the holder forks (``os.register_at_fork``), so a DataLoader worker that
-  outlives its trainer does not keep the root held. The file holds a JSON line naming
-  the holder; it is rewritten by each holder and never removed (removing a lock file
-  races with the next taker). ``flock`` on NFS is mapped by Linux to NFS byte-range
-  locks, which other clients see.
-- **Object stores and memory** (no operating-system lock): a *lease*. The holder
-  writes ``.resumable-lease/lease-<generation>.json`` with `Storage.put_if_absent` (the
-  same conditional put, ``If-None-Match: *``, that commits use), saying who holds it and
-  until when; a thread renews it every third of ``ttl_s`` by writing the next
-  generation. Whoever creates generation ``n + 1`` wins generation ``n``, and a won put
-  still loses to any newer generation (one pruned by a holder further along can be
-  created again). A contender takes over only a lease that was released, or has expired
-  by more than ``skew_s`` (clocks of different hosts differ). A holder counts on its
-  lease for ``ttl_s`` from the start of its last confirmed renewal, by its own clocks;
-  past that (frozen, starved, cut off) it writes nothing until it has taken the lease
-  again, which it may only while the newest generation is still its own. Otherwise it
-  has lost the root: `RootLock.check` raises, so its next save stops.
+- filesystem roots (`Storage.open_lock` gives a descriptor): ``flock`` on
+  ``.resumable-lock``. The kernel drops it however the holder exits, so nothing expires.
+- object stores and memory: a *lease*, generation objects created with
+  `Storage.put_if_absent` and renewed every third of ``ttl_s``. A holder past its
+  ``ttl_s`` writes nothing until it holds the lease again. If another job took it,
+  `RootLock.check` raises and the next save stops.
 
 The trade-off of the lease: a job killed without releasing blocks the root for up to
-``ttl_s + skew_s`` (default 60 + 10 s); a smaller ``ttl_s`` costs more requests
-(three small puts and listings a ``ttl_s``) and less tolerance to a stalled holder.
-The persist worker (another process) writes under the trainer's lease: a `LeaseFence`,
-a boot-clock deadline in shared memory that the lease keeps current, lets it check the
-lease right before each commit and retention delete. See docs/root-safety.md.
+``ttl_s + skew_s`` (60 + 10 s by default). A smaller ``ttl_s`` costs more requests and
+less tolerance to a stalled holder. The persist worker checks a `LeaseFence` before each
+commit and retention delete. Why and how, in full: docs/root-safety.md.
 """
 
 from __future__ import annotations

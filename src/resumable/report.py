@@ -3,21 +3,17 @@ its checkpoints, as plain JSON-able data (``--json``) that `resumable.report_htm
 draws.
 
 The audit log is the only record of what happened between checkpoints, so every figure
-here is derived from its entries (docs/report.md says how, one by one). It is data that
-anybody with write access to the root could have written: nothing in it is executed,
-every field is type-checked before use, and a line that does not parse is skipped and
-listed in ``warnings`` rather than failing the report.
+is derived from its entries (docs/report.md says how). Contract: the log is untrusted
+data. Nothing in it is executed, every field is type-checked before use, and a line
+that does not parse is listed in ``warnings`` rather than failing the report.
 
-Launches are told apart by their ``launch`` entries (one per `Checkpointer`); a log
-written before those existed falls back to ``restore`` entries (one per launch that
-restored). Each entry belongs to the launch whose start precedes it, so the entries of
-a launch's persist worker and mirror (other processes and threads) count for it too.
+Launches are told apart by their ``launch`` entries, or by ``restore`` entries in older
+logs. Each entry belongs to the launch whose start precedes it. Only training entries
+(`is_training`) make a launch's end and the run's span. The trade-off: an operator's
+entries (``pin``, a ``resumable prune``) may come days after the job ended. They are
+shown and counted, but time up to them is not training time.
 
-Only *training* entries (`is_training`: what a job writes while it runs) make a
-launch's end and the run's span. An operator's entries (``pin`` and ``unpin``, a
-``resumable prune``'s deletes, anything else) may come minutes or days after the job
-ended: they are shown on the timeline, and counted, but time up to them is not
-training time.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from __future__ import annotations

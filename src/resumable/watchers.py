@@ -1,29 +1,18 @@
 """Cloud termination-notice watchers: opt-in background threads that poll a cloud's
 instance metadata service and report a coming preemption before the signal arrives.
 
-Each watcher polls one endpoint (AWS spot ``instance-action`` with the IMDSv2 token
-flow, GCP ``instance/preempted``, Azure Scheduled Events) from one daemon thread and
-calls ``on_notice(reason)`` at most once, then stops. The trade-off is polling against
-long-polling: a plain GET every ``interval_s`` costs one local HTTP round-trip and
-needs no connection held open, and the clouds give 30 s (GCP, Azure Preempt) to
-2 minutes (AWS) of warning, so a 5 s poll loses little of it.
+Each watcher polls one endpoint (AWS spot, GCP preemption, Azure Scheduled Events) from
+one daemon thread, and calls ``on_notice(reason)`` at most once, then stops. The
+trade-off is polling against long-polling: a GET every ``interval_s`` costs one local
+round-trip and holds no connection open. The clouds warn 30 s to 2 minutes ahead, so a
+5 s poll loses little.
 
-A watcher must never hurt the job it protects: each poll has one deadline,
-``timeout_s``, that covers all of its requests (connect, send, and every read of the
-answer, so a service that trickles its answer cannot hold a poll longer),
-``start``/``stop`` return at once (``stop`` waits at most about ``timeout_s`` for the
-thread), and a watcher whose endpoint fails ``max_failures`` times in a row (not
-reachable, too slow, or answering something unexpected) logs one WARNING on the
-``resumable`` logger and stops: on a machine that is not on that cloud, it costs a few
-failed requests and nothing more.
+Contract: a watcher never hurts the job it protects. One deadline, ``timeout_s``, covers
+each poll. ``start`` and ``stop`` return at once. After ``max_failures`` failed polls in
+a row it logs one WARNING and stops. Requests go to the endpoint only: no proxy, no
+redirect. `watchers_from_env` is the one place where the environment selects watchers.
 
-Requests go to the endpoint and nowhere else: they bypass any HTTP proxy from the
-environment, as metadata services are link-local, and a redirect is an unexpected
-answer, never followed, so the headers that authorize metadata requests (the IMDSv2
-session token) never reach another host. Requests are made with `http.client`, which
-does neither proxies nor redirects, rather than `urllib`, which does both.
-
-`watchers_from_env` is the one place where the environment selects watchers.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """Failure domains and replica placement: which node a rank runs on, and which ranks
 hold the copies of its memory snapshot.
 
-A failure domain here is a node: a hardware fault takes a machine, and with it every
-rank's ``/dev/shm``. A node's identity comes from torchrun's environment
-(``GROUP_RANK``, the launcher's node rank), falling back to the host name only when no
-launcher told us; tests run several simulated nodes on one host, so with ``GROUP_RANK``
-set the host name is never the identity.
+A failure domain is a node: a hardware fault takes a machine and every rank's
+``/dev/shm`` on it. A node's identity is torchrun's ``GROUP_RANK``, or the host name
+only when no launcher set it.
 
-Placement is a ring over nodes: with ``replicas=R`` copies in all (the node's own
-counts as one), node ``n``'s snapshots are held by the ``R - 1`` next nodes,
-``n+1 .. n+R-1`` (mod the number of nodes), each on the rank of the same local rank
-there, so a rank sends to exactly one peer rank per extra copy and receives from as
-many. Any ``R - 1`` nodes may be lost and every node's snapshot still has a copy on a
-surviving one, since the R copies sit on R distinct nodes. A ring spreads the
-receiving load evenly (every node holds ``R - 1`` other nodes' snapshots); it does not
-know racks or switches, which Gemini's placement and NVRx's "jump" would (a larger
-blast radius than one node is not modelled yet).
+Placement is a ring over nodes. With ``replicas=R`` copies in all (the own one counts),
+node ``n``'s snapshots are held by nodes ``n+1 .. n+R-1`` (mod the number of nodes), on
+the rank of the same local rank. Contract: any ``R - 1`` nodes may be lost and every
+snapshot still has a copy. The trade-off: a ring spreads the receiving load evenly, but
+knows no racks or switches. A larger blast radius than one node is not modelled yet.
 
 Everything below is pure: no collectives, no environment read except in `place_from_env`.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """The replicas a rank holds for its peers: one file per replica in a memory directory.
 
 A replica is a copy of one rank's memory snapshot as its shared-memory slot holds it
-(`resumable.shm`): the slot's metadata JSON, verbatim, followed by its tensor data
-region (the packed safetensors-style bytes the layout in that JSON describes). It
-travels and rests as *pieces*, byte ranges of ``meta || data`` each with its XXH3-64
-digest; the sender chooses them (fixed chunks by default; per-tensor ranges let a
-later version skip bytes the peer already holds).
+(`resumable.shm`): the slot's metadata JSON, then its tensor data region. It travels and
+rests as *pieces*, byte ranges each with its XXH3-64 digest. A file is
+``<dir>/r<source rank>-s<step>.replica``, with a trailer naming the run, source rank,
+step, lengths and every piece's digest.
 
-File layout (``<dir>/r<source rank>-s<step>.replica``)::
+Contract: a half-received replica is never listed, and a damaged one is never returned.
+A replica is written as ``.partial-*``, each piece checked as it arrives, the trailer
+last, and only then renamed. A newer replica of a source rank replaces the older only
+once complete. A reader checks every digest again (`read`). The trade-off: no fsync (the
+directory is memory), so a replica lasts only as long as the node does.
+One process owns a store directory (`ReplicaStore`, ``owner=False`` only reads).
 
-    [meta][data][trailer JSON][trailer xxh3-64, u64 LE][trailer length, u32 LE][b"RSMBLREP"]
-
-The trailer names the run id, source rank, step, lengths and every piece's digest.
-A replica is written as ``.partial-*`` (no fsync: the directory is memory), each
-piece's digest checked as it arrives, the trailer written last, and only then renamed
-to its complete name: a half-received replica is never listed. A newer complete
-replica of a source rank replaces the older one only once it is itself complete: the
-older is deleted after the rename. A reader checks every digest again (`read`), so a
-replica damaged at rest is detected, never returned.
-
-One process owns a store directory (an exclusive ``flock`` on ``.lock``, held while
-open); opening it removes the ``.partial-*`` files a killed owner left behind.
-Readers that do not own it (`ReplicaStore(..., owner=False)`) only list and read.
+Why: docs/decisions.md, "Module notes moved from docstrings".
 """
 
 from __future__ import annotations
