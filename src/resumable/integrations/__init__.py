@@ -1,20 +1,16 @@
 """Integrations with the trainers people already use.
 
-Each submodule imports its framework at import time, so ``import resumable`` never does:
-import the one you use, after installing its extra (in a clone of this repository,
-``pip install '.[transformers]'``; the distribution is installed from a clone).
+Each submodule imports its framework, so ``import resumable`` never does. Install the
+extra named after the module first (from a clone: ``pip install '.[transformers]'``).
 
-- `resumable.integrations.transformers`: `ResumableTrainer`, a Hugging Face
-  ``transformers.Trainer`` that checkpoints through `resumable.Checkpointer`
-  (``[transformers]``).
-- `resumable.integrations.lightning`: `ResumableCheckpoint`, a PyTorch Lightning callback
-  resumed by ``trainer.fit(..., ckpt_path="last")`` (``[lightning]``).
-- `resumable.integrations.keras`: `ResumableCallback`, a Keras 3 callback replacing
-  ``ModelCheckpoint`` and ``BackupAndRestore`` (``[keras]``; tested with
-  ``KERAS_BACKEND=torch``).
+- `resumable.integrations.transformers`: `ResumableTrainer`, a Hugging Face ``Trainer``.
+- `resumable.integrations.lightning`: `ResumableCheckpoint`, a Lightning callback.
+- `resumable.integrations.keras`: `ResumableCallback`, a Keras 3 callback.
+- `resumable.integrations.deepspeed`: `DeepSpeedState`, a whole ``DeepSpeedEngine``.
 - `resumable.integrations.megatron`: `MegatronModel`, `MegatronOptimizer` and
-  `save_checkpoint_if_needed`, Megatron-Core models with tensor-parallel resharding
-  (``[megatron]``).
+  `save_checkpoint_if_needed`, Megatron-Core with tensor-parallel resharding.
 - `resumable.integrations.staging`: `StagedState`, restored state held until a
   framework's own load point (shared by the integrations).
+
+Each submodule's docstring says what it hooks into. Tested versions: docs/integrations.md.
 """

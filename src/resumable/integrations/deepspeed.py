@@ -1,49 +1,18 @@
 """DeepSpeed: a whole ``DeepSpeedEngine`` (any ZeRO stage) checkpointed through `resumable`.
 
-One change to a script: put ``DeepSpeedState(engine)`` into the `Checkpointer`'s state in
-place of the model and optimizer, and drop ``engine.save_checkpoint``/``load_checkpoint``::
+Put ``DeepSpeedState(engine)`` in the `Checkpointer`'s state in place of the model and
+optimizer, and drop ``engine.save_checkpoint`` and ``load_checkpoint``::
 
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=ds_config, ...)
-    ckpt = resumable.Checkpointer("runs/exp", {"engine": DeepSpeedState(engine), "data": loader})
-    start = ckpt.restore()
-    for step in range(start, total):
-        loss = engine(batch); engine.backward(loss); engine.step()
-        ckpt.maybe_save(step + 1)
+    ckpt = resumable.Checkpointer("runs/exp", {"engine": DeepSpeedState(engine)})
 
-Under ``torchrun --max-restarts``, start the processes with the ``init_distributed`` of
-``docs/deepspeed.md`` (a store namespaced by the restart count) rather than
-``deepspeed.init_distributed()``, whose relaunched ranks can fail to connect.
-
-What is saved is what ``engine.save_checkpoint`` writes, taken from the same DeepSpeed code
-(``DeepSpeedEngine._save_checkpoint``, ``optimizer.state_dict()``) but kept in memory: the
-module's state dict, the (ZeRO-partitioned) optimizer state of this rank with its fp32
-master weights, the LR scheduler, the engine's counters (global steps and samples,
-skipped steps). The random streams and a `resumable.data.ResumableDataLoader`'s position
-are the `Checkpointer`'s own, as for any job. Restoring replays what
-``engine.load_checkpoint`` does with those dicts (``_load_checkpoint`` and
-``_load_zero_checkpoint``), so the engine continues bit-identically: tested at ZeRO 0-3,
-fp32 and bf16, under ``torchrun`` with two ranks (``tests/integrations/test_deepspeed.py``).
-
-A ZeRO partition belongs to its rank, so `DeepSpeedState` is per-rank state: each rank
-writes its own share (for ZeRO 0-2 the module state, replicated, is written by every
-rank). A checkpoint restores at the world size that wrote it; at another one, restore
-raises `StateMismatchError`, even with ``reset_per_rank_state=True``. To change the world
-size, `export_deepspeed` writes DeepSpeed's own layout, which DeepSpeed's
-``ds_to_universal`` turns into a universal checkpoint that ``load_checkpoint`` reshards
-(``"checkpoint": {"load_universal": true}``); ``zero_to_fp32`` works on the export too.
-The other way, a DeepSpeed checkpoint comes in through ``engine.load_checkpoint(dir)``
-before the first `Checkpointer.save` (see ``docs/deepspeed.md``).
-
-Nothing here unpickles: the dicts go through the `Checkpointer`'s tree, and the few
-DeepSpeed objects in them (loss scalers, fragment addresses, the ZeRO stage enum) are
-written as tagged plain values and rebuilt from an allow-list of their classes (and
-``torch.Size``, which the tree would give back as a tuple), each value checked for its
-type and range first. A tree that fails a check is a `CorruptCheckpointError`, which
-restore treats like a bad checksum (it skips to the older checkpoint).
-
-Not supported (the constructor raises `UnsupportedStateError`): pipeline parallelism
-(``PipelineEngine``), mixture of experts, NVMe offload, curriculum learning and random-LTD
-(their states live in further files of DeepSpeed's layout).
+Contract: what is saved is what ``engine.save_checkpoint`` writes, kept in memory, and a
+restore replays ``engine.load_checkpoint``: the engine continues bit-identically. Nothing
+is unpickled; a tree that fails its checks is a `CorruptCheckpointError`. The trade-off:
+a ZeRO partition is per-rank state, so a checkpoint restores only at the world size that
+wrote it (`StateMismatchError`). `export_deepspeed` writes DeepSpeed's layout, which its
+``ds_to_universal`` reshards. Pipeline parallelism, mixture of experts, NVMe offload,
+curriculum learning and random-LTD raise `UnsupportedStateError`. How to start the
+processes under ``torchrun --max-restarts``, and why: docs/deepspeed.md.
 """
 
 from __future__ import annotations

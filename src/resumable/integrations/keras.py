@@ -1,29 +1,19 @@
 """Keras 3: a callback that checkpoints ``fit()`` through `resumable` and resumes it.
 
-One change to a script: `ResumableCallback(dirpath, ...)` in ``model.fit(callbacks=[...])``
-in place of ``ModelCheckpoint`` and ``BackupAndRestore``. When ``fit()`` starts, the
-callback restores the newest *valid* checkpoint (a torn or corrupt one is skipped with a
-WARNING) and sets the epoch ``fit`` continues from; while it runs, it saves at epoch ends
-(or every ``save_freq`` batches) as atomic, background-persisted commits, with retention
-that keeps the best by ``monitor`` as ``ModelCheckpoint(save_best_only=True)`` does.
+One change to a script: `ResumableCallback(dirpath, ...)` in ``model.fit(callbacks=...)``,
+in place of ``ModelCheckpoint`` and ``BackupAndRestore``. In ``on_train_begin`` it
+restores the newest *valid* checkpoint (a torn or corrupt one is skipped with a WARNING)
+and sets the epoch ``fit`` continues from. It saves at epoch ends (or every ``save_freq``
+batches) as atomic, background commits, and keeps the best by ``monitor`` as
+``ModelCheckpoint(save_best_only=True)`` does.
 
-What is saved: ``model.get_state_tree()`` (trainable and non-trainable variables, the
-seed generators' states, optimizer and metric variables), the epoch, the Python, NumPy
-and torch random streams, and the position of a `resumable.data.ResumableDataLoader`
-passed as ``loader=`` (and as ``fit``'s ``x``).
-
-How a resume lands. ``BackupAndRestore`` records the batch but restores only the epoch,
-so a mid-epoch backup reruns the whole epoch. Keras has no way to start ``fit`` inside an
-epoch; what it allows is an input that knows its position: with ``x=loader`` (a
-`ResumableDataLoader`) the resumed epoch reads only its remaining batches, so a
-mid-epoch checkpoint resumes exactly (Keras warns once that the input "ran out of data":
-it expected a whole epoch; on TensorFlow, the call that finds it exhausted still changes
-variables, which the callback puts back: `ResumableCallback._hold_variables`). Without
-``loader=`` there is no mid-epoch position to restore, so checkpoints are taken at epoch
-ends only and ``save_freq`` must be ``"epoch"``. The restore itself happens in
-``on_train_begin``, where ``BackupAndRestore`` restores (the model and optimizer are built
-by then), through the backend-neutral state tree; tested on the torch and the TensorFlow
-backend.
+What is saved: ``model.get_state_tree()``, the epoch, the random streams, and the position
+of a `resumable.data.ResumableDataLoader` passed as ``loader=`` (and as ``fit``'s ``x``).
+Keras cannot start ``fit`` inside an epoch. The trade-off: with ``x=loader`` a resumed
+epoch reads only its remaining batches, so a mid-epoch checkpoint resumes exactly, but
+Keras warns once that the input "ran out of data". Without ``loader=`` checkpoints are
+taken at epoch ends only. Tested on the torch and TensorFlow backends; how the resume
+lands on each, and why: docs/integrations.md, "Keras 3".
 """
 
 from __future__ import annotations

@@ -1,37 +1,18 @@
 """PyTorch Lightning: a ``Trainer`` callback that checkpoints through `resumable`.
 
-One change to a script: put `ResumableCheckpoint` in ``Trainer(callbacks=[...])`` (in
-place of ``ModelCheckpoint``) and call ``trainer.fit(model, ..., ckpt_path="last")``.
-``fit`` then resumes from the newest *valid* checkpoint (a torn or corrupt one is skipped
-with a WARNING), bit-identical mid-epoch: model, optimizers, LR schedulers, precision
-plugin (grad scaler), loop progress, callback states, the data position of stateful
-loaders (`resumable.data.ResumableDataLoader`) and every random stream, which Lightning's
-own checkpoints leave out.
+One change to a script: `ResumableCheckpoint` in ``Trainer(callbacks=[...])``, in place of
+``ModelCheckpoint``, and ``trainer.fit(model, ..., ckpt_path="last")``. ``fit`` then
+resumes from the newest *valid* checkpoint (a torn or corrupt one is skipped with a
+WARNING), bit-identical mid-epoch. The state is all of Lightning's checkpoint dictionary,
+the data position of stateful loaders, and every random stream, which Lightning leaves out.
 
-How it hooks in (checked against lightning 2.6):
-
-- The callback is an ``OnExceptionCheckpoint``: Lightning resolves ``ckpt_path="last"``
-  (and ``ckpt_path=None`` when fitting) to the newest of the ``ckpt_path`` of such
-  callbacks. Ours names a marker in fsspec's in-process ``memory://`` file system, which
-  exists only when the `Checkpointer` restored something; so a fresh run starts fresh,
-  with Lightning's usual "no last checkpoint" warning.
-- Its ``setup`` installs `ResumableCheckpointIO` as the strategy's ``checkpoint_io``: for
-  the marker, ``load_checkpoint`` returns the checkpoint dictionary the `Checkpointer`
-  restored, and Lightning itself puts each part back at its own load point. Every other
-  path goes to the ``CheckpointIO`` it wraps, so a ``ModelCheckpoint`` beside it still
-  writes its ``.ckpt`` files.
-- What is saved is the dictionary Lightning's ``trainer.save_checkpoint`` would write
-  (``trainer._checkpoint_connector.dump_checkpoint``, the one private call), read at
-  capture time only: ``maybe_save`` at each optimizer-step boundary
-  (``on_train_batch_end``) costs nothing when no snapshot is due. Random streams go into a
-  `StagedState` slot applied in ``on_train_start``, after setup hooks and the sanity check,
-  right before the first batch is fetched, as in an uninterrupted run.
-
-Trade-off: the checkpoint holds Lightning's dictionary (tensors as safetensors, the rest
-as JSON), not a ``.ckpt`` pickle, so what is not plain data (a class in
-``hyper_parameters``, a callback state holding objects) is refused with a clear error at
-the first save; ``hyper_parameters`` are kept as JSON text (not needed to resume: the
-script builds the model).
+It hooks in through Lightning's own extension points (lightning 2.6): the callback is an
+``OnExceptionCheckpoint`` whose ``ckpt_path`` is a marker that exists only after a
+restore, and `ResumableCheckpointIO` hands Lightning the restored dictionary for it. The
+random streams wait in a `StagedState` slot until ``on_train_start``. The trade-off: the
+checkpoint holds Lightning's dictionary as safetensors and JSON, not a ``.ckpt`` pickle,
+so what is not plain data is refused at the first save. How each hook works, and why:
+docs/integrations.md, "PyTorch Lightning".
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """Megatron-Core: a tensor-parallel model and its optimizer through `resumable`.
 
-Under tensor parallelism (TP) a Megatron module's parameters are plain tensors that
-hold this rank's shard. Handed to a `Checkpointer` as they are, they would be taken for
-replicas (written once, by one rank) and the checkpoint would be wrong. The wrappers
-here present them as what they are instead, from the model's own
-``sharded_state_dict()`` metadata (``ShardedTensor``: global shape, global offset, axis
-fragmentations, replica id):
-
-- a tensor split over the TP group along one axis becomes a ``DTensor`` with
-  ``Shard(axis)`` on a one-dimensional mesh over Megatron's TP process group (no new
-  process group is created); a tensor every TP rank holds whole (layer norms, position
-  embeddings) becomes a ``Replicate()`` one. `resumable`'s own machinery then writes
-  each shard once per TP rank, each replicated tensor once in total, and reshards on
-  restore (TP 2 -> 1, 1 -> 2, ...), as it does for FSDP2;
-- the model itself in a `Checkpointer`'s state is refused (`resumable.capture`);
-- Megatron's offsets are checked against torch's ``Shard`` placement (even chunks in
-  rank order) when a wrapper is made; where they disagree the wrapper refuses with
-  `UnsupportedStateError` rather than write a checkpoint that reshards wrongly;
-- the swiglu ``linear_fc1`` (a ``ShardedTensorFactory`` whose local tensor holds the
-  TP shards of two global tensors, stacked) is presented as its two parts, each
-  ``Shard(0)``, named ``<name>#0`` and ``<name>#1``;
-- optimizer moments follow their parameter's layout (a moment of a TP-sharded weight is
-  a DTensor sharded the same way), keyed by parameter name, not position, so they
-  reshard with the parameters.
+Under tensor parallelism (TP) a Megatron module's parameters are plain tensors holding
+this rank's shard. Given to a `Checkpointer` as they are, they would be taken for
+replicas and the checkpoint would be wrong, so the module itself is refused.
+`MegatronModel` and `MegatronOptimizer` present them as what they are, from the model's
+own ``sharded_state_dict()``: a TP-split tensor as a ``DTensor`` with ``Shard(axis)``
+over Megatron's TP group, a tensor every TP rank holds as ``Replicate()``. Each shard is
+then written once per TP rank, and a restore reshards (TP 2 -> 1, 1 -> 2), as for FSDP2.
+A layout torch's ``Shard`` cannot express is refused with `UnsupportedStateError`.
 
 Trade-off: a layout is computed once, when the wrapper is made, and each snapshot only
-wraps the live tensors (no copy, no ``sharded_state_dict()`` call); a model whose
+wraps the live tensors (no copy, no ``sharded_state_dict()`` call). A model whose
 parameters are replaced afterwards needs a new wrapper. Supported: tensor and data
-parallelism with a ``torch.optim`` optimizer, one model chunk. Not supported
-(refused by name): pipeline parallelism, virtual pipeline chunks, context and expert
-parallelism, Megatron's optimizer wrappers (``DistributedOptimizer``,
-``Float16OptimizerWithFloat16Params``), and non-empty TransformerEngine extra state
-(FP8 metadata). See ``docs/megatron.md``.
+parallelism, a ``torch.optim`` optimizer, one model chunk. What else is refused by name,
+and why: docs/megatron.md.
 """
 
 from __future__ import annotations

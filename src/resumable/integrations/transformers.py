@@ -2,55 +2,17 @@
 
 One change to a script: ``Trainer(...)`` becomes ``ResumableTrainer(...)``. ``train()``
 then restores the newest *valid* checkpoint by itself (a torn or corrupt one is skipped
-with a WARNING), and every save the ``TrainingArguments`` ask for (``save_strategy``,
-``save_steps``) becomes an atomic `Checkpointer.save`, with retention
-(``save_total_limit``, the best checkpoint kept for ``load_best_model_at_end``) applied
-only after a commit. SIGTERM leads to an emergency checkpoint and exit code 75 without
-being asked (`default_preemption`). Memory snapshots, background persists, other
-preemption signals and ``s3://`` roots are the `Checkpointer`'s, through the keyword
-arguments of `ResumableTrainer`.
+with a WARNING). Every save the ``TrainingArguments`` ask for becomes an atomic
+`Checkpointer.save`, and retention (``save_total_limit``, the best checkpoint) runs only
+after a commit. SIGTERM leads to an emergency checkpoint and exit code 75 without being
+asked (`default_preemption`). The `Checkpointer`'s other options are keyword arguments.
 
-How it hooks in. A callback cannot move the point where the Trainer restarts, so the
-subclass overrides the methods through which the Trainer loads and saves a checkpoint
-(checked against transformers 5.24; the names have been stable through 5.x):
-
-- ``_inner_training_loop``: opens the `Checkpointer`, restores, and when something was
-  restored hands the Trainer's own resume path a marker instead of a directory. With
-  nothing to restore but the plain Trainer's ``checkpoint-N`` in ``output_dir`` (a job
-  switched over), it hands it the newest complete one: the Trainer resumes from it as
-  ``resume_from_checkpoint`` would, and ``_load_rng_state`` saves it as the first
-  checkpoint once everything is loaded (`ResumableTrainer._import_plain`).
-- ``_init_training_state``: the ``TrainerState`` (best metric, log history, stateful
-  callbacks) from the checkpoint instead of ``trainer_state.json``; a checkpoint at
-  ``max_steps`` runs no epoch (the Trainer would take one step more).
-- ``_load_optimizer_and_scheduler``, ``_load_scaler``: applied where the Trainer loads
-  them, after accelerate prepared the optimizer and the scheduler exists.
-- ``_load_rng_state``: every random stream, at the point the Trainer puts them back
-  (after the epoch's data iterator was made).
-- ``_save_checkpoint``: `Checkpointer.save` instead of a ``checkpoint-N`` directory.
-- ``_maybe_log_save_evaluate``: `Checkpointer.maybe_save` after it, at each step
-  boundary (memory snapshots, preemption).
-- ``_load_best_model``: the model of the best step, from the checkpoint.
-- ``push_to_hub``, ``_push_from_checkpoint``: the Trainer's own, with the checkpoint
-  root added to the ignore patterns of its uploads (`UploadsWithoutRoot`); a save pushes
-  per ``hub_strategy`` from a plain ``checkpoint-N`` folder written for it (`HUB_STAGING`).
-- ``_prepare_for_training`` (with DeepSpeed only): the engine's state, applied right
-  after ``deepspeed.initialize`` made the engine, where the Trainer would call
-  ``deepspeed_load_checkpoint``.
-
-With DeepSpeed (``TrainingArguments(deepspeed=...)``) the engine owns the model,
-optimizer and (when DeepSpeed's config names one) the scheduler: they are saved as one
-`resumable.integrations.deepspeed.DeepSpeedState` slot, ZeRO partitions per rank.
-
-Trade-off: the restore reads everything at once, before the optimizer and scheduler
-exist, so those (and the random streams, the scaler, the ``TrainerState``) go through
-`StagedState` slots that keep what was restored until the Trainer's own load point; only
-the model is loaded at once, as the Trainer itself does. The data position is not
-stored as loader state: as in the Trainer, it follows from ``global_step``, and
-accelerate's ``skip_first_batches`` skips consumed batches by drawing their indices
-only, so no consumed sample is loaded again (map-style datasets; an ``IterableDataset``
-is read past, as the Trainer does). With the default seedable sampler the permutation
-of an epoch depends on the epoch only, which makes a resumed run bit-identical.
+A callback cannot move the point where the Trainer restarts, so the subclass overrides
+the methods through which the Trainer loads and saves a checkpoint (transformers 5.x).
+The trade-off: the restore reads everything at once, before the optimizer and scheduler
+exist, so their states wait in `StagedState` slots until the Trainer's own load point.
+The data position follows from ``global_step``, as in the Trainer. Which method does
+what, the import of a plain ``checkpoint-N``, DeepSpeed, and why: docs/integrations.md.
 """
 
 from __future__ import annotations
