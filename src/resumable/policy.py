@@ -30,8 +30,17 @@ DEFAULT_MAX_SECONDS = 24 * 3600.0
 def young_interval(cost_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum compute time between checkpoints, ``sqrt(2 C M)``.
 
-    ``cost_s`` (C) is what one checkpoint costs the job in seconds, ``mtbf_s`` (M) the
-    mean time between failures in seconds. Accurate when C is much smaller than M.
+    Accurate when C is much smaller than M.
+
+    Args:
+        cost_s: C, what one checkpoint costs the job, in seconds (finite, >= 0).
+        mtbf_s: M, the mean time between failures, in seconds (finite, > 0).
+
+    Returns:
+        The interval, in seconds.
+
+    Raises:
+        ValueError: ``cost_s`` or ``mtbf_s`` out of range.
     """
     _check_cost_mtbf(cost_s, mtbf_s)
     return math.sqrt(2.0 * cost_s * mtbf_s)
@@ -43,7 +52,17 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
         sqrt(2 C M) * (1 + sqrt(C / (2 M)) / 3 + C / (18 M)) - C    for C < 2 M
         M                                                           for C >= 2 M
 
-    Same arguments as `young_interval`; shorter than Young's estimate for every C > 0.
+    Shorter than Young's estimate for every C > 0.
+
+    Args:
+        cost_s: C, what one checkpoint costs the job, in seconds (finite, >= 0).
+        mtbf_s: M, the mean time between failures, in seconds (finite, > 0).
+
+    Returns:
+        The interval, in seconds.
+
+    Raises:
+        ValueError: ``cost_s`` or ``mtbf_s`` out of range.
     """
     _check_cost_mtbf(cost_s, mtbf_s)
     if cost_s >= 2.0 * mtbf_s:
@@ -118,6 +137,18 @@ class Every:
     measurement, comes early. ``auto`` is the only condition of its policy: combining it
     with ``steps``/``seconds``/``minutes`` is rejected, as are ``mtbf``/``min_seconds``/
     ``max_seconds`` without ``auto``.
+
+    Args:
+        steps: due at every multiple of this step (a positive integer).
+        seconds: due this many seconds after the last save.
+        minutes: due this many minutes after the last save.
+        auto: pick the time interval from the measured cost and ``mtbf``.
+        mtbf: the mean time between failures, in seconds (``auto`` only).
+        min_seconds: the shortest interval ``auto`` picks (default 1 s).
+        max_seconds: the longest interval ``auto`` picks (default 24 h).
+
+    Raises:
+        ValueError: a value out of range, or a combination described above.
     """
 
     steps: int | None = None
@@ -191,6 +222,12 @@ class Every:
 
         Fixed policies ignore the cost. ``auto``: `daly_interval(cost_s, mtbf)` clamped
         to `bounds`, or the lower bound while ``cost_s`` is None (nothing measured yet).
+
+        Args:
+            cost_s: the current checkpoint cost in seconds, or None.
+
+        Returns:
+            The interval in seconds, or None where the policy has no time condition.
         """
         if not self.auto:
             return self.interval_seconds
@@ -208,10 +245,18 @@ class Every:
         since_last_s: float,
         cost_s: float | None = None,
     ) -> bool:
-        """Whether to save at ``step``, ``since_last_s`` seconds after the last save ended
-        (its blocking part), when one checkpoint costs ``cost_s`` seconds (read only by
-        ``auto``; None before the first measurement). Never due at or before
-        ``last_step``."""
+        """Whether to save at ``step``. Never due at or before ``last_step``.
+
+        Args:
+            step: the step about to be reported.
+            last_step: the step of the last save, or None before the first.
+            since_last_s: seconds since the last save ended (its blocking part).
+            cost_s: what one checkpoint costs, in seconds. Read only by ``auto``; None
+                before the first measurement.
+
+        Returns:
+            True if a save is due.
+        """
         if last_step is not None and step <= last_step:
             return False
         if self.steps is not None:
@@ -234,7 +279,16 @@ class Keep:
     """Which committed checkpoints survive retention: the union of the ``last`` newest,
     the ``best=(metric, "min"|"max", k)`` by a metric, every multiple of
     ``every_steps``, and pinned ones. The newest checkpoint is always kept, so
-    retention never leaves zero. ``Keep(last=None)`` with no other rule keeps all."""
+    retention never leaves zero. ``Keep(last=None)`` with no other rule keeps all.
+
+    Args:
+        last: how many of the newest to keep (a positive integer), or None.
+        best: ``(metric, "min" or "max", k)``: the ``k`` best by ``metric``.
+        every_steps: keep every checkpoint whose step is a multiple of this.
+
+    Raises:
+        ValueError: a value of the wrong type or range.
+    """
 
     last: int | None = 3
     best: tuple[str, str, int] | None = None
@@ -269,7 +323,15 @@ class Keep:
         return self.last is None and self.best is None and self.every_steps is None
 
     def retained(self, entries: Iterable[Entry], pinned: Iterable[int] = ()) -> set[int]:
-        """Steps to keep among ``entries`` (any order)."""
+        """Steps to keep among ``entries``.
+
+        Args:
+            entries: the committed checkpoints, in any order.
+            pinned: steps exempt from retention.
+
+        Returns:
+            The steps to keep.
+        """
         items = sorted(entries, key=lambda e: e.step)
         steps = [e.step for e in items]
         if not steps or self.keeps_all:
@@ -290,6 +352,15 @@ class Keep:
         return keep
 
     def to_delete(self, entries: Iterable[Entry], pinned: Iterable[int] = ()) -> list[int]:
+        """Steps to delete among ``entries``: those `retained` does not keep.
+
+        Args:
+            entries: the committed checkpoints, in any order.
+            pinned: steps exempt from retention.
+
+        Returns:
+            The steps to delete, ascending.
+        """
         entries = list(entries)
         kept = self.retained(entries, pinned)
         return sorted(e.step for e in entries if e.step not in kept)

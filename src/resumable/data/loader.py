@@ -382,18 +382,28 @@ class ResumableDataLoader(DataLoader[Any], SeededEpochs):
         self._active = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The position as a few JSON values: ``epoch`` and ``position`` plus the
-        configuration checked on load. With the loader's own order it is the same on every
-        rank that consumed as many batches (one per step, as in data-parallel training)."""
+        """The position. With the loader's own order it is the same on every rank that
+        consumed as many batches (one per step, as in data-parallel training).
+
+        Returns:
+            A few JSON values: ``epoch`` and ``position``, plus the configuration checked
+            on load.
+        """
         return self._order.state(self._epoch, self.position)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Make the next ``iter`` resume at the saved position, dealt over this loader's
         world size (which may differ from the saving one with the loader's own order).
 
-        Raises `StateMismatchError`, changing nothing, if the state is malformed or was saved
-        with a different configuration; a different ``batch_size`` is handled as
-        ``on_batch_size_change`` says. Any iterator created before the call becomes stale.
+        Any iterator created before the call becomes stale. A different ``batch_size`` is
+        handled as ``on_batch_size_change`` says.
+
+        Args:
+            state_dict: what `state_dict` returned.
+
+        Raises:
+            StateMismatchError: the state is malformed or was saved with a different
+                configuration. Nothing is changed then.
         """
         epoch, position = self._order.load(state_dict, self._on_batch_size_change)
         self._invalidate()

@@ -158,6 +158,19 @@ class ResumableSampler(Sampler[int], SeededEpochs):
     The sampler does not observe what its consumer has actually used (a DataLoader
     prefetches), so its state is its configuration plus the pending ``(epoch, start)``;
     tracking the consumed position is `ResumableDataLoader`'s job.
+
+    Args:
+        data_source_or_len: the data source (anything with ``__len__``) or its length.
+        shuffle: a seeded permutation per epoch; False deals ``range(len)``.
+        seed: the seed every epoch's permutation derives from (an unsigned 64-bit int).
+        num_replicas: the world size; default the default process group's, or 1.
+        rank: this rank; default the default process group's, or 0.
+        shard_end: ``"pad"`` (repeat the epoch's first entries) or ``"drop"``.
+
+    Raises:
+        ValueError: a negative length, or a value out of range.
+        TypeError: ``data_source_or_len`` neither an int nor sized, or a value of the
+            wrong type.
     """
 
     def __init__(
@@ -216,13 +229,22 @@ class ResumableSampler(Sampler[int], SeededEpochs):
         return self._shard_end
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the permutation used by the next ``__iter__``; keeps a pending offset."""
+        """Select the permutation used by the next ``__iter__``; keeps a pending offset.
+
+        Args:
+            epoch: the epoch (an unsigned 64-bit int).
+        """
         self._epoch = check_u64("epoch", epoch)
 
     def start_at(self, index_in_epoch: int) -> None:
         """Make the next ``__iter__`` deal ``permutation[index_in_epoch:]`` over the ranks.
 
-        ``index_in_epoch == len`` is allowed and yields nothing.
+        Args:
+            index_in_epoch: entries consumed by all ranks together. The epoch's length is
+                allowed and yields nothing.
+
+        Raises:
+            ValueError: ``index_in_epoch`` past the epoch's length.
         """
         index = check_u64("index_in_epoch", index_in_epoch)
         if index > self.num_samples:
@@ -232,8 +254,14 @@ class ResumableSampler(Sampler[int], SeededEpochs):
         self._start = index
 
     def permutation(self, epoch: int | None = None) -> torch.Tensor:
-        """The full index order (int64 tensor) of ``epoch`` (default: the current epoch),
-        before sharding."""
+        """The full index order of an epoch, before sharding.
+
+        Args:
+            epoch: the epoch; default the current one.
+
+        Returns:
+            An int64 tensor of the epoch's indices.
+        """
         e = self._epoch if epoch is None else check_u64("epoch", epoch)
         n = self.num_samples
         if not self._shuffle:
@@ -261,8 +289,12 @@ class ResumableSampler(Sampler[int], SeededEpochs):
         return shard_length(self.num_samples, self._start, self._world, self._shard_end)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: pending epoch and offset, and the configuration that
-        fixes the order (seed, shuffle, length, shard_end). The same on every rank."""
+        """The sampler's state, the same on every rank.
+
+        Returns:
+            JSON-serialisable values: the pending epoch and offset, and the configuration
+            that fixes the order (seed, shuffle, length, shard_end).
+        """
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
@@ -274,10 +306,17 @@ class ResumableSampler(Sampler[int], SeededEpochs):
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore epoch and offset (at this sampler's world size, which may differ from the
-        saving one); raises `StateMismatchError` if the state is malformed or its seed,
-        shuffle, length or shard_end differ from this sampler's (nothing is changed then).
-        Version-1 states (one process, before sharding) load as ``shard_end="pad"``."""
+        """Restore epoch and offset, at this sampler's world size (which may differ from
+        the saving one). Version-1 states (one process, before sharding) load as
+        ``shard_end="pad"``.
+
+        Args:
+            state_dict: what `state_dict` returned.
+
+        Raises:
+            StateMismatchError: the state is malformed, or its seed, shuffle, length or
+                shard_end differ from this sampler's. Nothing is changed then.
+        """
         what = "ResumableSampler"
         v1 = {"epoch": int, "start": int, "seed": int, "num_samples": int, "shuffle": bool}
         s = validated_state(
