@@ -44,6 +44,13 @@ def per_parameter_allreduce(
     failed collective fails the future, and DDP raises it at the end of the backward.
     Register it with ``model.register_comm_hook(model.process_group,
     per_parameter_allreduce)``, or through `reduce_per_parameter`.
+
+    Args:
+        group: the process group to average over; None for the default group.
+        bucket: the bucket DDP hands the hook.
+
+    Returns:
+        A future of the bucket's buffer, averaged in place.
     """
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(group))
@@ -66,15 +73,22 @@ def per_parameter_allreduce(
 
 
 def reduce_per_parameter(model: nn.Module) -> nn.Module:
-    """Make ``model`` (a ``DistributedDataParallel``) average gradients one parameter at a
-    time, so a resumed run is bit-identical to an uninterrupted one (see the module
-    docstring). Returns ``model``.
+    """Make ``model`` average gradients one parameter at a time, so a resumed run is
+    bit-identical to an uninterrupted one (see the module docstring).
 
     Call it on every launch, right after wrapping and before the first forward, the
     same on every rank, in fresh and resumed runs alike (the numbers differ from plain
-    DDP's by rounding, so all launches of one run must use it). Raises
-    `UnsupportedStateError` if ``model`` is not a ``DistributedDataParallel`` or already
-    has a comm hook.
+    DDP's by rounding, so all launches of one run must use it).
+
+    Args:
+        model: a ``DistributedDataParallel``.
+
+    Returns:
+        ``model``, with the comm hook registered.
+
+    Raises:
+        UnsupportedStateError: ``model`` is not a ``DistributedDataParallel``, or it
+            already has a comm hook.
     """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise UnsupportedStateError(

@@ -41,14 +41,29 @@ class ExportProgress(Protocol):
     """
 
     def start(self, total: int) -> None:
-        """The export will write ``total`` bytes of tensor data."""
+        """The export will write ``total`` bytes of tensor data.
+
+        Args:
+            total: the bytes of tensor data the file will hold.
+        """
 
     def advance(self, nbytes: int) -> None:
-        """One more tensor of ``nbytes`` bytes was written."""
+        """One more tensor was written.
+
+        Args:
+            nbytes: that tensor's bytes.
+        """
 
 
 def has_tensors(node: Any) -> bool:
-    """Whether an encoded state tree (or subtree) refers to any tensor."""
+    """Whether an encoded state tree (or subtree) refers to any tensor.
+
+    Args:
+        node: an encoded state tree, or a subtree of one.
+
+    Returns:
+        True if it refers to at least one tensor.
+    """
     return next(iter_refs(node), None) is not None
 
 
@@ -67,6 +82,9 @@ def state_dict_names(tree: Any, key: str, where: str) -> dict[str, tuple[str, st
         tree: one rank's encoded state tree (``CheckpointReader.tree``).
         key: the top-level state key, such as ``model``.
         where: what the tree is, for error messages (``checkpoint step-000000000400``).
+
+    Returns:
+        Each state-dict key, mapped to its tensor's ``(tag, name)`` in the tree.
 
     Raises:
         CheckpointError: ``key`` is not a state key, holds no tensors, or two of its
@@ -168,9 +186,17 @@ def export_state_dict(
 
 
 def write_atomic(chunks: Iterable[Any], out: Path) -> None:
-    """Write ``chunks`` (bytes-like) to local file ``out`` all or nothing: a temporary
-    sibling, fsynced, renamed over ``out``, and the directory fsynced. On any error
-    the temporary file is removed and ``out`` is left as it was."""
+    """Write ``chunks`` to local file ``out`` all or nothing: a temporary sibling,
+    fsynced, renamed over ``out``, and the directory fsynced.
+
+    Args:
+        chunks: bytes-like objects, written in order.
+        out: the file to write or replace.
+
+    Raises:
+        OSError: the write failed. The temporary file is removed and ``out`` is left
+            as it was (also on any other error, which propagates).
+    """
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}.{secrets.token_hex(4)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -22,7 +22,16 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 class Group:
-    """This process's place in the job, and the collectives checkpointing uses."""
+    """This process's place in the job, and the collectives checkpointing uses.
+
+    Each collective is called by every rank, in the same order. With one rank it returns
+    at once, without a process group.
+
+    Args:
+        rank: this process's rank.
+        world_size: the number of ranks.
+        pg: the side process group the collectives run on (None with one rank).
+    """
 
     def __init__(self, rank: int, world_size: int, pg: Any = None) -> None:
         self.rank = rank
@@ -34,8 +43,19 @@ class Group:
         return self.rank == 0
 
     def gather(self, obj: Any, name: str = "") -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank (``name`` is for
-        `resumable.coordination`'s interface)."""
+        """Every rank's ``obj``, in rank order, on every rank.
+
+        Args:
+            obj: this rank's contribution (picklable by ``torch.distributed``).
+            name: unused here; `resumable.coordination`'s interface names its exchanges.
+
+        Returns:
+            The ``obj`` of every rank, in rank order.
+
+        Raises:
+            PersistError: the collective failed (a rank died, hung past the timeout, or
+                the group broke).
+        """
         if self.world_size == 1:
             return [obj]
         import torch.distributed as dist
@@ -51,7 +71,18 @@ class Group:
         return out
 
     def broadcast(self, obj: Any, name: str = "") -> Any:
-        """Rank 0's ``obj`` on every rank."""
+        """Rank 0's ``obj`` on every rank.
+
+        Args:
+            obj: what rank 0 sends; ignored on the other ranks.
+            name: unused here; `resumable.coordination`'s interface names its exchanges.
+
+        Returns:
+            Rank 0's ``obj``.
+
+        Raises:
+            PersistError: the collective failed.
+        """
         if self.world_size == 1:
             return obj
         import torch.distributed as dist
@@ -67,7 +98,11 @@ class Group:
         return box[0]
 
     def abandon(self, reason: str) -> None:
-        """Nothing to tell: when a collective fails, it fails on every rank."""
+        """Nothing to tell: when a collective fails, it fails on every rank.
+
+        Args:
+            reason: why this rank gives up; unused here (a store's coordination posts it).
+        """
 
     def close(self) -> None:
         """Destroy the side group while the interpreter is fully alive: gloo's worker
@@ -85,7 +120,17 @@ class Group:
                 log.debug("destroying the checkpoint process group: %s", exc)
 
     def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank (a one-integer all-reduce)."""
+        """Whether ``flag`` is true on any rank (a one-integer all-reduce).
+
+        Args:
+            flag: this rank's flag.
+
+        Returns:
+            True if any rank passed True.
+
+        Raises:
+            PersistError: the collective failed.
+        """
         if self.world_size == 1:
             return flag
         import torch.distributed as dist
@@ -105,8 +150,16 @@ class Group:
 
 
 def current_group(timeout_s: float | None = None) -> Group | None:
-    """The job's `Group` if ``torch.distributed`` is initialised with more than one
-    rank, else None (a single process keeps the single-process path)."""
+    """The job's `Group`, if ``torch.distributed`` is initialised with several ranks.
+
+    Collective: every rank calls it once, at the same point. It creates a side gloo group.
+
+    Args:
+        timeout_s: the collectives' timeout in seconds; default 600.
+
+    Returns:
+        The `Group`, or None for a single process (which keeps the single-process path).
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -21,7 +21,16 @@ from resumable.pieces import global_tensors, is_dtensor
 
 class GlobalLoader:
     """Builds the value of each global tensor for this rank from the pieces of a
-    checkpoint, shaped like the live target (see module doc)."""
+    checkpoint, shaped like the live target (see module doc).
+
+    Call order: `prepare` for the tensors to restore (optional: `value` and `assemble`
+    prepare what they need), then `value` or `assemble` per tensor.
+
+    Args:
+        reader: the checkpoint's reader (a `resumable.reader.CheckpointReader`).
+        live: the live targets by global name; a DTensor's placement decides what this
+            rank reads.
+    """
 
     def __init__(self, reader: Any, live: Mapping[str, Any]) -> None:
         self.reader = reader
@@ -32,7 +41,16 @@ class GlobalLoader:
         self._values: dict[str, torch.Tensor] = {}
 
     def prepare(self, fqns: list[str]) -> None:
-        """Read (and checksum) every piece this rank needs for ``fqns``, once."""
+        """Read (and checksum) every piece this rank needs for ``fqns``, once.
+
+        Args:
+            fqns: global tensor names.
+
+        Raises:
+            StateMismatchError: the checkpoint has no such tensor, or its shape differs
+                from the live target's.
+            CorruptCheckpointError: a piece fails its checksum.
+        """
         plans = {f: self._plan(f) for f in fqns}
         names = sorted({item[0] for plan in plans.values() for item in plan[2]})
         read = self.reader.tensors(names, verify=True) if names else {}
@@ -95,26 +113,66 @@ class GlobalLoader:
 
     def assemble(self, fqn: str) -> torch.Tensor:
         """The whole of ``fqn`` as one tensor, read from its pieces and not kept (export
-        holds one tensor at a time). Needs no live target and no process group."""
+        holds one tensor at a time). Needs no live target and no process group.
+
+        Args:
+            fqn: a global tensor name.
+
+        Returns:
+            The whole tensor.
+
+        Raises:
+            StateMismatchError: the checkpoint has no such tensor.
+            CorruptCheckpointError: a piece fails its checksum.
+        """
         self.prepare([fqn])
         return self._values.pop(fqn)
 
     def spec(self, fqn: str) -> tuple[tuple[int, ...], str]:
-        """Global shape and dtype name of ``fqn``."""
+        """Global shape and dtype name of ``fqn``.
+
+        Args:
+            fqn: a global tensor name.
+
+        Returns:
+            ``(shape, dtype name)``.
+
+        Raises:
+            CorruptCheckpointError: the checkpoint holds no pieces of ``fqn``.
+        """
         if fqn not in self.globals:
             raise CorruptCheckpointError(f"{self.where}: no pieces of {fqn!r}")
         return self.globals[fqn].shape, self.globals[fqn].dtype
 
     def value(self, fqn: str) -> torch.Tensor:
-        """The restored value of ``fqn``: a DTensor like the live one, or a tensor."""
+        """The restored value of ``fqn``, read now if `prepare` did not.
+
+        Args:
+            fqn: a global tensor name.
+
+        Returns:
+            A DTensor like the live one, or a tensor.
+
+        Raises:
+            StateMismatchError: the checkpoint has no such tensor, or its shape differs.
+            CorruptCheckpointError: a piece fails its checksum.
+        """
         if fqn not in self._values:
             self.prepare([fqn])
         return shaped_like(self._values[fqn], self.live.get(fqn))
 
 
 def shaped_like(local: torch.Tensor, live: Any) -> torch.Tensor:
-    """``local`` as the live target holds it: a DTensor with the live one's mesh and
-    placements when ``live`` is a DTensor, else ``local`` itself."""
+    """``local`` as the live target holds it.
+
+    Args:
+        local: this rank's part of the tensor.
+        live: the live target, or None.
+
+    Returns:
+        A DTensor with the live one's mesh and placements when ``live`` is a DTensor,
+        else ``local`` itself.
+    """
     if live is None or not is_dtensor(live):
         return local
     from torch.distributed.tensor import DTensor
