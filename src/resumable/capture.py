@@ -78,9 +78,26 @@ class Stateful(Protocol):
     the CPU or on ``map_location``.
     """
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state.
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+        Returns:
+            Plain containers of tensors and JSON values, and nested state dicts.
+        """
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        """Take the state back.
+
+        Args:
+            state_dict: a structure equal to what `state_dict` returned, with tensors
+                on the CPU or on ``map_location``.
+
+        Returns:
+            Anything. Only an ``nn.Module``'s result is read, by a partial restore
+            (``strict=False``): its missing and unexpected keys.
+        """
+        ...
 
 
 @dataclass

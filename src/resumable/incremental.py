@@ -63,6 +63,9 @@ class Incremental:
             instead, which lets retention release the chain. Bounds the disk an
             incremental root takes to about (1 + max_overhead) times a whole checkpoint
             per checkpoint kept.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range.
     """
 
     chunk_bytes: int = 4 << 20
@@ -100,6 +103,11 @@ class Incremental:
             raise ValueError(f"Incremental(max_overhead=...) must be >= 0, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
+        """The options as JSON values, for the persist worker's configuration.
+
+        Returns:
+            Every field, by name.
+        """
         return {
             "chunk_bytes": self.chunk_bytes,
             "min_saving": self.min_saving,
@@ -111,6 +119,17 @@ class Incremental:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None) -> Incremental | None:
+        """The options `to_json` wrote.
+
+        Args:
+            d: what `to_json` returned, or None.
+
+        Returns:
+            The options, or None when ``d`` is None.
+
+        Raises:
+            ValueError: a value of the wrong type or out of range.
+        """
         return None if d is None else cls(**d)
 
 

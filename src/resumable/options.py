@@ -107,8 +107,15 @@ class RootOptions:
             raise _refuse("mirror", "a URL, a path or a Storage", self.mirror)
 
     def for_url(self, url: Url) -> dict[str, Any] | None:
-        """``storage_options`` if ``url`` is an object-storage root (s3://, gs://, az://),
-        else None: they mean nothing to a local or in-memory root."""
+        """The storage options that apply to one root.
+
+        Args:
+            url: a checkpoint root.
+
+        Returns:
+            ``storage_options`` if ``url`` is an object-storage root (s3://, gs://,
+            az://), else None: they mean nothing to a local or in-memory root.
+        """
         return options_for(url, self.storage_options)
 
 
@@ -353,6 +360,9 @@ class CheckpointOptions:
                 own. Needs the memory tier and as many nodes (torchrun ``GROUP_RANK``);
                 see ``docs/replicas.md``.
 
+        Returns:
+            The options, each part checked.
+
         Raises:
             OptionError: a value of the wrong type or range, or a combination that
                 cannot work (``replicas`` or ``overlap`` without the memory tier).
@@ -388,7 +398,14 @@ def resolve_options(
     options: CheckpointOptions | None, given: Mapping[str, Any]
 ) -> CheckpointOptions:
     """The options of a constructor that takes both `CheckpointOptions.from_kwargs`'s
-    keywords and ``options=``: ``given`` holds its local names (the keywords among them).
+    keywords and ``options=``.
+
+    Args:
+        options: what the caller passed as ``options=``, or None.
+        given: the constructor's local names, its keywords among them.
+
+    Returns:
+        ``options``, or the options built from the keywords.
 
     Raises:
         OptionError: ``options`` is not a `CheckpointOptions`, or it comes with keywords

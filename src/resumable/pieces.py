@@ -32,14 +32,30 @@ class Piece:
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed`` DTensor, without importing that package.
+
+    Args:
+        t: any object.
+
+    Returns:
+        True for a DTensor.
+    """
     cls = type(t)
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
 def dtensor_piece(t: Any, fqn: str) -> tuple[torch.Tensor, Piece, bool]:
-    """This rank's local shard of DTensor ``t`` (detached), where it lies, and whether
-    it is fully replicated (every rank holds all of it). Runs at every snapshot, so the
-    shard's place is computed once per shape, mesh and placements."""
+    """This rank's local shard of a DTensor, and where it lies. Runs at every snapshot,
+    so the shard's place is computed once per shape, mesh and placements.
+
+    Args:
+        t: a DTensor.
+        fqn: its path in the state.
+
+    Returns:
+        ``(local shard, detached; its Piece; whether it is fully replicated)``. Fully
+        replicated means every rank holds all of it.
+    """
     shape = tuple(t.shape)  # a torch.Size: ints already
     offset, replicated = _shard_place(shape, t.device_mesh, tuple(t.placements))
     # What to_local() returns with grad disabled, without its dispatch (about 45 us a
@@ -66,15 +82,38 @@ def _shard_place(
 
 
 def pieces_to_json(pieces: Mapping[str, Piece]) -> dict[str, list[Any]]:
+    """Pieces as JSON values, the inverse of `pieces_from_json`.
+
+    Args:
+        pieces: each tensor's Piece, by tensor name.
+
+    Returns:
+        ``{name: [fqn, global_shape, global_offset]}``.
+    """
     return {n: [p.fqn, list(p.global_shape), list(p.global_offset)] for n, p in pieces.items()}
 
 
 def pieces_from_json(data: Any) -> dict[str, Piece]:
+    """Pieces from what `pieces_to_json` wrote. Expects values of valid types.
+
+    Args:
+        data: ``{name: [fqn, global_shape, global_offset]}``, or None for none.
+
+    Returns:
+        Each tensor's Piece, by tensor name.
+    """
     return {n: Piece(str(f), tuple(g), tuple(o)) for n, (f, g, o) in (data or {}).items()}
 
 
 def piece_name(piece: Piece) -> str:
-    """Index name of a shard: ``fqn@o1,o2`` (a whole tensor keeps its plain name)."""
+    """Index name of a shard: ``fqn@o1,o2`` (a whole tensor keeps its plain name).
+
+    Args:
+        piece: the shard's place.
+
+    Returns:
+        The name of its entry in the tensor index.
+    """
     return f"{piece.fqn}@{','.join(str(o) for o in piece.global_offset)}"
 
 
@@ -82,7 +121,17 @@ def owned_tensors(
     tensors: Mapping[str, torch.Tensor], replicated: Any, rank: int, world: int
 ) -> dict[str, torch.Tensor]:
     """The tensors ``rank`` writes: all but the replicated ones that `balance` gives
-    another rank (each replicated tensor is written once in total)."""
+    another rank (each replicated tensor is written once in total).
+
+    Args:
+        tensors: this rank's captured tensors, by name.
+        replicated: the names of the replicated ones.
+        rank: this rank.
+        world: the number of ranks.
+
+    Returns:
+        The tensors this rank writes, by name.
+    """
     if world == 1:
         return dict(tensors)
     sizes = {n: tensors[n].numel() * tensors[n].element_size() for n in replicated if n in tensors}
@@ -93,7 +142,15 @@ def owned_tensors(
 def balance(sizes: Mapping[str, int], world: int) -> dict[str, int]:
     """Assign each replicated tensor to one rank: biggest first, to the least loaded
     rank (ties to the lowest). Deterministic, so every rank computes the same map
-    without communicating."""
+    without communicating.
+
+    Args:
+        sizes: each replicated tensor's bytes, by name.
+        world: the number of ranks.
+
+    Returns:
+        The rank that writes each tensor, by name.
+    """
     load = [0] * world
     owner: dict[str, int] = {}
     for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
@@ -125,7 +182,14 @@ def global_tensors(index: Mapping[str, Mapping[str, Any]]) -> dict[str, GlobalTe
     """A tensor index grouped by ``fqn`` (an entry without one is a global tensor of its
     own, whole), shape and dtype from each group's first entry. Expects entries of
     valid types; `format.decode_manifest` checks that each group agrees and tiles
-    (`check_pieces`)."""
+    (`check_pieces`).
+
+    Args:
+        index: a manifest's tensor index.
+
+    Returns:
+        Each global tensor, by ``fqn``.
+    """
     out: dict[str, GlobalTensor] = {}
     for name, info in index.items():
         shape = tuple(info["shape"])
@@ -143,14 +207,23 @@ MAX_TILING_CELLS = 1 << 22
 def check_pieces(
     fqn: str, spec: GlobalTensor, index: Mapping[str, Mapping[str, Any]], where: str
 ) -> None:
-    """Raise `CorruptCheckpointError` unless the pieces of ``fqn`` agree on its shape and
-    dtype and tile it exactly: inside it, no overlap, every element covered (DCP itself
-    does not check).
+    """Check that the pieces of ``fqn`` agree on its shape and dtype and tile it exactly:
+    inside it, no overlap, every element covered (DCP itself does not check).
 
     Cost O(n·d·log n + c) for n pieces of d dimensions: the distinct piece boundaries of
     each dimension cut the tensor into a grid of c cells, each piece covers whole cells,
     and a bitmap of the cells finds one covered twice. A DTensor's shards form a grid,
     so c = n; a tiling cut into more than max(n, `MAX_TILING_CELLS`) cells is refused.
+
+    Args:
+        fqn: the global tensor's name.
+        spec: the global tensor, as `global_tensors` grouped it.
+        index: the manifest's tensor index.
+        where: the checkpoint, for error messages.
+
+    Raises:
+        CorruptCheckpointError: the pieces disagree, lie outside the tensor, overlap,
+            leave part of it uncovered, or cut it into too many cells.
     """
     what = f"{where}: pieces of {fqn[:100]!r}"
     for p in spec.pieces:
