@@ -128,10 +128,21 @@ class ResumableDataLoader(DataLoader[Any], SeededEpochs):
     iterable dataset resumes by re-reading the consumed batches (WARNING with the count),
     workers or not.
 
-    Refused with `UnsupportedStateError` (the message says what to use instead):
-    ``generator`` (the loader owns it; use ``seed``), a sampler or batch sampler whose order
-    cannot be recomputed (`refusal`), ``in_order=False``, ``batch_size=None``, and an
-    ``IterableDataset`` that cannot be resumed as above.
+    Args:
+        dataset: as for ``DataLoader``; so are the other arguments not listed here.
+        seed: the seed of every epoch's order and of the workers' base seed.
+        num_replicas: the world size; default the default process group's, or 1.
+        rank: this rank; default the default process group's, or 0.
+        shard_end: ``"pad"`` or ``"drop"``: ``DistributedSampler``'s ``drop_last``.
+        replay_iterable: resume any iterable dataset by re-reading consumed batches.
+        reseed_per_sample: exact random augmentations in worker processes.
+        on_batch_size_change: ``"error"``, ``"continue"`` or ``"restart_epoch"``.
+
+    Raises:
+        UnsupportedStateError: ``generator`` (the loader owns it; use ``seed``), a
+            sampler or batch sampler whose order cannot be recomputed (`refusal`),
+            ``in_order=False``, ``batch_size=None``, and an ``IterableDataset`` that
+            cannot be resumed as above. The message says what to use instead.
     """
 
     resumable_per_rank = False
