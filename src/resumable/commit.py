@@ -6,9 +6,9 @@ every instant. A ``step-N`` directory without a manifest is never deleted: it is
 into ``quarantine/``, with a warning, and the caller is told (``on_quarantine``).
 
 `RenameCommit` (filesystems) writes into a hidden staging directory, manifest last, and
-renames it into place. Object stores have no rename: `MarkerCommit` writes under keys
-unique to the attempt, then the manifest with a conditional put, so of two writers of
-one step exactly one commits. `committer_for` picks the one a storage supports. A
+renames it into place. Object stores have no rename. `MarkerCommit` writes under keys
+unique to the attempt, then the manifest with a conditional put. Of two writers of one
+step, exactly one commits. `committer_for` picks the one a storage supports. A
 ``fence`` is checked right before the first visible change, so a writer whose lease
 lapsed changes nothing. The trade-off: a crash leaves staged data behind, which no
 listing reports and the next start removes.

@@ -8,10 +8,10 @@ three ranks on, the two drift apart by a few ulps.
 
 `reduce_per_parameter` registers a comm hook that all-reduces each parameter's gradient
 as its own tensor. Every launch then computes the same bits at every step, resumed or
-not. The trade-off: one collective per parameter tensor instead of one per bucket (the
-same bytes, more latency with many small tensors), and the model's one comm hook slot is
-taken. So it is opt-in. ``find_unused_parameters=True`` needs no hook (DDP then never
-rebuilds its buckets), at the cost of an autograd-graph traversal every step.
+not. The trade-off: one collective per parameter tensor instead of one per bucket. The
+bytes are the same, but many small tensors add latency. And the model's one comm hook
+slot is taken. So it is opt-in. ``find_unused_parameters=True`` needs no hook (DDP then
+never rebuilds its buckets), at the cost of an autograd-graph traversal every step.
 
 Why: docs/decisions.md, "Module notes moved from docstrings".
 """

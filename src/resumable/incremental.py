@@ -1,12 +1,12 @@
 """Incremental checkpoints: a persist writes only the chunks that changed since the last
 checkpoint its writer committed, and refers to the rest where it already lies.
 
-Each writer (a rank's persist worker, or the in-process one) keeps a `DeltaBase`: the
-tensor index of its last commit, with an XXH3-128 hash of every chunk (``chunk_bytes``
+Each writer (a rank's persist worker, or the in-process one) keeps a `DeltaBase`, the
+tensor index of its last commit. It holds an XXH3-128 hash of every chunk (``chunk_bytes``
 of a tensor) and where each chunk's bytes lie. At the next persist every chunk is hashed
-again (`chunk_hashes`). A chunk of a tensor with the same dtype and shape and the same
-hash is not written: the manifest (format version 3, ``docs/format.md``) refers to the
-earlier bytes. Every reference carries the tensor's XXH3-64 checksum, checked on read.
+again (`chunk_hashes`). A chunk whose tensor kept its dtype and shape, and whose hash is
+the same, is not written. The manifest (format version 3, ``docs/format.md``) refers to
+the earlier bytes. Every reference carries the tensor's XXH3-64 checksum, checked on read.
 
 The trade-off: a reference ties a checkpoint to an older one, which retention must keep.
 So a persist that saves little is written whole (``min_saving``), and an old checkpoint

@@ -10,8 +10,8 @@ batches) as atomic, background commits, and keeps the best by ``monitor`` as
 What is saved: ``model.get_state_tree()``, the epoch, the random streams, and the position
 of a `resumable.data.ResumableDataLoader` passed as ``loader=`` (and as ``fit``'s ``x``).
 Keras cannot start ``fit`` inside an epoch. The trade-off: with ``x=loader`` a resumed
-epoch reads only its remaining batches, so a mid-epoch checkpoint resumes exactly, but
-Keras warns once that the input "ran out of data". Without ``loader=`` checkpoints are
+epoch reads only its remaining batches, so a mid-epoch checkpoint resumes exactly. Keras
+then warns once that the input "ran out of data". Without ``loader=`` checkpoints are
 taken at epoch ends only. Tested on the torch and TensorFlow backends; how the resume
 lands on each, and why: docs/integrations.md, "Keras 3".
 """

@@ -6,9 +6,9 @@ resumes from the newest *valid* checkpoint (a torn or corrupt one is skipped wit
 WARNING), bit-identical mid-epoch. The state is all of Lightning's checkpoint dictionary,
 the data position of stateful loaders, and every random stream, which Lightning leaves out.
 
-It hooks in through Lightning's own extension points (lightning 2.6): the callback is an
+It hooks in through Lightning's own extension points (lightning 2.6). The callback is an
 ``OnExceptionCheckpoint`` whose ``ckpt_path`` is a marker that exists only after a
-restore, and `ResumableCheckpointIO` hands Lightning the restored dictionary for it. The
+restore. `ResumableCheckpointIO` hands Lightning the restored dictionary for it. The
 random streams wait in a `StagedState` slot until ``on_train_start``. The trade-off: the
 checkpoint holds Lightning's dictionary as safetensors and JSON, not a ``.ckpt`` pickle,
 so what is not plain data is refused at the first save. How each hook works, and why:

@@ -4,8 +4,8 @@ Under tensor parallelism (TP) a Megatron module's parameters are plain tensors h
 this rank's shard. Given to a `Checkpointer` as they are, they would be taken for
 replicas and the checkpoint would be wrong, so the module itself is refused.
 `MegatronModel` and `MegatronOptimizer` present them as what they are, from the model's
-own ``sharded_state_dict()``: a TP-split tensor as a ``DTensor`` with ``Shard(axis)``
-over Megatron's TP group, a tensor every TP rank holds as ``Replicate()``. Each shard is
+own ``sharded_state_dict()``. A TP-split tensor becomes a ``DTensor`` with ``Shard(axis)``
+over Megatron's TP group; a tensor every TP rank holds becomes ``Replicate()``. Each shard is
 then written once per TP rank, and a restore reshards (TP 2 -> 1, 1 -> 2), as for FSDP2.
 A layout torch's ``Shard`` cannot express is refused with `UnsupportedStateError`.
 

@@ -6,10 +6,10 @@ A failure domain is a node: a hardware fault takes a machine and every rank's
 only when no launcher set it.
 
 Placement is a ring over nodes. With ``replicas=R`` copies in all (the own one counts),
-node ``n``'s snapshots are held by nodes ``n+1 .. n+R-1`` (mod the number of nodes), on
-the rank of the same local rank. Contract: any ``R - 1`` nodes may be lost and every
-snapshot still has a copy. The trade-off: a ring spreads the receiving load evenly, but
-knows no racks or switches. A larger blast radius than one node is not modelled yet.
+nodes ``n+1 .. n+R-1`` (mod the number of nodes) hold node ``n``'s snapshots. Each copy
+sits on the rank of the same local rank. Contract: any ``R - 1`` nodes may be lost and
+every snapshot still has a copy. The trade-off: a ring spreads the receiving load evenly,
+but knows no racks or switches. A larger blast radius than one node is not modelled yet.
 
 Everything below is pure: no collectives, no environment read except in `place_from_env`.
 Why: docs/decisions.md, "Module notes moved from docstrings".
