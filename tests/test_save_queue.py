@@ -111,6 +111,60 @@ def test_a_third_save_waits_while_one_is_queued(shm_dir: Path) -> None:
         ck.close()
 
 
+class GatedEach(MemoryStorage):
+    """Memory storage whose n-th data-file write waits until ``gates[n]`` is set."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__("memory://gated-each")
+        self.gates = [threading.Event() for _ in range(n)]
+        self.writes = 0
+        self.timers = [threading.Timer(GATE_S, g.set) for g in self.gates]
+        for t in self.timers:
+            t.start()
+
+    def write(self, path: str, chunks: Any) -> int:
+        if path.endswith(".safetensors"):
+            self.writes += 1
+            if self.writes <= len(self.gates):
+                self.gates[self.writes - 1].wait()
+        return super().write(path, chunks)
+
+    def open_all(self) -> None:
+        for t, g in zip(self.timers, self.gates):
+            t.cancel()
+            g.set()
+
+
+def test_a_third_save_waits_for_the_oldest_persist_only(shm_dir: Path) -> None:
+    storage = GatedEach(2)
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    ck = resumable.Checkpointer(
+        storage, {"model": model}, persist="thread", on_busy="wait", shm_dir=shm_dir
+    )
+    try:
+        ck.save(1)
+        ck.save(2)  # queued behind step 1
+        seen: list[tuple[bool, bool]] = []
+        saver = threading.Thread(
+            target=lambda: (
+                ck.save(3),
+                seen.append((storage.gates[0].is_set(), storage.gates[1].is_set())),
+            )
+        )
+        saver.start()
+        saver.join(timeout=0.5)
+        storage.gates[0].set()  # step 1's write may end; step 2's still waits
+        saver.join(timeout=GATE_S)
+        assert seen == [(True, False)], "save(3) waits for step 1's persist, not step 2's"
+        storage.open_all()
+        ck.wait()
+        assert ck.steps() == [1, 2, 3]
+    finally:
+        storage.open_all()
+        ck.close()
+
+
 def test_without_room_for_a_spare_slot_the_save_waits(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -296,11 +296,12 @@ class PersistWorker:
         except (OSError, CheckpointError):
             return None
 
-    def wait_all(self, timeout: float | None = None) -> list[Reply | Report]:
-        """Block until every outstanding job replied; returns the replies."""
+    def wait_all(self, timeout: float | None = None, *, leave: int = 0) -> list[Reply | Report]:
+        """Block until every outstanding job but the ``leave`` newest replied; returns
+        the replies."""
         replies: list[Reply | Report] = []
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.outstanding:
+        while len(self.outstanding) > leave:
             left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             if left <= 0:
                 raise PersistError(f"persist did not finish within {timeout} s")

@@ -113,6 +113,11 @@ class Persister:
         """Take in what finished; raise the first failure as `PersistError`."""
         self._take([])
 
+    def wait_for_turn(self, queue: int) -> None:
+        """Block until fewer than ``queue`` persists are outstanding (the oldest ones
+        finished); raise a failure as `PersistError`."""
+        self.wait()
+
     def forgo(self, reason: str) -> None:
         """This rank cannot take part in the persist every rank agreed to start now
         (several ranks, in the background; a no-op otherwise)."""
@@ -437,6 +442,15 @@ class BackgroundPersister(Persister):
             self._lost(exc)
         self._finish(messages)
         self._check_root()
+
+    def wait_for_turn(self, queue: int) -> None:
+        if self._worker is None:
+            return
+        try:
+            messages = self._worker.wait_all(leave=max(0, queue - 1))
+        except PersistError as exc:
+            self._lost(exc)
+        self._finish(messages)
 
     def _finish(self, messages: list[Reply | Report]) -> None:
         """`_take`, releasing every finished job's slot (also when one failed)."""

@@ -110,10 +110,11 @@ class Saver:
             self._schedule.persisted(step)
             return True
         # "wait": every due persist commits. One may queue behind the running one (the
-        # worker takes them in turn), so a save blocks only while two are outstanding or
-        # shared memory has no slot left for the snapshots taken meanwhile.
+        # worker takes them in turn): a save blocks only while two are outstanding (until
+        # the older ends) or shared memory has no slot left for the snapshots taken
+        # meanwhile.
         if self._on_busy == "wait" and len(self._persister.running()) >= QUEUE:
-            self._persister.wait()
+            self._persister.wait_for_turn(QUEUE)  # the oldest persist ends
         # All ranks persist this step, or none: the first rank to ask decides for all,
         # from whether its worker is busy. The question goes out before the snapshot
         # copy and is answered after it (the copy hides the store's round trips); a
