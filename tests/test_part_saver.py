@@ -103,7 +103,7 @@ class Built:
         )
         self.saver = Saver(
             self.options,
-            mode=self.mode,  # type: ignore[arg-type]
+            mode=self.mode,
             group=group,
             claim=self.claim,
             memory=self.memory,
