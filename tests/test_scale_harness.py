@@ -4,7 +4,8 @@ It runs the real `Agreement`, `write_distributed` through `StoreCoordinator`, re
 restore planning for 4 and 16 simulated ranks over one real TCPStore (libuv), and checks
 what must hold at any N: every rank but rank 0 does the same, constant number of store
 operations per save and per decision, and reads a constant number of bytes per save;
-rank 0 does at most a constant times N; nothing is left in the store by the decisions;
+rank 0 does at most a constant times N; nothing is left in the store by the decisions
+or by the restore's verdicts (a constant number of store operations per rank);
 a rank's restore planning makes a constant number of storage calls; retention of one
 checkpoint makes the same storage calls at any N (and, on ``s3://``, the same requests).
 """
@@ -72,6 +73,23 @@ def test_restore_planning_calls(measured: dict, where: str) -> None:
     # The manifest (size, read), then the one file the rank reads (size, the 8-byte
     # header length, the header): 5 at any N. Checking every rank's file made it 3N + 2.
     assert r4["storage_calls_per_rank"] == r16["storage_calls_per_rank"] == 5
+
+
+@pytest.mark.parametrize("case", ["none_fails", "every_rank_fails"])
+def test_restore_verdicts_are_constant_per_rank(measured: dict, case: str) -> None:
+    v4, v16 = _row(measured, 4)["verdicts"][case], _row(measured, 16)["verdicts"][case]
+    # Every rank but 0: post its verdict, read the answer, remove its key, count itself
+    # a reader; rank 0: wait for the keys, one multi_get, post the answer, count itself.
+    # The last reader also removes the answer and the count. (An all-gather over gloo
+    # is 2(N - 1) messages per rank: `gloo_model`.)
+    assert v4["ops_per_rank"] == v16["ops_per_rank"] == {"max": 6, "min": 4}
+    assert v4["ops_rank0"] in (4, 6) and v16["ops_rank0"] in (4, 6)
+    assert v16["ops_total"] == 4 * 16 + 2
+    assert v4["verdicts_said"] == v16["verdicts_said"] / 4 == (4 if case != "none_fails" else 0)
+    if case == "none_fails":  # the answer "[]" and the count: the same bytes at any N
+        assert v4["bytes_received_per_rank"] == v16["bytes_received_per_rank"]
+    assert _row(measured, 4)["verdicts"]["keys_left"] == 0
+    assert _row(measured, 16)["verdicts"]["keys_left"] == 0
 
 
 def test_retention_storage_calls_do_not_grow_with_n(measured: dict) -> None:
