@@ -11,9 +11,10 @@ rank could decode its own.
 Every decision is the same on every rank: each rank offers what it found and the
 coordination (`resumable.group.Group`) gathers the offers, and each rank's verdict on a
 candidate reaches every rank (`resumable.coordination.StoreVerdicts` through the store
-where several ranks persist in the background, else over the side group), so all ranks
-restore the same step from the same tier or fall back together. Per-rank state (random streams,
-data positions) cannot reshard to another world size, and needs an explicit opt-in.
+where several ranks persist in the background, else over the side group), so all
+ranks restore the same step from the same tier or fall back together. Per-rank state
+(random streams, data positions) cannot reshard to another world size, and needs an
+explicit opt-in.
 """
 
 from __future__ import annotations
