@@ -13,13 +13,17 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
 
 - **agreement**: `resumable.coordination.Agreement.decide` on every rank (one decision a
   save takes through the store: the first rank's answer for all), 3 rounds;
+- **restore verdicts**: `resumable.coordination.StoreVerdicts.collect` on every rank (what
+  each rank found on one restore candidate, told to all), with no rank failing and with
+  every rank failing: store operations and bytes per rank;
 - **commit**: `resumable.persist.write_distributed` through `StoreCoordinator` on every
   rank (the persist workers' path): rank 0 opens the attempt, every rank writes its own
   data file (``--commit-tensors`` one-element tensors) and reports, rank 0 builds the
   manifest and commits, every rank reads the outcome. Against ``memory://`` (coordination
   and manifest only), a local root, and SeaweedFS (``s3://``, as the tests start it);
-- **retention** (``s3://``): a second save, then `resumable.retention.apply_retention`
-  with ``Keep(last=1)`` deletes the first: S3 requests by operation, objects deleted;
+- **retention** (local root and ``s3://``): a second save, then
+  `resumable.retention.apply_retention` with ``Keep(last=1)`` deletes the first: storage
+  calls by name, S3 requests by operation, objects deleted;
 - **restore planning**: what a rank does before it reads its tensors
   (`CheckpointReader.manifest`, and ``check_files`` of the files holding its tensors,
   which `CheckpointReader.tensors` runs), timed and its storage calls counted on a few
@@ -28,9 +32,10 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
   entries as `write_distributed` makes them: bytes, encode and decode (validation
   included) times.
 
-Not simulated: the gloo side group (`resumable.group.Group`; the sync persist path and
-the restore's verdict gathers use ``all_gather_object``). 4,096 gloo ranks cannot run on
-one machine; its cost is modelled by messages and bytes (`gloo_model`). All simulated
+Not simulated: the gloo side group (`resumable.group.Group`; the sync persist path, the
+restore's verdicts without a coordination store and the memory tier's offers use
+``all_gather_object``). 4,096 gloo ranks cannot run on one machine; its cost is
+modelled by messages and bytes (`gloo_model`). All simulated
 ranks share one interpreter (one GIL) on this machine's cores, so work that real ranks do
 in parallel is serialized here: per-rank latencies are reported beside wall times.
 """
@@ -278,6 +283,39 @@ def agreement(ranks: Ranks, rounds: int = 3) -> dict[str, Any]:
     }
 
 
+def verdicts(ranks: Ranks) -> dict[str, Any]:
+    """The restore's verdicts on one candidate through the store
+    (`resumable.coordination.StoreVerdicts`) on every rank: once with no rank failing,
+    once with every rank failing (the answer names at most ``MAX_SAID`` ranks)."""
+    n = ranks.n
+    collectors = [_coordination_store(ranks, r).verdicts() for r in range(n)]
+    cases: dict[str, Callable[[int], Any]] = {
+        "none_fails": lambda r: None,
+        "every_rank_fails": lambda r: ("corrupt", f"rank {r}: rank-{r:05d}.safetensors is missing"),
+    }
+    keys_before = int(ranks.master.num_keys())
+    out: dict[str, Any] = {}
+    for case, verdict in cases.items():
+        before = [c.snapshot() for c in ranks.clients]
+        wall, answers = run_ranks(n, lambda r, verdict=verdict: collectors[r].collect(verdict(r)))
+        if any(a != answers[0] for a in answers):
+            raise AssertionError(f"ranks got different verdicts ({case})")
+        after = [c.snapshot() for c in ranks.clients]
+        ops = [a[0] - b[0] for a, b in zip(after, before)]
+        received = [a[2] - b[2] for a, b in zip(after, before)]
+        out[case] = {
+            "wall_s": wall,
+            "ops_rank0": ops[0],
+            "ops_per_rank": {"max": max(ops[1:] or [0]), "min": min(ops[1:] or [0])},
+            "ops_total": sum(ops),
+            "bytes_received_per_rank": max(received[1:] or [0]),
+            "bytes_received_rank0": received[0],
+            "verdicts_said": len(answers[0]),
+        }
+    out["keys_left"] = int(ranks.master.num_keys()) - keys_before
+    return out
+
+
 class _Timed(StoreCoordinator):
     """`StoreCoordinator`, noting when rank 0 has every report and when it posts the
     outcome (the stretch that is rank 0's alone: the gets, the manifest, the commit)."""
@@ -380,14 +418,23 @@ class S3Counter:
 
 
 def retention(storage: Storage, counter: S3Counter | None, newest: int) -> dict[str, Any]:
-    """`apply_retention` keeping the newest checkpoint, right after it was written."""
+    """`apply_retention` keeping the newest checkpoint, right after it was written: its
+    time, its storage calls by name (the audit log's appends left out) and, on ``s3://``,
+    its requests by operation."""
     if counter is not None:
         counter.take()
     audit = AuditLog(storage)
+    counting = CountingStorage(storage)
     t0 = time.perf_counter()
-    deleted = apply_retention(storage, Keep(last=1), audit, just_written=newest)
+    deleted = apply_retention(counting, Keep(last=1), audit, just_written=newest)  # type: ignore[arg-type]
     dt = time.perf_counter() - t0
-    out: dict[str, Any] = {"s": dt, "steps_deleted": deleted}
+    calls = dict(sorted(counting.calls.items()))
+    out: dict[str, Any] = {
+        "s": dt,
+        "steps_deleted": deleted,
+        "storage_calls": calls,
+        "storage_calls_total": sum(calls.values()),
+    }
     if counter is not None:
         calls, objects = counter.take()
         out.update(requests=calls, requests_total=sum(calls.values()), objects_deleted=objects)
@@ -526,6 +573,8 @@ def measure(
         try:
             row["agreement"] = agreement(ranks)
             log(f"  N={n}: agreement {row['agreement']['wall_s'] * 1e3:.1f} ms")
+            row["verdicts"] = verdicts(ranks)
+            log(f"  N={n}: verdicts {row['verdicts']['none_fails']['wall_s'] * 1e3:.1f} ms")
             if n <= commit_max_n:
                 sample = 3 if n < 256 else 1
                 mem = MemoryStorage(f"memory://scale-{n}")
@@ -576,6 +625,7 @@ SERIES: list[tuple[str, tuple[str, ...], str]] = [
     ("store connect, all N clients", ("connect_s",), "s"),
     ("agreement wall (all ranks)", ("agreement", "wall_s"), "s"),
     ("agreement latency per rank", ("agreement", "rank_latency_s", "median"), "s"),
+    ("restore verdicts wall (all ranks)", ("verdicts", "none_fails", "wall_s"), "s"),
     ("commit wall, memory://", ("commit_memory", "wall_s"), "s"),
     ("rank 0 commit stretch, memory://", ("commit_memory", "rank0_commit_s"), "s"),
     ("commit wall, local root", ("commit_local", "wall_s"), "s"),
@@ -591,6 +641,17 @@ SERIES: list[tuple[str, tuple[str, ...], str]] = [
     ("store ops, all ranks per save", ("commit_memory", "ops_total"), "ops"),
     ("store bytes received per rank", ("commit_memory", "bytes_received_per_rank"), "B"),
     ("store bytes, all ranks per save", ("commit_memory", "bytes_total"), "B"),
+    ("store ops, rank 0 per restore verdict", ("verdicts", "none_fails", "ops_rank0"), "ops"),
+    (
+        "store ops, other rank per restore verdict",
+        ("verdicts", "none_fails", "ops_per_rank", "max"),
+        "ops",
+    ),
+    (
+        "store bytes per rank, verdict every rank fails",
+        ("verdicts", "every_rank_fails", "bytes_received_per_rank"),
+        "B",
+    ),
     ("storage calls per rank, restore, local", ("restore_local", "storage_calls_per_rank"), "req"),
     ("s3 requests per rank, restore", ("restore_s3", "requests_per_rank"), "req"),
     ("s3 requests, retention", ("retention_s3", "requests_total"), "req"),

@@ -446,6 +446,17 @@ def test_background_persist_with_a_failing_rank_commits_nothing(background_run: 
     assert_failed_then_recovered(background_run, "bgfail", "bgfail_wait2")
 
 
+def test_background_restore_falls_back_together_when_one_rank_cannot_read(
+    background_run: Runs,
+) -> None:
+    """Rank 1's file of the newest step (3) is damaged. Persisting in the background,
+    the ranks tell each other their verdicts through the coordination store, not the
+    side group: rank 1's reaches rank 0, and both restore step 1."""
+    for report in background_run.reports("background", 2):
+        assert report["bgrestore_mode"] == "thread"
+        assert restored(report, "bgrestore") == 1
+
+
 def test_background_persist_with_a_killed_worker_commits_nothing(background_run: Runs) -> None:
     """Rank 1's worker is SIGKILLed with step 2 queued: its trainer reports the loss in
     the worker's place, so rank 0's worker aborts at once, not at the 600 s default

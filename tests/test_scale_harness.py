@@ -4,14 +4,17 @@ It runs the real `Agreement`, `write_distributed` through `StoreCoordinator`, re
 restore planning for 4 and 16 simulated ranks over one real TCPStore (libuv), and checks
 what must hold at any N: every rank but rank 0 does the same, constant number of store
 operations per save and per decision, and reads a constant number of bytes per save;
-rank 0 does at most a constant times N; nothing is left in the store by the decisions;
-a rank's restore planning makes a constant number of storage calls.
+rank 0 does at most a constant times N; nothing is left in the store by the decisions
+or by the restore's verdicts (a constant number of store operations per rank);
+a rank's restore planning makes a constant number of storage calls; retention of one
+checkpoint makes the same storage calls at any N (and, on ``s3://``, the same requests).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,6 +73,53 @@ def test_restore_planning_calls(measured: dict, where: str) -> None:
     # The manifest (size, read), then the one file the rank reads (size, the 8-byte
     # header length, the header): 5 at any N. Checking every rank's file made it 3N + 2.
     assert r4["storage_calls_per_rank"] == r16["storage_calls_per_rank"] == 5
+
+
+@pytest.mark.parametrize("case", ["none_fails", "every_rank_fails"])
+def test_restore_verdicts_are_constant_per_rank(measured: dict, case: str) -> None:
+    v4, v16 = _row(measured, 4)["verdicts"][case], _row(measured, 16)["verdicts"][case]
+    # Every rank but 0: post its verdict, read the answer, remove its key, count itself
+    # a reader; rank 0: wait for the keys, one multi_get, post the answer, count itself.
+    # The last reader also removes the answer and the count. (An all-gather over gloo
+    # is 2(N - 1) messages per rank: `gloo_model`.)
+    assert v4["ops_per_rank"] == v16["ops_per_rank"] == {"max": 6, "min": 4}
+    assert v4["ops_rank0"] in (4, 6) and v16["ops_rank0"] in (4, 6)
+    assert v16["ops_total"] == 4 * 16 + 2
+    assert v4["verdicts_said"] == v16["verdicts_said"] / 4 == (4 if case != "none_fails" else 0)
+    if case == "none_fails":  # the answer "[]" and the count: the same bytes at any N
+        assert v4["bytes_received_per_rank"] == v16["bytes_received_per_rank"]
+    assert _row(measured, 4)["verdicts"]["keys_left"] == 0
+    assert _row(measured, 16)["verdicts"]["keys_left"] == 0
+
+
+def test_retention_storage_calls_do_not_grow_with_n(measured: dict) -> None:
+    r4, r16 = _row(measured, 4)["retention_local"], _row(measured, 16)["retention_local"]
+    # The just-written checkpoint is checked from one listing of its directory: its
+    # files' sizes against the manifest's. Sizing each data file and reading its
+    # header made it 3N + 13 calls (25 at N=4, 61 at N=16).
+    assert r4["storage_calls"] == r16["storage_calls"]
+    assert r16["storage_calls"]["list_files"] == 1
+    assert "read_range" not in r16["storage_calls"]
+    assert r16["storage_calls_total"] == 14
+
+
+@pytest.fixture(scope="module")
+def measured_s3(tmp_path_factory: pytest.TempPathFactory, seaweedfs: Any) -> dict:
+    roots = tmp_path_factory.mktemp("scale-s3")
+    return scale.measure([4, 16], roots=roots, s3=seaweedfs, commit_tensors=2, manifest_tensors=20)
+
+
+def test_retention_requests_on_s3_do_not_grow_with_n(measured_s3: dict) -> None:
+    r4, r16 = _row(measured_s3, 4)["retention_s3"], _row(measured_s3, 16)["retention_s3"]
+    assert r4["steps_deleted"] == r16["steps_deleted"] == [1]
+    # Every object of the doomed checkpoint goes (N data files, its manifest and its
+    # commit marker, batched in DeleteObjects), yet the requests are the same at any N
+    # below 1,000 files: one ListObjectsV2 page checks the new checkpoint's files.
+    assert r16["objects_deleted"] - r4["objects_deleted"] == 12
+    assert r4["requests"] == r16["requests"]
+    assert r16["requests"]["GetObject"] == 3  # manifests only: no data file's header
+    # A HeadObject and two GetObjects per data file made it 32 at N=4, 68 at N=16.
+    assert r16["requests_total"] == 21
 
 
 def test_retention_and_restore_ran(measured: dict) -> None:

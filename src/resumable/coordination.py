@@ -14,7 +14,9 @@ every rank the outcome (``broadcast``). Two transports implement them:
 The trainers agree through the same store on what must be the same on every rank while
 training runs (`Agreement`: whether a due persist starts or is deferred, whether a
 clock-based policy is due): the first rank to reach a decision takes it for all, with
-one atomic compare-and-set, so no rank waits for another.
+one atomic compare-and-set, so no rank waits for another. A restore tells every rank
+what each rank found on a candidate through it too (`StoreVerdicts`: one key per rank,
+read by rank 0 in one request), not by an all-gather over the side group.
 
 Why a store of the checkpointer's own rather than torchrun's: it exists however the
 process group was initialised, and it lives exactly as long as rank 0's trainer, so a
@@ -150,8 +152,146 @@ class CoordinationStore:
         except Exception as exc:  # the store is gone: the others fail on it anyway
             log.debug("could not post the failure of %s: %s", key, exc)
 
+    def verdicts(self) -> StoreVerdicts:
+        """The restore's verdicts through this store (`StoreVerdicts`)."""
+        return StoreVerdicts(self._store, self.rank, self.world_size, self.timeout_s)
+
     def close(self) -> None:
         self._store = None
+
+
+Verdict = tuple[str, str]
+"""What a rank found wrong with a restore candidate: a kind (``"corrupt"``,
+``"mismatch"``) and a message naming the rank."""
+
+MAX_SAID = 16
+"""The verdicts an answer names in full; past them, the first of each kind not named
+yet, then a count of the rest. So the answer every rank reads stays small at any N."""
+
+
+def said(verdicts: list[Verdict]) -> list[Verdict]:
+    """``verdicts`` (in rank order) as an answer: all of them up to `MAX_SAID`; past
+    that, the first `MAX_SAID`, the first of each kind not among them, and one more
+    verdict, of the first left out's kind, counting the ranks left out."""
+    if len(verdicts) <= MAX_SAID:
+        return verdicts
+    kept = verdicts[:MAX_SAID]
+    kinds = {kind for kind, _ in kept}
+    left = []
+    for v in verdicts[MAX_SAID:]:
+        if v[0] in kinds:
+            left.append(v)
+        else:
+            kept.append(v)
+            kinds.add(v[0])
+    if left:
+        kept.append((left[0][0], f"and {len(left)} more rank(s) (each logged its own)"))
+    return kept
+
+
+class GroupVerdicts:
+    """The restore's verdicts over the side group (`resumable.group.Group.gather`): an
+    all-gather, 2(N-1) messages per rank on gloo. With one process, its own verdict."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def collect(self, mine: Verdict | None) -> list[Verdict]:
+        """Every rank's verdict that is not None, the same list on every rank (`said`).
+        Collective: every rank calls it for each candidate, in the same order."""
+        return said([_verdict(v) for v in self.group.gather(mine, "verdicts") if v is not None])
+
+
+class StoreVerdicts:
+    """The restore's verdicts through the coordination store, O(1) store operations per
+    rank: each rank but 0 posts its verdict under ``verdicts/<n>/<rank>`` and waits for
+    the answer ``verdicts/<n>``; rank 0 waits for those keys, reads them in one
+    `multi_get`, and posts the answer (`said`: at most `MAX_SAID` messages and one of
+    each kind). Each rank then removes its own key; the last to read the answer
+    removes it. Rank 0 reads N - 1 keys; every other rank, one answer of bounded size.
+
+    Failure: a rank that does not post within ``timeout_s`` makes rank 0 post an error
+    as the answer and raise `PersistError`, and every rank waiting raises it too; a
+    store that is gone (rank 0's trainer died) raises `PersistError` at once. A rank
+    that raises between two candidates leaves the others waiting until the timeout,
+    as a collective would."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._seq = 0
+
+    def collect(self, mine: Verdict | None) -> list[Verdict]:
+        """Every rank's verdict that is not None, the same list on every rank (`said`).
+        Every rank calls it for each candidate, in the same order."""
+        self._seq += 1
+        key = f"verdicts/{self._seq}"
+        if self.rank == 0:
+            answer = self._answer(key, mine)
+        else:
+            answer = self._call("post its verdict", lambda: self._post(key, mine))
+        self._call("count the readers", lambda: self._read_once(key))
+        out = json.loads(answer)
+        if isinstance(out, dict):
+            raise PersistError(str(out.get("error"))[:1000])
+        return [_verdict(v) for v in out]
+
+    def _post(self, key: str, mine: Verdict | None) -> bytes:
+        own = f"{key}/{self.rank}"
+        self.store.set(own, json.dumps(mine))
+        answer = bytes(self.store.get(key))
+        self.store.delete_key(own)  # rank 0 read it before it posted the answer
+        return answer
+
+    def _answer(self, key: str, mine: Verdict | None) -> bytes:
+        keys = [f"{key}/{r}" for r in range(1, self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            missing = [r for r, k in enumerate(keys, start=1) if not self._has(k)]
+            reason = (
+                f"rank 0: no restore verdict from rank(s) {missing} within "
+                f"{self.timeout_s:.0f} s ({_first_line(exc)})"
+            )
+            try:
+                self.store.set(key, json.dumps({"error": reason}))
+            except Exception as post:  # the others fail on the store's timeout
+                log.debug("could not post the failed restore verdicts: %s", post)
+            raise PersistError(reason) from exc
+        values = self._call("read the verdicts", lambda: self.store.multi_get(keys))
+        verdicts = [mine] + [json.loads(v) for v in values]
+        answer = json.dumps(said([_verdict(v) for v in verdicts if v is not None])).encode()
+        self._call("post the verdicts", lambda: self.store.set(key, answer))
+        return answer
+
+    def _read_once(self, key: str) -> None:
+        if int(self.store.add(f"{key}/read", 1)) >= self.world_size:
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}/read")
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False
+
+    def _call(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            raise PersistError(
+                f"rank {self.rank}: the restore's coordination failed ({what}: "
+                f"{_first_line(exc)}); rank 0's trainer is gone or a rank hung"
+            ) from exc
+
+
+def _verdict(v: Any) -> Verdict:
+    """A verdict read back from the store: a pair of strings, or `PersistError`."""
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, str) for x in v):
+        return (v[0], v[1])
+    raise PersistError(f"a restore verdict of an unexpected form: {str(v)[:200]!r}")
 
 
 class Agreement:

@@ -11,6 +11,14 @@ it. That is the outcome both wanted, not a failure. So a step that is no longer 
 as committed when its manifest read or its delete fails counts as deleted, with no
 warning; a failure on a checkpoint that is still there is a real one and is raised or
 logged as before.
+
+Before deleting, it checks the checkpoint just written from one listing of its directory
+(`CheckpointReader.check_sizes`): every data file there with its declared size. That
+catches what the check is for, a file lost or cut short, with a listing per 1,000 files.
+It reads no header: the writer built each header and the manifest's index from one
+layout, in one process, from the bytes each rank checksummed. Damage at rest that keeps
+a file's size was out of reach before too, but for the header bytes (the old check read
+headers, never data); a restore checks headers and checksums before using any byte.
 """
 
 from __future__ import annotations
@@ -79,11 +87,11 @@ def apply_retention(
     candidates (anything else was not written by resumable, or is damaged and left for
     an operator). The checkpoint just written and pinned ones are never deleted, and
     nothing is deleted unless a retained checkpoint checks out: the one just written
-    (its files and headers; its checksums were computed from the bytes it was written
-    from), or else, as in ``resumable prune``, one that passes a full verification. So
-    retention never leaves zero valid checkpoints. ``deletable`` can hold back more
-    (the tiering keeps local checkpoints that are not mirrored yet). ``each`` wraps the
-    loop over the deletions (``resumable prune`` shows a progress bar with it).
+    (its files, listed with their sizes: `_files_valid`), or else, as in ``resumable
+    prune``, one that passes a full verification. So retention never leaves zero valid
+    checkpoints. ``deletable`` can hold back more (the tiering keeps local checkpoints
+    that are not mirrored yet). ``each`` wraps the loop over the deletions (``resumable
+    prune`` shows a progress bar with it).
     ``discard`` removes a checkpoint's directory once it is un-committed (renamed
     aside), for a caller that removes them in the background; by default at once.
     ``protect`` names more steps never to delete (the base of the writer's next
@@ -124,7 +132,7 @@ def apply_retention(
         return doomed
     survivors = sorted({e.step for e in entries} - set(doomed))
     if just_written is not None:
-        # Written and checksummed from memory moments ago: its files are enough to check.
+        # Written and checksummed from memory moments ago: its files' sizes are enough.
         trusted = _files_valid(storage, just_written)
     else:
         trusted = any(_fully_valid(storage, s) for s in reversed(survivors))
@@ -171,8 +179,11 @@ def _gone(storage: Storage, step: int) -> bool:
 
 
 def _files_valid(storage: Storage, step: int) -> bool:
+    """Whether the checkpoint ``step`` just written has its manifest and every data
+    file it reads, each of its declared size: a listing per 1,000 files on an object
+    store (it once read each file's header: three requests a file)."""
     try:
-        CheckpointReader(storage, step).check_files()
+        CheckpointReader(storage, step).check_sizes()
     except CheckpointError as exc:
         if not _gone(storage, step):
             log.warning("checkpoint %s does not check out: %s", step_dir(step), exc)

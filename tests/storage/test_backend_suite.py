@@ -146,6 +146,79 @@ def test_list_dir_of_missing_directory_is_empty(storage: Storage) -> None:
     assert storage.list_dir("presen") == []
 
 
+def test_list_files_gives_every_file_below_with_its_size(storage: Storage) -> None:
+    storage.write("step/a.bin", [b"x" * 1234])
+    storage.write("step/sub/deeper/b.bin", [b"y", b"z" * 99])
+    storage.write("step/empty.bin", [b""])
+    storage.write("step-2/c.bin", [b"not under step/"])
+    storage.write("stepx.bin", [b"nor this"])
+
+    assert storage.list_files("step") == {
+        "a.bin": 1234,
+        "empty.bin": 0,
+        "sub/deeper/b.bin": 100,
+    }
+    assert storage.list_files("step/sub") == {"deeper/b.bin": 100}
+    assert (
+        set(storage.list_files())
+        == set(storage.list_files(""))
+        == {
+            "step/a.bin",
+            "step/empty.bin",
+            "step/sub/deeper/b.bin",
+            "step-2/c.bin",
+            "stepx.bin",
+        }
+    )
+
+
+def test_list_files_of_a_missing_directory_or_a_file_is_empty(storage: Storage) -> None:
+    assert storage.list_files("") == {}
+    assert storage.list_files("nothing") == {}
+    storage.write("present/f.bin", [b"1"])
+    assert storage.list_files("nothing/here") == {}
+    assert storage.list_files("presen") == {}
+    assert storage.list_files("present/f.bin") == {}
+
+
+def test_list_files_sees_a_file_cut_short(storage: Storage) -> None:
+    """What retention checks a just-written checkpoint by: the listed size is the size
+    the object has now, not the size it was once written with."""
+    storage.write("step/rank-00000.safetensors", [b"x" * 4096])
+    storage.write("step/rank-00000.safetensors", [b"x" * 4000])
+    assert storage.list_files("step") == {"rank-00000.safetensors": 4000}
+    storage.delete("step/rank-00000.safetensors")
+    assert storage.list_files("step") == {}
+
+
+def _plant_raw(storage: Storage, name: str, data: bytes) -> None:
+    """An object or file named ``name`` under the root, put there around the storage's
+    own checks (another program wrote it)."""
+    from resumable.storage import MemoryStorage
+    from resumable.storage.s3 import S3Storage
+
+    if isinstance(storage, MemoryStorage):
+        storage.files[name] = data
+    elif isinstance(storage, LocalStorage):
+        (storage.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (storage.root / name).write_bytes(data)
+    elif isinstance(storage, S3Storage):
+        storage.client.put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/{name}", Body=data)
+    else:
+        pytest.skip(f"no raw write into {type(storage).__name__} here")
+
+
+def test_list_files_refuses_a_name_no_checkpoint_path_may_have(storage: Storage) -> None:
+    """Names from a listing are checked like any other (`check_relpath`): one that
+    could not have been written through the storage is refused, not handed on."""
+    storage.write("step/ok.bin", [b"ok"])
+    _plant_raw(storage, "step/name with space.bin", b"planted")
+
+    with pytest.raises(CorruptCheckpointError, match="name with space"):
+        storage.list_files("step")
+    assert storage.read("step/ok.bin") == b"ok"
+
+
 def test_exists_for_files_and_directories(storage: Storage) -> None:
     storage.write("dir/sub/file.bin", [b"1"])
 
@@ -311,6 +384,7 @@ OPERATIONS: dict[str, Callable[[Storage, str], Any]] = {
     "size": lambda s, p: s.size(p),
     "exists": lambda s, p: s.exists(p),
     "list_dir": lambda s, p: s.list_dir(p),
+    "list_files": lambda s, p: s.list_files(p),
     "delete": lambda s, p: s.delete(p),
     "append": lambda s, p: s.append(p, b"payload"),
     "rename_dir-src": lambda s, p: s.rename_dir(p, "dst"),
@@ -405,6 +479,32 @@ def test_symlinked_directory_pointing_outside_is_refused(
 
     assert sorted(p.name for p in outside.iterdir()) == ["secret.bin"]
     assert (outside / "secret.bin").read_bytes() == b"secret"
+
+
+def test_list_files_never_follows_a_link_nor_lists_a_fifo(
+    local_storage: LocalStorage, outside: Path
+) -> None:
+    """A listing walks directory descriptors opened with ``O_NOFOLLOW``: a link under
+    the listed directory (to a directory or a file, outside the root or in it) and a
+    FIFO are refused as reading them would be; the listed directory itself may not be
+    a link either."""
+    local_storage.write("step/ok.bin", [b"ok"])
+    (local_storage.root / "step" / "evil").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        local_storage.list_files("step")
+    (local_storage.root / "step" / "evil").unlink()
+    (local_storage.root / "step" / "f.bin").symlink_to(local_storage.root / "step" / "ok.bin")
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        local_storage.list_files("step")
+    (local_storage.root / "step" / "f.bin").unlink()
+    os.mkfifo(local_storage.root / "step" / "pipe")
+    with pytest.raises(CorruptCheckpointError, match="FIFO"):
+        local_storage.list_files("step")
+    (local_storage.root / "step" / "pipe").unlink()
+    (local_storage.root / "alias").symlink_to(local_storage.root / "step")
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        local_storage.list_files("alias")
+    assert local_storage.list_files("step") == {"ok.bin": 2}
 
 
 def test_symlinked_file_pointing_outside_is_refused(

@@ -9,9 +9,12 @@ decoded without touching a live object (`RestoreValues`), and applied only if ev
 rank could decode its own.
 
 Every decision is the same on every rank: each rank offers what it found and the
-coordination (`resumable.group.Group`) gathers the offers, so all ranks restore the
-same step from the same tier or fall back together. Per-rank state (random streams,
-data positions) cannot reshard to another world size, and needs an explicit opt-in.
+coordination (`resumable.group.Group`) gathers the offers, and each rank's verdict on a
+candidate reaches every rank (`resumable.coordination.StoreVerdicts` through the store
+where several ranks persist in the background, else over the side group), so all
+ranks restore the same step from the same tier or fall back together. Per-rank state
+(random streams, data positions) cannot reshard to another world size, and needs an
+explicit opt-in.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from resumable import capture as capture_mod
 from resumable.audit import AuditLog
 from resumable.commit import list_committed, step_dir
+from resumable.coordination import GroupVerdicts, StoreVerdicts
 from resumable.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -87,7 +91,11 @@ class Restorer(RestoreValues):
     Call order (the facade's, on every rank, on the training thread): `roots_by_step`
     at any time (a listing). `restore` before training, and again for an explicit
     step; every rank calls it together. It raises before touching a live object,
-    except when a memory snapshot asked for alone fails its check while copied."""
+    except when a memory snapshot asked for alone fails its check while copied.
+
+    ``verdicts`` carries each rank's verdict on a candidate to every rank: through the
+    coordination store where there is one (`StoreVerdicts`), by default over
+    ``coordination`` (`GroupVerdicts`)."""
 
     def __init__(
         self,
@@ -98,12 +106,14 @@ class Restorer(RestoreValues):
         memory: MemoryTier | None,
         coordination: Group,
         audit: AuditLog,
+        verdicts: GroupVerdicts | StoreVerdicts | None = None,
     ) -> None:
         self.state = state
         self.storage = storage
         self.mirror = mirror
         self.memory = memory
         self.group = coordination
+        self.verdicts = verdicts if verdicts is not None else GroupVerdicts(coordination)
         self.rank = coordination.rank
         self.world_size = coordination.world_size
         self.audit = audit
@@ -265,7 +275,7 @@ class Restorer(RestoreValues):
                 values, fused = self._decode_memory(newest, content, loc, fuse=fuse)
             except CorruptCheckpointError as exc:
                 problem = f"rank {self.rank}: {exc}" if self.world_size > 1 else str(exc)
-        problems = [p for p in self.group.gather(problem) if p]
+        problems = [m for _, m in self.verdicts.collect(("corrupt", problem) if problem else None)]
         if problems:
             self._skip_memory(s, "; ".join(problems), skipped)
             if replication is not None:
@@ -519,7 +529,7 @@ class Restorer(RestoreValues):
                     break
             if root is None and problem is None:
                 problem = ("corrupt", f"rank {self.rank}: " + "; ".join(seen))
-            verdicts = [p for p in self.group.gather(problem) if p is not None]
+            verdicts = self.verdicts.collect(problem)
             if any(kind == "mismatch" for kind, _ in verdicts):
                 raise StateMismatchError("; ".join(msg for _, msg in verdicts))
             if verdicts:
@@ -540,7 +550,7 @@ class Restorer(RestoreValues):
                 if self.world_size == 1:
                     raise exc from None
                 applied = ("mismatch", f"rank {self.rank}: {exc}")
-            failures = [f for f in self.group.gather(applied) if f is not None]
+            failures = self.verdicts.collect(applied)
             if any(kind == "mismatch" for kind, _ in failures):
                 raise StateMismatchError("; ".join(msg for _, msg in failures))
             if failures:

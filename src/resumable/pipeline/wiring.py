@@ -165,7 +165,13 @@ def build_parts(
         )
     )
     restorer = Restorer(
-        state, storage, mirror=mirror, memory=memory, coordination=group, audit=audit
+        state,
+        storage,
+        mirror=mirror,
+        memory=memory,
+        coordination=group,
+        audit=audit,
+        verdicts=store.verdicts() if store is not None else None,
     )
     progress = ProgressNotes(audit, progress_every_s())
     saver = Saver(

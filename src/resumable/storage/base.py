@@ -12,7 +12,11 @@ Contract for every backend:
 - `read_range` never returns fewer bytes than asked: a short object is a
   `CorruptCheckpointError` (the checkpoint is damaged, not the storage).
 - Missing paths: `read*`/`size` raise `FileNotFoundError`-derived `NoCheckpointError`;
-  `list_dir` returns ``[]``; `delete` is a no-op.
+  `list_dir` returns ``[]``, `list_files` ``{}``; `delete` is a no-op.
+- `list_files` gives every file under a directory with its size in one listing (paged
+  on object stores: 1,000 names a request on S3), each name checked by `check_relpath`
+  like any other: retention checks a checkpoint's files from it, one request per
+  thousand files instead of one or more per file.
 - `append` is offered only where it is atomic (``supports_append``): each call adds its
   bytes whole, and concurrent appenders never lose or interleave each other's data.
   Object stores cannot grow an object, so they do not offer it (the audit log writes
@@ -62,6 +66,15 @@ class Storage(ABC):
     @abstractmethod
     def list_dir(self, path: str = "") -> list[str]:
         """Names (not paths) directly under ``path``, sorted; ``[]`` if it does not exist."""
+
+    @abstractmethod
+    def list_files(self, path: str = "") -> dict[str, int]:
+        """Every file under directory ``path``, at any depth: its path relative to
+        ``path`` and its size in bytes; ``{}`` if ``path`` is no directory. Names are
+        checked by `check_relpath` (one that fails raises `CorruptCheckpointError`: no
+        backend of this library writes it). A filesystem lists regular files only and
+        never follows a link: a link, FIFO or device under ``path`` raises
+        `CorruptCheckpointError`, as reading it would."""
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...
@@ -161,6 +174,9 @@ class ForwardingStorage(Storage):
 
     def list_dir(self, path: str = "") -> list[str]:
         return self.inner.list_dir(path)
+
+    def list_files(self, path: str = "") -> dict[str, int]:
+        return self.inner.list_files(path)
 
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)

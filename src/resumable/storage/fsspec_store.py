@@ -473,25 +473,24 @@ class FsspecStorage(ObjectStorage):
                 )
             self._bucket_checked = True
 
-    def list_files(self, path: str = "") -> list[tuple[str, int, float]]:
-        """Every object under ``path``: (path relative to ``path``, size, mtime)."""
+    def list_files(self, path: str = "") -> dict[str, int]:
+        """Every object under ``path`` and its size (``find`` with details: the
+        client pages the listing)."""
         base = self._key(path)
         try:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
-            return []
+            return {}
         except Exception as exc:
             raise self._error("list", path, exc) from exc
         if not isinstance(found, dict):  # adlfs answers a list when ``base`` is a file
             found = {str(n): {"type": "other"} for n in found}
-        out = []
-        for name, info in found.items():
+        out: dict[str, int] = {}
+        for name, info in sorted(found.items()):
             name = str(name)
             if info.get("type") != "file" or not name.startswith(base + "/"):
                 continue
-            mtime = info.get("updated") or info.get("last_modified")
-            stamp = getattr(mtime, "timestamp", None)
-            out.append((name[len(base) + 1 :], int(info["size"]), stamp() if stamp else 0.0))
+            out[check_relpath(name[len(base) + 1 :])] = int(info["size"])
         return out
 
     def exists(self, path: str) -> bool:
@@ -502,7 +501,7 @@ class FsspecStorage(ObjectStorage):
 
     def delete(self, path: str) -> None:
         """Delete the object ``path`` and every object under ``path/``."""
-        names = [name for name, _, _ in self.list_files(path)]
+        names = list(self.list_files(path))
         keys = [self._key(f"{path}/{name}" if path else name) for name in names]
         if path and self._is_object(path):
             keys.append(self._object_key(path))

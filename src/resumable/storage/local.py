@@ -387,6 +387,54 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def list_files(self, path: str = "") -> dict[str, int]:
+        """Every regular file under ``path`` and its size, walked through directory
+        descriptors opened with ``O_NOFOLLOW``: a link, FIFO, socket or device on the
+        way is refused with `CorruptCheckpointError`, as reading it would be."""
+        parts = check_relpath(path).split("/") if path else []
+        try:
+            fd = self._open_dir(path, parts, create=False, write=False)
+        except NoCheckpointError:
+            return {}
+        out: dict[str, int] = {}
+        try:
+            self._walk_files(fd, path, "", out, 0)
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise _storage_error("list", self.root / path, exc) from exc
+        finally:
+            os.close(fd)
+        return dict(sorted(out.items()))
+
+    def _walk_files(self, fd: int, base: str, rel: str, out: dict[str, int], depth: int) -> None:
+        """Add the regular files under directory ``fd`` (``base/rel``) to ``out``."""
+        if depth > _MAX_TREE_DEPTH:
+            raise CorruptCheckpointError(
+                f"refusing {self.root / base}: directories nested deeper than "
+                f"{_MAX_TREE_DEPTH} levels"
+            )
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                name = check_relpath(f"{rel}/{entry.name}" if rel else entry.name)
+                full = f"{base}/{name}" if base else name
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    out[name] = st.st_size
+                elif not stat.S_ISDIR(st.st_mode):
+                    raise self._refusal(
+                        full, full, _kind(st.st_mode), write=False, code=errno.EINVAL
+                    )
+                else:
+                    try:
+                        child = os.open(entry.name, _DIR, dir_fd=fd)
+                    except OSError as exc:
+                        raise self._walk_error(fd, full, full, entry.name, exc, False) from exc
+                    try:
+                        self._walk_files(child, base, name, out, depth + 1)
+                    finally:
+                        os.close(child)
+
     # ----------------------------------------------------------------------- writing
 
     def _write_at(self, dfd: int, rel: str, name: str, chunks: Iterable[Buffer]) -> int:

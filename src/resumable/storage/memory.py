@@ -56,6 +56,13 @@ class MemoryStorage(Storage):
             names = {p[len(prefix) :].split("/", 1)[0] for p in self.files if p.startswith(prefix)}
         return sorted(names)
 
+    def list_files(self, path: str = "") -> dict[str, int]:
+        prefix = self._prefix(path)
+        with self._lock:
+            files = list(self.files.items())
+        found = sorted((p[len(prefix) :], len(d)) for p, d in files if p.startswith(prefix))
+        return {check_relpath(name): size for name, size in found}
+
     def exists(self, path: str) -> bool:
         prefix = self._prefix(path)
         with self._lock:

@@ -516,14 +516,15 @@ class S3Storage(ObjectStorage):
             )
         return sorted(n for n in names if n)
 
-    def list_files(self, path: str = "") -> list[tuple[str, int, float]]:
-        """Every object under ``path``: (path relative to ``path``, size, mtime)."""
-        return [
-            (o["Key"][len(prefix) :], int(o["Size"]), o["LastModified"].timestamp())
+    def list_files(self, path: str = "") -> dict[str, int]:
+        """Every object under ``path`` and its size: ListObjectsV2, 1,000 keys a page.
+        Directory markers (keys ending in ``/``) are not objects."""
+        return {
+            check_relpath(o["Key"][len(prefix) :]): int(o["Size"])
             for prefix, r in self._pages(path, False)
             for o in r.get("Contents", [])
             if not o["Key"].endswith("/")
-        ]
+        }
 
     def exists(self, path: str) -> bool:
         """An object at ``path``, or any object under ``path/`` (a "directory")."""
@@ -545,7 +546,7 @@ class S3Storage(ObjectStorage):
         Then the "directory" keys (``path/``, ``path/sub/``, deepest first): stores built
         on a filesystem (SeaweedFS, some MinIO modes) keep listing emptied directories
         otherwise; on AWS S3 there is no such key and deleting it is a no-op."""
-        names = [name for name, _, _ in self.list_files(path)]
+        names = list(self.list_files(path))
         keys = [self._key(path)] if path else []
         keys += [self._key(f"{path}/{name}" if path else name) for name in names]
         self._delete_keys(path, keys)
