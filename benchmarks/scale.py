@@ -13,7 +13,7 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
 
 - **agreement**: `resumable.coordination.Agreement.decide` on every rank (one decision a
   save takes through the store: the first rank's answer for all), 3 rounds;
-- **commit**: `resumable.persist.write_distributed` through `StoreCoordinator` on every
+- **commit**: `resumable.pipeline.write.write_distributed` through `StoreCoordinator` on every
   rank (the persist workers' path): rank 0 opens the attempt, every rank writes its own
   data file (``--commit-tensors`` one-element tensors) and reports, rank 0 builds the
   manifest and commits, every rank reads the outcome. Against ``memory://`` (coordination
@@ -70,7 +70,7 @@ from resumable.format import (
     encode_manifest,
     plan_layout,
 )
-from resumable.persist import write_distributed
+from resumable.pipeline.write import write_distributed
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention

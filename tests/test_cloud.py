@@ -34,7 +34,7 @@ from resumable.cli import main as cli
 from resumable.commit import MarkerCommit, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, NoCheckpointError, StorageError
 from resumable.format import MANIFEST
-from resumable.persist import PersistResult, write_checkpoint
+from resumable.pipeline.write import PersistResult, write_checkpoint
 from resumable.reader import CheckpointReader
 from resumable.snapshot import Arena
 from resumable.storage import open_storage

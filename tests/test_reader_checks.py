@@ -18,7 +18,7 @@ import resumable.reader as reader_mod
 from resumable import Checkpointer, CorruptCheckpointError, Incremental
 from resumable.capture import capture, iter_tensor_refs
 from resumable.commit import committer_for
-from resumable.persist import write_distributed
+from resumable.pipeline.write import write_distributed
 from resumable.reader import CheckpointReader, _digests
 from resumable.snapshot import Arena, copy_threads
 from resumable.storage import open_storage

@@ -29,13 +29,13 @@ from resumable.cli import main as cli
 from resumable.commit import MarkerCommit, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.format import MANIFEST
-from resumable.persist import write_checkpoint
+from resumable.pipeline.mirror import upload_checkpoint
+from resumable.pipeline.write import write_checkpoint
 from resumable.reader import CheckpointReader
 from resumable.snapshot import Arena
 from resumable.storage import LocalStorage, MemoryStorage, Storage, open_storage
 from resumable.storage.base import ForwardingStorage
 from resumable.storage.s3 import S3Storage
-from resumable.tiering import upload_checkpoint
 
 
 def options(server: Any, **extra: Any) -> dict[str, Any]:

@@ -1,12 +1,14 @@
-"""Persisting: turning a snapshot into a committed checkpoint, behind one interface.
+"""The trainer's side of persisting: where a persist runs, and what comes back.
 
-Two implementations, one for each way a persist can run:
+Neither implementation writes a file itself: the bytes and the commit are
+`resumable.pipeline.write`'s, run by a `JobRunner` on the training thread or in the
+persist worker. One implementation for each way a persist can run:
 
 - `SyncPersister` (``persist="sync"``) writes on the training thread: `persist`
   returns after the commit is durable. Its source is a memory snapshot, or, without the
   memory tier, an in-process copy (`persist_state`).
 - `BackgroundPersister` (``"process"``, ``"thread"``) hands each memory snapshot to the
-  persist worker (`resumable.worker`) and returns; the worker writes, commits, applies
+  persist worker (`resumable.pipeline._worker`) and returns; the worker writes, commits, applies
   retention and replies. With several ranks, the ranks' workers meet in a store that
   rank 0's checkpointer hosts (`resumable.coordination`): the training processes take
   part in no collective while a persist runs.
@@ -42,6 +44,7 @@ from resumable.incremental import Incremental
 from resumable.lock import LeaseFence
 from resumable.monitor import Monitor
 from resumable.pieces import owned_tensors
+from resumable.pipeline._worker import JobRunner, PersistWorker, keep_to_json
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.messages import (
     Committed,
@@ -58,7 +61,6 @@ from resumable.pipeline.messages import (
 from resumable.policy import Keep
 from resumable.snapshot import Arena, MemorySnapshot, Snapshot
 from resumable.storage import Storage
-from resumable.worker import JobRunner, PersistWorker, keep_to_json
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The persist worker's jobs: write, commit, retention and the mirror, for one storage.
 
-`JobRunner` runs in the worker, a process or a thread (`resumable.worker`). It reads a
+`JobRunner` runs in the worker, a process or a thread (`resumable.pipeline._worker`). It reads a
 job's snapshot from its shared-memory slot, writes and commits it (retrying transient
 storage errors), records the audit events, applies retention and hands the commit to
 the mirror. The trainer's `LeaseFence` is checked right before each commit and retention
@@ -46,8 +46,8 @@ from resumable.snapshot import Arena, Snapshot, tensor_view
 from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from resumable.persist import Coordination
-    from resumable.tiering import Mirror
+    from resumable.pipeline.mirror import Mirror
+    from resumable.pipeline.write import Coordination
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class JobRunner:
         self._retention_lock = threading.Lock()
         self.mirror: Mirror | None = None
         if config.mirror:
-            from resumable.tiering import Mirror
+            from resumable.pipeline.mirror import Mirror
 
             remote = mirror_storage or open_storage(config.mirror, config.mirror_options or None)
             self.mirror = Mirror(
@@ -226,7 +226,7 @@ class JobRunner:
     ) -> tuple[Committed, list[str]]:
         """Write, commit (retrying transient storage errors), audit and apply retention.
         Returns the reply and the per-tensor checksums in layout order."""
-        from resumable.persist import write_checkpoint
+        from resumable.pipeline.write import write_checkpoint
 
         t0 = time.perf_counter()
 
@@ -313,7 +313,7 @@ class JobRunner:
     ) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
-        from resumable.persist import write_distributed
+        from resumable.pipeline.write import write_distributed
 
         result = write_distributed(
             group,

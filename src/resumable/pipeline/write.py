@@ -1,13 +1,15 @@
-"""Persist: turn a snapshot into files in storage and commit them.
+"""The write path: one snapshot's bytes as data files and a manifest, then the commit.
 
-`write_checkpoint` is the unit of persist work: format (safetensors header, per-tensor
-checksums, manifest) + storage writes + commit. It is called synchronously by the
-manager today and is written to run unchanged in a background worker: it reads only the
-snapshot it is given, never the live training state, and on any failure it aborts the
-attempt so no half-written checkpoint becomes visible.
+`write_checkpoint` (one process) and `write_distributed` (several ranks, each writing
+its own file, rank 0 committing for all) lay out safetensors files, hash every tensor
+while its file is written, build the manifest and commit it through a `Committer`.
+They read only the snapshot given, never live training state, so the same code runs
+on the training thread and in the persist worker. On any failure the attempt is
+removed: no half-written checkpoint becomes visible.
 
-Data files are named per rank (``rank-00000.safetensors``) so that several ranks can
-write their shards into one checkpoint directory side by side.
+What they leave to their callers (`resumable.pipeline.persister` and
+`resumable.pipeline._worker_jobs.JobRunner`): when to persist, retries, retention and
+the mirror. Data files are named per rank (``rank-00000.safetensors``).
 """
 
 from __future__ import annotations
