@@ -34,7 +34,7 @@ The persist wing, below the persister:
 - `mirror.Mirror`: each local commit uploaded to a remote root.
 
 Below them sit the layers that were always separate: `resumable.capture` (state to
-tensors and a tree), `resumable.snapshot`/`resumable.shm` (the arena),
+tensors and a tree), `resumable.snapshot`/`resumable._shm` (the arena),
 `resumable.commit` (the atomic commit), `resumable.coordination` (the store several
 ranks' workers meet in) and `resumable.storage`.
 """

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from resumable._shm import ShmSlot, SlotContent
 from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, RootInUseError, StorageError
@@ -41,7 +42,6 @@ from resumable.pipeline.messages import (
 from resumable.policy import Keep
 from resumable.retention import apply_retention, retention_entry
 from resumable.retrying import retrying
-from resumable.shm import ShmSlot, SlotContent
 from resumable.snapshot import Arena, Snapshot, tensor_view
 from resumable.storage import Storage, open_storage
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resumable import settings
+from resumable._shm import COMPLETE
 from resumable.errors import CheckpointError, ReplicaError, ReplicaPlacementError
 from resumable.replicas.domains import (
     Topology,
@@ -44,7 +45,6 @@ from resumable.replicas.store import (
     remove_dead_stores,
 )
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
-from resumable.shm import COMPLETE
 
 if TYPE_CHECKING:
     from resumable.audit import AuditLog

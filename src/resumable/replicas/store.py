@@ -1,7 +1,7 @@
 """The replicas a rank holds for its peers: one file per replica in a memory directory.
 
 A replica is a copy of one rank's memory snapshot as its shared-memory slot holds it
-(`resumable.shm`): the slot's metadata JSON, verbatim, followed by its tensor data
+(`resumable._shm`): the slot's metadata JSON, verbatim, followed by its tensor data
 region (the packed safetensors-style bytes the layout in that JSON describes). It
 travels and rests as *pieces*, byte ranges of ``meta || data`` each with its XXH3-64
 digest; the sender chooses them (fixed chunks by default; per-tensor ranges let a
