@@ -70,7 +70,7 @@ from resumable.format import (
     encode_manifest,
     plan_layout,
 )
-from resumable.pipeline.write import write_distributed
+from resumable.pipeline.write import WriteRequest, write_distributed
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention
@@ -329,9 +329,7 @@ def commit(
             coord.marks = marks if r == 0 else {}
             snap, tree = states[r]
             t0 = time.perf_counter()
-            write_distributed(
-                coord, storage, committer, step=step, snapshot=snap, tree=tree, pieces={}
-            )
+            write_distributed(coord, storage, committer, WriteRequest(step, snap, tree, pieces={}))
             return time.perf_counter() - t0
 
         wall, lat = run_ranks(n, save)
@@ -457,9 +455,8 @@ def manifest(n: int, tensors: int) -> dict[str, Any]:
         snap, tree = _rank_state(0, 1, tensors)
         job = {"rank": 0, "world": 1, "key": "p1", "timeout": 60.0}
         coord = StoreCoordinator(ranks.clients[0], job)
-        result = write_distributed(
-            coord, storage, committer_for(storage), step=1, snapshot=snap, tree=tree, pieces={}
-        )
+        request = WriteRequest(1, snap, tree, pieces={})
+        result = write_distributed(coord, storage, committer_for(storage), request)
     finally:
         ranks.close()
     one = result.manifest

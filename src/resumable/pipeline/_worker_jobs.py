@@ -39,6 +39,12 @@ from resumable.pipeline.messages import (
     Report,
     WorkerConfig,
 )
+from resumable.pipeline.write import (
+    Coordination,
+    WriteRequest,
+    write_checkpoint,
+    write_distributed,
+)
 from resumable.policy import Keep
 from resumable.retention import apply_retention, retention_entry
 from resumable.retrying import retrying
@@ -47,7 +53,6 @@ from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from resumable.pipeline.mirror import Mirror
-    from resumable.pipeline.write import Coordination
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +84,13 @@ def keep_from_json(d: dict[str, Any] | None) -> Keep | None:
         return None
     best = tuple(d["best"]) if d.get("best") else None
     return Keep(last=d.get("last"), best=best, every_steps=d.get("every_steps"))
+
+
+def _request(content: SlotContent, snapshot: Snapshot) -> WriteRequest:
+    """What to write of a slot's ``content``: ``snapshot`` (its tensors, or this rank's
+    share of them) with the slot's step, tree, metrics and pieces."""
+    meta = content.meta
+    return WriteRequest(content.step, snapshot, meta.tree, meta.metrics, meta.pieces)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -210,25 +222,18 @@ class JobRunner:
         if job.group:
             return self._persist_coordinated(slot, content, job.group)
         reply, sums = self.persist_snapshot(
-            Snapshot(content.slots, slot.data_tensor()),
-            step=content.step,
-            tree=content.meta.tree,
-            metrics=content.meta.metrics,
-            pieces=content.meta.pieces,
+            _request(content, Snapshot(content.slots, slot.data_tensor()))
         )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
         slot.write_checksums(content.seq, sums)
         return reply
 
-    def persist_snapshot(
-        self, snap: Snapshot, *, step: int, tree: Any, metrics: Any, pieces: Any = None
-    ) -> tuple[Committed, list[str]]:
+    def persist_snapshot(self, request: WriteRequest) -> tuple[Committed, list[str]]:
         """Write, commit (retrying transient storage errors), audit and apply retention.
         Returns the reply and the per-tensor checksums in layout order."""
-        from resumable.pipeline.write import write_checkpoint
-
         t0 = time.perf_counter()
+        step = request.step
 
         def on_retry(exc: StorageError, n: int) -> None:
             log.warning("persist of step %d failed (%s), retry %d", step, exc, n)
@@ -238,12 +243,8 @@ class JobRunner:
             lambda: write_checkpoint(
                 self.storage,
                 self.committer,
-                step=step,
-                snapshot=snap,
-                tree=tree,
-                metrics=metrics,
+                request,
                 before_commit=self._check_parent,
-                pieces=pieces,
                 base=self.delta,
             ),
             retries=self.retries,
@@ -266,7 +267,7 @@ class JobRunner:
         deleted = self._retain(step)
         if self.mirror is not None:
             self.mirror.submit(step)
-        sums = [manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
+        sums = [manifest["tensors"][s.name]["xxh3_64"] for s in request.snapshot.slots]
         reply = Committed(
             step=step,
             seconds=seconds,
@@ -292,38 +293,17 @@ class JobRunner:
         snap = self._arena.snapshot(own)
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
-        return self.persist_group(
-            coordinator,
-            snap,
-            step=content.step,
-            tree=meta.tree,
-            pieces=meta.pieces,
-            metrics=meta.metrics,
-        )
+        return self.persist_group(coordinator, _request(content, snap))
 
-    def persist_group(
-        self,
-        group: Coordination,
-        snap: Snapshot,
-        *,
-        step: int,
-        tree: Any,
-        pieces: Any,
-        metrics: Any,
-    ) -> Committed:
+    def persist_group(self, group: Coordination, request: WriteRequest) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
-        from resumable.pipeline.write import write_distributed
-
+        step = request.step
         result = write_distributed(
             group,
             self.storage,
             self.committer,
-            step=step,
-            snapshot=snap,
-            tree=tree,
-            pieces=pieces,
-            metrics=metrics,
+            request,
             check=self._check_parent,
             base=self.delta,
         )

@@ -58,8 +58,9 @@ from resumable.pipeline.messages import (
     Report,
     WorkerConfig,
 )
+from resumable.pipeline.write import WriteRequest
 from resumable.policy import Keep
-from resumable.snapshot import Arena, MemorySnapshot, Snapshot
+from resumable.snapshot import Arena, MemorySnapshot
 from resumable.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -254,14 +255,7 @@ class SyncPersister(Persister):
             data = self._arena.snapshot(
                 owned_tensors(views, meta.replicated, self.group.rank, self.group.world_size)
             )
-        self._write(
-            data,
-            snap.step,
-            meta.tree,
-            meta.metrics,
-            meta.pieces,
-            snapshot_s,
-        )
+        self._write(WriteRequest(snap.step, data, meta.tree, meta.metrics, meta.pieces), snapshot_s)
 
     def persist_state(
         self,
@@ -279,35 +273,25 @@ class SyncPersister(Persister):
         tensors = owned_tensors(captured.tensors, captured.replicated, rank, world)
         snap = self._arena.snapshot(tensors)
         snapshot_s = time.perf_counter() - t0
-        self._write(
-            snap, step, captured.tree, json_metrics(metrics or {}), captured.pieces, snapshot_s
+        request = WriteRequest(
+            step, snap, captured.tree, json_metrics(metrics or {}), captured.pieces
         )
+        self._write(request, snapshot_s)
         return snapshot_s
 
-    def _write(
-        self,
-        snap: Snapshot,
-        step: int,
-        tree: Any,
-        metrics: Any,
-        pieces: Any,
-        snapshot_s: float | None,
-    ) -> None:
-        self._started(step, snap.nbytes, snapshot_s)
+    def _write(self, request: WriteRequest, snapshot_s: float | None) -> None:
+        step = request.step
+        self._started(step, request.snapshot.nbytes, snapshot_s)
         persist: Callable[[], Committed]
         if self.group.world_size > 1:
             group = self.group
 
             def persist() -> Committed:
-                return self.runner.persist_group(
-                    group, snap, step=step, tree=tree, pieces=pieces, metrics=metrics
-                )
+                return self.runner.persist_group(group, request)
         else:
 
             def persist() -> Committed:
-                return self.runner.persist_snapshot(
-                    snap, step=step, tree=tree, metrics=metrics, pieces=pieces
-                )[0]
+                return self.runner.persist_snapshot(request)[0]
 
         try:
             reply = persist()
