@@ -27,7 +27,6 @@ from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, RootInUseError, StorageError
 from resumable.incremental import DeltaBase, Incremental
 from resumable.lock import LeaseFence
-from resumable.pieces import owned_tensors
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -41,14 +40,16 @@ from resumable.pipeline.messages import (
 )
 from resumable.pipeline.write import (
     Coordination,
+    PersistResult,
     WriteRequest,
+    rank_share,
     write_checkpoint,
     write_distributed,
 )
 from resumable.policy import Keep
 from resumable.retention import apply_retention, retention_entry
 from resumable.retrying import retrying
-from resumable.snapshot import Arena, Snapshot, tensor_view
+from resumable.snapshot import Arena, Snapshot
 from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -252,29 +253,10 @@ class JobRunner:
             permanent=_NOT_TRANSIENT,
             on_retry=on_retry,
         )
-        seconds = time.perf_counter() - t0
         manifest = result.manifest
         assert manifest is not None  # write_checkpoint's caller built it
-        self.audit.record(
-            "commit",
-            step=step,
-            bytes=result.nbytes,
-            duration_s=round(seconds, 6),
-            replaced=result.replaced,
-            metrics=manifest["metrics"],
-        )
-        self.metrics_cache[step] = retention_entry(manifest)
-        deleted = self._retain(step)
-        if self.mirror is not None:
-            self.mirror.submit(step)
+        reply = self._committed(result, time.perf_counter() - t0)
         sums = [manifest["tensors"][s.name]["xxh3_64"] for s in request.snapshot.slots]
-        reply = Committed(
-            step=step,
-            seconds=seconds,
-            bytes=result.nbytes,
-            replaced=result.replaced,
-            deleted=deleted,
-        )
         return reply, sums
 
     def _persist_coordinated(
@@ -286,11 +268,13 @@ class JobRunner:
         from resumable.coordination import StoreCoordinator
 
         coordinator = StoreCoordinator.connect(where, self._stores)
-        meta = content.meta
-        data = slot.data_tensor()
-        views = {s.name: tensor_view(data, s) for s in content.slots}
-        own = owned_tensors(views, meta.replicated, coordinator.rank, coordinator.world_size)
-        snap = self._arena.snapshot(own)
+        snap = rank_share(
+            self._arena,
+            Snapshot(content.slots, slot.data_tensor()),
+            content.meta.replicated,
+            coordinator.rank,
+            coordinator.world_size,
+        )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
         return self.persist_group(coordinator, _request(content, snap))
@@ -298,7 +282,6 @@ class JobRunner:
     def persist_group(self, group: Coordination, request: WriteRequest) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
-        step = request.step
         result = write_distributed(
             group,
             self.storage,
@@ -307,24 +290,31 @@ class JobRunner:
             check=self._check_parent,
             base=self.delta,
         )
+        return self._committed(result, result.seconds, ranks=group.world_size)
+
+    def _committed(self, result: PersistResult, seconds: float, **audit: Any) -> Committed:
+        """The reply to a commit that took ``seconds``. Where this rank holds the manifest
+        (the only rank, or rank 0), first the audit entry (``audit``: its extra fields),
+        retention, and the mirror's upload of the whole checkpoint."""
+        step, manifest = result.step, result.manifest
         deleted: list[int] = []
-        if result.manifest is not None:  # rank 0: the only one holding the manifest
+        if manifest is not None:
             self.audit.record(
                 "commit",
                 step=step,
                 bytes=result.nbytes,
-                duration_s=round(result.seconds, 6),
+                duration_s=round(seconds, 6),
                 replaced=result.replaced,
-                ranks=group.world_size,
-                metrics=result.manifest["metrics"],
+                **audit,
+                metrics=manifest["metrics"],
             )
-            self.metrics_cache[step] = retention_entry(result.manifest)
+            self.metrics_cache[step] = retention_entry(manifest)
             deleted = self._retain(step)
-            if self.mirror is not None:  # rank 0's worker uploads the whole checkpoint
+            if self.mirror is not None:
                 self.mirror.submit(step)
         return Committed(
             step=step,
-            seconds=result.seconds,
+            seconds=seconds,
             bytes=result.nbytes,
             replaced=result.replaced,
             deleted=deleted,

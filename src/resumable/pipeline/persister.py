@@ -58,7 +58,7 @@ from resumable.pipeline.messages import (
     Report,
     WorkerConfig,
 )
-from resumable.pipeline.write import WriteRequest
+from resumable.pipeline.write import WriteRequest, rank_share
 from resumable.policy import Keep
 from resumable.snapshot import Arena, MemorySnapshot
 from resumable.storage import Storage
@@ -96,6 +96,12 @@ class Persister:
         self.committed: int | None = None  # the newest step known committed
         self._errors: list[str] = []
         self._flushed: MirrorFlushed | None = None
+
+    @property
+    def mirror_url(self) -> str | None:
+        """The mirror this rank uploads to, if any. With several ranks rank 0 commits, so
+        it alone uploads."""
+        return self.mirror.url if self.mirror is not None and self.group.rank == 0 else None
 
     @property
     def busy(self) -> bool:
@@ -223,8 +229,7 @@ class SyncPersister(Persister):
                 keep=keep_to_json(keep),
                 rank=rank,
                 audit=rank == 0,
-                # With several ranks rank 0 commits, so it alone uploads.
-                mirror=self.mirror.url if self.mirror is not None and rank == 0 else None,
+                mirror=self.mirror_url,
                 mirror_keep=keep_to_json(mirror_keep),
                 incremental=incremental.to_json() if incremental is not None else None,
             ),
@@ -251,10 +256,8 @@ class SyncPersister(Persister):
         meta = content.meta
         data = self.memory.data(snap)
         if self.group.world_size > 1:  # this rank's share, copied out of its slot
-            views = {s.name: data.tensor(s) for s in data.slots}
-            data = self._arena.snapshot(
-                owned_tensors(views, meta.replicated, self.group.rank, self.group.world_size)
-            )
+            group = self.group
+            data = rank_share(self._arena, data, meta.replicated, group.rank, group.world_size)
         self._write(WriteRequest(snap.step, data, meta.tree, meta.metrics, meta.pieces), snapshot_s)
 
     def persist_state(
@@ -373,10 +376,7 @@ class BackgroundPersister(Persister):
                 keep=self.keep,
                 storage=self.storage if thread else None,
                 storage_options=self.storage_options,
-                # With several ranks, rank 0's worker commits, so it alone uploads.
-                mirror=(
-                    self.mirror.url if self.mirror is not None and self.group.rank == 0 else None
-                ),
+                mirror=self.mirror_url,
                 mirror_keep=self.mirror_keep,
                 mirror_options=self.mirror_options,
                 incremental=self.incremental,

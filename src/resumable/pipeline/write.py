@@ -18,7 +18,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -37,8 +37,8 @@ from resumable.format import (
     safetensors_header,
 )
 from resumable.incremental import Chunk, DeltaBase, Plan, Record
-from resumable.pieces import Piece
-from resumable.snapshot import Snapshot
+from resumable.pieces import Piece, owned_tensors
+from resumable.snapshot import Arena, Snapshot
 from resumable.storage import direct
 from resumable.storage.base import Storage
 
@@ -60,6 +60,16 @@ class WriteRequest:
     tree: Any
     metrics: Mapping[str, Any] | None = None
     pieces: Mapping[str, Piece] | None = None
+
+
+def rank_share(
+    arena: Arena, snapshot: Snapshot, replicated: Collection[str], rank: int, world_size: int
+) -> Snapshot:
+    """What ``rank`` writes of ``snapshot`` in a coordinated persist, copied into
+    ``arena`` (the source may be rewritten once this returns): every tensor but the
+    ``replicated`` ones that `owned_tensors` gives another rank."""
+    views = {s.name: snapshot.tensor(s) for s in snapshot.slots}
+    return arena.snapshot(owned_tensors(views, replicated, rank, world_size))
 
 
 @dataclass(frozen=True)
@@ -111,10 +121,8 @@ def write_checkpoint(
     step = request.step
     attempt = committer.begin(step)
     file = _DataFile.of(storage, attempt, 0)
-    sums: Checksums | None = None
     try:
-        size, tensors, plan, sums = _index_and_write(file, request, base)
-        _fill_checksums(tensors, plan, sums.result())
+        size, tensors, plan = _write_data_file(file, request, base)
         manifest = build_manifest(
             step=step,
             metrics=request.metrics,
@@ -129,9 +137,6 @@ def write_checkpoint(
     except BaseException:
         abort_quietly(committer, attempt)
         raise
-    finally:
-        if sums is not None:
-            sums.join()  # nothing reads the snapshot once this returns
     if base is not None and plan is not None:
         base.committed(step, plan)
     seconds = time.perf_counter() - t0
@@ -227,6 +232,20 @@ def _fill_checksums(
         return
     for name, record in plan.records.items():
         plan.records[name] = replace(record, checksum=sums[name])
+
+
+def _write_data_file(
+    file: _DataFile, request: WriteRequest, base: DeltaBase | None
+) -> tuple[int, dict[str, dict[str, Any]], Plan | None]:
+    """One rank's data file written, each tensor's checksum in its manifest entry (and in
+    the plan's record): its size, the tensor entries and the plan. Nothing reads the
+    snapshot once this returns."""
+    size, tensors, plan, sums = _index_and_write(file, request, base)
+    try:
+        _fill_checksums(tensors, plan, sums.result())
+    finally:
+        sums.join()
+    return size, tensors, plan
 
 
 def _index_and_write(
@@ -576,11 +595,9 @@ def write_distributed(
     attempt = Attempt(**shared)
     report: dict[str, Any]
     plan: Plan | None = None
-    sums: Checksums | None = None
     try:
         file = _DataFile.of(storage, attempt, group.rank)
-        size, tensors, plan, sums = _index_and_write(file, request, base)
-        _fill_checksums(tensors, plan, sums.result())
+        size, tensors, plan = _write_data_file(file, request, base)
         if check is not None:
             check()
         report = {
@@ -592,9 +609,6 @@ def write_distributed(
         }
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
-    finally:
-        if sums is not None:
-            sums.join()  # nothing reads the snapshot once this returns
     try:
         reports = group.gather(report, "reports")
     except PersistError as exc:  # a rank died or hung: nobody will commit
