@@ -16,7 +16,7 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
 - **restore verdicts**: `resumable.coordination.StoreVerdicts.collect` on every rank (what
   each rank found on one restore candidate, told to all), with no rank failing and with
   every rank failing: store operations and bytes per rank;
-- **commit**: `resumable.persist.write_distributed` through `StoreCoordinator` on every
+- **commit**: `resumable.pipeline.write.write_distributed` through `StoreCoordinator` on every
   rank (the persist workers' path): rank 0 opens the attempt, every rank writes its own
   data file (``--commit-tensors`` one-element tensors) and reports, rank 0 builds the
   manifest and commits, every rank reads the outcome. Against ``memory://`` (coordination
@@ -75,7 +75,7 @@ from resumable.format import (
     encode_manifest,
     plan_layout,
 )
-from resumable.persist import write_distributed
+from resumable.pipeline.write import WriteRequest, write_distributed
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
 from resumable.retention import apply_retention
@@ -367,9 +367,7 @@ def commit(
             coord.marks = marks if r == 0 else {}
             snap, tree = states[r]
             t0 = time.perf_counter()
-            write_distributed(
-                coord, storage, committer, step=step, snapshot=snap, tree=tree, pieces={}
-            )
+            write_distributed(coord, storage, committer, WriteRequest(step, snap, tree, pieces={}))
             return time.perf_counter() - t0
 
         wall, lat = run_ranks(n, save)
@@ -504,9 +502,8 @@ def manifest(n: int, tensors: int) -> dict[str, Any]:
         snap, tree = _rank_state(0, 1, tensors)
         job = {"rank": 0, "world": 1, "key": "p1", "timeout": 60.0}
         coord = StoreCoordinator(ranks.clients[0], job)
-        result = write_distributed(
-            coord, storage, committer_for(storage), step=1, snapshot=snap, tree=tree, pieces={}
-        )
+        request = WriteRequest(1, snap, tree, pieces={})
+        result = write_distributed(coord, storage, committer_for(storage), request)
     finally:
         ranks.close()
     one = result.manifest

@@ -71,9 +71,9 @@ from small_report import DOCS, GOAL_FIXED_US, GOAL_PER_TENSOR_US, render, write_
 
 import resumable  # noqa: E402
 from resumable import capture as capture_mod  # noqa: E402
-from resumable.capture_plan import CapturePlan, NumpyState  # noqa: E402
+from resumable._capture_plan import CapturePlan, NumpyState  # noqa: E402
+from resumable._shm import encode_meta  # noqa: E402
 from resumable.pipeline.memory import TreeJSON  # noqa: E402
-from resumable.shm import encode_meta  # noqa: E402
 from resumable.snapshot import CopyPlan  # noqa: E402
 
 __all__ = ["MODELS", "ModelSpec", "Settings", "main", "render", "run_phase", "write_docs"]

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 from unittest import mock
 
-import resumable._worker_jobs
+import resumable.pipeline._worker_jobs
 from resumable import Checkpointer, Every, Keep
 from resumable.commit import list_committed
 from resumable.storage.base import Buffer
@@ -117,7 +117,8 @@ def broken_save(kind: str | None) -> Iterator[None]:
         yield
         return
     if kind == "no-retention":
-        with mock.patch.object(resumable._worker_jobs, "apply_retention", lambda *a, **k: []):
+        jobs = resumable.pipeline._worker_jobs
+        with mock.patch.object(jobs, "apply_retention", lambda *a, **k: []):
             yield
         return
     if kind != "leak-fd":

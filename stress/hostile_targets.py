@@ -28,7 +28,8 @@ from urllib.parse import urlparse
 
 import xxhash
 
-from resumable import cli, shm
+from resumable import _shm as shm
+from resumable import cli
 from resumable.audit import AuditLog, read_audit
 from resumable.capture import decode
 from resumable.commit import step_dir

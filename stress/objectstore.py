@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-import resumable._worker_jobs
+import resumable.pipeline._worker_jobs
 from resumable import Checkpointer, Keep
 from resumable.capture import capture
 from resumable.commit import Attempt, MarkerCommit, list_committed, step_dir
@@ -252,7 +252,7 @@ def apply_broken(kind: str | None) -> None:
         def committer_for(storage: Storage, **kw: Any) -> Any:
             return ManifestFirstCommit(storage)
 
-        resumable._worker_jobs.committer_for = committer_for
+        resumable.pipeline._worker_jobs.committer_for = committer_for
     elif kind == "retention-data-first":
         MarkerCommit.delete = delete_data_first  # type: ignore[method-assign]
     else:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import resumable._worker_jobs
+import resumable.pipeline._worker_jobs
 from resumable import Checkpointer, Keep
 from resumable.audit import read_audit
 from resumable.commit import Attempt, RenameCommit, list_committed
@@ -99,16 +99,16 @@ def broken_commit(kind: str | None) -> Iterator[None]:
         return
     if kind != "manifest-first":
         raise ValueError(f"unknown broken commit {kind!r}")
-    original = resumable._worker_jobs.committer_for
+    original = resumable.pipeline._worker_jobs.committer_for
 
     def committer_for(storage: Storage, **kw: Any) -> Any:
         return ManifestFirstCommit(storage, **kw)
 
-    resumable._worker_jobs.committer_for = committer_for
+    resumable.pipeline._worker_jobs.committer_for = committer_for
     try:
         yield
     finally:
-        resumable._worker_jobs.committer_for = original
+        resumable.pipeline._worker_jobs.committer_for = original
 
 
 def newest_commit(root: str | os.PathLike[str]) -> int:

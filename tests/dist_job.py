@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from resumable import Checkpointer, Every, Keep
+from resumable._shm import run_key_for
 from resumable.commit import step_dir
 from resumable.errors import StorageError
-from resumable.shm import run_key_for
 from resumable.storage import LocalStorage
 from resumable.storage.base import Buffer, ForwardingStorage, Storage
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from resumable import Checkpointer, Every
-from resumable.shm import ShmSlot
+from resumable._shm import ShmSlot
 
 N = 1 << 20  # 4 MiB of float32 per rank
 

@@ -130,7 +130,7 @@ def test_a_parameter_restored_from_shared_memory_into_an_empty_slot(
 def test_a_planned_capture_keeps_the_record_of_a_frozen_parameter() -> None:
     """`CapturePlan` reuses a plain container's node without walking it: one holding a
     parameter is walked every time, so its ``__classes__`` record is never dropped."""
-    from resumable.capture_plan import CapturePlan
+    from resumable._capture_plan import CapturePlan
 
     state = {"extra": {"f": torch.nn.Parameter(torch.ones(2), requires_grad=False)}}
     plan = CapturePlan()

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from resumable._capture_plan import CapturePlan, NumpyState, PythonState
 from resumable.capture import CLASSES_KEY, Captured, capture, decode
-from resumable.capture_plan import CapturePlan, NumpyState, PythonState
 from resumable.pipeline.memory import TreeJSON
 from resumable.reader import CheckpointReader
 from resumable.snapshot import CopyPlan

@@ -25,7 +25,7 @@ RANK = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from resumable.capture import capture
-    from resumable.capture_plan import CapturePlan
+    from resumable._capture_plan import CapturePlan
     from resumable.pieces import is_dtensor
 
     rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -72,7 +72,7 @@ RANK = textwrap.dedent(
         def emit(self, record):
             rests.append(record.getMessage())
 
-    log = logging.getLogger("resumable.capture_plan")
+    log = logging.getLogger("resumable._capture_plan")
     log.setLevel(logging.DEBUG)
     log.addHandler(Rests())
 

@@ -1,5 +1,5 @@
 """Per-tensor checksums hashed on a thread of their own while the data file is written
-(`resumable.persist.Checksums`): the manifest holds the same checksums as before, a
+(`resumable.pipeline.write.Checksums`): the manifest holds the same checksums as before, a
 failure of the hashing fails the persist and commits nothing, and no hashing outlives
 the persist that started it (the snapshot it reads is reused after)."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import resumable.persist as persist_mod
+import resumable.pipeline.write as write_mod
 from resumable import Checkpointer, Incremental, Keep, StorageError
 from resumable.commit import list_committed
 from resumable.format import checksum
@@ -36,22 +36,22 @@ def make_state(seed: int) -> dict[str, Any]:
 def hash_behind(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every state here is hashed behind its write (the threshold lowered), and the
     threads that hash are recorded."""
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     threads: list[str] = []
-    real = persist_mod.checksum
+    real = write_mod.checksum
 
     def recording(data: Any) -> str:
         threads.append(threading.current_thread().name)
         return real(data)
 
-    monkeypatch.setattr(persist_mod, "checksum", recording)
+    monkeypatch.setattr(write_mod, "checksum", recording)
     return threads
 
 
 def slow_checksums(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
     """Make each checksum take 50 ms more; returns the (start, end) of each one hashed."""
     spans: list[tuple[float, float]] = []
-    real = persist_mod.checksum
+    real = write_mod.checksum
 
     def slow(data: Any) -> str:
         t0 = time.monotonic()
@@ -60,7 +60,7 @@ def slow_checksums(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]
         spans.append((t0, time.monotonic()))
         return out
 
-    monkeypatch.setattr(persist_mod, "checksum", slow)
+    monkeypatch.setattr(write_mod, "checksum", slow)
     return spans
 
 
@@ -93,23 +93,23 @@ def test_checksums_hashed_behind_the_write_are_the_tensors_own(
 def test_a_failed_hash_fails_the_persist_and_commits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     state = make_state(1)
     ck = Checkpointer(tmp_path, state, persist="sync", capture_rng=False, keep=Keep(last=2))
     ck.save(1)
-    real = persist_mod.checksum
+    real = write_mod.checksum
 
     def failing(data: Any) -> str:
         if threading.current_thread().name == "resumable-checksums":
             raise MemoryError("injected: the hashing thread failed")
         return real(data)
 
-    monkeypatch.setattr(persist_mod, "checksum", failing)
+    monkeypatch.setattr(write_mod, "checksum", failing)
     with torch.no_grad():
         state["big"].add_(1.0)
     with pytest.raises(MemoryError, match="injected"):
         ck.save(2)
-    monkeypatch.setattr(persist_mod, "checksum", real)
+    monkeypatch.setattr(write_mod, "checksum", real)
     assert list_committed(LocalStorage(tmp_path)) == [1]
     ck.save(3)  # the next persist commits
     ck.close()
@@ -129,7 +129,7 @@ class FailingWrite(ForwardingStorage):
 def test_no_hashing_outlives_a_persist_that_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     spans = slow_checksums(monkeypatch)  # still hashing when the write fails
     state = make_state(1)
     ck = Checkpointer(
@@ -151,7 +151,7 @@ def test_no_hashing_outlives_a_persist_whose_reference_check_failed(
 ) -> None:
     """An incremental persist checks that the checkpoints it refers to are still there
     after its checksums started; when that check fails, they are stopped there too."""
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     state = make_state(1)
     incremental = Incremental(chunk_bytes=4096, min_bytes=0)
     ck = Checkpointer(tmp_path, state, persist="sync", capture_rng=False, incremental=incremental)
@@ -161,7 +161,7 @@ def test_no_hashing_outlives_a_persist_whose_reference_check_failed(
     def unreachable(storage: Any, refs: list[int]) -> bool:
         raise StorageError(errno.EACCES, "injected: could not look for the referred steps")
 
-    monkeypatch.setattr(persist_mod, "check_refs", unreachable)
+    monkeypatch.setattr(write_mod, "check_refs", unreachable)
     with torch.no_grad():
         state["big"][0].add_(1.0)  # the rest is reused: an incremental persist
     with pytest.raises(StorageError, match="injected"):
@@ -171,6 +171,6 @@ def test_no_hashing_outlives_a_persist_whose_reference_check_failed(
     count = len(spans)
     time.sleep(0.2)
     assert len(spans) == count
-    monkeypatch.setattr(persist_mod, "check_refs", lambda storage, refs: True)
+    monkeypatch.setattr(write_mod, "check_refs", lambda storage, refs: True)
     ck.close()
     assert list_committed(LocalStorage(tmp_path)) == [1]

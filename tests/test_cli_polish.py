@@ -18,9 +18,9 @@ import torch
 import resumable
 import resumable._shm_slot
 import resumable.pipeline.memory
+from resumable._shm import SHM_REMEDY, ShmSlot
 from resumable.cli import main
 from resumable.errors import StorageError
-from resumable.shm import SHM_REMEDY, ShmSlot
 
 
 @pytest.fixture

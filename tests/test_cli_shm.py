@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+from resumable._shm import SlotMeta
 from resumable.cli import main
-from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 
 TRAINER = textwrap.dedent(

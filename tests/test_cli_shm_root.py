@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from resumable._shm import SlotMeta, run_key_for
 from resumable.cli import main
-from resumable.shm import SlotMeta, run_key_for
 from resumable.snapshot import ShmArena
 from resumable.storage import LocalStorage
 

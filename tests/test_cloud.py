@@ -34,7 +34,7 @@ from resumable.cli import main as cli
 from resumable.commit import MarkerCommit, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, NoCheckpointError, StorageError
 from resumable.format import MANIFEST
-from resumable.persist import PersistResult, write_checkpoint
+from resumable.pipeline.write import PersistResult, WriteRequest, write_checkpoint
 from resumable.reader import CheckpointReader
 from resumable.snapshot import Arena
 from resumable.storage import open_storage
@@ -143,9 +143,7 @@ class BarrierStorage(ForwardingStorage):
 def save_with_marker(storage: Storage, step: int, state: dict[str, Any]) -> PersistResult:
     captured = capture(state, include_rng=False)
     snap = Arena().snapshot(captured.tensors)
-    return write_checkpoint(
-        storage, MarkerCommit(storage), step=step, snapshot=snap, tree=captured.tree
-    )
+    return write_checkpoint(storage, MarkerCommit(storage), WriteRequest(step, snap, captured.tree))
 
 
 WRITERS = 8

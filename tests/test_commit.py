@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-import resumable.worker as worker_mod
+import resumable.pipeline._worker as worker_mod
 from resumable import Checkpointer, Keep, StorageError
 from resumable.audit import read_audit
 from resumable.commit import RenameCommit, list_committed, step_dir

@@ -1,6 +1,6 @@
 """An incremental persist whose state has many bytes that did not change at the last
 comparison (a fine-tuning job's frozen base) writes its data file while it hashes those
-bytes (`DeltaBase.plan_early`, `DeltaBase.confirm`, `persist._index_and_write`): laid out
+bytes (`DeltaBase.plan_early`, `DeltaBase.confirm`, `write._index_and_write`): laid out
 as if they hash as before. Where one does not (someone changed frozen weights), the
 file is written again from the real hashes. Either way the checkpoint restores
 bit-identical; a failed early write fails the persist unless the file is written again

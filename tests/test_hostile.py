@@ -1488,7 +1488,7 @@ def test_snapshot_slot_with_unfitting_metadata_is_not_used(tmp_path: Path, blob:
     made `ShmSlot.read` raise RecursionError, OverflowError or TypeError, or the tensor
     views raise RuntimeError, so a restore crashed; the slot is now not used (read
     returns None), as one cut short is."""
-    from resumable import shm
+    from resumable import _shm as shm
 
     slot = shm.ShmSlot.create(tmp_path / "slot", meta_cap=1 << 20, sums_cap=4096, data_cap=64)
     try:

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import resumable
+from resumable._shm import SlotMeta
 from resumable.errors import CheckpointError
 from resumable.pipeline.memory import MemoryTier
-from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 

@@ -20,8 +20,8 @@ import torch
 
 from launch import environment, kill_session, run, torchrun_cmd
 from memory_previous_job import checkpointer
-from resumable import shm
-from resumable.shm import SlotMeta
+from resumable import _shm as shm
+from resumable._shm import SlotMeta
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import resumable
-from resumable import shm
+from resumable import _shm as shm
+from resumable._shm import SlotMeta
 from resumable.errors import PersistError, StorageError
-from resumable.shm import SlotMeta
 from resumable.snapshot import MemorySnapshot, ShmArena
 from resumable.storage.memory import MemoryStorage
 

@@ -544,7 +544,7 @@ def worker_pids() -> set[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"resumable.worker" in cmdline and state != "Z":
+        if b"resumable.pipeline._worker" in cmdline and state != "Z":
             pids.add(pid)
     return pids
 

@@ -18,7 +18,7 @@ import resumable.reader as reader_mod
 from resumable import Checkpointer, CorruptCheckpointError, Incremental
 from resumable.capture import capture, iter_tensor_refs
 from resumable.commit import committer_for
-from resumable.persist import write_distributed
+from resumable.pipeline.write import WriteRequest, write_distributed
 from resumable.reader import CheckpointReader, _digests
 from resumable.snapshot import Arena, copy_threads
 from resumable.storage import open_storage
@@ -248,10 +248,7 @@ def _two_ranks(storage: Any) -> list[Any]:
             _Threads(r, 2, shared, meet),
             storage,
             committer,
-            step=1,
-            snapshot=Arena().snapshot(cap.tensors),
-            tree=cap.tree,
-            pieces={},
+            WriteRequest(1, Arena().snapshot(cap.tensors), cap.tree, pieces={}),
         )
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]

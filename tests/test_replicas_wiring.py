@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from resumable import Checkpointer, Every
+from resumable._shm import SlotMeta
 from resumable.errors import CheckpointError, OptionError, ReplicaPlacementError
 from resumable.options import MemoryOptions
 from resumable.replicas.peers import own_snapshot, rate_from_env, tensor_ranges
 from resumable.replicas.store import ReplicaStore, plan_pieces, remove_dead_stores
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
-from resumable.shm import SlotMeta
 from resumable.snapshot import ShmArena
 from state_checks import shm_dir
 

@@ -29,13 +29,13 @@ from resumable.cli import main as cli
 from resumable.commit import MarkerCommit, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.format import MANIFEST
-from resumable.persist import write_checkpoint
+from resumable.pipeline.mirror import upload_checkpoint
+from resumable.pipeline.write import WriteRequest, write_checkpoint
 from resumable.reader import CheckpointReader
 from resumable.snapshot import Arena
 from resumable.storage import LocalStorage, MemoryStorage, Storage, open_storage
 from resumable.storage.base import ForwardingStorage
 from resumable.storage.s3 import S3Storage
-from resumable.tiering import upload_checkpoint
 
 
 def options(server: Any, **extra: Any) -> dict[str, Any]:
@@ -172,13 +172,8 @@ def marker_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
 
 def _write(storage: Storage, committer: MarkerCommit, step: int, value: float) -> None:
     captured = capture({"w": torch.full((64,), value)}, include_rng=False)
-    write_checkpoint(
-        storage,
-        committer,
-        step=step,
-        snapshot=Arena().snapshot(captured.tensors),
-        tree=captured.tree,
-    )
+    snapshot = Arena().snapshot(captured.tensors)
+    write_checkpoint(storage, committer, WriteRequest(step, snapshot, captured.tree))
 
 
 def test_marker_commit_layout_replace_and_stale(marker_storage: Storage) -> None:

@@ -52,7 +52,7 @@ from resumable.commit import MarkerCommit, list_committed, step_dir
 from resumable.errors import CheckpointError
 from resumable.format import MANIFEST
 from resumable.lock import RootLock
-from resumable.persist import PersistResult, write_checkpoint
+from resumable.pipeline.write import PersistResult, WriteRequest, write_checkpoint
 from resumable.reader import CheckpointReader
 from resumable.snapshot import Arena
 from resumable.storage.base import ForwardingStorage, Storage
@@ -446,7 +446,7 @@ def save_with_marker(
     captured = capture(state, include_rng=False)
     snap = Arena().snapshot(captured.tensors)
     return write_checkpoint(
-        storage, MarkerCommit(storage), step=step, snapshot=snap, tree=captured.tree, **kw
+        storage, MarkerCommit(storage), WriteRequest(step, snap, captured.tree), **kw
     )
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from resumable import settings, watchers, worker
+from resumable import settings, watchers
+from resumable.pipeline import _worker as worker
 from resumable.storage.local import LocalStorage
 
 ROOT = Path(__file__).resolve().parent.parent

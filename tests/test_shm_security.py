@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import resumable
-from resumable import shm
+from resumable import _shm as shm
 from resumable.cli import main
 from resumable.errors import CheckpointError
 from resumable.snapshot import ShmArena

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from resumable._shm import RawJSON, SlotMeta, decode_meta, layout_meta, slot_layout
 from resumable.errors import CorruptCheckpointError
 from resumable.format import TensorSlot
 from resumable.pieces import Piece
-from resumable.shm import RawJSON, SlotMeta, decode_meta, layout_meta, slot_layout
 
 # What the code before `SlotMeta` wrote for these snapshots (its `encode_meta` of the
 # dict `MemoryTier.take` built, ``root`` added by the arena), byte for byte.

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import resumable.incremental as inc_mod
-import resumable.persist as persist_mod
+import resumable.pipeline.write as write_mod
 from resumable import Checkpointer, Incremental, Keep, StorageError
 from resumable.commit import list_committed
 from resumable.reader import CheckpointReader
@@ -158,7 +158,7 @@ def test_the_write_starts_before_the_chunks_are_hashed(
     """Chunk hashing that waits for the data file's write to begin: it must not block
     the write (if the write waited for the hashes, both would wait until the timeout
     and the persist would fail)."""
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     storage = SignalsWrite(LocalStorage(tmp_path))
     real = inc_mod.chunk_hashes
     threads: list[str] = []
@@ -180,7 +180,7 @@ def test_the_write_starts_before_the_chunks_are_hashed(
 def test_a_failed_chunk_hashing_fails_the_persist_and_commits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     real = inc_mod.chunk_hashes
     state = make_state(5)
     ck = Checkpointer(tmp_path, state, persist="sync", capture_rng=False, incremental=INC)
@@ -216,7 +216,7 @@ def test_no_chunk_hashing_outlives_a_persist_that_failed(
 ) -> None:
     """The snapshot is reused once a persist returns: hashing still running after a
     failed write would read the next one."""
-    monkeypatch.setattr(persist_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
+    monkeypatch.setattr(write_mod, "CHECKSUMS_BEHIND_MIN_BYTES", 1)
     real = inc_mod.chunk_hashes
     spans: list[tuple[float, float]] = []
 

@@ -62,7 +62,8 @@ next(loader)
 ck.save(2)
 ck.wait()
 children = open(f"/proc/self/task/{os.getpid()}/children").read().split()
-worker = [p for p in children if b"resumable.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
+boot = b"resumable.pipeline._worker"
+worker = [p for p in children if boot in open(f"/proc/{p}/cmdline", "rb").read()]
 print(json.dumps({"worker": int(worker[0]), "stdout": os.readlink("/proc/self/fd/1")}), flush=True)
 time.sleep(600)  # killed by the test
 """
@@ -157,7 +158,7 @@ def test_persist_worker_does_not_hold_the_trainers_stdout(
 
 WATCHED = """
 import os, socket, sys, time
-from resumable import worker
+from resumable.pipeline import _worker as worker
 
 use_pidfd, result = sys.argv[1] == "pidfd", sys.argv[2]
 if not use_pidfd:

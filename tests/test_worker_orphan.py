@@ -28,8 +28,8 @@ import torch
 
 import resumable
 from resumable.commit import RenameCommit, list_committed
+from resumable.pipeline._worker import ORPHAN_EXIT
 from resumable.storage import open_storage
-from resumable.worker import ORPHAN_EXIT
 
 SRC = Path(resumable.__file__).resolve().parents[1]
 

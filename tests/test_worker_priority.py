@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from resumable import Checkpointer
-from resumable.worker import DEFAULT_WORKER_NICE, WORKER_NICE_ENV, PersistWorker
+from resumable.pipeline._worker import DEFAULT_WORKER_NICE, WORKER_NICE_ENV, PersistWorker
 
 
 def _worker_nice(tmp_path: Path, expected: int) -> int:

@@ -53,7 +53,7 @@ def _tensor_name(path: tuple[Any, ...], taken: Mapping[str, Any]) -> str:
 class Encoder:
     """One capture's walk: the tree node of each value (`value`), with the tensors met
     on the way collected in ``tensors`` under their names, in order, and the classes of
-    the stateful objects met in ``classes`` (`resumable.capture_plan` reuses the nodes
+    the stateful objects met in ``classes`` (`resumable._capture_plan` reuses the nodes
     and tensors of a walk while the state keeps its structure)."""
 
     def __init__(self, rank: int = 0, world_size: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""The entries of a `resumable.capture_plan.CapturePlan`, and the checks that guard them.
+"""The entries of a `resumable._capture_plan.CapturePlan`, and the checks that guard them.
 
 An entry keeps the tree node and the live tensors that a walk made of one top-level
 object: a module (`ModuleEntry`), an optimizer (`OptimizerEntry`) or a plain container

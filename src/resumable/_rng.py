@@ -32,7 +32,7 @@ def rng_state(
 ) -> dict[str, Any]:
     """The process-wide random streams, as plain values and tensors; ``numpy_state`` and
     ``python_state`` stand in for ``np.random.get_state(legacy=False)`` and
-    ``random.getstate()`` (`resumable.capture_plan`)."""
+    ``random.getstate()`` (`resumable._capture_plan`)."""
     out: dict[str, Any] = {
         "python": random.getstate() if python_state is None else python_state(),
         "numpy": np.random.get_state(legacy=False) if numpy_state is None else numpy_state(),

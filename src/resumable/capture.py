@@ -173,7 +173,7 @@ def capture(
     tensors (detached, not copied): the caller must copy them before training goes on.
     Raises `UnsupportedStateError` naming the path of anything that cannot be captured.
 
-    With a ``plan`` (`resumable.capture_plan.CapturePlan`), top-level entries it knows
+    With a ``plan`` (`resumable._capture_plan.CapturePlan`), top-level entries it knows
     are taken from it instead of walked (``reused`` says whether any was), and the
     tensors of those entries are not detached: they are for copying under
     ``torch.no_grad()``.
@@ -214,7 +214,7 @@ def capture(
 
 
 class Planner(Protocol):
-    """What `capture` asks of a plan (`resumable.capture_plan.CapturePlan`), in this
+    """What `capture` asks of a plan (`resumable._capture_plan.CapturePlan`), in this
     order: `entry` for each top-level entry, `streams` for the random streams (if they
     are captured), then `reused`."""
 

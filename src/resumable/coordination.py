@@ -1,6 +1,6 @@
 """How the ranks of a job agree on one coordinated persist, behind one interface.
 
-A coordinated persist (`resumable.persist.write_distributed`) needs three exchanges:
+A coordinated persist (`resumable.pipeline.write.write_distributed`) needs three exchanges:
 rank 0 opens the attempt and tells every rank where to write (``broadcast``), every
 rank reports its written file or its error to rank 0 (``gather``), and rank 0 tells
 every rank the outcome (``broadcast``). Two transports implement them:

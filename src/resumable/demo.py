@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 import resumable
+from resumable._shm import SHM_DIR, list_segments, run_key_for, slot_paths, user_dirs
 from resumable.data import ResumableDataLoader
 from resumable.errors import CheckpointError
-from resumable.shm import SHM_DIR, list_segments, run_key_for, slot_paths, user_dirs
 from resumable.storage import LocalStorage
 
 

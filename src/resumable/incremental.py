@@ -330,7 +330,7 @@ class DeltaBase:
 
     def plan_early(self, slots: list[TensorSlot], data: memoryview, step: int) -> EarlyPlan | None:
         """A plan made before most of the state is hashed, for a persist that writes its
-        file while the rest is hashed (`resumable.persist`): the chunks of the tensors
+        file while the rest is hashed (`resumable.pipeline.write`): the chunks of the tensors
         that changed at the last comparison ("hot": the adapters, the head and their
         optimizer moments of a fine-tuning job) are hashed now; those of the others
         ("cold": the frozen base) are taken to hash as they did. `confirm` then hashes

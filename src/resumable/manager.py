@@ -30,6 +30,7 @@ from resumable.group import Group, current_group
 from resumable.incremental import Incremental
 from resumable.monitor import AlertCallback
 from resumable.options import DEFAULT_KEEP, CheckpointOptions, resolve_options
+from resumable.pipeline._worker import worker_nice
 from resumable.pipeline.emergency import Emergency
 from resumable.pipeline.first_save import FirstSaveChecks
 from resumable.pipeline.last_step import Final, LastStep, check_step
@@ -40,7 +41,6 @@ from resumable.policy import Every, Keep
 from resumable.preemption import Preemption
 from resumable.retention import PINS_DIR
 from resumable.storage import Storage
-from resumable.worker import worker_nice
 
 log = logging.getLogger(__name__)
 

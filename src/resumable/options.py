@@ -338,7 +338,7 @@ class CheckpointOptions:
             mirror: a second, usually remote, root (``s3://...``): every checkpoint
                 committed in the root is uploaded there in the background, local retention
                 keeps what is not mirrored yet, and restore takes the newest valid
-                checkpoint of either root (see `resumable.tiering`).
+                checkpoint of either root (see `resumable.pipeline.mirror`).
             mirror_keep: retention in ``mirror`` (default: keep all).
             dist_timeout_s: with several ranks (``torch.distributed`` initialised), how
                 long a rank waits for the others during a coordinated save or restore

@@ -10,7 +10,7 @@ the first ``optimizer.step()``). Pinned when any source tensor lives on CUDA.
 This is the only part of a save that blocks training: once `Arena.snapshot` returns,
 the trainer may mutate every tensor and the snapshot stays as it was.
 
-`ShmArena` is the memory tier: the same layout in shared-memory slots (`resumable.shm`),
+`ShmArena` is the memory tier: the same layout in shared-memory slots (`resumable._shm`),
 two alternating and a third while a persist worker process writes one out, so that the
 two newest complete snapshots outlive a crash of the training process, even one during
 a copy. Large copies are split across a small thread pool.
@@ -36,9 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
-from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
-from resumable.format import TensorSlot, byte_view, checksum, plan_layout
-from resumable.shm import (
+from resumable._shm import (
     COMPLETE,
     PREFIX,
     SHM_DIR,
@@ -56,6 +54,8 @@ from resumable.shm import (
     replaced_size,
     slot_paths,
 )
+from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
+from resumable.format import TensorSlot, byte_view, checksum, plan_layout
 
 log = logging.getLogger(__name__)
 

@@ -198,7 +198,7 @@ def add_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def add_shm_dir(p: argparse.ArgumentParser) -> None:
-    from resumable.shm import SHM_DIR
+    from resumable._shm import SHM_DIR
 
     p.add_argument(
         "--shm-dir",

@@ -152,7 +152,7 @@ def _incomplete_rows(storage: Storage, pinned: set[int]) -> list[dict[str, Any]]
 def _memory_rows(storage: Storage, shm_dir: Path) -> list[dict[str, Any]]:
     """The memory tier: this run's complete shared-memory snapshots on this host, in
     this user's slot directories."""
-    from resumable.shm import attach_unlocked, run_key_for, slot_paths, user_dirs
+    from resumable._shm import attach_unlocked, run_key_for, slot_paths, user_dirs
 
     rows: list[dict[str, Any]] = []
     key = run_key_for(storage.location)

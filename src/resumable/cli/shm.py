@@ -30,7 +30,7 @@ from resumable.errors import CheckpointError
 from resumable.storage import LocalStorage, open_storage
 
 if TYPE_CHECKING:
-    from resumable.shm import SegmentInfo
+    from resumable._shm import SegmentInfo
 
 
 def shm_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +101,7 @@ def _unsaved(step: int | None, state: _RootState) -> bool | None:
 
 
 def run_shm(args: argparse.Namespace) -> int:
-    from resumable.shm import list_segments, remove_dead_segments
+    from resumable._shm import list_segments, remove_dead_segments
 
     if args.force and not args.clean:
         raise ValueError("--force only applies to --clean")
@@ -201,7 +201,7 @@ def _root_filter(
     ``root``: every file belongs."""
     if root is None:
         return lambda path, recorded: True
-    from resumable.shm import run_key_for, run_key_of
+    from resumable._shm import run_key_for, run_key_of
 
     storage = open_storage(root)
     key = run_key_for(storage.location)

@@ -11,9 +11,9 @@ several ranks; what differs is the coordination object they are given
   rank 0 decides the clock-based ones).
 - `memory.MemoryTier`: the shared-memory snapshots: capture into the arena, overlap
   with the next step, adopt a dead launch's slots, verify and decode one.
-- `persister.Persister`: persisting, synchronous (`SyncPersister`) or in the
-  background (`BackgroundPersister`, over `resumable.worker`) behind one interface;
-  failures come back as `PersistError` at the next call; the mirror's flush.
+- `persister.Persister`: when and where a persist runs, synchronous (`SyncPersister`)
+  or in the background (`BackgroundPersister`) behind one interface; failures come
+  back as `PersistError` at the next call; the mirror's flush.
 - `restorer.Restorer`: the restore candidates in memory, the local root and the mirror,
   their order and fallback; verify, decode and apply.
 - `saver.Saver`: snapshot, agree, persist or defer; the flush at close.
@@ -23,9 +23,18 @@ several ranks; what differs is the coordination object they are given
   the warnings said once at the first save.
 - `messages`: the typed messages between the trainer and its persist worker.
 
+The persist wing, below the persister:
+
+- `write`: one snapshot as files in storage, then the commit (`write_checkpoint`; with
+  several ranks, `write_distributed`).
+- `_worker`: the persist worker, its trainer-side client (`PersistWorker`) and its
+  process's entry point (`worker_main`); `_worker_jobs.JobRunner`: one job's write,
+  commit, retention and mirror hand-off; `_worker_process`: the worker process's
+  launch and its tie to the trainer.
+- `mirror.Mirror`: each local commit uploaded to a remote root.
+
 Below them sit the layers that were always separate: `resumable.capture` (state to
-tensors and a tree), `resumable.snapshot`/`resumable.shm` (the arena),
-`resumable.persist` and `resumable.commit` (files and the atomic commit),
-`resumable.coordination` (the store several ranks' workers meet in),
-`resumable.tiering` (the mirror) and `resumable.storage`.
+tensors and a tree), `resumable.snapshot`/`resumable._shm` (the arena),
+`resumable.commit` (the atomic commit), `resumable.coordination` (the store several
+ranks' workers meet in) and `resumable.storage`.
 """

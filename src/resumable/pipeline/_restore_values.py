@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from resumable import capture as capture_mod
+from resumable._shm import SlotContent
 from resumable.errors import (
     CorruptCheckpointError,
     StateMismatchError,
@@ -27,7 +28,6 @@ from resumable.pieces import is_dtensor
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader, shaped_like
-from resumable.shm import SlotContent
 from resumable.snapshot import MemorySnapshot
 
 log = logging.getLogger(__name__)

@@ -32,14 +32,8 @@ from typing import Any
 import torch
 
 from resumable import capture as capture_mod
-from resumable.audit import AuditLog
-from resumable.capture_plan import CapturePlan
-from resumable.errors import CorruptCheckpointError, StorageError
-from resumable.format import json_metrics
-from resumable.pieces import is_dtensor
-from resumable.replicas.peers import Replication
-from resumable.runid import snapshot_belongs
-from resumable.shm import (
+from resumable._capture_plan import CapturePlan
+from resumable._shm import (
     RawJSON,
     SlotContent,
     SlotMeta,
@@ -47,6 +41,12 @@ from resumable.shm import (
     run_key_for,
     shm_free_bytes,
 )
+from resumable.audit import AuditLog
+from resumable.errors import CorruptCheckpointError, StorageError
+from resumable.format import json_metrics
+from resumable.pieces import is_dtensor
+from resumable.replicas.peers import Replication
+from resumable.runid import snapshot_belongs
 from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 

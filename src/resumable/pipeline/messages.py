@@ -33,7 +33,7 @@ class WorkerConfig:
     mirror_keep: dict[str, Any] | None = None
     mirror_options: dict[str, Any] | None = None
     incremental: dict[str, Any] | None = None  # `Incremental.to_json`; None: whole
-    nice: int = 0  # added to the worker's niceness once it is ready (`worker.worker_nice`)
+    nice: int = 0  # added to the worker's niceness once it is ready (`_worker.worker_nice`)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
-"""Persisting: turning a snapshot into a committed checkpoint, behind one interface.
+"""The trainer's side of persisting: where a persist runs, and what comes back.
 
-Two implementations, one for each way a persist can run:
+Neither implementation writes a file itself: the bytes and the commit are
+`resumable.pipeline.write`'s, run by a `JobRunner` on the training thread or in the
+persist worker. One implementation for each way a persist can run:
 
 - `SyncPersister` (``persist="sync"``) writes on the training thread: `persist`
   returns after the commit is durable. Its source is a memory snapshot, or, without the
   memory tier, an in-process copy (`persist_state`).
 - `BackgroundPersister` (``"process"``, ``"thread"``) hands each memory snapshot to the
-  persist worker (`resumable.worker`) and returns; the worker writes, commits, applies
+  persist worker (`resumable.pipeline._worker`) and returns; the worker writes, commits, applies
   retention and replies. With several ranks, the ranks' workers meet in a store that
   rank 0's checkpointer hosts (`resumable.coordination`): the training processes take
   part in no collective while a persist runs.
@@ -42,6 +44,7 @@ from resumable.incremental import Incremental
 from resumable.lock import LeaseFence
 from resumable.monitor import Monitor
 from resumable.pieces import owned_tensors
+from resumable.pipeline._worker import JobRunner, PersistWorker, keep_to_json
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.messages import (
     Committed,
@@ -55,10 +58,10 @@ from resumable.pipeline.messages import (
     Report,
     WorkerConfig,
 )
+from resumable.pipeline.write import WriteRequest, rank_share
 from resumable.policy import Keep
-from resumable.snapshot import Arena, MemorySnapshot, Snapshot
+from resumable.snapshot import Arena, MemorySnapshot
 from resumable.storage import Storage
-from resumable.worker import JobRunner, PersistWorker, keep_to_json
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,12 @@ class Persister:
         self.committed: int | None = None  # the newest step known committed
         self._errors: list[str] = []
         self._flushed: MirrorFlushed | None = None
+
+    @property
+    def mirror_url(self) -> str | None:
+        """The mirror this rank uploads to, if any. With several ranks rank 0 commits, so
+        it alone uploads."""
+        return self.mirror.url if self.mirror is not None and self.group.rank == 0 else None
 
     @property
     def busy(self) -> bool:
@@ -225,8 +234,7 @@ class SyncPersister(Persister):
                 keep=keep_to_json(keep),
                 rank=rank,
                 audit=rank == 0,
-                # With several ranks rank 0 commits, so it alone uploads.
-                mirror=self.mirror.url if self.mirror is not None and rank == 0 else None,
+                mirror=self.mirror_url,
                 mirror_keep=keep_to_json(mirror_keep),
                 incremental=incremental.to_json() if incremental is not None else None,
             ),
@@ -253,18 +261,9 @@ class SyncPersister(Persister):
         meta = content.meta
         data = self.memory.data(snap)
         if self.group.world_size > 1:  # this rank's share, copied out of its slot
-            views = {s.name: data.tensor(s) for s in data.slots}
-            data = self._arena.snapshot(
-                owned_tensors(views, meta.replicated, self.group.rank, self.group.world_size)
-            )
-        self._write(
-            data,
-            snap.step,
-            meta.tree,
-            meta.metrics,
-            meta.pieces,
-            snapshot_s,
-        )
+            group = self.group
+            data = rank_share(self._arena, data, meta.replicated, group.rank, group.world_size)
+        self._write(WriteRequest(snap.step, data, meta.tree, meta.metrics, meta.pieces), snapshot_s)
 
     def persist_state(
         self,
@@ -282,35 +281,25 @@ class SyncPersister(Persister):
         tensors = owned_tensors(captured.tensors, captured.replicated, rank, world)
         snap = self._arena.snapshot(tensors)
         snapshot_s = time.perf_counter() - t0
-        self._write(
-            snap, step, captured.tree, json_metrics(metrics or {}), captured.pieces, snapshot_s
+        request = WriteRequest(
+            step, snap, captured.tree, json_metrics(metrics or {}), captured.pieces
         )
+        self._write(request, snapshot_s)
         return snapshot_s
 
-    def _write(
-        self,
-        snap: Snapshot,
-        step: int,
-        tree: Any,
-        metrics: Any,
-        pieces: Any,
-        snapshot_s: float | None,
-    ) -> None:
-        self._started(step, snap.nbytes, snapshot_s)
+    def _write(self, request: WriteRequest, snapshot_s: float | None) -> None:
+        step = request.step
+        self._started(step, request.snapshot.nbytes, snapshot_s)
         persist: Callable[[], Committed]
         if self.group.world_size > 1:
             group = self.group
 
             def persist() -> Committed:
-                return self.runner.persist_group(
-                    group, snap, step=step, tree=tree, pieces=pieces, metrics=metrics
-                )
+                return self.runner.persist_group(group, request)
         else:
 
             def persist() -> Committed:
-                return self.runner.persist_snapshot(
-                    snap, step=step, tree=tree, metrics=metrics, pieces=pieces
-                )[0]
+                return self.runner.persist_snapshot(request)[0]
 
         try:
             reply = persist()
@@ -392,10 +381,7 @@ class BackgroundPersister(Persister):
                 keep=self.keep,
                 storage=self.storage if thread else None,
                 storage_options=self.storage_options,
-                # With several ranks, rank 0's worker commits, so it alone uploads.
-                mirror=(
-                    self.mirror.url if self.mirror is not None and self.group.rank == 0 else None
-                ),
+                mirror=self.mirror_url,
                 mirror_keep=self.mirror_keep,
                 mirror_options=self.mirror_options,
                 incremental=self.incremental,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resumable import capture as capture_mod
+from resumable._shm import SlotContent
 from resumable.audit import AuditLog
 from resumable.commit import list_committed, step_dir
 from resumable.coordination import GroupVerdicts, StoreVerdicts
@@ -40,7 +41,6 @@ from resumable.pieces import Piece
 from resumable.pipeline._restore_values import Fused, RestoreValues
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
-from resumable.shm import SlotContent
 from resumable.snapshot import MemorySnapshot
 from resumable.storage import Storage
 

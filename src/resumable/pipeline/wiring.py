@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resumable import settings
+from resumable._shm import run_key_for
 from resumable.audit import PROGRESS_EVERY_S, AuditLog, ProgressNotes
 from resumable.coordination import Agreement, CoordinationStore
 from resumable.errors import CheckpointError, OptionError
@@ -28,7 +29,6 @@ from resumable.pipeline.root_claim import RootClaim, remove_stale
 from resumable.pipeline.saver import Saver
 from resumable.pipeline.schedule import Schedule
 from resumable.replicas.peers import Replication
-from resumable.shm import run_key_for
 from resumable.storage import MemoryStorage, Storage, check_storage_options, open_storage
 
 log = logging.getLogger(__name__)

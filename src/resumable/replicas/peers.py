@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resumable import settings
+from resumable._shm import COMPLETE
 from resumable._shm_meta import decode_meta
 from resumable.errors import (
     CheckpointError,
@@ -49,7 +50,6 @@ from resumable.replicas.store import (
     remove_dead_stores,
 )
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
-from resumable.shm import COMPLETE
 
 if TYPE_CHECKING:
     from resumable.audit import AuditLog

@@ -1,7 +1,7 @@
 """The replicas a rank holds for its peers: one file per replica in a memory directory.
 
 A replica is a copy of one rank's memory snapshot as its shared-memory slot holds it
-(`resumable.shm`): the slot's metadata JSON, then its tensor data region. It travels and
+(`resumable._shm`): the slot's metadata JSON, then its tensor data region. It travels and
 rests as *pieces*, byte ranges each with its XXH3-64 digest. A file is
 ``<dir>/r<source rank>-s<step>.replica``, with a trailer naming the run, source rank,
 step, lengths and every piece's digest.

@@ -102,7 +102,7 @@ _WORKER_BOOT = (
     "spec = importlib.machinery.PathFinder.find_spec('resumable', [package_dir])\n"
     "sys.modules['resumable'] = package = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(package)\n"
-    "from resumable.worker import worker_main\n"
+    "from resumable.pipeline._worker import worker_main\n"
     "code = worker_main(['--fd', fd, '--fence', fence])\n"
     # Every job is done, its files closed and fsynced, its reply sent: the interpreter's
     # teardown (a second or more of freeing torch's modules) would only delay the
@@ -210,7 +210,7 @@ def worker_command(fd: int, lifeline: int, fence: int = -1) -> tuple[list[str], 
         env.pop("PYTHONPATH", None)
     if sys.flags.dont_write_bytecode:
         flags.append("-B")
-    package_dir = str(Path(__file__).resolve().parents[1])
+    package_dir = str(Path(__file__).resolve().parents[2])  # holds resumable/pipeline/
     return [
         sys.executable,
         *flags,

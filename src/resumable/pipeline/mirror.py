@@ -1,4 +1,4 @@
-"""Tiering: commit on a fast local root, mirror each committed checkpoint to a remote one.
+"""The mirror: each checkpoint committed on a fast local root, copied to a remote one.
 
 ``Checkpointer("runs/exp1", mirror="s3://bucket/exp1", keep=Keep(last=2),
 mirror_keep=Keep(last=10, every_steps=10_000))``:

@@ -7,7 +7,7 @@ events and replies. One job runs at a time; the trainer keeps the slot of every
 outstanding job locked, so the worker never reads a slot being rewritten.
 
 Two modes run the same job code (`JobRunner`). ``process`` (the default) is a separate
-interpreter, launched and tied to the trainer by `resumable._worker_process`, so
+interpreter, launched and tied to the trainer by `resumable.pipeline._worker_process`, so
 serialisation never holds the trainer's GIL. ``thread`` serves backends that live only
 in this process (``memory://``). A failed job or a dead worker is raised as
 `PersistError` at the next ``save``, ``wait`` or ``close``. Why the process is launched
@@ -29,8 +29,11 @@ import time
 from collections import deque
 from typing import Any
 
-from resumable._worker_jobs import JobRunner, TrainerGone, keep_from_json, keep_to_json
-from resumable._worker_process import (
+from resumable.errors import CheckpointError, PersistError
+from resumable.incremental import Incremental
+from resumable.lock import LeaseFence
+from resumable.pipeline._worker_jobs import JobRunner, TrainerGone, keep_from_json, keep_to_json
+from resumable.pipeline._worker_process import (
     DEFAULT_WORKER_NICE,
     ORPHAN_EXIT,
     WORKER_NICE_ENV,
@@ -45,9 +48,6 @@ from resumable._worker_process import (
     worker_command,
     worker_nice,
 )
-from resumable.errors import CheckpointError, PersistError
-from resumable.incremental import Incremental
-from resumable.lock import LeaseFence
 from resumable.pipeline.messages import (
     Committed,
     Failed,

@@ -1,13 +1,15 @@
-"""Persist: turn a snapshot into files in storage and commit them.
+"""The write path: one snapshot's bytes as data files and a manifest, then the commit.
 
-`write_checkpoint` is the unit of persist work: format (safetensors header, per-tensor
-checksums, manifest) + storage writes + commit. It is called synchronously by the
-manager today and is written to run unchanged in a background worker: it reads only the
-snapshot it is given, never the live training state, and on any failure it aborts the
-attempt so no half-written checkpoint becomes visible.
+`write_checkpoint` (one process) and `write_distributed` (several ranks, each writing
+its own file, rank 0 committing for all) lay out safetensors files, hash every tensor
+while its file is written, build the manifest and commit it through a `Committer`.
+They read only the snapshot given, never live training state, so the same code runs
+on the training thread and in the persist worker. On any failure the attempt is
+removed: no half-written checkpoint becomes visible.
 
-Data files are named per rank (``rank-00000.safetensors``) so that several ranks can
-write their shards into one checkpoint directory side by side.
+What they leave to their callers (`resumable.pipeline.persister` and
+`resumable.pipeline._worker_jobs.JobRunner`): when to persist, retries, retention and
+the mirror. Data files are named per rank (``rank-00000.safetensors``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -35,8 +37,8 @@ from resumable.format import (
     safetensors_header,
 )
 from resumable.incremental import Chunk, DeltaBase, Plan, Record
-from resumable.pieces import Piece
-from resumable.snapshot import Snapshot
+from resumable.pieces import Piece, owned_tensors
+from resumable.snapshot import Arena, Snapshot
 from resumable.storage import direct
 from resumable.storage.base import Storage
 
@@ -45,6 +47,44 @@ log = logging.getLogger(__name__)
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """What one persist writes: the snapshot of ``step``, its state tree and metrics, and,
+    with several ranks, where this rank's global tensors lie (``pieces``, by tensor
+    name). Built once by the caller and handed down unchanged."""
+
+    step: int
+    snapshot: Snapshot
+    tree: Any
+    metrics: Mapping[str, Any] | None = None
+    pieces: Mapping[str, Piece] | None = None
+
+
+def rank_share(
+    arena: Arena, snapshot: Snapshot, replicated: Collection[str], rank: int, world_size: int
+) -> Snapshot:
+    """What ``rank`` writes of ``snapshot`` in a coordinated persist, copied into
+    ``arena`` (the source may be rewritten once this returns): every tensor but the
+    ``replicated`` ones that `owned_tensors` gives another rank."""
+    views = {s.name: snapshot.tensor(s) for s in snapshot.slots}
+    return arena.snapshot(owned_tensors(views, replicated, rank, world_size))
+
+
+@dataclass(frozen=True)
+class _DataFile:
+    """Where one rank's data file of an attempt goes: ``path`` in ``storage``, named
+    ``key`` in the manifest."""
+
+    storage: Storage
+    path: str
+    key: str
+
+    @classmethod
+    def of(cls, storage: Storage, attempt: Attempt, rank: int) -> _DataFile:
+        name = rank_file(rank)
+        return cls(storage, attempt.path(name), attempt.key(name))
 
 
 @dataclass(frozen=True)
@@ -64,36 +104,30 @@ class PersistResult:
 def write_checkpoint(
     storage: Storage,
     committer: Committer,
+    request: WriteRequest,
     *,
-    step: int,
-    snapshot: Snapshot,
-    tree: Any,
-    metrics: Mapping[str, Any] | None = None,
     before_commit: Callable[[], None] | None = None,
-    pieces: Mapping[str, Piece] | None = None,
     base: DeltaBase | None = None,
 ) -> PersistResult:
-    """Write ``snapshot`` and ``tree`` as the checkpoint of ``step`` and commit it.
+    """Write ``request`` as the checkpoint of its step and commit it.
 
     Returns after the commit is durable. On failure the attempt is removed (unless its
     manifest landed all the same: `MarkerCommit.abort`) and the exception propagates;
-    earlier checkpoints are untouched. With a ``base``, only what changed since its
-    commit is written (`resumable.incremental`), and the base moves to this commit.
+    earlier checkpoints are untouched. ``before_commit`` runs right before the commit.
+    With a ``base``, only what changed since its commit is written
+    (`resumable.incremental`), and the base moves to this commit.
     """
     t0 = time.perf_counter()
+    step = request.step
     attempt = committer.begin(step)
-    fname = attempt.key(rank_file(0))
-    sums: Checksums | None = None
+    file = _DataFile.of(storage, attempt, 0)
     try:
-        size, tensors, plan, sums = _index_and_write(
-            storage, attempt.path(rank_file(0)), snapshot, fname, step, pieces, base
-        )
-        _fill_checksums(tensors, plan, sums.result())
+        size, tensors, plan = _write_data_file(file, request, base)
         manifest = build_manifest(
             step=step,
-            metrics=metrics,
-            trees=[tree],
-            files={fname: {"size": size, "rank": 0}},
+            metrics=request.metrics,
+            trees=[request.tree],
+            files={file.key: {"size": size, "rank": 0}},
             tensors=tensors,
         )
         blob = encode_manifest(manifest)
@@ -103,9 +137,6 @@ def write_checkpoint(
     except BaseException:
         abort_quietly(committer, attempt)
         raise
-    finally:
-        if sums is not None:
-            sums.join()  # nothing reads the snapshot once this returns
     if base is not None and plan is not None:
         base.committed(step, plan)
     seconds = time.perf_counter() - t0
@@ -203,17 +234,25 @@ def _fill_checksums(
         plan.records[name] = replace(record, checksum=sums[name])
 
 
+def _write_data_file(
+    file: _DataFile, request: WriteRequest, base: DeltaBase | None
+) -> tuple[int, dict[str, dict[str, Any]], Plan | None]:
+    """One rank's data file written, each tensor's checksum in its manifest entry (and in
+    the plan's record): its size, the tensor entries and the plan. Nothing reads the
+    snapshot once this returns."""
+    size, tensors, plan, sums = _index_and_write(file, request, base)
+    try:
+        _fill_checksums(tensors, plan, sums.result())
+    finally:
+        sums.join()
+    return size, tensors, plan
+
+
 def _index_and_write(
-    storage: Storage,
-    path: str,
-    snapshot: Snapshot,
-    fname: str,
-    step: int,
-    pieces: Mapping[str, Piece] | None,
-    base: DeltaBase | None,
+    file: _DataFile, request: WriteRequest, base: DeltaBase | None
 ) -> tuple[int, dict[str, dict[str, Any]], Plan | None, Checksums]:
-    """Lay out and write one data file (``fname``, at ``path``): its size, the manifest's
-    tensor entries, the plan and the `Checksums` being computed (the caller joins them).
+    """Lay out and write one data file: its size, the manifest's tensor entries, the
+    plan and the `Checksums` being computed (the caller joins them).
 
     An incremental persist whose state has many bytes that did not change at the last
     comparison (a fine-tuning job's frozen base) writes its file while it hashes those
@@ -222,20 +261,21 @@ def _index_and_write(
     from the plan of the real hashes. The write then costs the persist no time of its
     own where the hashing takes longer."""
     if base is None or base.expect_whole:
-        return _write_file(storage, path, snapshot, fname, step, pieces, base, None)
+        return _write_file(file, request, base, None)
+    snapshot, step = request.snapshot, request.step
     early = base.plan_early(snapshot.slots, snapshot.memory(), step)
     if early is None:
-        return _write_file(storage, path, snapshot, fname, step, pieces, base, None)
-    if not early.plan.incremental or not check_refs(storage, early.plan.refs):
+        return _write_file(file, request, base, None)
+    if not early.plan.incremental or not check_refs(file.storage, early.plan.refs):
         # the usual way, with every hash (a plan of no reuse, or a deleted reference)
         plan = base.confirm(early, snapshot.memory(), step) or early.plan
-        return _write_file(storage, path, snapshot, fname, step, pieces, base, plan)
-    header, data, tensors, _, sums = file_index(snapshot, fname, step, pieces, base, early.plan)
+        return _write_file(file, request, base, plan)
+    header, data, tensors, _, sums = file_index(request, file.key, base, early.plan)
     written: dict[str, Any] = {}
 
     def write() -> None:
         try:
-            written["size"] = storage.write(path, [header, *data])
+            written["size"] = file.storage.write(file.path, [header, *data])
         except BaseException as exc:  # handed to the persist below
             written["error"] = exc
 
@@ -259,25 +299,16 @@ def _index_and_write(
         log.warning(
             "the early write of step %d failed (%s); writing it again", step, written["error"]
         )
-    return _write_file(storage, path, snapshot, fname, step, pieces, base, final)
+    return _write_file(file, request, base, final)
 
 
 def _write_file(
-    storage: Storage,
-    path: str,
-    snapshot: Snapshot,
-    fname: str,
-    step: int,
-    pieces: Mapping[str, Piece] | None,
-    base: DeltaBase | None,
-    plan: Plan | None,
+    file: _DataFile, request: WriteRequest, base: DeltaBase | None, plan: Plan | None
 ) -> tuple[int, dict[str, dict[str, Any]], Plan | None, Checksums]:
     """`_index_with_refs` (with ``plan``, if made already), then the file written."""
-    header, data, tensors, plan, sums = _index_with_refs(
-        storage, snapshot, fname, step, pieces, base, plan
-    )
+    header, data, tensors, plan, sums = _index_with_refs(file, request, base, plan)
     try:
-        size = storage.write(path, [header, *data])
+        size = file.storage.write(file.path, [header, *data])
     except BaseException:
         sums.join()
         raise
@@ -285,20 +316,14 @@ def _write_file(
 
 
 def _index_with_refs(
-    storage: Storage,
-    snapshot: Snapshot,
-    fname: str,
-    step: int,
-    pieces: Mapping[str, Piece] | None,
-    base: DeltaBase | None,
-    plan: Plan | None = None,
+    file: _DataFile, request: WriteRequest, base: DeltaBase | None, plan: Plan | None
 ) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None, Checksums]:
     """`file_index`, written whole if a checkpoint it would refer to was deleted."""
-    out = file_index(snapshot, fname, step, pieces, base, plan)
+    out = file_index(request, file.key, base, plan)
     plan = out[3]
     if base is not None and plan is not None and plan.incremental:
         try:
-            gone = not check_refs(storage, plan.refs)
+            gone = not check_refs(file.storage, plan.refs)
         except BaseException:
             out[4].join()  # the caller never sees these checksums: stop them here
             raise
@@ -306,31 +331,30 @@ def _index_with_refs(
             log.warning(
                 "a checkpoint among steps %s was deleted by someone else; step %d is written whole",
                 plan.refs,
-                step,
+                request.step,
             )
             out[4].join()
             base.reset()
-            out = file_index(snapshot, fname, step, pieces, base)
+            out = file_index(request, file.key, base)
     return out
 
 
 def file_index(
-    snapshot: Snapshot,
+    request: WriteRequest,
     fname: str,
-    step: int,
-    pieces: Mapping[str, Piece] | None = None,
     base: DeltaBase | None = None,
     plan: Plan | None = None,
 ) -> tuple[bytes, list[Any], dict[str, dict[str, Any]], Plan | None, Checksums]:
-    """The safetensors header, the data buffers and the manifest's tensor entries of one
-    data file (``pieces``: where global tensors lie, for several ranks), and its
-    `Checksums`, being hashed: `_fill_checksums` puts them into the entries (and the
+    """The safetensors header, the data buffers and the manifest's tensor entries of
+    ``request``'s data file, named ``fname`` (its ``pieces`` go into the entries), and
+    its `Checksums`, being hashed: `_fill_checksums` puts them into the entries (and the
     plan's records) once the file is written.
 
     With a ``base`` (incremental checkpoints), chunks unchanged since the base's commit
     are not in the file: their entries refer to the earlier checkpoint (format version
     2); the returned `Plan` becomes the base once the checkpoint is committed. ``plan``:
     one made already (`DeltaBase.plan_early`, `DeltaBase.confirm`)."""
+    snapshot, step = request.snapshot, request.step
     data = snapshot.memory()
     meta = {"format": "pt", "producer": "resumable", "step": str(step)}
     chunks: Callable[[], None] | None = None
@@ -352,7 +376,7 @@ def file_index(
         checksums.join()
         raise
     for name, entry in tensors.items():
-        piece = (pieces or {}).get(name)
+        piece = (request.pieces or {}).get(name)
         if piece is not None:
             entry["fqn"] = piece.fqn
             entry["global_shape"] = list(piece.global_shape)
@@ -538,12 +562,8 @@ def write_distributed(
     group: Coordination,
     storage: Storage,
     committer: Committer,
+    request: WriteRequest,
     *,
-    step: int,
-    snapshot: Snapshot,
-    tree: Any,
-    pieces: Mapping[str, Piece],
-    metrics: Mapping[str, Any] | None = None,
     check: Callable[[], None] | None = None,
     base: DeltaBase | None = None,
 ) -> PersistResult:
@@ -562,6 +582,7 @@ def write_distributed(
     reports an error instead).
     """
     t0 = time.perf_counter()
+    step = request.step
     opened: dict[str, Any] | None = None
     if group.coordinator:
         try:
@@ -574,21 +595,20 @@ def write_distributed(
     attempt = Attempt(**shared)
     report: dict[str, Any]
     plan: Plan | None = None
-    sums: Checksums | None = None
     try:
-        fname = attempt.key(rank_file(group.rank))
-        size, tensors, plan, sums = _index_and_write(
-            storage, attempt.path(rank_file(group.rank)), snapshot, fname, step, pieces, base
-        )
-        _fill_checksums(tensors, plan, sums.result())
+        file = _DataFile.of(storage, attempt, group.rank)
+        size, tensors, plan = _write_data_file(file, request, base)
         if check is not None:
             check()
-        report = {"file": fname, "size": size, "tensors": tensors, "tree": tree, "step": step}
+        report = {
+            "file": file.key,
+            "size": size,
+            "tensors": tensors,
+            "tree": request.tree,
+            "step": step,
+        }
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
-    finally:
-        if sums is not None:
-            sums.join()  # nothing reads the snapshot once this returns
     try:
         reports = group.gather(report, "reports")
     except PersistError as exc:  # a rank died or hung: nobody will commit
@@ -610,7 +630,7 @@ def write_distributed(
                     index.update(r["tensors"])
                 manifest = build_manifest(
                     step=step,
-                    metrics=metrics,
+                    metrics=request.metrics,
                     trees=[r["tree"] for r in reports],
                     files={
                         r["file"]: {"size": r["size"], "rank": i} for i, r in enumerate(reports)

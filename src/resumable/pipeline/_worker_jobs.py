@@ -1,6 +1,6 @@
 """The persist worker's jobs: write, commit, retention and the mirror, for one storage.
 
-`JobRunner` runs in the worker, a process or a thread (`resumable.worker`). It reads a
+`JobRunner` runs in the worker, a process or a thread (`resumable.pipeline._worker`). It reads a
 job's snapshot from its shared-memory slot, writes and commits it (retrying transient
 storage errors), records the audit events, applies retention and hands the commit to
 the mirror. The trainer's `LeaseFence` is checked right before each commit and retention
@@ -21,12 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from resumable._shm import ShmSlot, SlotContent
 from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, RootInUseError, StorageError
 from resumable.incremental import DeltaBase, Incremental
 from resumable.lock import LeaseFence
-from resumable.pieces import owned_tensors
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -38,16 +38,22 @@ from resumable.pipeline.messages import (
     Report,
     WorkerConfig,
 )
+from resumable.pipeline.write import (
+    Coordination,
+    PersistResult,
+    WriteRequest,
+    rank_share,
+    write_checkpoint,
+    write_distributed,
+)
 from resumable.policy import Keep
 from resumable.retention import apply_retention, retention_entry
 from resumable.retrying import retrying
-from resumable.shm import ShmSlot, SlotContent
-from resumable.snapshot import Arena, Snapshot, tensor_view
+from resumable.snapshot import Arena, Snapshot
 from resumable.storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from resumable.persist import Coordination
-    from resumable.tiering import Mirror
+    from resumable.pipeline.mirror import Mirror
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,13 @@ def keep_from_json(d: dict[str, Any] | None) -> Keep | None:
         return None
     best = tuple(d["best"]) if d.get("best") else None
     return Keep(last=d.get("last"), best=best, every_steps=d.get("every_steps"))
+
+
+def _request(content: SlotContent, snapshot: Snapshot) -> WriteRequest:
+    """What to write of a slot's ``content``: ``snapshot`` (its tensors, or this rank's
+    share of them) with the slot's step, tree, metrics and pieces."""
+    meta = content.meta
+    return WriteRequest(content.step, snapshot, meta.tree, meta.metrics, meta.pieces)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -139,7 +152,7 @@ class JobRunner:
         self._retention_lock = threading.Lock()
         self.mirror: Mirror | None = None
         if config.mirror:
-            from resumable.tiering import Mirror
+            from resumable.pipeline.mirror import Mirror
 
             remote = mirror_storage or open_storage(config.mirror, config.mirror_options or None)
             self.mirror = Mirror(
@@ -210,25 +223,18 @@ class JobRunner:
         if job.group:
             return self._persist_coordinated(slot, content, job.group)
         reply, sums = self.persist_snapshot(
-            Snapshot(content.slots, slot.data_tensor()),
-            step=content.step,
-            tree=content.meta.tree,
-            metrics=content.meta.metrics,
-            pieces=content.meta.pieces,
+            _request(content, Snapshot(content.slots, slot.data_tensor()))
         )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
         slot.write_checksums(content.seq, sums)
         return reply
 
-    def persist_snapshot(
-        self, snap: Snapshot, *, step: int, tree: Any, metrics: Any, pieces: Any = None
-    ) -> tuple[Committed, list[str]]:
+    def persist_snapshot(self, request: WriteRequest) -> tuple[Committed, list[str]]:
         """Write, commit (retrying transient storage errors), audit and apply retention.
         Returns the reply and the per-tensor checksums in layout order."""
-        from resumable.persist import write_checkpoint
-
         t0 = time.perf_counter()
+        step = request.step
 
         def on_retry(exc: StorageError, n: int) -> None:
             log.warning("persist of step %d failed (%s), retry %d", step, exc, n)
@@ -238,12 +244,8 @@ class JobRunner:
             lambda: write_checkpoint(
                 self.storage,
                 self.committer,
-                step=step,
-                snapshot=snap,
-                tree=tree,
-                metrics=metrics,
+                request,
                 before_commit=self._check_parent,
-                pieces=pieces,
                 base=self.delta,
             ),
             retries=self.retries,
@@ -251,29 +253,10 @@ class JobRunner:
             permanent=_NOT_TRANSIENT,
             on_retry=on_retry,
         )
-        seconds = time.perf_counter() - t0
         manifest = result.manifest
         assert manifest is not None  # write_checkpoint's caller built it
-        self.audit.record(
-            "commit",
-            step=step,
-            bytes=result.nbytes,
-            duration_s=round(seconds, 6),
-            replaced=result.replaced,
-            metrics=manifest["metrics"],
-        )
-        self.metrics_cache[step] = retention_entry(manifest)
-        deleted = self._retain(step)
-        if self.mirror is not None:
-            self.mirror.submit(step)
-        sums = [manifest["tensors"][s.name]["xxh3_64"] for s in snap.slots]
-        reply = Committed(
-            step=step,
-            seconds=seconds,
-            bytes=result.nbytes,
-            replaced=result.replaced,
-            deleted=deleted,
-        )
+        reply = self._committed(result, time.perf_counter() - t0)
+        sums = [manifest["tensors"][s.name]["xxh3_64"] for s in request.snapshot.slots]
         return reply, sums
 
     def _persist_coordinated(
@@ -285,66 +268,53 @@ class JobRunner:
         from resumable.coordination import StoreCoordinator
 
         coordinator = StoreCoordinator.connect(where, self._stores)
-        meta = content.meta
-        data = slot.data_tensor()
-        views = {s.name: tensor_view(data, s) for s in content.slots}
-        own = owned_tensors(views, meta.replicated, coordinator.rank, coordinator.world_size)
-        snap = self._arena.snapshot(own)
+        snap = rank_share(
+            self._arena,
+            Snapshot(content.slots, slot.data_tensor()),
+            content.meta.replicated,
+            coordinator.rank,
+            coordinator.world_size,
+        )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
-        return self.persist_group(
-            coordinator,
-            snap,
-            step=content.step,
-            tree=meta.tree,
-            pieces=meta.pieces,
-            metrics=meta.metrics,
-        )
+        return self.persist_group(coordinator, _request(content, snap))
 
-    def persist_group(
-        self,
-        group: Coordination,
-        snap: Snapshot,
-        *,
-        step: int,
-        tree: Any,
-        pieces: Any,
-        metrics: Any,
-    ) -> Committed:
+    def persist_group(self, group: Coordination, request: WriteRequest) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
         0, the audit entry and retention. Not retried: a retry would need every rank."""
-        from resumable.persist import write_distributed
-
         result = write_distributed(
             group,
             self.storage,
             self.committer,
-            step=step,
-            snapshot=snap,
-            tree=tree,
-            pieces=pieces,
-            metrics=metrics,
+            request,
             check=self._check_parent,
             base=self.delta,
         )
+        return self._committed(result, result.seconds, ranks=group.world_size)
+
+    def _committed(self, result: PersistResult, seconds: float, **audit: Any) -> Committed:
+        """The reply to a commit that took ``seconds``. Where this rank holds the manifest
+        (the only rank, or rank 0), first the audit entry (``audit``: its extra fields),
+        retention, and the mirror's upload of the whole checkpoint."""
+        step, manifest = result.step, result.manifest
         deleted: list[int] = []
-        if result.manifest is not None:  # rank 0: the only one holding the manifest
+        if manifest is not None:
             self.audit.record(
                 "commit",
                 step=step,
                 bytes=result.nbytes,
-                duration_s=round(result.seconds, 6),
+                duration_s=round(seconds, 6),
                 replaced=result.replaced,
-                ranks=group.world_size,
-                metrics=result.manifest["metrics"],
+                **audit,
+                metrics=manifest["metrics"],
             )
-            self.metrics_cache[step] = retention_entry(result.manifest)
+            self.metrics_cache[step] = retention_entry(manifest)
             deleted = self._retain(step)
-            if self.mirror is not None:  # rank 0's worker uploads the whole checkpoint
+            if self.mirror is not None:
                 self.mirror.submit(step)
         return Committed(
             step=step,
-            seconds=result.seconds,
+            seconds=seconds,
             bytes=result.nbytes,
             replaced=result.replaced,
             deleted=deleted,
