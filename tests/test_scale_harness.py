@@ -82,9 +82,12 @@ def test_restore_verdicts_are_constant_per_rank(measured: dict, case: str) -> No
     # a reader; rank 0: wait for the keys, one multi_get, post the answer, count itself.
     # The last reader also removes the answer and the count. (An all-gather over gloo
     # is 2(N - 1) messages per rank: `gloo_model`.)
-    assert v4["ops_per_rank"] == v16["ops_per_rank"] == {"max": 6, "min": 4}
-    assert v4["ops_rank0"] in (4, 6) and v16["ops_rank0"] in (4, 6)
-    assert v16["ops_total"] == 4 * 16 + 2
+    # Which rank reads last depends on the scheduler: rank 0 or another.
+    for v, n in ((v4, 4), (v16, 16)):
+        assert v["ops_per_rank"]["min"] == 4 and v["ops_per_rank"]["max"] in (4, 6)
+        assert v["ops_rank0"] in (4, 6)
+        assert (v["ops_rank0"] == 6) != (v["ops_per_rank"]["max"] == 6), "one last reader"
+        assert v["ops_total"] == 4 * n + 2
     assert v4["verdicts_said"] == v16["verdicts_said"] / 4 == (4 if case != "none_fails" else 0)
     if case == "none_fails":  # the answer "[]" and the count: the same bytes at any N
         assert v4["bytes_received_per_rank"] == v16["bytes_received_per_rank"]
