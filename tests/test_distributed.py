@@ -10,8 +10,9 @@ assertions are here. A few launches are shared by the module (`runs`):
 4. ``load2`` at world 2: same-world restores, 4->2, 1->2, and the next start after the
    failed save.
 
-The hung-rank case and the torchrun restart of ``examples/distributed/train_fsdp.py``
-have launches of their own.
+The background persists and the hung-rank case share one launch (``background``, then
+``hang``); the torchrun restart of ``examples/distributed/train_fsdp.py`` has launches of
+its own.
 """
 
 from __future__ import annotations
@@ -295,10 +296,17 @@ def test_memory_tier_falls_back_together_when_a_rank_lacks_the_step(runs: Runs) 
 
 
 @pytest.fixture(scope="module")
-def hang_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    out = tmp_path_factory.mktemp("hang")
-    torchrun(2, JOB, "hang", out)
+def background_and_hang(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """One launch at world 2 for two phases: ``background``, then ``hang`` (which leaves
+    the group broken, so it comes last)."""
+    out = tmp_path_factory.mktemp("background-hang")
+    torchrun(2, JOB, "background+hang", out)
     return Runs(out)
+
+
+@pytest.fixture(scope="module")
+def hang_run(background_and_hang: Runs) -> Runs:
+    return background_and_hang
 
 
 def test_a_hung_rank_makes_the_others_fail_in_bounded_time(hang_run: Runs) -> None:
@@ -416,10 +424,8 @@ def test_fsdp2_on_one_rank_round_trips(solo_run: Runs, persist: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def background_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    out = tmp_path_factory.mktemp("background")
-    torchrun(2, JOB, "background", out)
-    return Runs(out)
+def background_run(background_and_hang: Runs) -> Runs:
+    return background_and_hang
 
 
 def assert_failed_then_recovered(runs: Runs, root: str, case: str) -> None:
