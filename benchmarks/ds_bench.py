@@ -214,6 +214,18 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def not_importable() -> str | None:
+    """None when ``import deepspeed, transformers`` works in a fresh interpreter, else the
+    tail of its error. Asked only after a launch failed: a launch that works proves it."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import deepspeed, transformers"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return None if probe.returncode == 0 else probe.stderr[-300:]
+
+
 def run_phase(
     workdir: Path,
     reps: int,
@@ -226,14 +238,6 @@ def run_phase(
     """Every stage in turn; a stage that fails is recorded with its error and the others
     still run. Raises when DeepSpeed is not installed (`run.py` records it). ``workdir``
     is removed at the end. ``tiny``: a toy model (the smoke test's), not a benchmark."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import deepspeed, transformers"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if probe.returncode != 0:
-        raise RuntimeError(f"deepspeed or transformers not importable: {probe.stderr[-300:]}")
     out: dict[str, Any] = {
         "reps": reps,
         "world_size": WORLD,
@@ -252,6 +256,9 @@ def run_phase(
                 raw["launch_wall_s"] = round(time.perf_counter() - t0, 1)
                 out["stages"][str(stage)] = summarise(raw)
             except Exception as exc:
+                why = not_importable()
+                if why is not None:
+                    raise RuntimeError(f"deepspeed or transformers not importable: {why}") from exc
                 log(f"DeepSpeed ZeRO {stage} failed: {exc!r}"[:500])
                 out["stages"][str(stage)] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:

@@ -244,6 +244,18 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def not_importable() -> str | None:
+    """None when ``import megatron.core.dist_checkpointing`` works in a fresh interpreter, else the
+    tail of its error. Asked only after a launch failed: a launch that works proves it."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import megatron.core.dist_checkpointing"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return None if probe.returncode == 0 else probe.stderr[-300:]
+
+
 def run_phase(
     workdir: Path,
     reps: int,
@@ -258,14 +270,6 @@ def run_phase(
     others still run. Raises when megatron.core is not installed (`run.py` records it).
     ``workdir`` is removed at the end. ``tiny``: a toy model (the smoke test's), not a
     benchmark."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import megatron.core.dist_checkpointing"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if probe.returncode != 0:
-        raise RuntimeError(f"megatron.core not importable: {probe.stderr[-300:]}")
     out: dict[str, Any] = {
         "reps": reps,
         "world_size": WORLD,
@@ -287,6 +291,9 @@ def run_phase(
                 raw["launch_wall_s"] = round(time.perf_counter() - t0, 1)
                 out["configs"][name] = summarise(raw)
             except Exception as exc:
+                why = not_importable()
+                if why is not None:
+                    raise RuntimeError(f"megatron.core not importable: {why}") from exc
                 log(f"Megatron-Core {name} failed: {exc!r}"[:500])
                 out["configs"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:

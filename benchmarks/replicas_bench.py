@@ -536,6 +536,7 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     d = Settings()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--per-node", type=int, default=d.per_node, help="ranks per simulated node")
     ap.add_argument("--param-mib", type=float, default=d.param_mib)
     ap.add_argument("--repeats", type=int, default=d.repeats)
     ap.add_argument("--warmup", type=int, default=d.warmup)
@@ -561,6 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.stop % args.persist_every == 0:
         ap.error("--stop must not be a multiple of --persist-every (no steps would be lost)")
     s = Settings(
+        per_node=args.per_node,
         param_mib=args.param_mib,
         warmup=args.warmup,
         steps=args.steps,

@@ -107,12 +107,14 @@ SIZES: dict[str, dict[str, Any]] = {
         "rates": (),
         "saves": 0,
         "until_caught": True,
+        "last_first": True,
     },
 }
 """``saves``: per rate and shape; ``stride``: every how many request indices a kill;
-``able``: the runs of `able_to_fail`; ``caught``: ``able``'s sweep, ended by the first
-kill after which a problem is found (`make test`'s proof that the checks catch a broken
-commit, at a fraction of the kills)."""
+``able``: the runs of `able_to_fail`; ``caught``: ``able``'s sweep from a save's last
+request back (its commit and retention deletes come last), ended by the first kill after
+which a problem is found (`make test`'s proof that the checks catch a broken commit, at
+a fraction of the kills)."""
 
 
 @dataclass(frozen=True)
@@ -525,7 +527,8 @@ def kill_sweep(
     )
     listed = checker.listed(f"{shape.name}, rep {rep}", problems)
     for mode in cfg["modes"]:
-        for i in range(0, count, cfg["stride"]):
+        indices = range(0, count, cfg["stride"])
+        for i in reversed(indices) if cfg.get("last_first") else indices:
             where = f"{shape.name}, rep {rep}, {mode} at request {i}"
             before = listed
             step = newest + 1

@@ -265,24 +265,31 @@ def dead_pid() -> int:
 # --------------------------------------------------------------------------- DeepSpeed's op
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def deepspeed_shm_op_built(tmp_path_factory: pytest.TempPathFactory) -> None:
     """DeepSpeed compiles its CPU shared-memory op (``deepspeed_shm_comm``) at a
     process's first ``deepspeed.initialize``, holding a lock file torch's JIT loader only
     waits on. A test that SIGKILLs a rank during that compile (minutes on a busy machine)
     would leave the lock behind, and every later DeepSpeed launch would wait on it until
-    its timeout. So it is built here, once per machine, before any test runs: one test
-    process builds it while the others (pytest-xdist workers) wait on an ``flock``."""
+    its timeout. So it is built here, before the first test that starts DeepSpeed: every
+    module that does lists this fixture in its ``pytestmark``. One test process builds it
+    while the others (pytest-xdist workers) wait on an ``flock``; a worker that then finds
+    it built in this run starts no interpreter of its own (importing DeepSpeed to load
+    the op takes seconds)."""
     import fcntl
     import importlib.util
     import subprocess
 
     if importlib.util.find_spec("deepspeed") is None:
         return
-    lock = tmp_path_factory.getbasetemp().parent / "deepspeed-shm-op.lock"
+    run_dir = tmp_path_factory.getbasetemp().parent  # under xdist: this run's, shared
+    lock = run_dir / "deepspeed-shm-op.lock"
+    built = run_dir / "deepspeed-shm-op.built" if os.environ.get("PYTEST_XDIST_WORKER") else None
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
+        if built is not None and built.exists():
+            return
         subprocess.run(
             [sys.executable, "-c", code],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -291,3 +298,5 @@ def deepspeed_shm_op_built(tmp_path_factory: pytest.TempPathFactory) -> None:
             timeout=1800,
             check=False,
         )
+        if built is not None:
+            built.touch()

@@ -1,6 +1,7 @@
 """Worker of `test_distributed`: one phase of checks, run on every rank by ``torchrun``.
 
 ``python -m torch.distributed.run --standalone --nproc-per-node=N tests/dist_job.py PHASE OUT``
+(``PHASE`` may be several joined by ``+``, run in turn by the same ranks; ``hang`` last)
 
 Each rank writes what it saw to ``OUT/PHASE-rank{r}.json`` (outcome of each check: the
 step restored, or the error type and message), and rank 0 writes the full gathered
@@ -749,18 +750,19 @@ PHASES = {
 
 
 def main() -> None:
-    phase, out = sys.argv[1], Path(sys.argv[2])
+    phases, out = sys.argv[1].split("+"), Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    report: dict[str, Any] = {"rank": rank(), "world": dist.get_world_size()}
-    try:
-        PHASES[phase](out, report)
-    except Exception:
-        report["crash"] = traceback.format_exc()
-    (out / f"{phase}-rank{rank()}.json").write_text(json.dumps(report, indent=1, default=str))
-    if phase == "hang":
-        # The group is broken by the timeout: leave without its teardown collectives.
-        sys.stdout.flush()
-        os._exit(0)
+    for phase in phases:
+        report: dict[str, Any] = {"rank": rank(), "world": dist.get_world_size()}
+        try:
+            PHASES[phase](out, report)
+        except Exception:
+            report["crash"] = traceback.format_exc()
+        (out / f"{phase}-rank{rank()}.json").write_text(json.dumps(report, indent=1, default=str))
+        if phase == "hang":
+            # The group is broken by the timeout: leave without its teardown collectives.
+            sys.stdout.flush()
+            os._exit(0)
     dist.destroy_process_group()
     leave()
 

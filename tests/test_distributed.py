@@ -1,6 +1,6 @@
 """Several ranks on real gloo process groups (world 1, 2 and 4, CPU), launched by torchrun.
 
-The rank-side work is in `dist_job` (one phase per launch; each rank reports what it saw
+The rank-side work is in `dist_job` (one or more phases per launch; each rank reports what it saw
 as JSON, rank 0 dumps the full gathered model and optimizer state of each case), and the
 assertions are here. A few launches are shared by the module (`runs`):
 
@@ -10,8 +10,9 @@ assertions are here. A few launches are shared by the module (`runs`):
 4. ``load2`` at world 2: same-world restores, 4->2, 1->2, and the next start after the
    failed save.
 
-The hung-rank case and the torchrun restart of ``examples/distributed/train_fsdp.py``
-have launches of their own.
+The background persists and the hung-rank case share one launch (``background``, then
+``hang``), the mirror, overlap and agreement cases another; the torchrun restart of
+``examples/distributed/train_fsdp.py`` has launches of its own.
 """
 
 from __future__ import annotations
@@ -295,10 +296,17 @@ def test_memory_tier_falls_back_together_when_a_rank_lacks_the_step(runs: Runs) 
 
 
 @pytest.fixture(scope="module")
-def hang_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    out = tmp_path_factory.mktemp("hang")
-    torchrun(2, JOB, "hang", out)
+def background_and_hang(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """One launch at world 2 for two phases: ``background``, then ``hang`` (which leaves
+    the group broken, so it comes last)."""
+    out = tmp_path_factory.mktemp("background-hang")
+    torchrun(2, JOB, "background+hang", out)
     return Runs(out)
+
+
+@pytest.fixture(scope="module")
+def hang_run(background_and_hang: Runs) -> Runs:
+    return background_and_hang
 
 
 def test_a_hung_rank_makes_the_others_fail_in_bounded_time(hang_run: Runs) -> None:
@@ -416,10 +424,8 @@ def test_fsdp2_on_one_rank_round_trips(solo_run: Runs, persist: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def background_run(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    out = tmp_path_factory.mktemp("background")
-    torchrun(2, JOB, "background", out)
-    return Runs(out)
+def background_run(background_and_hang: Runs) -> Runs:
+    return background_and_hang
 
 
 def assert_failed_then_recovered(runs: Runs, root: str, case: str) -> None:
@@ -618,20 +624,28 @@ def test_twelve_random_sigkills_of_a_two_rank_job_end_bit_identical(
 # ------------------------------------------------------------ 10. a mirror
 
 
+@pytest.fixture(scope="module")
+def background_phases(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """One launch at world 2 for the phases of sections 10 and 11, run in turn by the
+    same ranks (each with roots and marks of its own under one out folder)."""
+    out = tmp_path_factory.mktemp("phases")
+    torchrun(2, JOB, "mirror+overlap+agree_early+agree", out)
+    return Runs(out)
+
+
 def test_a_mirror_with_several_ranks_uploads_once_and_restores_an_empty_disk(
-    tmp_path: Path,
+    background_phases: Runs,
 ) -> None:
     """Two ranks persisting in the background with a mirror: rank 0's worker uploads
     each committed checkpoint once; after the local root is lost, both ranks restore
     the newest checkpoint from the mirror, bit-identically."""
-    torchrun(2, JOB, "mirror", tmp_path)
-    runs = Runs(tmp_path)
+    runs = background_phases
     for report in runs.reports("mirror", 2):
         assert report["mirror_mode"] == "process"
         assert report["mirror_steps"] == [2, 4]  # local keeps 1; the mirror keeps all
         assert restored(report, "mirror_restore") == 4
     assert_same_state(runs, "ref-mirror", "got-mirror")
-    remote = tmp_path / "remote"
+    remote = runs.out / "remote"
     assert sorted(p.name for p in remote.glob("step-*")) == [step_dir(2), step_dir(4)]
     assert json.loads((remote / step_dir(4) / "manifest.json").read_text())["world_size"] == 2
     audit = [json.loads(x) for x in (remote / "audit.jsonl").read_text().splitlines()]
@@ -639,11 +653,12 @@ def test_a_mirror_with_several_ranks_uploads_once_and_restores_an_empty_disk(
     assert uploads == [2, 4]  # each once, whichever rank
 
 
-def test_overlap_mode_with_several_ranks_snapshots_the_right_step(tmp_path: Path) -> None:
+def test_overlap_mode_with_several_ranks_snapshots_the_right_step(
+    background_phases: Runs,
+) -> None:
     """FSDP2 at 2 ranks with overlap=True: the parameters and moments of step 5 are
     copied while step 6 trains, and the checkpoint of step 5 holds step 5's state."""
-    torchrun(2, JOB, "overlap", tmp_path)
-    runs = Runs(tmp_path)
+    runs = background_phases
     for report in runs.reports("overlap", 2):
         # parameters and moments (all but the step counts) were copied in the background
         assert report["overlapped"] >= report["state_bytes"] > 0
@@ -654,12 +669,13 @@ def test_overlap_mode_with_several_ranks_snapshots_the_right_step(tmp_path: Path
 # ------------------------------------------------------------ 11. agreed without a collective
 
 
-def test_a_save_asks_whether_to_persist_before_its_snapshot_copy(tmp_path: Path) -> None:
+def test_a_save_asks_whether_to_persist_before_its_snapshot_copy(
+    background_phases: Runs,
+) -> None:
     """Rank 0, its worker busy, is held inside its snapshot of step 7 until rank 1's
     save of step 7 returned: rank 1, free, still gets rank 0's "busy" (both skip),
     since rank 0 asked before copying. Step 8 then commits on both."""
-    torchrun(2, JOB, "agree_early", tmp_path)
-    for report in Runs(tmp_path).reports("agree_early", 2):
+    for report in background_phases.reports("agree_early", 2):
         assert restored(report, "save6") is True
         assert restored(report, "save7") is False, report["save7"]
         assert "value" in report["wait7"], report["wait7"]
@@ -668,7 +684,7 @@ def test_a_save_asks_whether_to_persist_before_its_snapshot_copy(tmp_path: Path)
         assert report["skips"] == 1
 
 
-def test_background_persists_are_agreed_without_a_collective(tmp_path: Path) -> None:
+def test_background_persists_are_agreed_without_a_collective(background_phases: Runs) -> None:
     """Two ranks persisting in the background: a save never waits for the other rank's
     save (rank 1 saves step 1 only once rank 0's save returned) and calls no
     collective; the first rank to reach a due persist decides for both. Rank 1, free,
@@ -677,8 +693,7 @@ def test_background_persists_are_agreed_without_a_collective(tmp_path: Path) -> 
     Then, with another checkpointer: rank 0's worker never finishes step 12, rank 1
     decides step 13: rank 0 waits up to the timeout, forgoes its part of step 13 and
     raises; rank 1 learns it from rank 0's report; step 14 commits on both."""
-    torchrun(2, JOB, "agree", tmp_path)
-    r0, r1 = Runs(tmp_path).reports("agree", 2)
+    r0, r1 = background_phases.reports("agree", 2)
     assert r0["pending3"] == 1 and r0["pending5"] == 1  # rank 0's worker was busy
     for report in (r0, r1):
         assert [restored(report, f"save{step}") for step in range(1, 6)] == [

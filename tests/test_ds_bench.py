@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("deepspeed_shm_op_built")
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 

@@ -73,8 +73,15 @@ def run_and_kill(cmd: list[str], rng: random.Random) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    line = run_to_end(demo_cmd(tmp_path_factory.mktemp("reference"), workers=0))
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of an uninterrupted run (`reference`), run to its end."""
+    return tmp_path_factory.mktemp("reference")
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir: Path) -> str:
+    """The last line of an uninterrupted run."""
+    line = run_to_end(demo_cmd(reference_dir, workers=0))
     assert line.startswith(f"final step={STEPS} loss=")
     return line
 
@@ -116,7 +123,6 @@ def test_sigkill_with_loader_workers(reference: str, tmp_path: Path) -> None:
     assert run_to_end(cmd) == reference
 
 
-def test_rerun_after_finish_prints_same_line(reference: str, tmp_path: Path) -> None:
-    cmd = demo_cmd(tmp_path / "twice", workers=0)
-    assert run_to_end(cmd) == reference
-    assert run_to_end(cmd) == reference
+def test_rerun_after_finish_prints_same_line(reference: str, reference_dir: Path) -> None:
+    """The reference's own command, run again in its finished directory."""
+    assert run_to_end(demo_cmd(reference_dir, workers=0)) == reference

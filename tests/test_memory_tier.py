@@ -311,12 +311,21 @@ def test_a_flipped_byte_of_a_large_snapshot_is_found_on_the_copy_threads(
     assert all(torch.equal(state[k], v) for k, v in saved.items())
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_final(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The trainer's final parameter sum, run to the end without a kill (``persist="sync"``;
+    the persist mode does not change training, so one reference serves every mode)."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    (base / "shm").mkdir()
+    ref = run_trainer(base / "ck", base / "shm", stop_at=0, mode="sync")
+    assert ref.returncode == 0, ref.stderr
+    return str(ref.stdout.strip().splitlines()[-1].split()[2])
+
+
 @pytest.mark.parametrize("mode", ["process", "sync"])
 def test_kill9_resumes_from_shared_memory_and_persists_it(
-    tmp_path: Path, shm_dir: Path, mode: str
+    tmp_path: Path, shm_dir: Path, mode: str, uninterrupted_final: str
 ) -> None:
-    ref = run_trainer(tmp_path / "ref", shm_dir, stop_at=0, mode=mode)
-    assert ref.returncode == 0, ref.stderr
     root = tmp_path / "ck"
     killed = run_trainer(root, shm_dir, stop_at=17, mode=mode)
     assert killed.returncode == -signal.SIGKILL
@@ -325,7 +334,7 @@ def test_kill9_resumes_from_shared_memory_and_persists_it(
     assert resumed.returncode == 0, resumed.stderr
     final = resumed.stdout.strip().splitlines()[-1].split()
     assert final[1] == "17", "must resume from the shared-memory snapshot of step 17"
-    assert final[2] == ref.stdout.strip().splitlines()[-1].split()[2], "not bit-identical"
+    assert final[2] == uninterrupted_final, "not bit-identical"
     events = audit(root)
     assert any(
         e["event"] == "restore" and e.get("tier") == "memory" and e["step"] == 17 for e in events

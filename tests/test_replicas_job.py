@@ -133,6 +133,37 @@ def setup(tmp_path: Path, nodes: int) -> tuple[Path, list[Path], Path]:
     return root, shm, out
 
 
+class StoppedRuns:
+    """Jobs trained to `STOP` and killed (`run_until_stopped`), each launched once per
+    module and handed to every test that starts from it as a fresh copy, at the paths
+    it was made at: the memory's snapshots name their root by its path."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.made: set[tuple[int, int, str]] = set()
+
+    def fresh(
+        self, nodes: int, per_node: int, parallel: str = "ddp"
+    ) -> tuple[Path, list[Path], Path]:
+        name = f"{nodes}x{per_node}-{parallel}"
+        work, template = self.base / name, self.base / f"{name}.stopped"
+        if (nodes, per_node, parallel) not in self.made:
+            work.mkdir()
+            root, shm, out = setup(work, nodes)
+            run_until_stopped(nodes, per_node, root, shm, out, parallel)
+            shutil.copytree(work, template, symlinks=True)
+            self.made.add((nodes, per_node, parallel))
+        else:
+            shutil.rmtree(work)
+            shutil.copytree(template, work, symlinks=True)
+        return work / "ck", [work / f"shm{k}" for k in range(nodes)], work / "out"
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory: pytest.TempPathFactory) -> StoppedRuns:
+    return StoppedRuns(tmp_path_factory.mktemp("stopped"))
+
+
 def restored(out: Path, world: int) -> list[int]:
     return [json.loads((out / f"restored-r{r}.json").read_text())["step"] for r in range(world)]
 
@@ -141,12 +172,11 @@ def restored(out: Path, world: int) -> list[int]:
     ("nodes", "per_node", "parallel"), [(2, 2, "ddp"), (3, 1, "ddp"), (2, 2, "fsdp")]
 )
 def test_a_replaced_node_resumes_from_peers_with_no_step_lost(
-    tmp_path: Path, nodes: int, per_node: int, parallel: str
+    tmp_path: Path, stopped_runs: StoppedRuns, nodes: int, per_node: int, parallel: str
 ) -> None:
     world = nodes * per_node
     want = reference(tmp_path, nodes, per_node, parallel)
-    root, shm, out = setup(tmp_path, nodes)
-    run_until_stopped(nodes, per_node, root, shm, out, parallel)
+    root, shm, out = stopped_runs.fresh(nodes, per_node, parallel)
     shutil.rmtree(shm[1])  # node 1 is replaced: its memory is gone
     shm[1].mkdir()
     output = finish(launch(nodes, per_node, free_port(), root, shm, out, 0, parallel))
@@ -170,13 +200,12 @@ def test_a_replaced_node_resumes_from_peers_with_no_step_lost(
 
 
 def test_a_node_lost_with_its_replica_holder_falls_back_to_storage_and_says_so(
-    tmp_path: Path,
+    stopped_runs: StoppedRuns,
 ) -> None:
     """Three nodes, one rank each: node 1's replica lives on node 2. Both are lost: rank
     1's step 8 is nowhere, and the job resumes from the committed step 5, saying why
     and what it cost."""
-    root, shm, out = setup(tmp_path, 3)
-    run_until_stopped(3, 1, root, shm, out)
+    root, shm, out = stopped_runs.fresh(3, 1)
     for k in (1, 2):
         shutil.rmtree(shm[k])
         shm[k].mkdir()

@@ -36,6 +36,8 @@ from resumable.integrations.deepspeed import (
     to_tree,
 )
 
+pytestmark = pytest.mark.usefixtures("deepspeed_shm_op_built")
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "deepspeed_gpt2.py"
 TIMEOUT_S = 300.0

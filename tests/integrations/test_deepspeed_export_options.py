@@ -21,6 +21,8 @@ from resumable import Checkpointer
 from resumable.errors import CheckpointError, NoCheckpointError
 from resumable.integrations.deepspeed import TAG_KEY, export_deepspeed
 
+pytestmark = pytest.mark.usefixtures("deepspeed_shm_op_built")
+
 
 class StandIn:
     """What `DeepSpeedState` saves, from a fixed tree (no engine)."""

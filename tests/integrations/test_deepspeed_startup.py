@@ -21,6 +21,8 @@ pytest.importorskip("deepspeed")
 
 from launch import run, torchrun_cmd
 
+pytestmark = pytest.mark.usefixtures("deepspeed_shm_op_built")
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deepspeed.md"
 EXAMPLE = ROOT / "examples" / "integrations" / "deepspeed_gpt2.py"

@@ -203,3 +203,17 @@ def test_sigterm_takes_an_emergency_checkpoint_and_loses_no_step(
     committed = checkpoint_steps(tmp_path)
     assert len(committed) == 1 and committed[0] >= 7  # nothing else was due before step 30
     assert run_to_end(cmd) == example_reference
+
+
+def test_sigterm_without_a_preemption_argument_checkpoints_and_resumes(
+    tmp_path: Path, example_reference: str
+) -> None:
+    """The example without ``--preempt``, as a user switching from the plain Trainer
+    runs it, nothing else edited: SIGTERM still takes the emergency checkpoint and the
+    relaunch loses nothing (from `test_transformers_switch`)."""
+    cmd = example(tmp_path / "run", "--save-steps", "100")
+    rc = run_until(cmd, 7, signal.SIGTERM)
+    assert rc == resumable.REQUEUE_EXIT_CODE  # the plain Trainer dies with -SIGTERM
+    saved = checkpoint_steps(tmp_path / "run")
+    assert len(saved) == 1 and saved[0] >= 7  # the emergency checkpoint, no other was due
+    assert run_to_end(cmd) == example_reference  # resumed at that step, lost nothing

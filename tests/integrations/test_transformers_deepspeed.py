@@ -20,6 +20,8 @@ from launch import kill_session, start, torchrun_cmd
 
 from .jobs import Job, steps_in
 
+pytestmark = pytest.mark.usefixtures("deepspeed_shm_op_built")
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "integrations" / "transformers_gpt2.py"
 STEPS = 20

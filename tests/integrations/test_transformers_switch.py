@@ -1,15 +1,15 @@
 """Switching a script from the plain ``Trainer`` to `ResumableTrainer` with the one change
 the docs give: the plain Trainer's ``checkpoint-N`` directories in ``output_dir`` are
 imported the first time, never trained over in silence; ``--resume_from_checkpoint`` is
-refused with a message that says to drop the flag; SIGTERM needs no second edit. Both
-trainers are real (a one-layer GPT-2 built from a config, ``hf_job``; the example script
-for the signal).
+refused with a message that says to drop the flag. Both trainers are real (a one-layer
+GPT-2 built from a config, ``hf_job``). That SIGTERM needs no second edit is checked in
+`test_transformers` (``test_sigterm_without_a_preemption_argument_checkpoints_and_resumes``),
+beside the example's other signal tests and their shared uninterrupted run.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,9 @@ import pytest
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-import resumable
 from resumable.errors import CheckpointError
 
 from .hf_job import digest, make_trainer
-from .jobs import ROOT, Job, steps_in
 
 
 class Crash(TrainerCallback):
@@ -121,18 +119,3 @@ def test_a_given_checkpoint_is_refused_naming_the_command_line_flag(tmp_path: Pa
 def test_preemption_is_validated() -> None:
     with pytest.raises(ValueError, match="preemption must be"):
         make_trainer(Path("unused"), steps=2, preemption="sigterm")
-
-
-# The example without --preempt: the script as a user switches it, nothing else edited.
-JOB = Job(ROOT / "examples" / "integrations" / "transformers_gpt2.py", "--steps", "30")
-
-
-def test_sigterm_without_a_preemption_argument_checkpoints_and_resumes(tmp_path: Path) -> None:
-    reference = JOB.run_to_end(JOB.command(tmp_path / "reference"))
-    assert reference.startswith("final step=30 params_sha256=")
-    cmd = JOB.command(tmp_path / "run", "--save-steps", "100")
-    rc = JOB.run_until(cmd, 7, signal.SIGTERM)
-    assert rc == resumable.REQUEUE_EXIT_CODE  # the plain Trainer dies with -SIGTERM
-    saved = steps_in(tmp_path / "run" / "resumable")
-    assert len(saved) == 1 and saved[0] >= 7  # the emergency checkpoint, no other was due
-    assert JOB.run_to_end(cmd) == reference  # resumed at that step, lost nothing
