@@ -71,8 +71,9 @@ class Persister:
     the newest committed step), the mirror's reports, and raising failures.
 
     Call order (the facade's, on the training thread): `start` once, `persist` any
-    number of times, `collect` at every call of the facade, `wait` and `flush_mirror`
-    when asked, `close` once, after `wait`."""
+    number of times (`wait_for_turn` before one that would queue too deep), `collect`
+    at every call of the facade, `wait` and `flush_mirror` when asked, `close` once,
+    after `wait`."""
 
     def __init__(
         self,
