@@ -18,7 +18,7 @@ from resumable.options import MemoryOptions
 from resumable.replicas.peers import own_snapshot, rate_from_env, tensor_ranges
 from resumable.replicas.store import ReplicaStore, plan_pieces, remove_dead_stores
 from resumable.replicas.transport import ReplicaClient, ReplicaServer
-from resumable.snapshot import ShmArena
+from resumable.snapshot import CopyPlan, ShmArena
 from state_checks import shm_dir
 
 __all__ = ["shm_dir"]  # a fixture
@@ -160,21 +160,33 @@ def test_a_peer_is_sent_only_the_pieces_its_own_snapshot_lacks(shm_dir: Path) ->
         receiver.close(unlink=True)
 
 
+def _slot_meta(tensors: dict[str, torch.Tensor], replicated: tuple[str, ...]) -> bytes:
+    """A slot's metadata as the arena writes it: the copy plan's layout, then the rest."""
+    return CopyPlan(tensors).meta_head + SlotMeta(tree={}, replicated=replicated).encode(1)[1:]
+
+
 def test_tensor_ranges_keep_per_rank_tensors_out_of_replicated_pieces() -> None:
-    layout = [
-        {"name": n, "begin": b, "end": e}
-        for n, b, e in [("a", 0, 100), ("b", 128, 200), ("rng", 256, 300), ("c", 320, 400)]
-    ]
-    meta = json.dumps({"layout": layout, "replicated": ["a", "b", "c"]}).encode()
-    assert tensor_ranges(meta, 400) == [(0, 256), (256, 64), (320, 80)]
+    tensors = {
+        "a": torch.zeros(25),
+        "b": torch.zeros(18),
+        "rng": torch.zeros(44, dtype=torch.uint8),
+        "c": torch.zeros(20),
+    }
+    n = CopyPlan(tensors).nbytes
+    meta = _slot_meta(tensors, ("a", "b", "c"))
+    begins = {t["name"]: t["begin"] for t in json.loads(meta)["layout"]}
+    got = tensor_ranges(meta, n)
+    # The replicated tensors (small) merge; rng, this rank's own, is a piece alone.
+    assert got is not None and sum(length for _, length in got) == n
+    assert (begins["rng"], 44) in got  # pieces cover the data once: none overlaps it
     # a tensor larger than a chunk is split into chunks, not merged with its neighbours
-    big = [{"name": "a", "begin": 0, "end": 300_000}, {"name": "b", "begin": 300_032, "end": 1}]
-    meta = json.dumps({"layout": big, "replicated": ["a", "b"]}).encode()
-    assert tensor_ranges(meta, 300_100, chunk=100_000) == [
+    big = {"a": torch.zeros(75_000), "b": torch.zeros(1)}
+    n = CopyPlan(big).nbytes
+    assert tensor_ranges(_slot_meta(big, ("a", "b")), n, chunk=100_000) == [
         (0, 100_000),
         (100_000, 100_000),
         (200_000, 100_000),
-        (300_000, 100),
+        (300_000, n - 300_000),
     ]
     assert tensor_ranges(b"not json", 10) is None
 
