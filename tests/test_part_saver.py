@@ -6,14 +6,11 @@ durable only when it is newer than the last commit."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from resumable.audit import AuditLog, ProgressNotes, read_audit
@@ -30,14 +27,9 @@ from resumable.pipeline.schedule import Schedule
 from resumable.policy import Every
 from resumable.storage import LocalStorage, Storage
 from resumable.storage.base import ForwardingStorage
+from state_checks import shm_dir
 
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    d = Path("/dev/shm") / f"resumable-part-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+__all__ = ["shm_dir"]  # a fixture
 
 
 class Gate(ForwardingStorage):

@@ -5,10 +5,7 @@ memory has no slot left for the snapshots taken meanwhile."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +18,11 @@ from resumable._shm_meta import SlotMeta
 from resumable.errors import StorageError
 from resumable.snapshot import ShmArena
 from resumable.storage.memory import MemoryStorage
+from state_checks import shm_dir
+
+__all__ = ["shm_dir"]  # a fixture
 
 GATE_S = 60.0  # the gate opens by itself after this: a wrong wait fails, never hangs
-
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    d = Path("/dev/shm") / f"resumable-test-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d)
 
 
 class Gated(MemoryStorage):
