@@ -55,7 +55,7 @@ from resumable._shm import (
     slot_paths,
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
-from resumable.format import TensorSlot, byte_view, checksum, plan_layout
+from resumable.format import TensorSlot, byte_view, checksum, dtype_from_name, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Snapshot:
 
 
 def tensor_view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
-    return buf[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
+    return buf[slot.begin : slot.end].view(dtype_from_name(slot.dtype)).view(slot.shape)
 
 
 class CopyPlan:
