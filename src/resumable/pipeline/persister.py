@@ -388,6 +388,7 @@ class BackgroundPersister(Persister):
                 incremental=self.incremental,
                 mirror_storage=self.mirror if thread else None,
                 fence=self.fence,
+                world_size=self.group.world_size,
             )
         return self._worker
 
