@@ -25,7 +25,8 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
   `resumable.retention.apply_retention` with ``Keep(last=1)`` deletes the first: storage
   calls by name, S3 requests by operation, objects deleted;
 - **restore planning**: what a rank does before it reads its tensors
-  (`CheckpointReader.manifest`, and ``check_files`` of the files holding its tensors,
+  (`CheckpointReader.only_rank`, then `CheckpointReader.manifest`: the top manifest and
+  the parts that rank needs; and ``check_files`` of the files holding its tensors,
   which `CheckpointReader.tensors` runs), timed and its storage calls counted on a few
   ranks;
 - **manifest**: the manifest of N ranks with ``--manifest-tensors`` (500) tensors each,
@@ -473,9 +474,10 @@ def restore_plan(
         counting = CountingStorage(storage)
         t0 = time.perf_counter()
         reader = CheckpointReader(counting, step)
+        reader.only_rank(r)  # what a restore at the same world size does (parts of r)
         m = reader.manifest
         trees = [t["tree"] for t in m["ranks"]]
-        assert len(trees) == n
+        assert len(trees) == n and trees[r] is not None
         reader.check_files(name for _, name in iter_tensor_refs(trees[r]))
         times.append(time.perf_counter() - t0)
         calls.append(sum(counting.calls.values()))
@@ -506,7 +508,8 @@ def manifest(n: int, tensors: int) -> dict[str, Any]:
         result = write_distributed(coord, storage, committer_for(storage), request)
     finally:
         ranks.close()
-    one = result.manifest
+    assert result.manifest is not None
+    one = CheckpointReader(storage, 1).manifest  # its part merged (format version 4)
     (fname,) = one["files"]
     entries = list(one["tensors"].items())
     tree_text = json.dumps(one["ranks"][0]["tree"])
