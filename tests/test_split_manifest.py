@@ -181,8 +181,11 @@ def test_round_trip_reads_only_the_parts_a_rank_needs(tmp_path: Path, world: int
 
 def test_a_checkpoint_restores_into_one_process(tmp_path: Path) -> None:
     _save(tmp_path, 1, 3)
-    state = {"model": torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3),
-                                          torch.nn.Linear(3, 2))}
+    state = {
+        "model": torch.nn.Sequential(
+            torch.nn.Linear(8, 6), torch.nn.Linear(6, 3), torch.nn.Linear(3, 2)
+        )
+    }
     with resumable.Checkpointer(tmp_path, state, keep=None) as ckpt:
         assert ckpt.restore(reset_per_rank_state=True) == 1
     for k, v in _model(1).state_dict().items():
@@ -227,7 +230,7 @@ def test_hostile_part_names_are_refused(tmp_path: Path, name: str) -> None:
     files = list(m["files"])
     m["parts"][0]["file"] = files[0] if name == "rank-00000.safetensors" else name
     _write_top(tmp_path, 1, m)
-    with pytest.raises(CorruptCheckpointError, match="refusing path|named twice|invalid path"):
+    with pytest.raises(CorruptCheckpointError, match=r"refusing path|named twice|invalid path"):
         CheckpointReader(open_storage(str(tmp_path)), 1).top  # noqa: B018
 
 
@@ -310,7 +313,7 @@ def test_retention_size_check_covers_the_parts(tmp_path: Path) -> None:
     CheckpointReader(storage, 1).check_sizes()
     path = _part_path(tmp_path, 1, 0)
     path.write_bytes(path.read_bytes()[:-1])
-    with pytest.raises(CorruptCheckpointError, match="part-00000.json has"):
+    with pytest.raises(CorruptCheckpointError, match=r"part-00000\.json has"):
         CheckpointReader(storage, 1).check_sizes()
 
 
@@ -340,12 +343,30 @@ def test_a_restore_falls_back_when_a_part_is_damaged(
     _save(tmp_path, 1, 2)
     _save(tmp_path, 2, 2)
     _flip(_part_path(tmp_path, 2, 0))
-    state = {"model": torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3),
-                                          torch.nn.Linear(3, 2))}
-    with caplog.at_level(logging.WARNING), resumable.Checkpointer(
-        tmp_path, state, keep=None
-    ) as ckpt:
+    state = {
+        "model": torch.nn.Sequential(
+            torch.nn.Linear(8, 6), torch.nn.Linear(6, 3), torch.nn.Linear(3, 2)
+        )
+    }
+    with (
+        caplog.at_level(logging.WARNING),
+        resumable.Checkpointer(tmp_path, state, keep=None) as ckpt,
+    ):
         assert ckpt.restore(reset_per_rank_state=True) == 2 - 1
     assert "checksum mismatch" in caplog.text
     for k, v in _model(1).state_dict().items():
         assert torch.equal(state["model"].state_dict()[k], v)
+
+
+def test_a_mirror_copy_of_a_split_checkpoint_is_one_manifest(tmp_path: Path) -> None:
+    from resumable.pipeline.mirror import upload_checkpoint
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    _save(local, 1, 3)
+    src, dst = open_storage(str(local)), open_storage(str(remote))
+    assert upload_checkpoint(src, dst, 1) > 0
+    copy = CheckpointReader(dst, 1)
+    assert copy.top["format_version"] == 1 and "parts" not in copy.top
+    assert copy.verify() == CheckpointReader(src, 1).verify()
+    assert not list((remote / step_dir(1)).glob("part-*"))
+    assert upload_checkpoint(src, dst, 1) == 0  # the same content: nothing to do

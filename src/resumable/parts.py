@@ -24,11 +24,11 @@ import numpy as np
 from resumable.errors import CorruptCheckpointError
 from resumable.format import (
     CHECKSUM,
+    FORMAT_NAME,
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
-    check_body,
     SPLIT_VERSION,
-    FORMAT_NAME,
+    check_body,
     check_relpath,
     checksum,
     json_metrics,
@@ -229,6 +229,20 @@ def merge(
     m["partial"] = not complete
     check_body(m, top["format_version"], where, arrays, complete=complete)
     return m
+
+
+def flatten(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A merged manifest of every part (`merge`) as one manifest of version 1, or 3
+    where an entry has extents: what a copy elsewhere commits (`pipeline.mirror`),
+    without its digest (the caller signs what it changed)."""
+    out = {k: v for k, v in m.items() if k not in ("parts", "partial", "digest")}
+    if out.get("format_version") != SPLIT_VERSION:
+        return out
+    extents = any("extents" in t for t in out["tensors"].values())
+    out["format_version"] = 3 if extents else 1
+    if not extents:
+        out.pop("refs", None)
+    return out
 
 
 def _own_files(info: Any) -> Iterator[tuple[None, Any]]:
