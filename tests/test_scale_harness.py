@@ -133,6 +133,7 @@ def test_retention_and_restore_ran(measured: dict) -> None:
         assert row["retention_local"]["steps_deleted"] == [1]
         assert row["restore_local"]["per_rank_s"] > 0
         assert row["manifest"]["tensors"] == 20 * n
+        assert row["manifest"]["restore_decode_s"] > 0 and row["manifest"]["decode_s"] > 0
         assert row["gloo_model"]["messages_per_rank"] == 2 * (n - 1)
 
 
