@@ -23,8 +23,9 @@ class GlobalLoader:
     """Builds the value of each global tensor for this rank from the pieces of a
     checkpoint, shaped like the live target (see module doc).
 
-    Where the reader holds a split manifest in part (`CheckpointReader.only_rank`) and
-    the pieces found do not fill a target, it reads every part and plans again.
+    Where the reader holds a split manifest in part
+    (`resumable.reader.CheckpointReader.only_rank`) and the pieces found do not fill a
+    target, it reads every part and plans again.
 
     Call order: `prepare` for the tensors to restore (optional: `value` and `assemble`
     prepare what they need), then `value` or `assemble` per tensor.
