@@ -370,3 +370,30 @@ def test_a_mirror_copy_of_a_split_checkpoint_is_one_manifest(tmp_path: Path) -> 
     assert copy.verify() == CheckpointReader(src, 1).verify()
     assert not list((remote / step_dir(1)).glob("part-*"))
     assert upload_checkpoint(src, dst, 1) == 0  # the same content: nothing to do
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v4-ranks"
+
+
+@pytest.mark.parametrize("rank", [None, 0, 1])
+def test_the_golden_split_checkpoint_reads(tmp_path: Path, rank: int | None) -> None:
+    """``tests/golden/v4-ranks/`` (made once by ``tests/golden/make_split.py``): two
+    ranks' checkpoint of format version 4, read whole and as each rank restoring."""
+    import shutil
+
+    expected = json.loads((GOLDEN / "expected.json").read_text())
+    root = tmp_path / "golden"
+    shutil.copytree(GOLDEN, root)
+    reader = CheckpointReader(open_storage(str(root)), expected["step"])
+    assert reader.top["format_version"] == 4
+    if rank is None:
+        assert reader.verify() > 0
+    else:
+        reader.only_rank(rank)
+    loader = GlobalLoader(reader, {})
+    for k, v in expected["model"].items():
+        assert loader.value(f"model/{k}").tolist() == v
+    ranks = range(expected["world_size"]) if rank is None else [rank]
+    for r in ranks:
+        (got,) = reader.tensors([f"rank{r}/extra/mine"]).values()
+        assert got.tolist() == expected["mine"][r]
