@@ -117,10 +117,11 @@ def measured_s3(tmp_path_factory: pytest.TempPathFactory, seaweedfs: Any) -> dic
 def test_retention_requests_on_s3_do_not_grow_with_n(measured_s3: dict) -> None:
     r4, r16 = _row(measured_s3, 4)["retention_s3"], _row(measured_s3, 16)["retention_s3"]
     assert r4["steps_deleted"] == r16["steps_deleted"] == [1]
-    # Every object of the doomed checkpoint goes (N data files, its manifest and its
-    # commit marker, batched in DeleteObjects), yet the requests are the same at any N
-    # below 1,000 files: one ListObjectsV2 page checks the new checkpoint's files.
-    assert r16["objects_deleted"] - r4["objects_deleted"] == 12
+    # Every object of the doomed checkpoint goes (N data files, N parts of its split
+    # manifest, its top manifest and its commit marker, batched in DeleteObjects), yet
+    # the requests are the same at any N below 1,000 files: one ListObjectsV2 page
+    # checks the new checkpoint's files.
+    assert r16["objects_deleted"] - r4["objects_deleted"] == 2 * 12
     assert r4["requests"] == r16["requests"]
     assert r16["requests"]["GetObject"] == 3  # manifests only: no data file's header
     # A HeadObject and two GetObjects per data file made it 32 at N=4, 68 at N=16.
