@@ -18,8 +18,8 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
   every rank failing: store operations and bytes per rank;
 - **commit**: `resumable.pipeline.write.write_distributed` through `StoreCoordinator` on every
   rank (the persist workers' path): rank 0 opens the attempt, every rank writes its own
-  data file (``--commit-tensors`` one-element tensors) and reports, rank 0 builds the
-  manifest and commits, every rank reads the outcome. Against ``memory://`` (coordination
+  data file (``--commit-tensors`` one-element tensors) and its part of the manifest and
+  reports, rank 0 builds the top manifest and commits, every rank reads the outcome. Against ``memory://`` (coordination
   and manifest only), a local root, and SeaweedFS (``s3://``, as the tests start it);
 - **retention** (local root and ``s3://``): a second save, then
   `resumable.retention.apply_retention` with ``Keep(last=1)`` deletes the first: storage
@@ -29,9 +29,11 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
   the parts that rank needs; and ``check_files`` of the files holding its tensors,
   which `CheckpointReader.tensors` runs), timed and its storage calls counted on a few
   ranks;
-- **manifest**: the manifest of N ranks with ``--manifest-tensors`` (500) tensors each,
-  entries as `write_distributed` makes them: bytes, encode and decode (validation
-  included) times.
+- **manifest**: the split manifest (format version 4) of N ranks with
+  ``--manifest-tensors`` (500) tensors each, one rank's part made by `write_distributed`
+  and copied for every rank: the top's bytes and encode time; the decode of the top and
+  one part (what a rank restoring at the same world size decodes), at every N; every
+  part decoded and merged (a reshard, ``verify``), up to ``--manifest-max-n``.
 
 Not simulated: the gloo side group (`resumable.group.Group`; the sync persist path, the
 restore's verdicts without a coordination store and the memory tier's offers use
