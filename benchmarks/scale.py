@@ -19,8 +19,9 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
 - **commit**: `resumable.pipeline.write.write_distributed` through `StoreCoordinator` on every
   rank (the persist workers' path): rank 0 opens the attempt, every rank writes its own
   data file (``--commit-tensors`` one-element tensors) and its part of the manifest and
-  reports, rank 0 builds the top manifest and commits, every rank reads the outcome. Against ``memory://`` (coordination
-  and manifest only), a local root, and SeaweedFS (``s3://``, as the tests start it);
+  reports, rank 0 builds the top manifest and commits, every rank reads the outcome.
+  Against ``memory://`` (coordination and manifest only), a local root, and SeaweedFS
+  (``s3://``, as the tests start it);
 - **retention** (local root and ``s3://``): a second save, then
   `resumable.retention.apply_retention` with ``Keep(last=1)`` deletes the first: storage
   calls by name, S3 requests by operation, objects deleted;
@@ -71,7 +72,7 @@ from resumable.audit import AuditLog
 from resumable.capture import iter_tensor_refs
 from resumable.commit import committer_for, list_committed, step_dir
 from resumable.coordination import Agreement, CoordinationStore, StoreCoordinator
-from resumable.format import decode_manifest, encode_manifest, plan_layout
+from resumable.format import decode_manifest, plan_layout
 from resumable.parts import build_top, check_parts, decode_part, merge, part_entry
 from resumable.pipeline.write import WriteRequest, write_distributed
 from resumable.policy import Keep
@@ -531,8 +532,7 @@ def manifest(n: int, tensors: int, *, merged: bool = True) -> dict[str, Any]:
         blobs[r] = blob
         parts.append(part_entry(r, rp, blob))
     t0 = time.perf_counter()
-    top = build_top(step=1, metrics={}, files=files, parts=parts, refs=[], world_size=n)
-    blob = encode_manifest(top)
+    _, blob = build_top(step=1, metrics={}, files=files, parts=parts, refs=[], world_size=n)
     encode_s = time.perf_counter() - t0
     out: dict[str, Any] = {
         "top_bytes": len(blob),

@@ -32,7 +32,6 @@ from resumable.format import (
     check_relpath,
     checksum,
     json_metrics,
-    manifest_digest,
     no_gc,
     versions,
 )
@@ -83,10 +82,13 @@ def build_top(
     parts: list[Mapping[str, Any]],
     refs: list[int],
     world_size: int,
-) -> dict[str, Any]:
-    """The top manifest of a split checkpoint: the header fields of a version 1
-    manifest, the data ``files``, the ``parts`` (`part_entry`, in rank order) and the
-    steps any part refers to, with its digest."""
+) -> tuple[dict[str, Any], bytes]:
+    """The top manifest of a split checkpoint and its bytes: the header fields of a
+    version 1 manifest, the data ``files``, the ``parts`` (`part_entry`, in rank order)
+    and the steps any part refers to. Encoded once, in the digest's form (keys sorted,
+    no whitespace), the digest appended as the last member: the bytes without it are
+    those the digest covers (`format.manifest_digest`), which a reader checks by hashing
+    them. Rank 0 builds it while every rank waits: one JSON encoding, not two."""
     m: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": SPLIT_VERSION,
@@ -100,8 +102,9 @@ def build_top(
         "parts": [dict(p) for p in parts],
         "refs": sorted(set(refs)),
     }
-    m["digest"] = manifest_digest(m)
-    return m
+    body = json.dumps(m, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    m["digest"] = checksum(body)
+    return m, body[:-1] + b',"digest":' + json.dumps(m["digest"]).encode() + b"}"
 
 
 def check_parts(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:

@@ -668,7 +668,7 @@ def write_distributed(
             errors.append(f"the ranks saved different steps {steps}")
         if not errors:
             try:
-                manifest = build_top(
+                manifest, blob = build_top(
                     step=step,
                     metrics=request.metrics,
                     files={
@@ -678,7 +678,6 @@ def write_distributed(
                     refs=[k for r in reports for k in r["refs"]],
                     world_size=group.world_size,
                 )
-                blob = encode_manifest(manifest)
                 if check is not None:
                     check()
                 replaced = committer.commit(attempt, blob)
