@@ -14,12 +14,17 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from resumable._lazy import torch_module
 from resumable.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = torch_module()
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 import xxhash
 
+from resumable._lazy import torch_module
 from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, NewerFormatError
 from resumable.format import (
@@ -43,6 +43,11 @@ from resumable.format import (
 )
 from resumable.parts import check_parts, covered, decode_part, holders_of, merge
 from resumable.storage.base import Storage
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = torch_module()
 
 
 class CheckpointReader:

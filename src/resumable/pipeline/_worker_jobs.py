@@ -88,6 +88,12 @@ def keep_from_json(d: dict[str, Any] | None) -> Keep | None:
     return Keep(last=d.get("last"), best=best, every_steps=d.get("every_steps"))
 
 
+def _bytes_of(slot: ShmSlot, content: SlotContent) -> Snapshot:
+    """The snapshot of ``content`` as the bytes of its slot, without a copy (and without
+    torch: `resumable._lazy`)."""
+    return Snapshot(content.slots, slot.data_view(content.slots[-1].end if content.slots else 0))
+
+
 def _request(content: SlotContent, snapshot: Snapshot) -> WriteRequest:
     """What to write of a slot's ``content``: ``snapshot`` (its tensors, or this rank's
     share of them) with the slot's step, tree, metrics and pieces."""
@@ -223,9 +229,7 @@ class JobRunner:
             )
         if job.group:
             return self._persist_coordinated(slot, content, job.group)
-        reply, sums = self.persist_snapshot(
-            _request(content, Snapshot(content.slots, slot.data_tensor()))
-        )
+        reply, sums = self.persist_snapshot(_request(content, _bytes_of(slot, content)))
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
         slot.write_checksums(content.seq, sums)
@@ -271,7 +275,7 @@ class JobRunner:
         coordinator = StoreCoordinator.connect(where, self._stores)
         snap = rank_share(
             self._arena,
-            Snapshot(content.slots, slot.data_tensor()),
+            _bytes_of(slot, content),
             content.meta.replicated,
             coordinator.rank,
             coordinator.world_size,

@@ -22,8 +22,6 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-import torch
-
 from resumable.commit import Attempt, Committer, abort_quietly, step_dir
 from resumable.errors import PersistError
 from resumable.format import (
@@ -32,7 +30,6 @@ from resumable.format import (
     TensorSlot,
     build_manifest,
     checksum,
-    dtype_name,
     encode_manifest,
     safetensors_header,
     tensor_ranges,
@@ -416,7 +413,7 @@ def _layout(
         tensors = {
             s.name: {
                 "file": fname,
-                "dtype": dtype_name(s.dtype),
+                "dtype": s.dtype,
                 "shape": list(s.shape),
                 "offsets": [start + s.begin, start + s.end],
                 CHECKSUM: sums[s.name],
@@ -487,14 +484,14 @@ def _incremental_file(
                 n += 1
                 name = f"{p.slot.name}#chunk{first}.{n}"
             names.add(name)
-            file_slots.append(TensorSlot(name, torch.uint8, (size,), begin, begin + size))
+            file_slots.append(TensorSlot(name, "U8", (size,), begin, begin + size))
     header = safetensors_header(file_slots, meta, align=_header_align(offset))
     start = len(header)
     base_name = fname.rsplit("/", 1)[-1]
     tensors: dict[str, dict[str, Any]] = {}
     for p in plan.slots:
         name = p.slot.name
-        entry = {"dtype": dtype_name(p.slot.dtype), "shape": list(p.slot.shape)}
+        entry = {"dtype": p.slot.dtype, "shape": list(p.slot.shape)}
         entry[CHECKSUM] = sums[name]
         if p.whole:  # one extent of its own file
             at0 = start + starts[name]
