@@ -397,3 +397,74 @@ def test_the_golden_split_checkpoint_reads(tmp_path: Path, rank: int | None) -> 
     for r in ranks:
         (got,) = reader.tensors([f"rank{r}/extra/mine"]).values()
         assert got.tolist() == expected["mine"][r]
+
+
+def _rewrite_part(root: Path, step: int, rank: int, edit: Any) -> None:
+    """Change rank ``rank``'s part with ``edit`` and sign it again in the top manifest
+    (what a buggy writer, not damage, would leave)."""
+    m = _top(root, step)
+    path = root / step_dir(step) / m["parts"][rank]["file"]
+    part = json.loads(path.read_bytes())
+    edit(part)
+    blob = json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+    path.write_bytes(blob)
+    m["parts"][rank].update(size=len(blob), **{CHECKSUM: checksum(blob)})
+    _write_top(root, step, m)
+
+
+def test_a_part_without_holders_makes_the_rank_read_every_part(tmp_path: Path) -> None:
+    _save(tmp_path, 1, 3)
+    _rewrite_part(tmp_path, 1, 2, lambda part: part["holders"].clear())
+    reader = CheckpointReader(open_storage(str(tmp_path)), 1)
+    reader.only_rank(2)
+    assert not reader.partial  # its tree names tensors no part it knows of holds
+    loader = GlobalLoader(reader, {})
+    for k, v in _model(1).state_dict().items():
+        assert torch.equal(loader.value(f"model/{k}"), v)
+
+
+def test_wrong_holders_make_the_rank_read_every_part(tmp_path: Path) -> None:
+    _save(tmp_path, 1, 3)
+    owner = json.loads(_part_path(tmp_path, 1, 1).read_bytes())["holders"]
+
+    def misdirect(part: dict[str, Any]) -> None:  # every holder said to be rank 1
+        part["holders"] = {k: 1 for k in part["holders"]} or {k: 1 for k in owner}
+
+    _rewrite_part(tmp_path, 1, 2, misdirect)
+    reader = CheckpointReader(open_storage(str(tmp_path)), 1)
+    reader.only_rank(2)
+    assert not reader.partial  # a tensor was not where its part said: it read them all
+    loader = GlobalLoader(reader, {})
+    for k, v in _model(1).state_dict().items():
+        assert torch.equal(loader.value(f"model/{k}"), v)
+
+
+def test_pieces_that_do_not_fill_a_target_make_the_loader_read_every_part(
+    tmp_path: Path,
+) -> None:
+    """Each rank's own tensor made a third of one global tensor ``shared`` (as a
+    sharded tensor's pieces; the model left out of the trees): a rank's own part holds
+    its piece, which does not fill the whole tensor a plain process asks for, so the
+    loader reads every part. The model's entries stay in the index, named by no tree."""
+    _save(tmp_path, 1, 3)
+
+    def shard(r: int) -> Any:
+        def edit(part: dict[str, Any]) -> None:
+            info = part["tensors"][f"rank{r}/extra/mine"]
+            info.update(fqn="shared", global_shape=[15], global_offset=[5 * r])
+            part["holders"] = {}  # and no model in its tree: its part alone is read
+            part["tree"]["dict"] = [p for p in part["tree"]["dict"] if p[0] != "model"]
+            part["tree"]["dict"].append(["shared", {"global": "shared", "device": "cpu"}])
+            extra = next(v for k, v in part["tree"]["dict"] if k == "extra")
+            extra["dict"] = [p for p in extra["dict"] if p[0] != "mine"]
+
+        return edit
+
+    for r in range(3):
+        _rewrite_part(tmp_path, 1, r, shard(r))
+    reader = CheckpointReader(open_storage(str(tmp_path)), 1)
+    reader.only_rank(1)
+    assert reader.partial
+    got = GlobalLoader(reader, {}).value("shared")
+    assert got.tolist() == [0.0] * 5 + [1.0] * 5 + [2.0] * 5
+    assert not reader.partial

@@ -196,13 +196,15 @@ def merge(
     parts: Mapping[int, Mapping[str, Any]],
     where: str,
     arrays: dict[str, np.ndarray] | None = None,
+    *,
+    tree_of: int | None = None,
 ) -> dict[str, Any]:
     """The manifest of a version 4 checkpoint as versions 1 to 3 lay it out (``ranks``,
-    ``tensors``), from its top and the decoded ``parts`` (all, or some ranks': then
-    ``ranks`` holds None trees for the others and ``partial`` is True), validated as a
-    whole manifest is (`format.check_body`). A part's entries may name its own data
-    file only (and files of the steps the top refers to). Raises
-    `CorruptCheckpointError`."""
+    ``tensors``), from its top and the decoded ``parts``, validated as a whole manifest
+    is (`format.check_body`). With some ranks' parts only, ``partial`` is True and
+    ``ranks`` holds the tree of ``tree_of`` alone (the rank restoring; the others
+    None). A part's entries may name its own data file only (and files of the steps
+    the top refers to). Raises `CorruptCheckpointError`."""
     world = top["world_size"]
     own = {info["rank"]: name for name, info in top["files"].items() if "rank" in info}
     tensors: dict[str, Any] = {}
@@ -225,10 +227,12 @@ def merge(
                         "not in its rank's data file"
                     )
             tensors[name] = info
-        ranks[r] = {"rank": r, "tree": part["tree"]}
+    complete = len(parts) == world
+    for r in parts:
+        if complete or r == tree_of:
+            ranks[r] = {"rank": r, "tree": parts[r]["tree"]}
     m = {k: v for k, v in top.items() if k != "parts"}
     m["ranks"], m["tensors"] = ranks, tensors
-    complete = len(parts) == world
     m["partial"] = not complete
     check_body(m, top["format_version"], where, arrays, complete=complete)
     return m
@@ -290,10 +294,10 @@ def global_names(tree: Any) -> set[str]:
     return out
 
 
-def covered(part: Mapping[str, Any], holders: Mapping[str, Any]) -> bool:
-    """Whether every global tensor ``part``'s tree names has pieces in it or a holder."""
-    have = {
-        info.get("fqn", name) if isinstance(info, dict) else name
-        for name, info in part["tensors"].items()
-    }
-    return global_names(part["tree"]) <= have | set(holders)
+def held(tree: Any, parts: Mapping[int, Mapping[str, Any]]) -> bool:
+    """Whether every global tensor ``tree`` names has pieces in one of ``parts``."""
+    have: set[str] = set()
+    for part in parts.values():
+        for name, info in part["tensors"].items():
+            have.add(info.get("fqn", name) if isinstance(info, dict) else name)
+    return global_names(tree) <= have

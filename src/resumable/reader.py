@@ -41,7 +41,7 @@ from resumable.format import (
     parse_safetensors_header,
     tensor_ranges,
 )
-from resumable.parts import check_parts, covered, decode_part, holders_of, merge
+from resumable.parts import check_parts, decode_part, held, holders_of, merge
 from resumable.storage.base import Storage
 
 if TYPE_CHECKING:
@@ -141,17 +141,16 @@ class CheckpointReader:
         if rank is not None and 0 <= rank < len(entries):
             own = self._part(entries[rank])
             parts[rank] = own
-            if covered(own, own["holders"]):
-                for r in sorted(holders_of(own, len(entries), self.where) - {rank}):
-                    parts[r] = self._part(entries[r])
-            else:
-                rank = None
+            for r in sorted(holders_of(own, len(entries), self.where) - {rank}):
+                parts[r] = self._part(entries[r])
+            if not held(own["tree"], parts):
+                rank = None  # its part does not say where all it names lies
         if rank is None:
             for e in entries:
                 if e["rank"] not in parts:
                     parts[e["rank"]] = self._part(e)
         arrays: dict[str, np.ndarray] = {}
-        m = merge(top, parts, self.where, arrays)
+        m = merge(top, parts, self.where, arrays, tree_of=rank)
         self._arrays = arrays
         return m
 
