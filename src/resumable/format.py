@@ -47,7 +47,9 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 3  # the highest this reads; a writer writes 1 unless it refers (3)
+FORMAT_VERSION = 4  # the highest this reads; one process writes 1, or 3 if it refers;
+# several ranks write 4 (the split manifest: `resumable.parts`)
+SPLIT_VERSION = 4
 CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -243,7 +245,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
         # Decoded as UTF-8 here: json.loads would take bytes in UTF-16 or -32 as well.
         # The collector paused, as for a manifest (`decode_manifest`): a header with
         # thousands of entries set off full collections that took 0.1 s.
-        with _no_gc():
+        with no_gc():
             header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
     except RecursionError:
         raise CorruptCheckpointError("safetensors header is nested too deeply") from None
@@ -456,12 +458,13 @@ def decode_manifest(
     ``arrays``: filled with the long extents lists the validation made into NumPy
     arrays, ``(n, 3)`` rows of (source, begin, end) by tensor name, so that a reader
     does not make them again (a list of 60,000 integers takes milliseconds)."""
-    with _no_gc():
+    with no_gc():
         return _decode_manifest(data, where=where, files_only=files_only, arrays=arrays)
 
 
 @contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
+def no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused while JSON is parsed (`decode_manifest`)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -525,9 +528,7 @@ def _decode_manifest(
     if type(version) is not int or version < 1 or version > FORMAT_VERSION:
         raise CorruptCheckpointError(f"{where}: format version {version!r} is not valid")
     _check_type(m, "step", int, where)
-    _check_type(m, "ranks", list, where)
     _check_type(m, "files", dict, where)
-    _check_type(m, "tensors", dict, where)
     _check_type(m, "metrics", dict, where)
     for key, value in m["metrics"].items():
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -539,19 +540,47 @@ def _decode_manifest(
         raise CorruptCheckpointError(
             f"{where}: world_size must be an integer >= 1, found {str(world)[:100]!r}"
         )
-    if len(m["ranks"]) != world:
-        raise CorruptCheckpointError(
-            f"{where}: manifest lists {len(m['ranks'])} rank(s) for world_size {world}"
-        )
-    for i, r in enumerate(m["ranks"]):
-        if not isinstance(r, dict) or "tree" not in r or r.get("rank", i) != i:
-            raise CorruptCheckpointError(f"{where}: malformed entry for rank {i}")
     for fname, info in m["files"].items():
         check_relpath(fname)
         if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
             raise CorruptCheckpointError(f"{where}: bad entry for file {fname!r}")
+    if version == SPLIT_VERSION:
+        # the top manifest of a split one: its parts are checked as they are read
+        if "tensors" in m or "ranks" in m:
+            raise CorruptCheckpointError(
+                f"{where}: a version 4 manifest lists its parts, not tensors or ranks"
+            )
+        _check_refs(m, version, where)
+        return m
     if files_only:
         return m
+    check_body(m, version, where, arrays)
+    return m
+
+
+def check_body(
+    m: dict[str, Any],
+    version: int,
+    where: str,
+    arrays: dict[str, np.ndarray] | None = None,
+    *,
+    complete: bool = True,
+) -> None:
+    """The tensor index and the state trees of a manifest whose header passed
+    (`decode_manifest`), or of the parts of a version 4 one merged (`resumable.parts`):
+    each entry against the declared file sizes, no byte of a file in two entries, the
+    pieces of each global tensor tiling it, every rank's tree. ``complete=False``: the
+    parts of some ranks only (a restore at the same world size); the pieces found must
+    lie inside their tensor without overlap, and only the trees present are checked."""
+    _check_type(m, "ranks", list, where)
+    _check_type(m, "tensors", dict, where)
+    if len(m["ranks"]) != m["world_size"]:
+        raise CorruptCheckpointError(
+            f"{where}: manifest lists {len(m['ranks'])} rank(s) for world_size {m['world_size']}"
+        )
+    for i, r in enumerate(m["ranks"]):
+        if not isinstance(r, dict) or "tree" not in r or r.get("rank", i) != i:
+            raise CorruptCheckpointError(f"{where}: malformed entry for rank {i}")
     refs = _check_refs(m, version, where)
     made: dict[str, np.ndarray] = {} if arrays is None else arrays
     for name, info in m["tensors"].items():
@@ -561,10 +590,10 @@ def _decode_manifest(
     _check_disjoint(m["tensors"], where, made)
     fqns = global_tensors(m["tensors"])
     for fqn, spec in fqns.items():
-        check_pieces(fqn, spec, m["tensors"], where)
+        check_pieces(fqn, spec, m["tensors"], where, complete=complete)
     for i, r in enumerate(m["ranks"]):
-        check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
-    return m
+        if complete or r["tree"] is not None:
+            check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
 
 
 def _check_refs(m: Mapping[str, Any], version: int, where: str) -> set[int] | None:

@@ -43,6 +43,7 @@ from resumable.pipeline.write import (
     PersistResult,
     WriteRequest,
     rank_share,
+    replicated_holders,
     write_checkpoint,
     write_distributed,
 )
@@ -281,7 +282,14 @@ class JobRunner:
         )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
-        return self.persist_group(coordinator, _request(content, snap))
+        holders = replicated_holders(
+            {t.name: t.nbytes for t in content.slots},
+            content.meta.replicated,
+            coordinator.rank,
+            coordinator.world_size,
+        )
+        request = dataclasses.replace(_request(content, snap), holders=holders)
+        return self.persist_group(coordinator, request)
 
     def persist_group(self, group: Coordination, request: WriteRequest) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank
