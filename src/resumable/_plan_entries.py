@@ -13,6 +13,7 @@ check does not see a tensor's dtype, shape or device change: the caller compares
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Iterable
 from itertools import chain, compress, islice
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from resumable._encode import PLAIN_TENSORS, Encoder
+from resumable._encode import PLAIN_TENSORS, Encoder, KnownJSON, key_json, scalar_json
 from resumable.pieces import Piece, is_dtensor
 
 _MODULE_ATTRS = operator.itemgetter(  # from a module's __dict__
@@ -372,6 +373,16 @@ def _stable(v: Any) -> bool:
 
 
 _OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
+
+
+def _item_json(item: list[Any]) -> str:
+    """``[key, node]``'s JSON, as ``json.dumps`` writes it (a number's without it)."""
+    value = scalar_json(item[1])
+    if value is None:
+        return json.dumps(item, separators=(",", ":"), allow_nan=False)
+    return "[" + key_json(item[0]) + "," + value + "]"
+
+
 _PARAMS = operator.itemgetter("params")
 
 
@@ -411,7 +422,7 @@ class OptimizerEntry:
         self.flat_ids = list(map(id, self._flat))
         self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
         self.indices = [g["params"] for g in sd["param_groups"]]
-        self._group_items: list[dict[Any, tuple[Any, list[Any]]]] = []  # groups_node's
+        self._group_items: list[dict[Any, tuple[Any, list[Any], str]]] = []  # groups_node's
         self.can_pack = (
             self.cls.state_dict is _OPTIMIZER_STATE_DICT
             and all(type(k) in PLAIN_TENSORS or is_dtensor(k) for k in self._params)
@@ -495,34 +506,50 @@ class OptimizerEntry:
 
     def groups_node(self, obj: torch.optim.Optimizer, enc: Encoder, key: str) -> Any:
         """The node ``enc.value(self.pack_groups(obj), (key, "param_groups"), 4)``
-        makes, built item by item: an item whose value is the very object of the last
-        call (an unchanged hyperparameter, a tuple of them, the parameter indices) is the
-        same ``[name, node]`` list as then, so `TreeJSON` reuses its text; a changed one
-        (a learning rate) and every tensor are walked."""
+        makes, built item by item, as a `KnownJSON` (its text built alongside): an item
+        whose value is the very object of the last call (an unchanged hyperparameter, a
+        tuple of them, the parameter indices) is the same ``[name, node]`` list, with
+        the same text, as then; a changed one (a learning rate) and every tensor are
+        walked and encoded."""
         path = (key, "param_groups")
-        nodes = []
-        kept: list[dict[Any, tuple[Any, list[Any]]]] = []
-        for i, packed in enumerate(self.pack_groups(obj)):
-            last = self._group_items[i] if i < len(self._group_items) else {}
-            mine: dict[Any, tuple[Any, list[Any]]] = {}
-            if not all(type(k) is str for k in packed):  # keys the walk refuses: walk it
+        nodes: list[Any] = []
+        texts: list[str | None] = []
+        kept: list[dict[Any, tuple[Any, list[Any], str]]] = []
+        last_groups = self._group_items
+        for i, (group, indices) in enumerate(zip(obj.param_groups, self.indices)):
+            last = last_groups[i] if i < len(last_groups) else {}
+            mine: dict[Any, tuple[Any, list[Any], str]] = {}
+            if not all(type(k) is str for k in group):  # keys the walk refuses: walk it
+                packed = {k: v for k, v in group.items() if k != "params"}
+                packed["params"] = indices
                 nodes.append(enc.value(packed, (*path, i), 5))
+                texts.append(None)
                 kept.append(mine)
                 continue
             items = []
-            for k, v in packed.items():
+            item_texts = []
+            pairs = [(k, v) for k, v in group.items() if k != "params"]
+            pairs.append(("params", indices))
+            for k, v in pairs:
                 hit = last.get(k)
                 if hit is not None and hit[0] is v:
-                    item = hit[1]
-                else:
-                    item = [k, enc.value(v, (*path, i, k), 6)]
-                if _stable(v) or v is self.indices[i]:
-                    mine[k] = (v, item)
+                    mine[k] = hit
+                    items.append(hit[1])
+                    item_texts.append(hit[2])
+                    continue
+                item = [k, enc.value(v, (*path, i, k), 6)]
+                text = _item_json(item)
+                if v is indices or _stable(v):
+                    mine[k] = (v, item, text)
                 items.append(item)
+                item_texts.append(text)
             nodes.append({"dict": items})
+            texts.append('{"dict":[' + ",".join(item_texts) + "]}")
             kept.append(mine)
         self._group_items = kept
-        return {"list": nodes}
+        if None in texts:
+            return {"list": nodes}
+        return KnownJSON({"list": nodes}, '{"list":[' + ",".join(texts) + "]}")  # type: ignore[arg-type]
 
     def pack_groups(self, obj: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """``obj.state_dict()["param_groups"]`` while `direct` holds: each group but its

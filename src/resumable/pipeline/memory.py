@@ -33,6 +33,7 @@ import torch
 
 from resumable import capture as capture_mod
 from resumable._capture_plan import CapturePlan
+from resumable._encode import KnownJSON
 from resumable._shm import (
     RawJSON,
     SlotContent,
@@ -361,7 +362,10 @@ class TreeJSON:
         items_seen: dict[Any, tuple[Any, bytes, str]] = {}
         for key, node in entries:
             if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
-                parts.append(self._streams.encode(node))
+                if type(node) is KnownJSON:  # made by the capture plan with its text
+                    parts.append("[" + _key_json(key) + "," + node.json + "]")
+                else:
+                    parts.append(self._streams.encode(node))
                 continue
             split = _few_entries(node)
             if split is None:
@@ -373,7 +377,9 @@ class TreeJSON:
             head, items, tail = split
             last, mine = self._kids.get(key, {}), kids.setdefault(key, {})
             texts = [
-                self._entry(last, mine, k, n)
+                "[" + _key_json(k) + "," + n.json + "]"
+                if type(n) is KnownJSON  # made by the capture plan with its text
+                else self._entry(last, mine, k, n)
                 if (groups := _dict_list(n)) is None
                 else self._groups((key, k), groups, items_seen)
                 for k, n in items
@@ -489,8 +495,8 @@ def _dumps(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _key_json(key: str) -> str:
-    """A top-level key's JSON (the same few keys at every snapshot)."""
+def _key_json(key: str | int) -> str:
+    """A top-level key's (or a part's) JSON: the same few keys at every snapshot."""
     return _dumps(key)
 
 
