@@ -565,3 +565,33 @@ def test_numpy_state_follows_a_replaced_bit_generator() -> None:
     finally:
         np.random.set_bit_generator(original)
     assert reader.get()["bit_generator"] == "MT19937"
+
+
+def test_random_streams_of_unusual_shapes_are_walked_and_encoded_exactly() -> None:
+    """NumPy's words under a name a user's tensor took first, and NumPy's stream under
+    another bit generator: the plan walks them (no text of its own) and the capture
+    and its JSON through `TreeJSON` are still exactly a full walk's."""
+    state = {"__rng__/numpy/state": {"key": torch.ones(2)}, "w": torch.zeros(2)}
+    plan = CapturePlan()
+    tree_json = TreeJSON()
+    for i in range(3):
+        np.random.random()
+        got = capture(state, plan=plan)
+        assert "__rng__/numpy/state/key#2" in got.tensors
+        assert_equivalent(got, capture(state), f"taken {i}", tree_json)
+    rs = np.random.mtrand._rand
+    original = rs._bit_generator
+    try:
+        np.random.set_bit_generator(np.random.PCG64(5))
+        for i in range(3):
+            np.random.random()
+            assert_equivalent(
+                capture({"w": torch.zeros(2)}, plan=plan),
+                capture({"w": torch.zeros(2)}),
+                f"pcg {i}",
+                tree_json,
+            )
+    finally:
+        np.random.set_bit_generator(original)
+    random.random()
+    assert_equivalent(capture(state, plan=plan), capture(state), "back", tree_json)

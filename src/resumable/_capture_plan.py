@@ -15,13 +15,14 @@ Longer notes: ``docs/decisions.md``.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+import math
 from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
+import numpy as np
 import torch
 
 from resumable._encode import Encoder, KnownJSON, scalar_json, unwrap
@@ -126,10 +127,34 @@ class CapturePlan:
         if kept is not None and v is kept[0] and _free(enc, kept[2]):
             enc.tensors.update(kept[2])
             return kept[1], kept[3]
-        mark = len(enc.tensors)
-        node = enc.value(v, (RNG_KEY, "numpy"), 3)
-        made = dict(_added(enc, mark))
-        text = _numpy_text(v, node)
+        usual = _numpy_usual(v)
+        if usual is not None and _NUMPY_KEY not in enc.tensors:
+            key, pos, has_gauss, gauss = usual
+            made = {_NUMPY_KEY: torch.from_numpy(key)}
+            enc.tensors.update(made)
+            state = {"dict": [["key", {"ndarray": _NUMPY_KEY}], ["pos", pos]]}
+            node: Any = {
+                "dict": [
+                    ["bit_generator", "MT19937"],
+                    ["state", state],
+                    ["has_gauss", has_gauss],
+                    ["gauss", gauss],
+                ]
+            }
+            text: str | None = (
+                _NUMPY_HEAD
+                + int.__repr__(pos)
+                + ']]}],["has_gauss",'
+                + int.__repr__(has_gauss)
+                + '],["gauss",'
+                + float.__repr__(gauss)
+                + "]]}]"
+            )
+        else:  # another generator, or names taken: walked, encoded by `TreeJSON`
+            mark = len(enc.tensors)
+            node = enc.value(v, (RNG_KEY, "numpy"), 3)
+            made = dict(_added(enc, mark))
+            text = None
         self._numpy_node = (v, node, made, text) if v is self._numpy.kept else None
         return node, text
 
@@ -362,47 +387,28 @@ def _python_text(node: Any, words_text: str | None) -> str | None:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _ndarray_text(name: Any) -> str:
-    return _dumps({"ndarray": name})
+_NUMPY_KEY = f"{RNG_KEY}/numpy/state/key"  # the name a walk gives NumPy's words
+_NUMPY_HEAD = (
+    '["numpy",{"dict":[["bit_generator","MT19937"],["state",{"dict":[["key",'
+    + _dumps({"ndarray": _NUMPY_KEY})
+    + '],["pos",'
+)
 
 
-_NUMPY_HEAD = '["numpy",{"dict":[["bit_generator","MT19937"],["state",{"dict":[["key",'
-
-
-def _numpy_text(v: Any, node: Any) -> str | None:
-    """``["numpy", node]``'s JSON where ``v`` is NumPy's usual MT19937 state and
-    ``node`` its walk (``{"ndarray": name}`` for the key); None otherwise."""
+def _numpy_usual(v: Any) -> tuple[np.ndarray, int, int, float] | None:
+    """The words, position, has_gauss and Gaussian of NumPy's usual state (MT19937's
+    dict, as ``get_state(legacy=False)`` makes it: a C-ordered uint32 key, plain ints
+    and a finite float), whose node `CapturePlan` makes without a walk; else None."""
     if type(v) is not dict or list(v) != ["bit_generator", "state", "has_gauss", "gauss"]:
         return None
-    inner = v["state"]
+    inner, has_gauss, gauss = v["state"], v["has_gauss"], v["gauss"]
     if v["bit_generator"] != "MT19937" or type(inner) is not dict:
         return None
-    if list(inner) != ["key", "pos"]:
+    if list(inner) != ["key", "pos"] or type(inner["pos"]) is not int:
         return None
-    try:
-        key_node = node["dict"][1][1]["dict"][0][1]
-    except (KeyError, IndexError, TypeError):
+    key = inner["key"]
+    if type(key) is not np.ndarray or key.dtype != np.uint32 or not key.flags.c_contiguous:
         return None
-    if type(key_node) is not dict or list(key_node) != ["ndarray"]:
+    if type(has_gauss) is not int or type(gauss) is not float or not math.isfinite(gauss):
         return None
-    pos, has_gauss, gauss = (
-        scalar_json(inner["pos"]),
-        scalar_json(v["has_gauss"]),
-        scalar_json(v["gauss"]),
-    )
-    if pos is None or has_gauss is None or gauss is None or v["gauss"] is None:
-        return None
-    if type(inner["pos"]) is not int or type(v["has_gauss"]) is not int:
-        return None
-    return (
-        _NUMPY_HEAD
-        + _ndarray_text(key_node["ndarray"])
-        + '],["pos",'
-        + pos
-        + ']]}],["has_gauss",'
-        + has_gauss
-        + '],["gauss",'
-        + gauss
-        + "]]}]"
-    )
+    return key, inner["pos"], has_gauss, gauss
