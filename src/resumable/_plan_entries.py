@@ -7,8 +7,9 @@ they were made from. `Globals` notes what the walk met of global tensors (severa
 ranks, or DTensors).
 
 The trade-off: each check is a few C-level passes (``map`` over lists, no Python loop
-per item), so an entry holds every object it compares, and their ids stay theirs. A
-check does not see a tensor's dtype, shape or device change: the caller compares those.
+per item), so an entry holds every object it compares by identity, and no other object
+can take its address. A check does not see a tensor's dtype, shape or device change:
+the caller compares those.
 """
 
 from __future__ import annotations
@@ -60,10 +61,8 @@ class Globals:
         self.pieces, self.replicated, self.live = pieces, replicated, live
         self.world_size = world_size
         self.dtensors = [t for t in live.values() if is_dtensor(t)]
-        self._locals = list(map(_LOCAL, self.dtensors))  # held: the ids below stay theirs
+        self._locals = list(map(_LOCAL, self.dtensors))
         self._specs = list(map(_SPEC, self.dtensors))
-        self.local_ids = list(map(id, self._locals))
-        self.spec_ids = list(map(id, self._specs))
 
     @staticmethod
     def marks(enc: Encoder) -> tuple[int, int, frozenset[str]]:
@@ -88,9 +87,8 @@ class Globals:
 
     def valid(self) -> bool:
         """Whether each DTensor holds the local tensor and spec it held."""
-        return (
-            list(map(id, map(_LOCAL, self.dtensors))) == self.local_ids
-            and list(map(id, map(_SPEC, self.dtensors))) == self.spec_ids
+        return _same_objects(map(_LOCAL, self.dtensors), self._locals) and _same_objects(
+            map(_SPEC, self.dtensors), self._specs
         )
 
     def add(self, enc: Encoder) -> None:
@@ -126,6 +124,14 @@ class Globals:
                 return None
             out[name] = src
         return None if plain else out
+
+
+def _same_objects(objs: Iterable[Any], held: list[Any]) -> bool:
+    """Whether ``objs`` are the very objects ``held``, in order. Compared by identity
+    (``==`` would call a tensor's ``__eq__``), not by ``id`` lists: those hold an int
+    object per item, which a check right after a training step reads from memory."""
+    got = list(objs)
+    return len(got) == len(held) and all(map(operator.is_, got, held))
 
 
 def _own_tensors(
@@ -208,21 +214,19 @@ class ModuleEntry:
         self.mods = _submodules(module)
         self.own = [vars(m) for m in self.mods]  # a per-object override would land here
         attrs = list(map(_MODULE_ATTRS, self.own))
-        self._attrs = attrs  # held: the ids below stay theirs
-        self.attr_ids = list(map(id, chain.from_iterable(attrs)))
+        self._attrs = list(chain.from_iterable(attrs))
         self.types = list(map(type, self.mods))
         self.dicts = [d for a in attrs for d in a[0:3]]
         self.lens = list(map(len, self.dicts))  # a key moved to the next dict keeps the keys
         self.keys = list(chain.from_iterable(self.dicts))
         self._values = list(chain.from_iterable(map(dict.values, self.dicts)))
-        self.value_ids = list(map(id, self._values))
         self.sets = [a[3] for a in attrs]
         self.set_copies = list(map(frozenset, self.sets))
         self.post_hooks = [a[4] for a in attrs]
         self.pre_hooks = [a[5] for a in attrs]
         # FSDP2's pre-hooks (`make` allows no other), run before each check
         self.pre_calls = [(m, h) for m, a in zip(self.mods, attrs) for h in a[5].values()]
-        self.pre_ids = [id(h) for _, h in self.pre_calls]
+        self._pre = [h for _, h in self.pre_calls]
         # (class, method name) for each class and state-dict method, and torch's methods
         kinds = list(dict.fromkeys(self.types))
         self.cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
@@ -269,12 +273,12 @@ class ModuleEntry:
             hook(m, "", True)
         return (
             list(map(type, self.mods)) == self.types
-            and list(map(id, chain.from_iterable(map(_MODULE_ATTRS, self.own)))) == self.attr_ids
+            and _same_objects(chain.from_iterable(map(_MODULE_ATTRS, self.own)), self._attrs)
             and list(map(len, self.dicts)) == self.lens
             and list(chain.from_iterable(self.dicts)) == self.keys
-            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self.dicts)), self._values)
             and not any(map(len, self.post_hooks))
-            and list(map(id, chain.from_iterable(map(dict.values, self.pre_hooks)))) == self.pre_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self.pre_hooks)), self._pre)
             and list(map(frozenset, self.sets)) == self.set_copies
             and not any(map(_overrides, self.own))
             and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
@@ -313,11 +317,9 @@ class ContainerEntry:
         self.dicts, self.lists = dicts, lists
         self.dict_lens = list(map(len, dicts))
         self.keys = list(chain.from_iterable(dicts))
-        self._values = list(chain.from_iterable(map(dict.values, dicts)))  # held
-        self.value_ids = list(map(id, self._values))
+        self._values = list(chain.from_iterable(map(dict.values, dicts)))
         self.list_lens = list(map(len, lists))
-        self._items = list(chain.from_iterable(lists))  # held
-        self.item_ids = list(map(id, self._items))
+        self._items = list(chain.from_iterable(lists))
 
     @classmethod
     def make(
@@ -357,9 +359,9 @@ class ContainerEntry:
             obj is self.obj
             and list(map(len, self.dicts)) == self.dict_lens
             and list(chain.from_iterable(self.dicts)) == self.keys
-            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self.dicts)), self._values)
             and list(map(len, self.lists)) == self.list_lens
-            and list(map(id, chain.from_iterable(self.lists))) == self.item_ids
+            and _same_objects(chain.from_iterable(self.lists), self._items)
         )
 
 
@@ -409,17 +411,13 @@ class OptimizerEntry:
         self.glob = glob
         self.cls = type(obj)
         self.keys = list(st)
-        self._inner = list(st.values())  # held: the ids below stay theirs
-        self.inner_ids = list(map(id, self._inner))
+        self._inner = list(st.values())
         self.inner_lens = list(map(len, self._inner))
         self.inner_keys = list(chain.from_iterable(self._inner))
         self._values = list(chain.from_iterable(map(dict.values, self._inner)))
-        self.value_ids = list(map(id, self._values))
         # what `direct` compares: the optimizer's state keys (its parameters) and groups
         self._params = list(obj.state)
-        self.param_ids = list(map(id, self._params))
         self._flat = list(chain.from_iterable(map(_PARAMS, obj.param_groups)))
-        self.flat_ids = list(map(id, self._flat))
         self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
         self.indices = [g["params"] for g in sd["param_groups"]]
         self._group_items: list[dict[Any, tuple[Any, list[Any], str]]] = []  # groups_node's
@@ -468,7 +466,7 @@ class OptimizerEntry:
             obj is self.obj
             and type(st) is dict
             and list(st) == self.keys
-            and list(map(id, st.values())) == self.inner_ids
+            and _same_objects(st.values(), self._inner)
             and self._same_inner()
             and (self.glob is None or self.glob.valid())
         )
@@ -489,10 +487,10 @@ class OptimizerEntry:
         st = obj.state
         groups = obj.param_groups
         return (
-            list(map(id, st)) == self.param_ids
-            and list(map(id, st.values())) == self.inner_ids
+            _same_objects(st, self._params)
+            and _same_objects(st.values(), self._inner)
             and self._same_inner()
-            and list(map(id, chain.from_iterable(map(_PARAMS, groups)))) == self.flat_ids
+            and _same_objects(chain.from_iterable(map(_PARAMS, groups)), self._flat)
             and list(map(len, map(_PARAMS, groups))) == self.group_lens
             and (self.glob is None or self.glob.valid())
         )
@@ -501,7 +499,7 @@ class OptimizerEntry:
         return (
             list(map(len, self._inner)) == self.inner_lens
             and list(chain.from_iterable(self._inner)) == self.inner_keys
-            and list(map(id, chain.from_iterable(map(dict.values, self._inner)))) == self.value_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self._inner)), self._values)
         )
 
     def groups_node(self, obj: torch.optim.Optimizer, enc: Encoder, key: str) -> Any:
