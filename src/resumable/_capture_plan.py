@@ -366,12 +366,10 @@ def _python_text(node: Any, words_text: str | None) -> str | None:
     if type(t) is not list or len(t) != 3 or type(t[1]) is not dict:
         return None
     key = t[1].get("tuple")
-    version, position, gauss = (
-        scalar_json(t[0]),
-        scalar_json(key[-1]) if key else None,
-        scalar_json(t[2]),
-    )
-    if version is None or position is None or gauss is None or type(key[-1]) is not int:
+    if type(key) is not list or not key or type(key[-1]) is not int:
+        return None
+    version, position, gauss = scalar_json(t[0]), int.__repr__(key[-1]), scalar_json(t[2])
+    if version is None or gauss is None:
         return None
     sep = "," if words_text else ""
     return (

@@ -32,7 +32,7 @@ JSONValue = Any
 Tree = Any
 
 
-class KnownJSON(dict):  # type: ignore[type-arg]
+class KnownJSON(dict):
     """A tree node whose JSON text is known already: ``json`` is exactly what
     ``json.dumps(node, separators=(",", ":"), allow_nan=False)`` gives. A capture plan
     hands such nodes out for the parts that change at every step (the random streams),

@@ -29,7 +29,7 @@ from resumable.errors import CheckpointError, NoCheckpointError
 from resumable.group import Group, current_group
 from resumable.incremental import Incremental
 from resumable.monitor import AlertCallback
-from resumable.options import DEFAULT_KEEP, CheckpointOptions, resolve_options
+from resumable.options import DEFAULT_KEEP, CheckpointOptions, Overlap, resolve_options
 from resumable.pipeline._worker import worker_nice
 from resumable.pipeline.emergency import Emergency
 from resumable.pipeline.first_save import FirstSaveChecks
@@ -76,7 +76,7 @@ class Checkpointer:
         persist: str = "auto",
         on_busy: str = "skip",
         shm_dir: str | os.PathLike[str] | None = None,
-        overlap: bool = False,
+        overlap: Overlap = False,
         preemption: Preemption | None = None,
         alert: AlertCallback | None = None,
         max_commit_age_s: float | None = None,

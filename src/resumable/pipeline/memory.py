@@ -45,10 +45,11 @@ from resumable._shm import (
 from resumable.audit import AuditLog
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
+from resumable.options import OVERLAP_MIN_BYTES, Overlap
 from resumable.pieces import is_dtensor
 from resumable.replicas.peers import Replication
 from resumable.runid import snapshot_belongs
-from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
+from resumable.snapshot import CopyPlan, MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class MemoryTier:
         rank: int,
         world_size: int,
         shm_dir: Path | None,
-        overlap: bool,
+        overlap: Overlap,
         audit: AuditLog,
         run_id: str | None = None,
     ) -> None:
@@ -86,6 +87,7 @@ class MemoryTier:
             ThreadPoolExecutor(1, thread_name_prefix="resumable-overlap") if overlap else None
         )
         self._pending: Future[MemorySnapshot] | None = None
+        self._copied_now: CopyPlan | None = None  # overlap="auto": too small to overlap
         self._hooks: list[tuple[torch.optim.Optimizer, Any]] = []
         self._adopted = False
         self._tree_json = TreeJSON()
@@ -126,10 +128,7 @@ class MemoryTier:
             pieces=captured.pieces,
             replicated=tuple(sorted(captured.replicated)) if sharded else (),
         )
-        deferred: set[str] = set()
-        if self.overlap:
-            owned = self._optimizer_owned(state)
-            deferred = {n for n, t in captured.tensors.items() if t.data_ptr() in owned}
+        deferred = self._deferred(state, captured.tensors, copy_plan) if self.overlap else set()
         done = self.arena.snapshot(
             step, captured.tensors, meta, deferred=deferred, executor=self._exec, plan=copy_plan
         )
@@ -142,6 +141,25 @@ class MemoryTier:
             captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
         )
         return seconds, overlapped
+
+    def _deferred(
+        self, state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], plan: CopyPlan
+    ) -> set[str]:
+        """The tensors an overlapped copy takes: those only ``optimizer.step()`` changes.
+        With ``overlap="auto"``, none while they hold under `OVERLAP_MIN_BYTES` (decided
+        once per copy plan): handing a small copy to a second thread costs the step
+        more than copying it at once (``docs/decisions.md``, "Overlap by size")."""
+        if plan is self._copied_now:
+            return set()
+        owned = self._optimizer_owned(state)
+        deferred = {n for n, t in tensors.items() if t.data_ptr() in owned}
+        if self.overlap == "auto":
+            size = sum(tensors[n].numel() * tensors[n].element_size() for n in deferred)
+            if size < OVERLAP_MIN_BYTES:
+                self._copied_now = plan
+                return set()
+        self._copied_now = None
+        return deferred
 
     def _capture(self, state: Mapping[str, Any], rng: bool) -> capture_mod.Captured:
         return capture_mod.capture(
