@@ -153,6 +153,10 @@ class Checkpointer:
         memory tier (any persist mode but ``"sync"``, or ``memory_every`` given).
         """
         self._report(step, metrics, "snapshot")
+        self._collect_and_snapshot(step, metrics)
+
+    def _collect_and_snapshot(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """`snapshot` once the step is reported (`_report`)."""
         try:
             self._collect()
             self._checks.before_save(step)
@@ -218,7 +222,7 @@ class Checkpointer:
                 self._parts.schedule.observe_cost(time.perf_counter() - t0)
             return started
         if self._parts.schedule.memory_due(step):
-            self.snapshot(step, metrics)
+            self._collect_and_snapshot(step, metrics)  # reported above
         return False
 
     def _preempted(self, step: int, metrics: Mapping[str, Any] | None) -> None:
