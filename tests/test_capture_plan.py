@@ -318,6 +318,12 @@ def _group_list_in_place(s: dict[str, Any]) -> None:
         g.setdefault("history", []).append(len(g.get("history", [])) + 0.5)
 
 
+def _group_int_key(s: dict[str, Any]) -> None:
+    """A group key that is no string (the walk takes ints): that group is walked."""
+    group = s["optim"].param_groups[0]
+    group[7] = group.get(7, 0) + 1
+
+
 def _group_same_number(s: dict[str, Any]) -> None:
     """Values equal in Python but not in JSON (1, 1.0, True), as new objects."""
     for g in s["optim"].param_groups:
@@ -368,6 +374,7 @@ CHANGES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("lr-tensor", _lr_tensor),
     ("group-list-in-place", _group_list_in_place),
     ("group-same-number", _group_same_number),
+    ("group-int-key", _group_int_key),
 ]
 
 
@@ -595,3 +602,20 @@ def test_random_streams_of_unusual_shapes_are_walked_and_encoded_exactly() -> No
         np.random.set_bit_generator(original)
     random.random()
     assert_equivalent(capture(state, plan=plan), capture(state), "back", tree_json)
+
+
+def test_a_group_key_the_walk_refuses_is_refused_through_a_plan_too() -> None:
+    """A parameter group gains a key that is neither str nor int after the plan was made:
+    the planned capture refuses it as the full walk does, naming the key."""
+    from resumable.errors import UnsupportedStateError
+
+    state = make_state()
+    train(state)
+    plan = CapturePlan()
+    capture(state, plan=plan)
+    capture(state, plan=plan)
+    state["optim"].param_groups[0][1.5] = 1
+    with pytest.raises(UnsupportedStateError, match=r"1\.5"):
+        capture(state)
+    with pytest.raises(UnsupportedStateError, match=r"1\.5"):
+        capture(state, plan=plan)

@@ -366,6 +366,7 @@ class ContainerEntry:
 
 
 _IMMUTABLE_TYPES = (int, float, bool, str, type(None))
+_STR = frozenset((str,))
 
 
 def _stable(v: Any) -> bool:
@@ -517,7 +518,7 @@ class OptimizerEntry:
         for i, (group, indices) in enumerate(zip(obj.param_groups, self.indices)):
             last = last_groups[i] if i < len(last_groups) else {}
             mine: dict[Any, tuple[Any, list[Any], str]] = {}
-            if not all(type(k) is str for k in group):  # keys the walk refuses: walk it
+            if not _STR.issuperset(map(type, group)):  # keys the walk refuses: walk it
                 packed = {k: v for k, v in group.items() if k != "params"}
                 packed["params"] = indices
                 nodes.append(enc.value(packed, (*path, i), 5))
