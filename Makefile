@@ -79,7 +79,13 @@ docs: $(DOCS_STAMP)
 # built once). Most tests wait on subprocesses (torchrun ranks, persist workers, servers),
 # so three processes keep two cores busy; TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 3
+BUILD_DS_OP := import importlib.util as u; u.find_spec('deepspeed') is None or __import__('deepspeed.comm.torch', fromlist=['build_shm_op']).build_shm_op()
+# DeepSpeed compiles its CPU shared-memory op at a fresh environment's first
+# `deepspeed.initialize` (a minute or two here; tests/conftest.py's deepspeed_shm_op_built
+# waits for it). It is started first, in the background, on the core the checks below
+# leave idle; the fixture then finds it built, or waits on torch's build lock.
 test: $(STAMP)
+	mkdir -p build && (OMP_NUM_THREADS=1 MAX_JOBS=1 $(PY) -c "$(BUILD_DS_OP)" > build/deepspeed-op.log 2>&1 &)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/mypy

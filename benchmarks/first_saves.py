@@ -10,9 +10,11 @@ persist_every=Every(steps=K))`` (K = 2 by default: saves closer together than th
 process takes to start) and `restore()`, then ``3 K`` training steps with `maybe_save`
 after each. Timed on the training thread: each
 `maybe_save` that started a persist (its *block*) and the snapshot copy inside it
-(`Checkpointer.last_snapshot_s`). Three variants, the first rotating launch by launch:
-``on_busy="wait"``, ``"skip"``, and *wait-all*: ``"wait"`` with `Checkpointer.wait`
-before each due save (how ``"wait"`` behaved before a persist could queue).
+(`Checkpointer.last_snapshot_s`). Four variants, the first rotating launch by launch:
+``on_busy="wait"``, ``"skip"``, *wait-all*: ``"wait"`` with `Checkpointer.wait`
+before each due save (how ``"wait"`` behaved before a persist could queue), and
+*wait-torch*: ``"wait"`` with a worker process that imports torch as it starts (as every
+worker did before it stopped needing torch).
 Reported per save index (first, second, third of the launch, and *all*: a launch's
 three summed): the median block, the median snapshot, and block ÷ snapshot. A block
 near its snapshot means the save did not wait for the worker. Writes
@@ -22,6 +24,7 @@ near its snapshot means the save did not wait for the worker. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
@@ -29,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 import resumable
+from resumable.pipeline import _worker_process
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,45 +51,66 @@ def _model(mib: float) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
-VARIANTS = ("wait", "wait-all", "skip")
+VARIANTS = ("wait", "wait-torch", "wait-all", "skip")
+
+_TORCH_BOOT = _worker_process._WORKER_BOOT.replace(
+    "from resumable.pipeline._worker import worker_main\n",
+    "import torch\nfrom resumable.pipeline._worker import worker_main\n",
+)
+assert _TORCH_BOOT != _worker_process._WORKER_BOOT
+
+
+@contextlib.contextmanager
+def _worker_boot(variant: str) -> Iterator[None]:
+    """For ``"wait-torch"``, a worker process that imports torch as it starts, as every
+    worker did before it stopped needing torch (docs/decisions.md)."""
+    plain = _worker_process._WORKER_BOOT
+    if variant == "wait-torch":
+        _worker_process._WORKER_BOOT = _TORCH_BOOT
+    try:
+        yield
+    finally:
+        _worker_process._WORKER_BOOT = plain
 
 
 def one_launch(root: Path, *, variant: str, mib: float, every: int) -> dict[str, Any]:
     """One launch's three saves: block and snapshot seconds of each. ``variant``: an
-    ``on_busy`` value, or ``"wait-all"``: ``"wait"`` with `Checkpointer.wait` called
+    ``on_busy`` value, ``"wait-all"``: ``"wait"`` with `Checkpointer.wait` called
     before each due save, which is what ``"wait"`` did before a persist could queue
-    behind the running one."""
+    behind the running one, or ``"wait-torch"``: ``"wait"`` with a worker that imports
+    torch as it starts, as it did before it stopped needing torch."""
     emulate_wait_all = variant == "wait-all"
-    on_busy = "wait" if emulate_wait_all else variant
+    on_busy = "wait" if variant in ("wait-all", "wait-torch") else variant
     torch.manual_seed(0)
     model = _model(mib)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(16, 1024)
-    ck = resumable.Checkpointer(
-        root,
-        {"model": model, "optim": optim},
-        persist="process",
-        on_busy=on_busy,
-        persist_every=resumable.Every(steps=every),
-        keep=resumable.Keep(last=2),
-    )
-    blocks: list[float] = []
-    snaps: list[float] = []
-    with ck:
-        ck.restore()
-        for step in range(1, 3 * every + 1):
-            model(x).square().mean().backward()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
+    with _worker_boot(variant):  # the worker may start with the Checkpointer
+        ck = resumable.Checkpointer(
+            root,
+            {"model": model, "optim": optim},
+            persist="process",
+            on_busy=on_busy,
+            persist_every=resumable.Every(steps=every),
+            keep=resumable.Keep(last=2),
+        )
+        blocks: list[float] = []
+        snaps: list[float] = []
+        with ck:
+            ck.restore()
+            for step in range(1, 3 * every + 1):
+                model(x).square().mean().backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                if emulate_wait_all and step % every == 0:
+                    ck.wait()  # what on_busy="wait" did before persists could queue
+                started = ck.maybe_save(step)
+                took = time.perf_counter() - t0
+                if started:
+                    blocks.append(took)
+                    snaps.append(float(ck.last_snapshot_s or 0.0))
             t0 = time.perf_counter()
-            if emulate_wait_all and step % every == 0:
-                ck.wait()  # what on_busy="wait" did before persists could queue
-            started = ck.maybe_save(step)
-            took = time.perf_counter() - t0
-            if started:
-                blocks.append(took)
-                snaps.append(float(ck.last_snapshot_s or 0.0))
-        t0 = time.perf_counter()
     return {"block_s": blocks, "snapshot_s": snaps, "close_s": time.perf_counter() - t0}
 
 

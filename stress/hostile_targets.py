@@ -285,7 +285,7 @@ class Sandbox:
     def _make_slot(self) -> None:
         """A complete snapshot slot of the newest checkpoint's state, as the memory tier
         writes one for ``SHM_STORAGE``, with its per-tensor checksums."""
-        from resumable.format import TensorSlot, dtype_from_name
+        from resumable.format import TensorSlot, check_dtype_name
 
         storage = open_storage(SHM_STORAGE)
         directory = shm.own_dir(self.shm_dir)
@@ -296,7 +296,7 @@ class Sandbox:
             key=lambda kv: kv[1]["data_offsets"][0],
         )
         slots = [
-            TensorSlot(k, dtype_from_name(v["dtype"]), tuple(v["shape"]), *v["data_offsets"])
+            TensorSlot(k, check_dtype_name(v["dtype"]), tuple(v["shape"]), *v["data_offsets"])
             for k, v in entries
         ]
         tree = self.manifest["ranks"][0]["tree"]

@@ -35,6 +35,8 @@ import dist_job
 from launch import kill_session, run, start, torchrun_cmd
 from resumable.commit import step_dir
 from resumable.errors import StateMismatchError
+from resumable.reader import CheckpointReader
+from resumable.storage import open_storage
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -76,9 +78,8 @@ class Runs:
         return load_file(str(self.out / f"{name}.safetensors")), groups
 
     def manifest(self, root: str, step: int) -> dict[str, Any]:
-        text = (self.out / root / step_dir(step) / "manifest.json").read_text()
-        manifest: dict[str, Any] = json.loads(text)
-        return manifest
+        """The whole manifest, its parts merged (format version 4), validated."""
+        return CheckpointReader(open_storage(str(self.out / root)), step).manifest
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import torch
 import resumable.incremental as inc_mod
 from resumable import Checkpointer, Incremental, Keep, StorageError
 from resumable.commit import list_committed
-from resumable.format import TensorSlot
+from resumable.format import TensorSlot, dtype_name
 from resumable.incremental import DeltaBase
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage
@@ -212,7 +212,7 @@ def slots_of(state: dict[str, torch.Tensor]) -> tuple[list[TensorSlot], memoryvi
     flat, slots, at = [], [], 0
     for name, t in state.items():
         raw = t.reshape(-1).view(torch.uint8)
-        slots.append(TensorSlot(name, t.dtype, tuple(t.shape), at, at + raw.numel()))
+        slots.append(TensorSlot(name, dtype_name(t.dtype), tuple(t.shape), at, at + raw.numel()))
         flat.append(raw)
         at += raw.numel()
     return slots, memoryview(torch.cat(flat).numpy())

@@ -17,7 +17,7 @@ import first_saves  # noqa: E402
 def test_every_variant_runs_and_reports_each_save() -> None:
     out = first_saves.run(1, mib=0.25, every=2, log=lambda _: None)
     assert set(out["summary"]) == set(first_saves.VARIANTS)
-    for variant in ("wait", "wait-all"):  # every due persist starts: three saves
+    for variant in ("wait", "wait-torch", "wait-all"):  # every due persist starts: three saves
         rows = out["summary"][variant]
         assert [r["save"] for r in rows] == [1, 2, 3, "all"], rows
         assert all(r["block_s"] >= r["snapshot_s"] > 0 for r in rows)

@@ -25,11 +25,13 @@ from resumable.format import (
     FORMAT_VERSION,
     MANIFEST,
     build_manifest,
+    check_dtype_name,
     check_relpath,
     decode_manifest,
     dtype_from_name,
     dtype_name,
     encode_manifest,
+    itemsize,
     manifest_digest,
     parse_safetensors_header,
     plan_layout,
@@ -168,7 +170,7 @@ def test_plan_layout_packs_and_aligns(specs: list[tuple[torch.dtype, list[int]]]
         assert s.begin == offset
         assert s.begin % t.element_size() == 0
         assert s.nbytes == t.numel() * t.element_size()
-        assert (s.dtype, s.shape) == (t.dtype, tuple(t.shape))
+        assert (dtype_from_name(s.dtype), s.shape) == (t.dtype, tuple(t.shape))
         offset = s.end
     sizes = [tensors[s.name].element_size() for s in slots]
     assert sizes == sorted(sizes, reverse=True)
@@ -500,3 +502,16 @@ def test_unknown_manifest_fields_are_ignored_but_covered_by_the_digest() -> None
     m["comment"] = "edited"
     with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
         decode_manifest(encode_manifest(m), where="t")
+
+
+def test_dtype_tables_agree_with_torch() -> None:
+    """The torch-free tables (names and element sizes, what the persist worker uses)
+    describe the same dtypes as torch does."""
+    for dt in DTYPES:
+        name = dtype_name(dt)
+        assert dtype_from_name(name) is dt
+        assert check_dtype_name(name) == name
+        assert itemsize(name) == torch.empty((), dtype=dt).element_size(), name
+    for bad in ("F128", "f32", None, 4):
+        with pytest.raises(CorruptCheckpointError, match="unknown dtype"):
+            check_dtype_name(bad)

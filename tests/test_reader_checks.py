@@ -293,17 +293,22 @@ def test_only_the_files_read_are_checked_and_each_once(tmp_path: Path) -> None:
     cut.write_bytes(cut.read_bytes()[:-4])
     counted = _Counted(storage)
     reader = CheckpointReader(counted, 1)  # type: ignore[arg-type]
+    reader.only_rank(0)
     got = reader.tensors(names[0])
     assert all(float(t.float().mean()) == 0.0 for t in got.values())
-    # the manifest (size, read); its file checked (size, header length, header), read
+    # the top manifest (size, read), rank 0's part (size, read; no other part); its
+    # file checked (size, header length, header), read
     own = "step-000000000001/rank-00000.safetensors"
-    assert counted.paths == ["step-000000000001/manifest.json"] * 2 + [own] * 4
+    part = "step-000000000001/part-00000.json"
+    assert counted.paths == ["step-000000000001/manifest.json"] * 2 + [part] * 2 + [own] * 4
+    assert reader.partial
     checks = len(counted.paths)
     reader.check_files(names[0])
     reader.tensors(names[0], verify=False)
     assert len(counted.paths) - checks == 1  # the data read alone, no check again
     # rank 1's tensors: refused before a byte of them is returned, and so is a check
     # of every file
+    reader = CheckpointReader(storage, 1)
     with pytest.raises(CorruptCheckpointError, match=r"rank-00001\.safetensors has"):
         reader.tensors(names[1])
     with pytest.raises(CorruptCheckpointError, match=r"rank-00001\.safetensors has"):

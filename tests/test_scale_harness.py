@@ -70,9 +70,11 @@ def test_commit_store_bytes(measured: dict, where: str) -> None:
 @pytest.mark.parametrize("where", ["restore_memory", "restore_local"])
 def test_restore_planning_calls(measured: dict, where: str) -> None:
     r4, r16 = _row(measured, 4)[where], _row(measured, 16)[where]
-    # The manifest (size, read), then the one file the rank reads (size, the 8-byte
-    # header length, the header): 5 at any N. Checking every rank's file made it 3N + 2.
-    assert r4["storage_calls_per_rank"] == r16["storage_calls_per_rank"] == 5
+    # The top manifest (size, read), the rank's own part (size, read; format version 4:
+    # no other rank's), then the one file the rank reads (size, the 8-byte header
+    # length, the header): 7 at any N. Checking every rank's file made it 3N + 2; one
+    # manifest naming every rank's tensors made the bytes read O(N).
+    assert r4["storage_calls_per_rank"] == r16["storage_calls_per_rank"] == 7
 
 
 @pytest.mark.parametrize("case", ["none_fails", "every_rank_fails"])
@@ -115,10 +117,11 @@ def measured_s3(tmp_path_factory: pytest.TempPathFactory, seaweedfs: Any) -> dic
 def test_retention_requests_on_s3_do_not_grow_with_n(measured_s3: dict) -> None:
     r4, r16 = _row(measured_s3, 4)["retention_s3"], _row(measured_s3, 16)["retention_s3"]
     assert r4["steps_deleted"] == r16["steps_deleted"] == [1]
-    # Every object of the doomed checkpoint goes (N data files, its manifest and its
-    # commit marker, batched in DeleteObjects), yet the requests are the same at any N
-    # below 1,000 files: one ListObjectsV2 page checks the new checkpoint's files.
-    assert r16["objects_deleted"] - r4["objects_deleted"] == 12
+    # Every object of the doomed checkpoint goes (N data files, N parts of its split
+    # manifest, its top manifest and its commit marker, batched in DeleteObjects), yet
+    # the requests are the same at any N below 1,000 files: one ListObjectsV2 page
+    # checks the new checkpoint's files.
+    assert r16["objects_deleted"] - r4["objects_deleted"] == 2 * 12
     assert r4["requests"] == r16["requests"]
     assert r16["requests"]["GetObject"] == 3  # manifests only: no data file's header
     # A HeadObject and two GetObjects per data file made it 32 at N=4, 68 at N=16.
@@ -131,6 +134,7 @@ def test_retention_and_restore_ran(measured: dict) -> None:
         assert row["retention_local"]["steps_deleted"] == [1]
         assert row["restore_local"]["per_rank_s"] > 0
         assert row["manifest"]["tensors"] == 20 * n
+        assert row["manifest"]["restore_decode_s"] > 0 and row["manifest"]["decode_s"] > 0
         assert row["gloo_model"]["messages_per_rank"] == 2 * (n - 1)
 
 

@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import pytest
-import torch
 
 from resumable._shm import RawJSON, SlotMeta, decode_meta, encode_meta, layout_meta, slot_layout
 from resumable.errors import CorruptCheckpointError
@@ -35,7 +34,7 @@ SHARDED = SlotMeta(
     root="file:///ck",
 )
 
-LAYOUT = [TensorSlot("w", torch.float32, (4,), 0, 16)]
+LAYOUT = [TensorSlot("w", "F32", (4,), 0, 16)]
 
 
 def _blob(meta: dict[str, Any]) -> bytes:

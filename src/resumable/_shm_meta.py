@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resumable.errors import CheckpointError, CorruptCheckpointError
-from resumable.format import TensorSlot, dtype_from_name, dtype_name, itemsize
+from resumable.format import TensorSlot, check_dtype_name, itemsize
 from resumable.pieces import Piece, pieces_to_json
 
 ROOT_KEY = "root"  # metadata key: the checkpoint root's URL
@@ -211,18 +211,18 @@ def slot_layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
         if not isinstance(name, str) or name in names:
             return None
         try:
-            torch_dtype = dtype_from_name(dtype)
+            dtype = check_dtype_name(dtype)
         except CheckpointError:
             return None
         if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
             return None
-        size = itemsize(dtype_name(torch_dtype))
+        size = itemsize(dtype)
         if type(begin) is not int or type(end) is not int or begin != offset or begin % size:
             return None
         if end != begin + math.prod(shape) * size or end > data_cap:
             return None
         names.add(name)
-        slots.append(TensorSlot(name, torch_dtype, tuple(shape), begin, end))
+        slots.append(TensorSlot(name, dtype, tuple(shape), begin, end))
         offset = end
     return slots
 
@@ -266,7 +266,7 @@ def layout_meta(slots: list[TensorSlot]) -> list[dict[str, Any]]:
     return [
         {
             "name": s.name,
-            "dtype": dtype_name(s.dtype),
+            "dtype": s.dtype,
             "shape": list(s.shape),
             "begin": s.begin,
             "end": s.end,

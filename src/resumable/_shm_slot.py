@@ -23,11 +23,11 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 import xxhash
 
+from resumable._lazy import torch_module
 from resumable._shm_meta import SlotMeta, decode_meta
 from resumable._shm_places import (
     TMP_MARK,
@@ -41,6 +41,11 @@ from resumable._shm_places import (
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
 from resumable.format import TensorSlot
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = torch_module()
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,13 @@ import torch
 from resumable.capture import CLASSES_KEY, iter_refs, subtree
 from resumable.commit import step_dir
 from resumable.errors import CheckpointError
-from resumable.format import TensorSlot, byte_view, dtype_from_name, safetensors_header
+from resumable.format import (
+    TensorSlot,
+    byte_view,
+    dtype_from_name,
+    dtype_name,
+    safetensors_header,
+)
 from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
 from resumable.storage import Storage
@@ -163,7 +169,7 @@ def export_state_dict(
     for sd_key in sorted(specs, key=lambda k: -element_size(k)):  # aligned, as the data files
         dtype, shape = specs[sd_key]
         n = math.prod(shape) * element_size(sd_key)
-        slots.append(TensorSlot(sd_key, dtype, shape, offset, offset + n))
+        slots.append(TensorSlot(sd_key, dtype_name(dtype), shape, offset, offset + n))
         offset += n
     metadata = {"format": "pt", "producer": "resumable", "step": str(step), "key": key}
 

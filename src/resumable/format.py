@@ -21,19 +21,21 @@ against the files before a byte is used, and nothing in a checkpoint can name co
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib.metadata
 import itertools
 import json
 import platform
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from resumable._version import __version__
@@ -41,8 +43,13 @@ from resumable.errors import CorruptCheckpointError, NewerFormatError, Unsupport
 from resumable.pieces import check_pieces, global_tensors
 from resumable.tree import check_tree
 
+if TYPE_CHECKING:
+    import torch
+
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 3  # the highest this reads; a writer writes 1 unless it refers (3)
+FORMAT_VERSION = 4  # the highest this reads; one process writes 1, or 3 if it refers;
+# several ranks write 4 (the split manifest: `resumable.parts`)
+SPLIT_VERSION = 4
 CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -51,43 +58,78 @@ MAX_NDIM = 64
 MAX_JSON_DEPTH = 256  # arrays and objects; a tree of MAX_TREE_DEPTH needs at most 197
 CHECKSUM = "xxh3_64"
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
+# The dtypes a checkpoint stores, by safetensors name, with their element sizes. The
+# names are what slots and manifests carry; torch's dtypes are looked up only where a
+# tensor is made or described, so the persist worker runs without importing torch.
+_ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
-_FROM_NAME = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {v: torch.empty((), dtype=k).element_size() for k, v in _DTYPES.items()}
+_TORCH_NAMES = {  # safetensors name -> torch attribute
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 _ARRAY_LIMIT = 2**63  # numpy and torch strides: bytes of an array, zero dimensions as 1
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9._-]{0,199}$")
 
 
+@functools.cache
+def _torch_dtypes() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
+    import torch
+
+    to_torch = {k: getattr(torch, v) for k, v in _TORCH_NAMES.items()}
+    return {v: k for k, v in to_torch.items()}, to_torch
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype; `UnsupportedStateError` for one a
+    checkpoint cannot store."""
     try:
-        return _DTYPES[dtype]
+        return _torch_dtypes()[0][dtype]
     except KeyError:
         raise UnsupportedStateError(
             f"tensors of dtype {dtype} cannot be stored in safetensors; "
-            f"supported: {', '.join(str(d) for d in _DTYPES)}"
+            f"supported: {', '.join(str(d) for d in _torch_dtypes()[0])}"
         ) from None
 
 
-def dtype_from_name(name: Any) -> torch.dtype:
-    if not isinstance(name, str) or name not in _FROM_NAME:
+def check_dtype_name(name: Any) -> str:
+    """``name`` if it is the safetensors name of a dtype a checkpoint stores, else
+    `CorruptCheckpointError` (no torch needed)."""
+    if not isinstance(name, str) or name not in _ITEMSIZE:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint")
-    return _FROM_NAME[name]
+    return name
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    """The torch dtype of a safetensors name found in a checkpoint (validated here)."""
+    return _torch_dtypes()[1][check_dtype_name(name)]
 
 
 def itemsize(name: str) -> int:
@@ -139,10 +181,11 @@ def check_relpath(path: Any) -> str:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where one tensor's bytes live in a data file's data region."""
+    """Where one tensor's bytes live in a data file's data region; ``dtype`` is its
+    safetensors name (``"F32"``, `dtype_from_name` gives torch's)."""
 
     name: str
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
     begin: int
     end: int
@@ -158,9 +201,8 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> list[TensorSlot]:
     order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
     slots, offset = [], 0
     for name, t in order:
-        dtype_name(t.dtype)
         n = t.numel() * t.element_size()
-        slots.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, offset + n))
+        slots.append(TensorSlot(name, dtype_name(t.dtype), tuple(t.shape), offset, offset + n))
         offset += n
     return slots
 
@@ -175,7 +217,7 @@ def safetensors_header(
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     for s in slots:
         header[s.name] = {
-            "dtype": dtype_name(s.dtype),
+            "dtype": s.dtype,
             "shape": list(s.shape),
             "data_offsets": [s.begin, s.end],
         }
@@ -203,7 +245,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
         # Decoded as UTF-8 here: json.loads would take bytes in UTF-16 or -32 as well.
         # The collector paused, as for a manifest (`decode_manifest`): a header with
         # thousands of entries set off full collections that took 0.1 s.
-        with _no_gc():
+        with no_gc():
             header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
     except RecursionError:
         raise CorruptCheckpointError("safetensors header is nested too deeply") from None
@@ -282,12 +324,25 @@ def _entry(name: str) -> str:
 
 
 def versions() -> dict[str, str]:
+    """The versions a manifest records. Torch's is the loaded module's; the persist
+    worker, which does not import torch, reads the installed distribution's."""
     return {
         "resumable": __version__,
-        "torch": torch.__version__,
+        "torch": _torch_version(),
         "numpy": np.__version__,
         "python": platform.python_version(),
     }
+
+
+@functools.cache
+def _torch_version() -> str:
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return str(loaded.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -331,7 +386,8 @@ def build_manifest(
 def json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in metrics.items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
+        torch = sys.modules.get("torch")  # a tensor means torch is loaded already
+        if torch is not None and isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
         if isinstance(v, np.generic):
             v = v.item()
@@ -402,12 +458,13 @@ def decode_manifest(
     ``arrays``: filled with the long extents lists the validation made into NumPy
     arrays, ``(n, 3)`` rows of (source, begin, end) by tensor name, so that a reader
     does not make them again (a list of 60,000 integers takes milliseconds)."""
-    with _no_gc():
+    with no_gc():
         return _decode_manifest(data, where=where, files_only=files_only, arrays=arrays)
 
 
 @contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
+def no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused while JSON is parsed (`decode_manifest`)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -471,9 +528,7 @@ def _decode_manifest(
     if type(version) is not int or version < 1 or version > FORMAT_VERSION:
         raise CorruptCheckpointError(f"{where}: format version {version!r} is not valid")
     _check_type(m, "step", int, where)
-    _check_type(m, "ranks", list, where)
     _check_type(m, "files", dict, where)
-    _check_type(m, "tensors", dict, where)
     _check_type(m, "metrics", dict, where)
     for key, value in m["metrics"].items():
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -485,19 +540,47 @@ def _decode_manifest(
         raise CorruptCheckpointError(
             f"{where}: world_size must be an integer >= 1, found {str(world)[:100]!r}"
         )
-    if len(m["ranks"]) != world:
-        raise CorruptCheckpointError(
-            f"{where}: manifest lists {len(m['ranks'])} rank(s) for world_size {world}"
-        )
-    for i, r in enumerate(m["ranks"]):
-        if not isinstance(r, dict) or "tree" not in r or r.get("rank", i) != i:
-            raise CorruptCheckpointError(f"{where}: malformed entry for rank {i}")
     for fname, info in m["files"].items():
         check_relpath(fname)
         if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
             raise CorruptCheckpointError(f"{where}: bad entry for file {fname!r}")
+    if version == SPLIT_VERSION:
+        # the top manifest of a split one: its parts are checked as they are read
+        if "tensors" in m or "ranks" in m:
+            raise CorruptCheckpointError(
+                f"{where}: a version 4 manifest lists its parts, not tensors or ranks"
+            )
+        _check_refs(m, version, where)
+        return m
     if files_only:
         return m
+    check_body(m, version, where, arrays)
+    return m
+
+
+def check_body(
+    m: dict[str, Any],
+    version: int,
+    where: str,
+    arrays: dict[str, np.ndarray] | None = None,
+    *,
+    complete: bool = True,
+) -> None:
+    """The tensor index and the state trees of a manifest whose header passed
+    (`decode_manifest`), or of the parts of a version 4 one merged (`resumable.parts`):
+    each entry against the declared file sizes, no byte of a file in two entries, the
+    pieces of each global tensor tiling it, every rank's tree. ``complete=False``: the
+    parts of some ranks only (a restore at the same world size); the pieces found must
+    lie inside their tensor without overlap, and only the trees present are checked."""
+    _check_type(m, "ranks", list, where)
+    _check_type(m, "tensors", dict, where)
+    if len(m["ranks"]) != m["world_size"]:
+        raise CorruptCheckpointError(
+            f"{where}: manifest lists {len(m['ranks'])} rank(s) for world_size {m['world_size']}"
+        )
+    for i, r in enumerate(m["ranks"]):
+        if not isinstance(r, dict) or "tree" not in r or r.get("rank", i) != i:
+            raise CorruptCheckpointError(f"{where}: malformed entry for rank {i}")
     refs = _check_refs(m, version, where)
     made: dict[str, np.ndarray] = {} if arrays is None else arrays
     for name, info in m["tensors"].items():
@@ -507,10 +590,10 @@ def _decode_manifest(
     _check_disjoint(m["tensors"], where, made)
     fqns = global_tensors(m["tensors"])
     for fqn, spec in fqns.items():
-        check_pieces(fqn, spec, m["tensors"], where)
+        check_pieces(fqn, spec, m["tensors"], where, complete=complete)
     for i, r in enumerate(m["ranks"]):
-        check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
-    return m
+        if complete or r["tree"] is not None:
+            check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
 
 
 def _check_refs(m: Mapping[str, Any], version: int, where: str) -> set[int] | None:

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
 import xxhash
 
 from resumable.format import CHUNK_HASH, TensorSlot
@@ -146,7 +145,7 @@ class Chunk(NamedTuple):
 
 @dataclass(frozen=True)
 class Record:
-    dtype: torch.dtype
+    dtype: str  # the safetensors name
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
     checksum: str  # the tensor's XXH3-64, as in the manifest

@@ -14,12 +14,17 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from resumable._lazy import torch_module
 from resumable.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = torch_module()
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,12 @@ MAX_TILING_CELLS = 1 << 22
 
 
 def check_pieces(
-    fqn: str, spec: GlobalTensor, index: Mapping[str, Mapping[str, Any]], where: str
+    fqn: str,
+    spec: GlobalTensor,
+    index: Mapping[str, Mapping[str, Any]],
+    where: str,
+    *,
+    complete: bool = True,
 ) -> None:
     """Check that the pieces of ``fqn`` agree on its shape and dtype and tile it exactly:
     inside it, no overlap, every element covered (DCP itself does not check).
@@ -220,6 +230,8 @@ def check_pieces(
         spec: the global tensor, as `global_tensors` grouped it.
         index: the manifest's tensor index.
         where: the checkpoint, for error messages.
+        complete: False where ``index`` holds some ranks' entries only (a split
+            manifest read in part): the pieces need not cover the tensor.
 
     Raises:
         CorruptCheckpointError: the pieces disagree, lie outside the tensor, overlap,
@@ -237,7 +249,7 @@ def check_pieces(
         if any(o + s > g for o, s, g in zip(p.offset, p.shape, spec.shape)):
             raise CorruptCheckpointError(f"{what}: piece {p.name[:100]!r} lies outside it")
     covered, total = sum(math.prod(p.shape) for p in pieces), math.prod(spec.shape)
-    if covered != total:
+    if covered > total or (complete and covered != total):
         raise CorruptCheckpointError(
             f"{what} cover {covered} of its {total} elements (a rank's file is missing "
             "from the manifest, or pieces overlap)"

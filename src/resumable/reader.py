@@ -20,12 +20,12 @@ import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 import xxhash
 
+from resumable._lazy import torch_module
 from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, NewerFormatError
 from resumable.format import (
@@ -33,6 +33,7 @@ from resumable.format import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_SAFETENSORS_HEADER,
+    SPLIT_VERSION,
     byte_view,
     checksum,
     decode_manifest,
@@ -40,7 +41,13 @@ from resumable.format import (
     parse_safetensors_header,
     tensor_ranges,
 )
+from resumable.parts import check_parts, decode_part, held, holders_of, merge
 from resumable.storage.base import Storage
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = torch_module()
 
 
 class CheckpointReader:
@@ -55,6 +62,9 @@ class CheckpointReader:
         self.dir = step_dir(step)
         self.where = f"checkpoint {self.dir} in {storage.url}"
         self._manifest: dict[str, Any] | None = None
+        self._top: dict[str, Any] | None = None
+        # A split manifest (version 4): the rank whose parts alone to read, or None for all.
+        self._rank: int | None = None
         self.mapped = False  # whether tensors() returned views of mapped files
         self._holders: dict[int, CheckpointReader] = {}  # earlier checkpoints referred to
         self._extents_cache: _Extents | None = None
@@ -68,26 +78,99 @@ class CheckpointReader:
         self._fills: list[tuple[torch.Tensor, _Pieces]] = []
 
     @property
-    def manifest(self) -> dict[str, Any]:
-        if self._manifest is None:
+    def top(self) -> dict[str, Any]:
+        """The manifest file, validated: the whole manifest of versions 1 to 3; of a
+        split one (version 4), the header, data files, parts and refs, without reading
+        a part. Enough for retention (metrics, refs, sizes)."""
+        if self._top is None:
             path = f"{self.dir}/{MANIFEST}"
-            try:
-                size = self.storage.size(path)
-                if size > MAX_MANIFEST_BYTES:  # refuse before allocating for it
-                    raise CorruptCheckpointError(
-                        f"{self.where}: manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}"
-                    )
-                raw = self.storage.read(path)
-            except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{self.where}: manifest is missing") from exc
+            raw = self._read_capped(path, MAX_MANIFEST_BYTES, "manifest")
             arrays: dict[str, np.ndarray] = {}
             m = decode_manifest(raw, where=self.where, files_only=self._files_only, arrays=arrays)
             if m["step"] != self.step:
                 raise CorruptCheckpointError(
                     f"{self.where}: manifest says step {m['step']}, directory says {self.step}"
                 )
-            self._manifest, self._arrays = m, arrays
+            if m["format_version"] == SPLIT_VERSION:
+                check_parts(m, self.where)
+            else:
+                self._manifest, self._arrays = m, arrays
+            self._top = m
+        return self._top
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The whole manifest, validated, as versions 1 to 3 lay it out. Of a split one,
+        the top with its parts merged (`resumable.parts.merge`): every part, or where
+        `only_rank` was called, those that rank needs (``partial`` is then True)."""
+        if self._manifest is None:
+            top = self.top
+            if self._manifest is None:
+                if self._files_only:
+                    self._manifest = top
+                else:
+                    self._manifest = self._merged(top)
         return self._manifest
+
+    def only_rank(self, rank: int) -> None:
+        """Read, of a split manifest, only what ``rank`` restores at the world size it was
+        saved with: its own part and the parts holding the replicated tensors its tree
+        names (all parts where its part does not say where each lies). Call before
+        `manifest`; no effect on versions 1 to 3. `widen` reads the rest."""
+        self._rank = rank
+
+    def widen(self) -> None:
+        """Drop a partial manifest (`only_rank`): the next `manifest` reads every part."""
+        if self._rank is None:
+            return
+        self._rank = None
+        if self._manifest is not None and self._manifest.get("partial"):
+            self._manifest = None
+            self._extents_cache = self._locations_cache = self._file_plan_cache = None
+            self._arrays = {}
+
+    @property
+    def partial(self) -> bool:
+        """Whether `manifest` holds some ranks' parts only."""
+        return bool(self.manifest.get("partial"))
+
+    def _merged(self, top: dict[str, Any]) -> dict[str, Any]:
+        entries = top["parts"]
+        parts: dict[int, dict[str, Any]] = {}
+        rank = self._rank
+        if rank is not None and 0 <= rank < len(entries):
+            own = self._part(entries[rank])
+            parts[rank] = own
+            for r in sorted(holders_of(own, len(entries), self.where) - {rank}):
+                parts[r] = self._part(entries[r])
+            if not held(own["tree"], parts):
+                rank = None  # its part does not say where all it names lies
+        if rank is None:
+            for e in entries:
+                if e["rank"] not in parts:
+                    parts[e["rank"]] = self._part(e)
+        arrays: dict[str, np.ndarray] = {}
+        m = merge(top, parts, self.where, arrays, tree_of=rank)
+        self._arrays = arrays
+        return m
+
+    def _part(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """One part, its size checked before it is read and its checksum before it is
+        parsed (`resumable.parts.decode_part`)."""
+        path = f"{self.dir}/{entry['file']}"
+        raw = self._read_capped(path, entry["size"], f"part {entry['rank']}")
+        return decode_part(raw, entry, self.step, self.where)
+
+    def _read_capped(self, path: str, cap: int, what: str) -> bytes:
+        try:
+            size = self.storage.size(path)
+            if size > cap:  # refuse before allocating for it
+                raise CorruptCheckpointError(
+                    f"{self.where}: {what} of {size} bytes exceeds the {cap} expected"
+                )
+            return self.storage.read(path)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{self.where}: {what} is missing") from exc
 
     @property
     def tree(self) -> Any:
@@ -150,8 +233,20 @@ class CheckpointReader:
         inside the file). No file is opened, so on an object store the cost is a
         listing per 1,000 files, not requests per file as `check_files` makes.
         Retention checks the checkpoint just written so (`resumable.retention` says why
-        that is enough); a restore still runs `check_files` and the checksums. Raises
-        `CorruptCheckpointError`."""
+        that is enough); a restore still runs `check_files` and the checksums. Of a
+        split manifest, from its top alone: the data files and parts, and each earlier
+        checkpoint it refers to, every data file at its declared size (a restore checks
+        that each chunk lies inside). Raises `CorruptCheckpointError`."""
+        top = self.top
+        if top["format_version"] == SPLIT_VERSION:
+            sizes = {f: info["size"] for f, info in top["files"].items()}
+            sizes.update({p["file"]: p["size"] for p in top["parts"]})
+            self._sizes_listed(self, sizes)
+            for step in top["refs"]:
+                holder = self._holder(step)
+                files = holder.manifest["files"]
+                self._sizes_listed(holder, {f: info["size"] for f, info in files.items()})
+            return
         m = self.manifest
         self._sizes_listed(self, {f: info["size"] for f, info in m["files"].items()})
         wanted: dict[int, dict[str, int]] = defaultdict(dict)
@@ -589,6 +684,7 @@ class CheckpointReader:
         first problem. Never initialises a GPU (tensors stay on the CPU)."""
         from resumable.capture import RNG_KEY, check_rng_state, decode
 
+        self.widen()
         self.check_files()
         tensors = self.tensors()
 

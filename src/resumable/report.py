@@ -515,7 +515,7 @@ def _checkpoints(
             step=step, name=step_dir(step), bytes=None, created=None, status="committed"
         )
         try:
-            manifest = CheckpointReader(storage, step).manifest
+            manifest = CheckpointReader(storage, step).top  # no part read
             row.bytes = sum(int(f["size"]) for f in manifest["files"].values())
             row.created = _number(manifest.get("created"))
         except CorruptCheckpointError as exc:

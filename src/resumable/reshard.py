@@ -23,6 +23,10 @@ class GlobalLoader:
     """Builds the value of each global tensor for this rank from the pieces of a
     checkpoint, shaped like the live target (see module doc).
 
+    Where the reader holds a split manifest in part
+    (`resumable.reader.CheckpointReader.only_rank`) and the pieces found do not fill a
+    target, it reads every part and plans again.
+
     Call order: `prepare` for the tensors to restore (optional: `value` and `assemble`
     prepare what they need), then `value` or `assemble` per tensor.
 
@@ -76,6 +80,8 @@ class GlobalLoader:
         )
 
         if fqn not in self.globals:
+            if self._widen():
+                return self._plan(fqn)
             raise StateMismatchError(f"{self.where}: the checkpoint has no tensor {fqn!r}")
         spec = self.globals[fqn]
         gshape, dtype = spec.shape, dtype_from_name(spec.dtype)
@@ -109,7 +115,21 @@ class GlobalLoader:
                 items.append(
                     (src.name, tuple(it.storage_offsets), tuple(it.dest_offsets), tuple(it.lengths))
                 )
+        if sum(math.prod(it[3]) for it in items) != math.prod(local_shape):
+            # the pieces read (disjoint, `check_pieces`) do not fill this rank's part
+            if self._widen():
+                return self._plan(fqn)
+            raise CorruptCheckpointError(f"{self.where}: the pieces of {fqn!r} do not cover it")
         return local_shape, dtype, items
+
+    def _widen(self) -> bool:
+        """Where the reader holds some ranks' parts of a split manifest only, read them
+        all (another layout at the same world size); whether it did."""
+        if not getattr(self.reader, "partial", False):
+            return False
+        self.reader.widen()
+        self.globals = global_tensors(self.reader.manifest["tensors"])
+        return True
 
     def assemble(self, fqn: str) -> torch.Tensor:
         """The whole of ``fqn`` as one tensor, read from its pieces and not kept (export

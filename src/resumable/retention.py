@@ -106,7 +106,7 @@ def apply_retention(
     for s in list_committed(storage):
         if s not in cache:
             try:
-                cache[s] = retention_entry(CheckpointReader(storage, s).manifest)
+                cache[s] = retention_entry(CheckpointReader(storage, s).top)
             except CheckpointError as exc:
                 if _gone(storage, s):
                     log.debug("retention: %s was deleted meanwhile", step_dir(s))

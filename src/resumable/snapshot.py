@@ -30,11 +30,11 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
+from resumable._lazy import torch_module
 from resumable._shm import (
     COMPLETE,
     PREFIX,
@@ -54,17 +54,24 @@ from resumable._shm import (
     slot_paths,
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
-from resumable.format import TensorSlot, byte_view, checksum, plan_layout
+from resumable.format import TensorSlot, byte_view, checksum, dtype_from_name, plan_layout
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = torch_module()
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Snapshot:
-    """Bytes of every tensor, packed per `slots`, in ``buffer`` (a uint8 CPU tensor)."""
+    """Bytes of every tensor, packed per `slots`, in ``buffer``: a uint8 CPU tensor, or
+    the bytes themselves (the persist worker's view of a shared-memory slot, which
+    writes them without importing torch)."""
 
     slots: list[TensorSlot]
-    buffer: torch.Tensor
+    buffer: torch.Tensor | memoryview
 
     @property
     def nbytes(self) -> int:
@@ -74,15 +81,20 @@ class Snapshot:
         """The packed bytes, without a copy."""
         if self.nbytes == 0:
             return memoryview(b"")
+        if isinstance(self.buffer, memoryview):
+            return self.buffer[: self.nbytes]
         return byte_view(self.buffer[: self.nbytes])
 
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
         """A view of one tensor inside the arena (valid until the next snapshot)."""
-        return tensor_view(self.buffer, slot)
+        buf = self.buffer
+        if isinstance(buf, memoryview):
+            buf = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0)
+        return tensor_view(buf, slot)
 
 
 def tensor_view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
-    return buf[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
+    return buf[slot.begin : slot.end].view(dtype_from_name(slot.dtype)).view(slot.shape)
 
 
 class CopyPlan:

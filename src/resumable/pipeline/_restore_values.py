@@ -145,6 +145,8 @@ class RestoreValues:
         """Read, verify and decode this rank's values from ``reader`` without touching a
         live object; returns them and the state keys to leave as they are. Only the
         files it reads are checked (`CheckpointReader.tensors`), not every rank's."""
+        if self.world_size > 1 and reader.top["world_size"] == self.world_size:
+            reader.only_rank(self.rank)  # a split manifest: the parts this rank needs
         m = reader.manifest  # validated: one tree per rank of world_size
         saved_world = m["world_size"]
         trees = [r["tree"] for r in m["ranks"]]

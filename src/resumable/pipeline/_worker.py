@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import os
 import queue
@@ -71,6 +72,19 @@ from resumable.storage import Storage, open_storage
 log = logging.getLogger(__name__)
 
 
+def _load_torch_early(config: WorkerConfig) -> None:
+    """Start importing torch on a thread of its own, after the start-up, where a job
+    of this worker will need it: a coordinated persist (its store client, its share's
+    copy) or a mirror's upload (a full verification). A single process's persist never
+    does (`resumable._lazy`); this only moves the import off the first such job."""
+    if config.world_size <= 1 and not config.mirror:
+        return
+    name = "torch.distributed" if config.world_size > 1 else "torch"
+    threading.Thread(
+        target=importlib.import_module, args=(name,), name="resumable-load-torch", daemon=True
+    ).start()
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     """Entry point of the worker process (``--fd N``: its end of the socketpair)."""
     p = argparse.ArgumentParser(prog="resumable-worker")
@@ -111,6 +125,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         return 0  # the trainer is already gone
     if config.nice:  # after the start-up, which the trainer's first save may wait for
         lower_priority(config.nice)
+    _load_torch_early(config)
     try:
         while True:
             if not watch.wait(sock):
@@ -157,8 +172,10 @@ class PersistWorker:
         mirror_storage: Storage | None = None,
         incremental: Incremental | None = None,
         fence: LeaseFence | None = None,
+        world_size: int = 1,
     ) -> None:
-        """``fence``: the trainer's lease (`RootLock.fence`), None where it cannot lapse."""
+        """``fence``: the trainer's lease (`RootLock.fence`), None where it cannot lapse;
+        ``world_size``: the job's ranks."""
         if mode not in ("process", "thread"):
             raise ValueError(f"persist mode must be 'process' or 'thread', got {mode!r}")
         self.mode = mode
@@ -176,6 +193,7 @@ class PersistWorker:
             mirror_options=mirror_options,
             incremental=incremental.to_json() if incremental is not None else None,
             nice=worker_nice() if mode == "process" else 0,  # a bad value: refused here
+            world_size=world_size,
         )
         self.pid = os.getpid()
         if mode == "process":

@@ -43,6 +43,7 @@ from resumable.pipeline.write import (
     PersistResult,
     WriteRequest,
     rank_share,
+    replicated_holders,
     write_checkpoint,
     write_distributed,
 )
@@ -85,6 +86,12 @@ def keep_from_json(d: dict[str, Any] | None) -> Keep | None:
         return None
     best = tuple(d["best"]) if d.get("best") else None
     return Keep(last=d.get("last"), best=best, every_steps=d.get("every_steps"))
+
+
+def _bytes_of(slot: ShmSlot, content: SlotContent) -> Snapshot:
+    """The snapshot of ``content`` as the bytes of its slot, without a copy (and without
+    torch: `resumable._lazy`)."""
+    return Snapshot(content.slots, slot.data_view(content.slots[-1].end if content.slots else 0))
 
 
 def _request(content: SlotContent, snapshot: Snapshot) -> WriteRequest:
@@ -222,9 +229,7 @@ class JobRunner:
             )
         if job.group:
             return self._persist_coordinated(slot, content, job.group)
-        reply, sums = self.persist_snapshot(
-            _request(content, Snapshot(content.slots, slot.data_tensor()))
-        )
+        reply, sums = self.persist_snapshot(_request(content, _bytes_of(slot, content)))
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
         slot.write_checksums(content.seq, sums)
@@ -270,14 +275,21 @@ class JobRunner:
         coordinator = StoreCoordinator.connect(where, self._stores)
         snap = rank_share(
             self._arena,
-            Snapshot(content.slots, slot.data_tensor()),
+            _bytes_of(slot, content),
             content.meta.replicated,
             coordinator.rank,
             coordinator.world_size,
         )
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
-        return self.persist_group(coordinator, _request(content, snap))
+        holders = replicated_holders(
+            {t.name: t.nbytes for t in content.slots},
+            content.meta.replicated,
+            coordinator.rank,
+            coordinator.world_size,
+        )
+        request = dataclasses.replace(_request(content, snap), holders=holders)
+        return self.persist_group(coordinator, request)
 
     def persist_group(self, group: Coordination, request: WriteRequest) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`), then, on rank

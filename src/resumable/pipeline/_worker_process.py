@@ -72,7 +72,9 @@ worker the kernel killed for it ends by SIGKILL instead)."""
 # --signal=USR1@90, torchrun stopping its workers) are the trainer's: ignored here, before
 # the slow imports, so an in-flight persist survives them. The trainer ends the worker
 # (stop, socket EOF, SIGKILL). `resumable` is loaded from the trainer's copy, whatever else
-# the path holds.
+# the path holds, and its ``__init__`` (the public API, which imports torch) is not run:
+# the worker imports only the modules it uses, none of which loads torch until a tensor
+# is needed (`resumable._lazy`).
 _WORKER_BOOT = (
     "import os, sys\n"
     "fd, lifeline, fence, trainer, deathsig, package_dir, *path = sys.argv[1:]\n"
@@ -100,8 +102,7 @@ _WORKER_BOOT = (
     "    signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
     "import importlib.machinery, importlib.util\n"
     "spec = importlib.machinery.PathFinder.find_spec('resumable', [package_dir])\n"
-    "sys.modules['resumable'] = package = importlib.util.module_from_spec(spec)\n"
-    "spec.loader.exec_module(package)\n"
+    "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
     "from resumable.pipeline._worker import worker_main\n"
     "code = worker_main(['--fd', fd, '--fence', fence])\n"
     # Every job is done, its files closed and fsynced, its reply sent: the interpreter's

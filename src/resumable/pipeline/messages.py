@@ -34,6 +34,7 @@ class WorkerConfig:
     mirror_options: dict[str, Any] | None = None
     incremental: dict[str, Any] | None = None  # `Incremental.to_json`; None: whole
     nice: int = 0  # added to the worker's niceness once it is ready (`_worker.worker_nice`)
+    world_size: int = 1  # the job's ranks: with several, the worker loads torch early
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from resumable.audit import AuditLog
 from resumable.commit import abort_quietly, committer_for, list_committed, step_dir
 from resumable.errors import CheckpointError, StorageError
 from resumable.format import encode_manifest, manifest_digest, tensor_ranges
+from resumable.parts import flatten
 from resumable.pipeline.messages import Mirrored, MirrorFailed, MirrorFlushed, Report
 from resumable.policy import Keep
 from resumable.reader import CheckpointReader
@@ -80,7 +81,7 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
     committer = committer_for(dst)
     attempt = committer.begin(step)
     renamed = {name: attempt.key(name.rsplit("/", 1)[-1]) for name in manifest["files"]}
-    relocated = copy.deepcopy(manifest)
+    relocated = flatten(copy.deepcopy(manifest))  # a split manifest as one (format 4)
     relocated["files"] = {renamed[k]: v for k, v in manifest["files"].items()}
     for info in relocated["tensors"].values():
         if "file" in info:
@@ -88,7 +89,6 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
         for c in [*info.get("chunks", ()), *info.get("sources", ())]:
             if "step" not in c:  # a chunk of another checkpoint is named by basename
                 c["file"] = renamed[c["file"]]
-    relocated.pop("digest", None)
     relocated["digest"] = manifest_digest(relocated)
     try:
         for name, new in renamed.items():

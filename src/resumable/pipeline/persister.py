@@ -58,7 +58,7 @@ from resumable.pipeline.messages import (
     Report,
     WorkerConfig,
 )
-from resumable.pipeline.write import WriteRequest, rank_share
+from resumable.pipeline.write import WriteRequest, rank_share, replicated_holders
 from resumable.policy import Keep
 from resumable.snapshot import Arena, MemorySnapshot
 from resumable.storage import Storage
@@ -261,10 +261,14 @@ class SyncPersister(Persister):
             raise PersistError(f"memory snapshot of step {snap.step} is gone")
         meta = content.meta
         data = self.memory.data(snap)
+        holders: dict[str, int] = {}
         if self.group.world_size > 1:  # this rank's share, copied out of its slot
             group = self.group
+            sizes = {t.name: t.nbytes for t in data.slots}
+            holders = replicated_holders(sizes, meta.replicated, group.rank, group.world_size)
             data = rank_share(self._arena, data, meta.replicated, group.rank, group.world_size)
-        self._write(WriteRequest(snap.step, data, meta.tree, meta.metrics, meta.pieces), snapshot_s)
+        request = WriteRequest(snap.step, data, meta.tree, meta.metrics, meta.pieces, holders)
+        self._write(request, snapshot_s)
 
     def persist_state(
         self,
@@ -282,8 +286,14 @@ class SyncPersister(Persister):
         tensors = owned_tensors(captured.tensors, captured.replicated, rank, world)
         snap = self._arena.snapshot(tensors)
         snapshot_s = time.perf_counter() - t0
+        sizes = {n: t.numel() * t.element_size() for n, t in captured.tensors.items()}
         request = WriteRequest(
-            step, snap, captured.tree, json_metrics(metrics or {}), captured.pieces
+            step,
+            snap,
+            captured.tree,
+            json_metrics(metrics or {}),
+            captured.pieces,
+            replicated_holders(sizes, captured.replicated, rank, world),
         )
         self._write(request, snapshot_s)
         return snapshot_s
@@ -388,6 +398,7 @@ class BackgroundPersister(Persister):
                 incremental=self.incremental,
                 mirror_storage=self.mirror if thread else None,
                 fence=self.fence,
+                world_size=self.group.world_size,
             )
         return self._worker
 

@@ -22,8 +22,6 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-import torch
-
 from resumable.commit import Attempt, Committer, abort_quietly, step_dir
 from resumable.errors import PersistError
 from resumable.format import (
@@ -32,12 +30,13 @@ from resumable.format import (
     TensorSlot,
     build_manifest,
     checksum,
-    dtype_name,
     encode_manifest,
     safetensors_header,
+    tensor_ranges,
 )
 from resumable.incremental import Chunk, DeltaBase, Plan, Record
-from resumable.pieces import Piece, owned_tensors
+from resumable.parts import build_top, encode_part, part_entry, part_file
+from resumable.pieces import Piece, balance, owned_tensors
 from resumable.snapshot import Arena, Snapshot
 from resumable.storage import direct
 from resumable.storage.base import Storage
@@ -53,13 +52,16 @@ def rank_file(rank: int) -> str:
 class WriteRequest:
     """What one persist writes: the snapshot of ``step``, its state tree and metrics, and,
     with several ranks, where this rank's global tensors lie (``pieces``, by tensor
-    name). Built once by the caller and handed down unchanged."""
+    name) and which rank writes each replicated tensor this rank does not
+    (``holders``: `replicated_holders`). Built once by the caller and handed down
+    unchanged."""
 
     step: int
     snapshot: Snapshot
     tree: Any
     metrics: Mapping[str, Any] | None = None
     pieces: Mapping[str, Piece] | None = None
+    holders: Mapping[str, int] | None = None
 
 
 def rank_share(
@@ -70,6 +72,18 @@ def rank_share(
     ``replicated`` ones that `owned_tensors` gives another rank."""
     views = {s.name: snapshot.tensor(s) for s in snapshot.slots}
     return arena.snapshot(owned_tensors(views, replicated, rank, world_size))
+
+
+def replicated_holders(
+    sizes: Mapping[str, int], replicated: Collection[str], rank: int, world_size: int
+) -> dict[str, int]:
+    """The rank that writes each ``replicated`` tensor that ``rank`` does not (by name;
+    ``sizes``: every tensor's bytes), as `owned_tensors` shares them out. A rank's part of
+    a split manifest records it, so that a restore reads only the parts it needs."""
+    if world_size == 1:
+        return {}
+    owner = balance({n: sizes[n] for n in replicated if n in sizes}, world_size)
+    return {n: r for n, r in owner.items() if r != rank}
 
 
 @dataclass(frozen=True)
@@ -399,7 +413,7 @@ def _layout(
         tensors = {
             s.name: {
                 "file": fname,
-                "dtype": dtype_name(s.dtype),
+                "dtype": s.dtype,
                 "shape": list(s.shape),
                 "offsets": [start + s.begin, start + s.end],
                 CHECKSUM: sums[s.name],
@@ -470,14 +484,14 @@ def _incremental_file(
                 n += 1
                 name = f"{p.slot.name}#chunk{first}.{n}"
             names.add(name)
-            file_slots.append(TensorSlot(name, torch.uint8, (size,), begin, begin + size))
+            file_slots.append(TensorSlot(name, "U8", (size,), begin, begin + size))
     header = safetensors_header(file_slots, meta, align=_header_align(offset))
     start = len(header)
     base_name = fname.rsplit("/", 1)[-1]
     tensors: dict[str, dict[str, Any]] = {}
     for p in plan.slots:
         name = p.slot.name
-        entry = {"dtype": dtype_name(p.slot.dtype), "shape": list(p.slot.shape)}
+        entry = {"dtype": p.slot.dtype, "shape": list(p.slot.shape)}
         entry[CHECKSUM] = sums[name]
         if p.whole:  # one extent of its own file
             at0 = start + starts[name]
@@ -542,6 +556,36 @@ def check_refs(storage: Storage, refs: list[int]) -> bool:
     return all(storage.exists(f"{step_dir(k)}/{MANIFEST}") for k in refs)
 
 
+def _write_part(
+    file: _DataFile,
+    attempt: Attempt,
+    request: WriteRequest,
+    rank: int,
+    size: int,
+    tensors: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """Write ``rank``'s part of the split manifest beside its data file; returns its
+    report to rank 0: O(1) bytes (the data file, the part's entry, the steps referred to)."""
+    name = part_file(rank)
+    blob = encode_part(
+        step=request.step,
+        rank=rank,
+        file=file.key,
+        tree=request.tree,
+        tensors=tensors,
+        holders=request.holders or {},
+    )
+    file.storage.write(attempt.path(name), [blob])
+    refs = sorted({s for t in tensors.values() for s, *_ in tensor_ranges(t) if s is not None})
+    return {
+        "file": file.key,
+        "size": size,
+        "part": part_entry(rank, attempt.key(name), blob),
+        "refs": refs,
+        "step": request.step,
+    }
+
+
 class Coordination(Protocol):
     """The exchanges of a coordinated persist (`resumable.coordination`)."""
 
@@ -572,7 +616,9 @@ def write_distributed(
 
     Rank 0 opens the attempt and tells every rank where to write; each rank writes its
     own data file (its shards, its share of the replicated tensors, its per-rank state)
-    and reports it, or its error; rank 0 commits only if every rank succeeded, and
+    and its part of the manifest (`resumable.parts`, format version 4), and reports
+    their names, sizes and the part's checksum, or its error; rank 0 commits a top
+    manifest naming the parts only if every rank succeeded, and
     tells everyone the outcome: the bytes, whether it replaced a commit, the manifest's
     digest. The manifest stays on rank 0 (`PersistResult.manifest` is None on the
     others), so each rank reads O(1) bytes of outcome. Any failure, on any rank, means
@@ -598,15 +644,9 @@ def write_distributed(
     try:
         file = _DataFile.of(storage, attempt, group.rank)
         size, tensors, plan = _write_data_file(file, request, base)
+        report = _write_part(file, attempt, request, group.rank, size, tensors)
         if check is not None:
             check()
-        report = {
-            "file": file.key,
-            "size": size,
-            "tensors": tensors,
-            "tree": request.tree,
-            "step": step,
-        }
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
     try:
@@ -625,24 +665,20 @@ def write_distributed(
             errors.append(f"the ranks saved different steps {steps}")
         if not errors:
             try:
-                index: dict[str, Any] = {}
-                for r in reports:
-                    index.update(r["tensors"])
-                manifest = build_manifest(
+                manifest, blob = build_top(
                     step=step,
                     metrics=request.metrics,
-                    trees=[r["tree"] for r in reports],
                     files={
                         r["file"]: {"size": r["size"], "rank": i} for i, r in enumerate(reports)
                     },
-                    tensors=index,
+                    parts=[r["part"] for r in reports],
+                    refs=[k for r in reports for k in r["refs"]],
                     world_size=group.world_size,
                 )
-                blob = encode_manifest(manifest)
                 if check is not None:
                     check()
                 replaced = committer.commit(attempt, blob)
-                nbytes = sum(r["size"] for r in reports) + len(blob)
+                nbytes = sum(r["size"] + r["part"]["size"] for r in reports) + len(blob)
                 # Not the manifest: every rank reads the outcome (O(N) bytes each, O(N²)
                 # in all); only rank 0 uses the manifest, and keeps it.
                 outcome = {"nbytes": nbytes, "replaced": replaced, "digest": manifest["digest"]}

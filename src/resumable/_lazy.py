@@ -1,0 +1,32 @@
+"""Torch, imported at its first use by the modules the persist worker shares.
+
+The persist worker writes bytes from shared memory to storage: it needs no tensor, and
+importing torch cost it about 1.3 s of CPU at every launch, which a launch's first saves
+waited for (issue 48). The modules it shares with the trainer (the format, the reader,
+the snapshot arena, the pieces) name ``torch`` through `torch_module`: in a process
+that has imported torch already (every trainer) it is torch itself; elsewhere it is a
+stand-in that imports torch at its first attribute, so a path that needs a tensor still
+gets one. ``tests/test_worker_imports.py`` checks that a worker persists, mirrors and
+exits without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+
+class _OnFirstUse(types.ModuleType):
+    """A module's stand-in that imports it at its first attribute."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self.__name__), attr)
+
+
+def torch_module() -> Any:
+    """``torch`` if loaded, else a stand-in that loads it when first used."""
+    return sys.modules.get("torch") or _OnFirstUse("torch")

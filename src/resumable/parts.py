@@ -1,0 +1,303 @@
+"""The split manifest of several ranks (format version 4): one part per rank, one top.
+
+Each rank writes its part (its state tree, its tensor index, where the replicated
+tensors its tree names lie) beside its data file, and reports only the part's name,
+size and checksum. Rank 0 commits a top manifest that lists the N parts, so its work
+and the bytes it reads grow by a small entry per rank, not by every tensor. A reader
+checks a part against the top's size and checksum before it parses a byte of it.
+Trade-off: a reader of the whole checkpoint reads N + 1 objects instead of one; a
+rank restoring at the same world size reads the top, its own part and those holding
+the replicated tensors it needs (`PartChoice`). ``docs/format.md`` section 13.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from resumable.errors import CorruptCheckpointError
+from resumable.format import (
+    CHECKSUM,
+    FORMAT_NAME,
+    MAX_JSON_DEPTH,
+    MAX_MANIFEST_BYTES,
+    SPLIT_VERSION,
+    check_body,
+    check_relpath,
+    checksum,
+    json_metrics,
+    no_gc,
+    versions,
+)
+
+PART_FORMAT = "resumable-checkpoint-part"
+MAX_PART_BYTES = MAX_MANIFEST_BYTES
+_HASH64 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def part_file(rank: int) -> str:
+    """The name of ``rank``'s part inside an attempt."""
+    return f"part-{rank:05d}.json"
+
+
+def encode_part(
+    *,
+    step: int,
+    rank: int,
+    file: str,
+    tree: Any,
+    tensors: Mapping[str, Mapping[str, Any]],
+    holders: Mapping[str, int],
+) -> bytes:
+    """One rank's part: its tree, the entries of its data file ``file`` and, for each
+    replicated tensor its tree names but another rank writes, that rank (``holders``)."""
+    part = {
+        "format": PART_FORMAT,
+        "step": int(step),
+        "rank": int(rank),
+        "file": file,
+        "tree": tree,
+        "tensors": {k: dict(v) for k, v in tensors.items()},
+        "holders": {k: int(v) for k, v in holders.items()},
+    }
+    return json.dumps(part, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def part_entry(rank: int, key: str, blob: bytes) -> dict[str, Any]:
+    """The top manifest's entry for a part written as ``key`` with bytes ``blob``."""
+    return {"rank": rank, "file": key, "size": len(blob), CHECKSUM: checksum(blob)}
+
+
+def build_top(
+    *,
+    step: int,
+    metrics: Mapping[str, Any] | None,
+    files: Mapping[str, Mapping[str, Any]],
+    parts: list[Mapping[str, Any]],
+    refs: list[int],
+    world_size: int,
+) -> tuple[dict[str, Any], bytes]:
+    """The top manifest of a split checkpoint and its bytes: the header fields of a
+    version 1 manifest, the data ``files``, the ``parts`` (`part_entry`, in rank order)
+    and the steps any part refers to. Encoded once, in the digest's form (keys sorted,
+    no whitespace), the digest appended as the last member: the bytes without it are
+    those the digest covers (`format.manifest_digest`), which a reader checks by hashing
+    them. Rank 0 builds it while every rank waits: one JSON encoding, not two."""
+    m: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": SPLIT_VERSION,
+        "step": int(step),
+        "created": time.time(),
+        "metrics": json_metrics(metrics or {}),
+        "versions": versions(),
+        "hostname": socket.gethostname(),
+        "world_size": int(world_size),
+        "files": {k: dict(v) for k, v in files.items()},
+        "parts": [dict(p) for p in parts],
+        "refs": sorted(set(refs)),
+    }
+    body = json.dumps(m, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    m["digest"] = checksum(body)
+    return m, body[:-1] + b',"digest":' + json.dumps(m["digest"]).encode() + b"}"
+
+
+def check_parts(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """The ``parts`` of a version 4 top manifest: one per rank, in rank order, each a
+    safe name not among the data files, a size within `MAX_PART_BYTES` and a checksum.
+    Raises `CorruptCheckpointError`."""
+    parts = m.get("parts")
+    world = m["world_size"]
+    if type(parts) is not list or len(parts) != world:
+        raise CorruptCheckpointError(
+            f"{where}: a version 4 manifest lists one part per rank ({world}); found "
+            f"{str(parts)[:100]}"
+        )
+    names: set[str] = set()
+    for i, p in enumerate(parts):
+        size = p.get("size") if isinstance(p, dict) else None
+        if (
+            not isinstance(p, dict)
+            or p.get("rank") != i
+            or type(size) is not int
+            or not 0 <= size <= MAX_PART_BYTES
+            or type(p.get(CHECKSUM)) is not str
+            or not _HASH64.fullmatch(p[CHECKSUM])
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: part {i} must be {{rank, file, size <= {MAX_PART_BYTES}, "
+                f"{CHECKSUM}}}, found {str(p)[:200]}"
+            )
+        name = check_relpath(p.get("file"))
+        if name in m["files"] or name in names:
+            raise CorruptCheckpointError(f"{where}: part {i}'s file {name!r} is named twice")
+        names.add(name)
+    return list(parts)
+
+
+def decode_part(data: bytes, entry: Mapping[str, Any], step: int, where: str) -> dict[str, Any]:
+    """A part's bytes, checked against its top entry (size, checksum) before they are
+    parsed, then its fields. Raises `CorruptCheckpointError`."""
+    rank = entry["rank"]
+    what = f"{where}: part {rank} ({entry['file']})"
+    if len(data) != entry["size"]:
+        raise CorruptCheckpointError(
+            f"{what} has {len(data)} bytes, the manifest declares {entry['size']} "
+            "(truncated or overwritten)"
+        )
+    if checksum(data) != entry[CHECKSUM]:
+        raise CorruptCheckpointError(f"{what}: checksum mismatch (edited or corrupt)")
+    try:
+        with no_gc():
+            part = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{what} is nested too deeply") from None
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{what} is not valid JSON ({exc})") from None
+    if (
+        not isinstance(part, dict)
+        or part.get("format") != PART_FORMAT
+        or part.get("rank") != rank
+        or part.get("step") != step
+        or not isinstance(part.get("tensors"), dict)
+        or not isinstance(part.get("holders"), dict)
+        or "tree" not in part
+    ):
+        raise CorruptCheckpointError(f"{what} is not rank {rank}'s part of step {step}")
+    if not _depth_within(part, MAX_JSON_DEPTH):
+        raise CorruptCheckpointError(f"{what} is nested more than {MAX_JSON_DEPTH} levels")
+    return part
+
+
+def _reject(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _depth_within(doc: Any, limit: int) -> bool:
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return False
+        children = value.values() if type(value) is dict else value
+        for child in children:
+            if type(child) is dict or type(child) is list:
+                stack.append((child, depth + 1))
+    return True
+
+
+def merge(
+    top: Mapping[str, Any],
+    parts: Mapping[int, Mapping[str, Any]],
+    where: str,
+    arrays: dict[str, np.ndarray] | None = None,
+    *,
+    tree_of: int | None = None,
+) -> dict[str, Any]:
+    """The manifest of a version 4 checkpoint as versions 1 to 3 lay it out (``ranks``,
+    ``tensors``), from its top and the decoded ``parts``, validated as a whole manifest
+    is (`format.check_body`). With some ranks' parts only, ``partial`` is True and
+    ``ranks`` holds the tree of ``tree_of`` alone (the rank restoring; the others
+    None). A part's entries may name its own data file only (and files of the steps
+    the top refers to). Raises `CorruptCheckpointError`."""
+    world = top["world_size"]
+    own = {info["rank"]: name for name, info in top["files"].items() if "rank" in info}
+    tensors: dict[str, Any] = {}
+    ranks: list[dict[str, Any]] = [{"rank": i, "tree": None} for i in range(world)]
+    for r in sorted(parts):
+        part = parts[r]
+        fname = own.get(r)
+        if part.get("file") != fname:
+            raise CorruptCheckpointError(
+                f"{where}: part {r} names data file {str(part.get('file'))[:100]!r}, the "
+                f"manifest lists {fname!r} for rank {r}"
+            )
+        for name, info in part["tensors"].items():
+            if name in tensors:
+                raise CorruptCheckpointError(f"{where}: tensor {name[:100]!r} is in two parts")
+            for _step, f in _own_files(info):
+                if f != fname:
+                    raise CorruptCheckpointError(
+                        f"{where}: part {r}'s tensor {name[:100]!r} lies in {str(f)[:100]!r}, "
+                        "not in its rank's data file"
+                    )
+            tensors[name] = info
+    complete = len(parts) == world
+    for r in parts:
+        if complete or r == tree_of:
+            ranks[r] = {"rank": r, "tree": parts[r]["tree"]}
+    m = {k: v for k, v in top.items() if k != "parts"}
+    m["ranks"], m["tensors"] = ranks, tensors
+    m["partial"] = not complete
+    check_body(m, top["format_version"], where, arrays, complete=complete)
+    return m
+
+
+def flatten(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A merged manifest of every part (`merge`) as one manifest of version 1, or 3
+    where an entry has extents: what a copy elsewhere commits (`pipeline.mirror`),
+    without its digest (the caller signs what it changed)."""
+    out = {k: v for k, v in m.items() if k not in ("parts", "partial", "digest")}
+    if out.get("format_version") != SPLIT_VERSION:
+        return out
+    extents = any("extents" in t for t in out["tensors"].values())
+    out["format_version"] = 3 if extents else 1
+    if not extents:
+        out.pop("refs", None)
+    return out
+
+
+def _own_files(info: Any) -> Iterator[tuple[None, Any]]:
+    """The files of this checkpoint an entry (not yet validated) names."""
+    if not isinstance(info, dict):
+        return
+    if "file" in info:
+        yield None, info["file"]
+    sources = info.get("sources")
+    if isinstance(sources, list):
+        for s in sources:
+            if isinstance(s, dict) and "step" not in s:
+                yield None, s.get("file")
+
+
+def holders_of(part: Mapping[str, Any], world: int, where: str) -> set[int]:
+    """The ranks whose parts hold the replicated tensors ``part``'s tree names."""
+    out: set[int] = set()
+    for name, r in part["holders"].items():
+        if type(r) is not int or not 0 <= r < world or not isinstance(name, str):
+            raise CorruptCheckpointError(
+                f"{where}: part {part['rank']} says {str(name)[:100]!r} is held by rank "
+                f"{str(r)[:20]}, not a rank below {world}"
+            )
+        out.add(r)
+    return out
+
+
+def global_names(tree: Any) -> set[str]:
+    """The fqn of every ``global`` node of a (depth-checked) tree, walked iteratively."""
+    out: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if type(node) is dict:
+            g = node.get("global")
+            if type(g) is str:
+                out.add(g)
+            stack.extend(node.values())
+        elif type(node) is list:
+            stack.extend(node)
+    return out
+
+
+def held(tree: Any, parts: Mapping[int, Mapping[str, Any]]) -> bool:
+    """Whether every global tensor ``tree`` names has pieces in one of ``parts``."""
+    have: set[str] = set()
+    for part in parts.values():
+        for name, info in part["tensors"].items():
+            have.add(info.get("fqn", name) if isinstance(info, dict) else name)
+    return global_names(tree) <= have

@@ -1,0 +1,101 @@
+"""The persist worker does its work without loading torch (`resumable._lazy`): it
+starts sooner (a launch's first saves waited for its torch import, issue 48) and holds
+less memory. Checked on a live worker of a real Checkpointer through ``/proc``: after
+full and incremental persists and retention, no torch library is mapped in it, and
+what it wrote restores bit for bit. (A mirror's upload verifies the checkpoint in full,
+random streams tried on generators, and loads torch in the worker when it first runs.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resumable import Checkpointer, Every, Keep
+from state_checks import shm_dir
+
+__all__ = ["shm_dir"]  # a fixture
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+
+
+def _torch_mapped(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-1] for line in f if "libtorch" in line})
+
+
+def _state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return {"model": model, "optim": opt}
+
+
+def _train(state: dict[str, object], step: int) -> None:
+    model, opt = state["model"], state["optim"]
+    assert isinstance(model, torch.nn.Module) and isinstance(opt, torch.optim.Optimizer)
+    g = torch.Generator().manual_seed(step)
+    loss = model(torch.randn(16, 64, generator=g)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_the_worker_persists_without_torch(tmp_path: Path, shm_dir: Path) -> None:
+    state = _state()
+    ckpt = Checkpointer(
+        tmp_path / "root",
+        state,
+        persist="process",
+        on_busy="wait",
+        shm_dir=shm_dir,
+        keep=Keep(last=2),
+        persist_every=Every(steps=1),
+    )
+    try:
+        ckpt.restore()
+        for step in range(1, 6):
+            _train(state, step)
+            assert ckpt.save(step)
+        ckpt.wait()
+        pid = ckpt.worker_pid
+        assert pid is not None
+        steps = ckpt.steps()  # incremental persists, then retention
+        assert steps[-2:] == [4, 5] and 2 not in steps and 3 not in steps
+        assert _torch_mapped(pid) == [], "the persist worker loaded torch"
+    finally:
+        ckpt.close()
+    want = {k: v.clone() for k, v in state["model"].state_dict().items()}  # type: ignore[attr-defined]
+    fresh = _state()
+    with Checkpointer(tmp_path / "root", fresh, persist="thread", shm_dir=shm_dir) as again:
+        assert again.restore() == 5
+    got = fresh["model"].state_dict()  # type: ignore[attr-defined]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_worker_modules_do_not_import_torch() -> None:
+    """The modules the worker loads (its boot skips ``resumable/__init__``), imported the
+    same way in a fresh interpreter, leave torch unloaded; a tensor path still loads it
+    at first use."""
+    src = Path(__file__).resolve().parents[1] / "src" / "resumable"
+    code = (
+        "import importlib.machinery, importlib.util, sys\n"
+        f"spec = importlib.machinery.PathFinder.find_spec('resumable', [{str(src.parent)!r}])\n"
+        "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
+        "import resumable.pipeline._worker, resumable.pipeline.mirror, resumable.retention\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "from resumable.format import dtype_from_name\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(dtype_from_name('BF16'))\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.bfloat16"
