@@ -69,10 +69,16 @@ def text(c: Captured) -> str:
     return json.dumps(c.tree, separators=(",", ":"), allow_nan=False)
 
 
-def assert_equivalent(got: Captured, want: Captured, where: str) -> None:
+def assert_equivalent(
+    got: Captured, want: Captured, where: str, tree_json: TreeJSON | None = None
+) -> None:
     """``got`` (through a plan) is what a full walk ``want`` gave: the same tree JSON,
-    tensor names in order, dtypes, shapes, devices and values."""
+    tensor names in order, dtypes, shapes, devices and values; and, with ``tree_json``
+    (the memory tier's encoder, fed every planned capture in turn), the same text
+    through it, though it reuses the texts the plan made (`KnownJSON`)."""
     assert text(got) == text(want), where
+    if tree_json is not None:
+        assert str(tree_json.encode(got.tree)) == text(want), where
     assert list(got.tensors) == list(want.tensors), where
     for name, w in want.tensors.items():
         g = got.tensors[name]
@@ -291,6 +297,40 @@ def _numpy_cached_gauss(s: dict[str, Any]) -> None:
     np.random.randn()  # the pair's second is kept: NumPy's words and position stay
 
 
+def _python_twist(s: dict[str, Any]) -> None:
+    for _ in range(400):  # past the 624 words: new words, not only a new position
+        random.random()
+
+
+def _python_gauss(s: dict[str, Any]) -> None:
+    random.gauss(0, 1)  # a Gaussian kept (gauss_next), or the kept one used
+
+
+def _lr_tensor(s: dict[str, Any]) -> None:
+    for g in s["optim"].param_groups:
+        lr = g["lr"]
+        g["lr"] = torch.tensor(0.5) if not isinstance(lr, torch.Tensor) else lr * 0.5
+
+
+def _group_list_in_place(s: dict[str, Any]) -> None:
+    """A mutable group value changed in place: the same object, another content."""
+    for g in s["optim"].param_groups:
+        g.setdefault("history", []).append(len(g.get("history", [])) + 0.5)
+
+
+def _group_int_key(s: dict[str, Any]) -> None:
+    """A group key that is no string (the walk takes ints): that group is walked."""
+    group = s["optim"].param_groups[0]
+    group[7] = group.get(7, 0) + 1
+
+
+def _group_same_number(s: dict[str, Any]) -> None:
+    """Values equal in Python but not in JSON (1, 1.0, True), as new objects."""
+    for g in s["optim"].param_groups:
+        kind = g.get("flag", 1.0)
+        g["flag"] = {bool: 1, int: 1.0, float: True}[type(kind)]
+
+
 CHANGES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("train", train),
     ("nothing", lambda s: None),
@@ -329,6 +369,12 @@ CHANGES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("swap-module", _swap_module),
     ("draws", _draws),
     ("numpy-cached-gauss", _numpy_cached_gauss),
+    ("python-twist", _python_twist),
+    ("python-gauss", _python_gauss),
+    ("lr-tensor", _lr_tensor),
+    ("group-list-in-place", _group_list_in_place),
+    ("group-same-number", _group_same_number),
+    ("group-int-key", _group_int_key),
 ]
 
 
@@ -338,12 +384,14 @@ def test_each_change_is_captured_as_a_full_walk_would(
 ) -> None:
     state = make_state()
     plan = CapturePlan()
+    tree_json = TreeJSON()
     for step in range(7):
         if step in (3, 4):  # the change, and the same change again
             change(state)
         elif step:
             train(state)
-        assert_equivalent(capture(state, plan=plan), capture(state), f"{name} step {step}")
+        got = capture(state, plan=plan)
+        assert_equivalent(got, capture(state), f"{name} step {step}", tree_json)
 
 
 @settings(max_examples=40, deadline=None)
@@ -351,12 +399,14 @@ def test_each_change_is_captured_as_a_full_walk_would(
 def test_any_sequence_of_changes_is_captured_as_a_full_walk_would(picks: list[int]) -> None:
     state = make_state()
     plan = CapturePlan()
-    assert_equivalent(capture(state, plan=plan), capture(state), "start")
+    tree_json = TreeJSON()
+    assert_equivalent(capture(state, plan=plan), capture(state), "start", tree_json)
     for i, pick in enumerate(picks):
         name, change = CHANGES[pick]
         change(state)
         for again in range(2):  # the capture after a change, and the one reusing it
-            assert_equivalent(capture(state, plan=plan), capture(state), f"{i} {name} {again}")
+            got = capture(state, plan=plan)
+            assert_equivalent(got, capture(state), f"{i} {name} {again}", tree_json)
 
 
 def test_an_unchanged_structure_is_reused_with_the_live_tensors() -> None:
@@ -522,3 +572,50 @@ def test_numpy_state_follows_a_replaced_bit_generator() -> None:
     finally:
         np.random.set_bit_generator(original)
     assert reader.get()["bit_generator"] == "MT19937"
+
+
+def test_random_streams_of_unusual_shapes_are_walked_and_encoded_exactly() -> None:
+    """NumPy's words under a name a user's tensor took first, and NumPy's stream under
+    another bit generator: the plan walks them (no text of its own) and the capture
+    and its JSON through `TreeJSON` are still exactly a full walk's."""
+    state = {"__rng__/numpy/state": {"key": torch.ones(2)}, "w": torch.zeros(2)}
+    plan = CapturePlan()
+    tree_json = TreeJSON()
+    for i in range(3):
+        np.random.random()
+        got = capture(state, plan=plan)
+        assert "__rng__/numpy/state/key#2" in got.tensors
+        assert_equivalent(got, capture(state), f"taken {i}", tree_json)
+    rs = np.random.mtrand._rand
+    original = rs._bit_generator
+    try:
+        np.random.set_bit_generator(np.random.PCG64(5))
+        for i in range(3):
+            np.random.random()
+            assert_equivalent(
+                capture({"w": torch.zeros(2)}, plan=plan),
+                capture({"w": torch.zeros(2)}),
+                f"pcg {i}",
+                tree_json,
+            )
+    finally:
+        np.random.set_bit_generator(original)
+    random.random()
+    assert_equivalent(capture(state, plan=plan), capture(state), "back", tree_json)
+
+
+def test_a_group_key_the_walk_refuses_is_refused_through_a_plan_too() -> None:
+    """A parameter group gains a key that is neither str nor int after the plan was made:
+    the planned capture refuses it as the full walk does, naming the key."""
+    from resumable.errors import UnsupportedStateError
+
+    state = make_state()
+    train(state)
+    plan = CapturePlan()
+    capture(state, plan=plan)
+    capture(state, plan=plan)
+    state["optim"].param_groups[0][1.5] = 1
+    with pytest.raises(UnsupportedStateError, match=r"1\.5"):
+        capture(state)
+    with pytest.raises(UnsupportedStateError, match=r"1\.5"):
+        capture(state, plan=plan)

@@ -650,3 +650,43 @@ def test_restore_from_mapped_files_shares_nothing_with_them(tmp_path: Path) -> N
     with resumable.Checkpointer(tmp_path / "ck", again, persist="sync") as ck:
         ck.restore()
     assert_same(params(again), expected)
+
+
+@pytest.mark.parametrize("width, overlapped", [(64, False), (1024, True)])
+def test_overlap_auto_hands_a_large_copy_to_a_thread_and_copies_a_small_one_at_once(
+    tmp_path: Path, shm_dir: Path, width: int, overlapped: bool
+) -> None:
+    """``overlap="auto"``: parameters and moments of 12 MiB (width 1024) are still being
+    copied when `maybe_save` returns; those of 48 KiB (width 64) are copied at once.
+    Either way the snapshot holds the state of its step, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Linear(width, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt}
+    ck = resumable.Checkpointer(
+        tmp_path / "ck",
+        state,
+        memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=10**6),
+        persist="thread",
+        overlap="auto",
+        shm_dir=shm_dir,
+        keep=None,
+    )
+
+    def step() -> None:
+        model(torch.randn(8, width)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(1, 4):
+        step()
+        expected = params(state)
+        ck.maybe_save(i)
+        assert ck.snapshot_pending is overlapped, i
+        assert (ck.stats["last_snapshot_overlapped_bytes"] >= 12 << 20) is overlapped
+    step()  # the optimizer step waits for the copy of step 3
+    assert ck.restore(tier="memory") == 3
+    assert_same(params(state), expected)
+    ck.save_on_close = False
+    ck.close()

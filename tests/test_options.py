@@ -66,7 +66,7 @@ BAD: list[tuple[type[Any], dict[str, Any], str]] = [
     (PersistOptions, {"incremental": "yes"}, "incremental must be an Incremental"),
     (PersistOptions, {"save_on_close": 1}, "save_on_close must be True or False"),
     (MemoryOptions, {"shm_dir": 3}, "shm_dir must be a path"),
-    (MemoryOptions, {"overlap": "yes"}, "overlap must be True or False"),
+    (MemoryOptions, {"overlap": "yes"}, 'overlap must be True, False or "auto"'),
     (MemoryOptions, {"replicas": 0}, "replicas must be an integer >= 1"),
     (MemoryOptions, {"replicas": True}, "replicas must be an integer >= 1"),
     (CaptureOptions, {"capture_rng": None}, "capture_rng must be True or False"),
@@ -101,7 +101,7 @@ def test_incremental_is_normalised() -> None:
     assert PersistOptions(incremental=False).writer is None
 
 
-@pytest.mark.parametrize("kwargs", [{"replicas": 2}, {"overlap": True}])
+@pytest.mark.parametrize("kwargs", [{"replicas": 2}, {"overlap": True}, {"overlap": "auto"}])
 def test_what_needs_the_memory_tier_is_refused_without_it(kwargs: dict[str, Any]) -> None:
     with pytest.raises(OptionError, match="needs the memory tier"):
         CheckpointOptions.from_kwargs(persist="sync", **kwargs)

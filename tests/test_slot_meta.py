@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from resumable._shm import RawJSON, SlotMeta, decode_meta, layout_meta, slot_layout
+from resumable._shm import RawJSON, SlotMeta, decode_meta, encode_meta, layout_meta, slot_layout
 from resumable.errors import CorruptCheckpointError
 from resumable.format import TensorSlot
 from resumable.pieces import Piece
@@ -132,3 +132,26 @@ def test_a_layout_past_the_data_region_is_refused() -> None:
     assert slot_layout(layout_meta(LAYOUT), 16) == LAYOUT
     with pytest.raises(CorruptCheckpointError, match="fit its 8 bytes"):
         decode_meta(_blob({"tree": {}}), 8)
+
+
+@pytest.mark.parametrize("created", [None, 1.5, 1764745200.123456])
+@pytest.mark.parametrize("run_id", [None, "r1", 'ü"\\'])
+@pytest.mark.parametrize("root", [None, "file:///ck", 'file:///ç k/"x"'])
+@pytest.mark.parametrize("arena_root", [None, "s3://b/p"])
+def test_a_one_process_snapshot_is_written_as_the_general_encoder_writes_it(
+    created: float | None, run_id: str | None, root: str | None, arena_root: str | None
+) -> None:
+    """`SlotMeta.encode` writes the memory tier's common snapshot from its parts: the
+    same bytes as `encode_meta` of the whole object, with the arena's root in place
+    of the meta's where it has one."""
+    tree = RawJSON('{"dict":[["w",{"tensor":"w","device":"cpu"}]]}')
+    meta = SlotMeta(tree=tree, created=created, run_id=run_id, root=root)
+    obj: dict[str, Any] = {"step": 12, "tree": tree, "metrics": {}}
+    if created is not None:
+        obj["created"] = created
+    if run_id is not None:
+        obj["run_id"] = run_id
+    if (arena_root or root) is not None:
+        obj["root"] = arena_root or root
+    assert meta.encode(12, root=arena_root) == encode_meta(obj)
+    assert json.loads(meta.encode(12, root=arena_root)) == {**obj, "tree": json.loads(tree)}

@@ -15,14 +15,17 @@ Longer notes: ``docs/decisions.md``.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
+import numpy as np
 import torch
 
-from resumable._encode import Encoder, unwrap
+from resumable._encode import Encoder, KnownJSON, scalar_json, unwrap
 from resumable._plan_entries import (
     ContainerEntry,
     Globals,
@@ -58,9 +61,13 @@ class CapturePlan:
         self._reused = False
         self._numpy = NumpyState()
         self._pystate = PythonState()
-        self._python: tuple[Any, Any] | None = None  # Python's last state and its node
-        self._words: list[int] | None = None  # its words, as the node holds them
-        self._numpy_node: tuple[Any, Any, dict[str, torch.Tensor]] | None = None
+        # Python's last state, its node and JSON; its words, as the node holds them
+        self._python: tuple[Any, Any, str | None] | None = None
+        self._words: list[int] | None = None
+        self._words_text: str | None = None
+        # NumPy's last state, its node, tensors and JSON
+        self._numpy_node: tuple[Any, Any, dict[str, torch.Tensor], str | None] | None = None
+        self._texts: dict[str, tuple[Any, str]] = {}  # a tensor stream's node and JSON
 
     def entry(self, key: str, obj: Any, enc: Encoder) -> Any | None:
         """The tree node of the top-level entry ``state[key] = obj``, its tensors and
@@ -80,50 +87,103 @@ class CapturePlan:
     def streams(self, enc: Encoder) -> Any:
         """The node of the random streams, as ``enc.streams(rng_state())`` makes it;
         Python's and NumPy's nodes (and NumPy's tensor) are the last ones while their
-        states are the same."""
+        states are the same. Where each stream has its usual shape (CPython's Mersenne
+        Twister, NumPy's MT19937, torch's CPU state), the node is a `KnownJSON`: its
+        text made from the few numbers that change, not encoded again."""
         streams = rng_state(self._numpy.get, self._pystate.get)
         if enc.world_size != 1 or enc.rank != 0:
             return enc.streams(streams)
         items = []
+        texts: list[str | None] = []
         for key, v in streams.items():
             if key == "python":
-                node = self._python_node(enc, v)
+                node, text = self._python_node(enc, v)
             elif key == "numpy":
-                kept = self._numpy_node
-                if kept is not None and v is kept[0] and _free(enc, kept[2]):
-                    enc.tensors.update(kept[2])
-                    node = kept[1]
-                else:
-                    mark = len(enc.tensors)
-                    node = enc.value(v, (RNG_KEY, key), 3)
-                    made = dict(_added(enc, mark))
-                    self._numpy_node = (v, node, made) if v is self._numpy.kept else None
+                node, text = self._numpy_stream(enc, v)
             else:
                 node = enc.value(v, (RNG_KEY, key), 3)
+                text = self._plain_text(key, node)
             items.append([key, node])
-        return {"dict": items}
+            texts.append(text)
+        if None in texts:
+            return {"dict": items}
+        return KnownJSON({"dict": items}, '{"dict":[' + ",".join(texts) + "]}")  # type: ignore[arg-type]
 
-    def _python_node(self, enc: Encoder, v: Any) -> Any:
-        """The node of Python's stream: the last one while the state is the last one;
-        while only its position moved, the same int objects for its 624 words (so
-        `TreeJSON` compares them by identity)."""
+    def _plain_text(self, key: str, node: Any) -> str | None:
+        """``[key, node]``'s JSON for a stream of a tensor node (torch's CPU state: the
+        same name at every step), or None (encoded by the caller's `TreeJSON`)."""
+        if type(node) is not dict or list(node) != ["tensor", "device"]:
+            return None
+        got = self._texts.get(key)
+        if got is None or got[0] != node:
+            got = self._texts[key] = (node, _dumps([key, node]))
+        return got[1]
+
+    def _numpy_stream(self, enc: Encoder, v: Any) -> tuple[Any, str | None]:
+        """NumPy's node (the last one while its state is the same object) and its
+        ``["numpy", node]`` JSON, made from the position and Gaussian where the state
+        is MT19937's usual dict; else walked (text None)."""
+        kept = self._numpy_node
+        if kept is not None and v is kept[0] and _free(enc, kept[2]):
+            enc.tensors.update(kept[2])
+            return kept[1], kept[3]
+        usual = _numpy_usual(v)
+        if usual is not None and _NUMPY_KEY not in enc.tensors:
+            key, pos, has_gauss, gauss = usual
+            made = {_NUMPY_KEY: torch.from_numpy(key)}
+            enc.tensors.update(made)
+            state = {"dict": [["key", {"ndarray": _NUMPY_KEY}], ["pos", pos]]}
+            node: Any = {
+                "dict": [
+                    ["bit_generator", "MT19937"],
+                    ["state", state],
+                    ["has_gauss", has_gauss],
+                    ["gauss", gauss],
+                ]
+            }
+            text: str | None = (
+                _NUMPY_HEAD
+                + int.__repr__(pos)
+                + ']]}],["has_gauss",'
+                + int.__repr__(has_gauss)
+                + '],["gauss",'
+                + float.__repr__(gauss)
+                + "]]}]"
+            )
+        else:  # another generator, or names taken: walked, encoded by `TreeJSON`
+            mark = len(enc.tensors)
+            node = enc.value(v, (RNG_KEY, "numpy"), 3)
+            made = dict(_added(enc, mark))
+            text = None
+        self._numpy_node = (v, node, made, text) if v is self._numpy.kept else None
+        return node, text
+
+    def _python_node(self, enc: Encoder, v: Any) -> tuple[Any, str | None]:
+        """The node of Python's stream and its ``["python", node]`` JSON (None: not the
+        usual shape): the last ones while the state is the last one; while only its
+        position moved, the same int objects for its 624 words, whose text is kept."""
         last = self._python
         if last is not None and v is last[0]:
-            return last[1]
+            return last[1], last[2]
         if last is not None and self._pystate.words_kept and self._words is not None:
             path = (RNG_KEY, "python")
+            position = v[1][-1]
             node = {
                 "tuple": [
                     enc.value(v[0], (*path, 0), 4),
-                    {"tuple": [*self._words, v[1][-1]]},
+                    {"tuple": [*self._words, position]},
                     enc.value(v[2], (*path, 2), 4),
                 ]
             }
         else:
             node = enc.streams({"python": v})["dict"][0][1]
-            self._words = list(v[1][:-1]) if type(v) is tuple and len(v) == 3 else None
-        self._python = (v, node)
-        return node
+            words = list(v[1][:-1]) if type(v) is tuple and len(v) == 3 else None
+            self._words = words
+            ints = words is not None and all(type(w) is int for w in words)
+            self._words_text = ",".join(map(str, words)) if words is not None and ints else None
+        text = _python_text(node, self._words_text)
+        self._python = (v, node, text)
+        return node, text
 
     def reused(self) -> bool:
         reused, self._reused = self._reused, False
@@ -291,3 +351,62 @@ def _free_entry(enc: Encoder, entry: ModuleEntry | OptimizerEntry | ContainerEnt
         return False
     glob = entry.glob
     return glob is None or not enc.live or enc.live.keys().isdisjoint(glob.live)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _python_text(node: Any, words_text: str | None) -> str | None:
+    """``["python", node]``'s JSON for ``{"tuple": [version, {"tuple": [words...,
+    position]}, gauss]}`` whose words' text is ``words_text``; None for another shape."""
+    if words_text is None:
+        return None
+    t = node["tuple"] if type(node) is dict and list(node) == ["tuple"] else None
+    if type(t) is not list or len(t) != 3 or type(t[1]) is not dict:
+        return None
+    key = t[1].get("tuple")
+    if type(key) is not list or not key or type(key[-1]) is not int:
+        return None
+    version, position, gauss = scalar_json(t[0]), int.__repr__(key[-1]), scalar_json(t[2])
+    if version is None or gauss is None:
+        return None
+    sep = "," if words_text else ""
+    return (
+        '["python",{"tuple":['
+        + version
+        + ',{"tuple":['
+        + words_text
+        + sep
+        + position
+        + "]},"
+        + gauss
+        + "]}]"
+    )
+
+
+_NUMPY_KEY = f"{RNG_KEY}/numpy/state/key"  # the name a walk gives NumPy's words
+_NUMPY_HEAD = (
+    '["numpy",{"dict":[["bit_generator","MT19937"],["state",{"dict":[["key",'
+    + _dumps({"ndarray": _NUMPY_KEY})
+    + '],["pos",'
+)
+
+
+def _numpy_usual(v: Any) -> tuple[np.ndarray, int, int, float] | None:
+    """The words, position, has_gauss and Gaussian of NumPy's usual state (MT19937's
+    dict, as ``get_state(legacy=False)`` makes it: a C-ordered uint32 key, plain ints
+    and a finite float), whose node `CapturePlan` makes without a walk; else None."""
+    if type(v) is not dict or list(v) != ["bit_generator", "state", "has_gauss", "gauss"]:
+        return None
+    inner, has_gauss, gauss = v["state"], v["has_gauss"], v["gauss"]
+    if v["bit_generator"] != "MT19937" or type(inner) is not dict:
+        return None
+    if list(inner) != ["key", "pos"] or type(inner["pos"]) is not int:
+        return None
+    key = inner["key"]
+    if type(key) is not np.ndarray or key.dtype != np.uint32 or not key.flags.c_contiguous:
+        return None
+    if type(has_gauss) is not int or type(gauss) is not float or not math.isfinite(gauss):
+        return None
+    return key, inner["pos"], has_gauss, gauss

@@ -12,6 +12,8 @@ reads as few attributes as it can, at the cost of a longer function.
 from __future__ import annotations
 
 import base64
+import functools
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +30,38 @@ RESERVED_KEYS = (RNG_KEY, CLASSES_KEY)
 
 JSONValue = Any
 Tree = Any
+
+
+class KnownJSON(dict):
+    """A tree node whose JSON text is known already: ``json`` is exactly what
+    ``json.dumps(node, separators=(",", ":"), allow_nan=False)`` gives. A capture plan
+    hands such nodes out for the parts that change at every step (the random streams),
+    so the memory tier does not encode them again. Anything else reads it as a dict."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, node: dict[str, Any], text: str) -> None:
+        super().__init__(node)
+        self.json = text
+
+
+def scalar_json(v: Any) -> str | None:
+    """The JSON of an int, a finite float, a bool or None, exactly as ``json.dumps``
+    writes it; None for anything else."""
+    tv = type(v)
+    if tv is int:
+        return int.__repr__(v)
+    if tv is float:
+        return float.__repr__(v) if math.isfinite(v) else None
+    if tv is bool:
+        return "true" if v else "false"
+    return "null" if v is None else None
+
+
+@functools.lru_cache(maxsize=1024)
+def key_json(key: str | int) -> str:
+    """A key's JSON (the same few keys at every snapshot)."""
+    return json.dumps(key)
 
 
 def path_str(path: tuple[Any, ...]) -> str:

@@ -7,12 +7,14 @@ they were made from. `Globals` notes what the walk met of global tensors (severa
 ranks, or DTensors).
 
 The trade-off: each check is a few C-level passes (``map`` over lists, no Python loop
-per item), so an entry holds every object it compares, and their ids stay theirs. A
-check does not see a tensor's dtype, shape or device change: the caller compares those.
+per item), so an entry holds every object it compares by identity, and no other object
+can take its address. A check does not see a tensor's dtype, shape or device change:
+the caller compares those.
 """
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Iterable
 from itertools import chain, compress, islice
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from resumable._encode import PLAIN_TENSORS, Encoder
+from resumable._encode import PLAIN_TENSORS, Encoder, KnownJSON, key_json, scalar_json
 from resumable.pieces import Piece, is_dtensor
 
 _MODULE_ATTRS = operator.itemgetter(  # from a module's __dict__
@@ -59,10 +61,8 @@ class Globals:
         self.pieces, self.replicated, self.live = pieces, replicated, live
         self.world_size = world_size
         self.dtensors = [t for t in live.values() if is_dtensor(t)]
-        self._locals = list(map(_LOCAL, self.dtensors))  # held: the ids below stay theirs
+        self._locals = list(map(_LOCAL, self.dtensors))
         self._specs = list(map(_SPEC, self.dtensors))
-        self.local_ids = list(map(id, self._locals))
-        self.spec_ids = list(map(id, self._specs))
 
     @staticmethod
     def marks(enc: Encoder) -> tuple[int, int, frozenset[str]]:
@@ -87,9 +87,8 @@ class Globals:
 
     def valid(self) -> bool:
         """Whether each DTensor holds the local tensor and spec it held."""
-        return (
-            list(map(id, map(_LOCAL, self.dtensors))) == self.local_ids
-            and list(map(id, map(_SPEC, self.dtensors))) == self.spec_ids
+        return _same_objects(map(_LOCAL, self.dtensors), self._locals) and _same_objects(
+            map(_SPEC, self.dtensors), self._specs
         )
 
     def add(self, enc: Encoder) -> None:
@@ -125,6 +124,14 @@ class Globals:
                 return None
             out[name] = src
         return None if plain else out
+
+
+def _same_objects(objs: Iterable[Any], held: list[Any]) -> bool:
+    """Whether ``objs`` are the very objects ``held``, in order. Compared by identity
+    (``==`` would call a tensor's ``__eq__``), not by ``id`` lists: those hold an int
+    object per item, which a check right after a training step reads from memory."""
+    got = list(objs)
+    return len(got) == len(held) and all(map(operator.is_, got, held))
 
 
 def _own_tensors(
@@ -207,21 +214,19 @@ class ModuleEntry:
         self.mods = _submodules(module)
         self.own = [vars(m) for m in self.mods]  # a per-object override would land here
         attrs = list(map(_MODULE_ATTRS, self.own))
-        self._attrs = attrs  # held: the ids below stay theirs
-        self.attr_ids = list(map(id, chain.from_iterable(attrs)))
+        self._attrs = list(chain.from_iterable(attrs))
         self.types = list(map(type, self.mods))
         self.dicts = [d for a in attrs for d in a[0:3]]
         self.lens = list(map(len, self.dicts))  # a key moved to the next dict keeps the keys
         self.keys = list(chain.from_iterable(self.dicts))
         self._values = list(chain.from_iterable(map(dict.values, self.dicts)))
-        self.value_ids = list(map(id, self._values))
         self.sets = [a[3] for a in attrs]
         self.set_copies = list(map(frozenset, self.sets))
         self.post_hooks = [a[4] for a in attrs]
         self.pre_hooks = [a[5] for a in attrs]
         # FSDP2's pre-hooks (`make` allows no other), run before each check
         self.pre_calls = [(m, h) for m, a in zip(self.mods, attrs) for h in a[5].values()]
-        self.pre_ids = [id(h) for _, h in self.pre_calls]
+        self._pre = [h for _, h in self.pre_calls]
         # (class, method name) for each class and state-dict method, and torch's methods
         kinds = list(dict.fromkeys(self.types))
         self.cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
@@ -268,12 +273,12 @@ class ModuleEntry:
             hook(m, "", True)
         return (
             list(map(type, self.mods)) == self.types
-            and list(map(id, chain.from_iterable(map(_MODULE_ATTRS, self.own)))) == self.attr_ids
+            and _same_objects(chain.from_iterable(map(_MODULE_ATTRS, self.own)), self._attrs)
             and list(map(len, self.dicts)) == self.lens
             and list(chain.from_iterable(self.dicts)) == self.keys
-            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self.dicts)), self._values)
             and not any(map(len, self.post_hooks))
-            and list(map(id, chain.from_iterable(map(dict.values, self.pre_hooks)))) == self.pre_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self.pre_hooks)), self._pre)
             and list(map(frozenset, self.sets)) == self.set_copies
             and not any(map(_overrides, self.own))
             and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
@@ -312,11 +317,9 @@ class ContainerEntry:
         self.dicts, self.lists = dicts, lists
         self.dict_lens = list(map(len, dicts))
         self.keys = list(chain.from_iterable(dicts))
-        self._values = list(chain.from_iterable(map(dict.values, dicts)))  # held
-        self.value_ids = list(map(id, self._values))
+        self._values = list(chain.from_iterable(map(dict.values, dicts)))
         self.list_lens = list(map(len, lists))
-        self._items = list(chain.from_iterable(lists))  # held
-        self.item_ids = list(map(id, self._items))
+        self._items = list(chain.from_iterable(lists))
 
     @classmethod
     def make(
@@ -356,13 +359,14 @@ class ContainerEntry:
             obj is self.obj
             and list(map(len, self.dicts)) == self.dict_lens
             and list(chain.from_iterable(self.dicts)) == self.keys
-            and list(map(id, chain.from_iterable(map(dict.values, self.dicts)))) == self.value_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self.dicts)), self._values)
             and list(map(len, self.lists)) == self.list_lens
-            and list(map(id, chain.from_iterable(self.lists))) == self.item_ids
+            and _same_objects(chain.from_iterable(self.lists), self._items)
         )
 
 
 _IMMUTABLE_TYPES = (int, float, bool, str, type(None))
+_STR = frozenset((str,))
 
 
 def _stable(v: Any) -> bool:
@@ -372,6 +376,16 @@ def _stable(v: Any) -> bool:
 
 
 _OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
+
+
+def _item_json(item: list[Any]) -> str:
+    """``[key, node]``'s JSON, as ``json.dumps`` writes it (a number's without it)."""
+    value = scalar_json(item[1])
+    if value is None:
+        return json.dumps(item, separators=(",", ":"), allow_nan=False)
+    return "[" + key_json(item[0]) + "," + value + "]"
+
+
 _PARAMS = operator.itemgetter("params")
 
 
@@ -398,20 +412,16 @@ class OptimizerEntry:
         self.glob = glob
         self.cls = type(obj)
         self.keys = list(st)
-        self._inner = list(st.values())  # held: the ids below stay theirs
-        self.inner_ids = list(map(id, self._inner))
+        self._inner = list(st.values())
         self.inner_lens = list(map(len, self._inner))
         self.inner_keys = list(chain.from_iterable(self._inner))
         self._values = list(chain.from_iterable(map(dict.values, self._inner)))
-        self.value_ids = list(map(id, self._values))
         # what `direct` compares: the optimizer's state keys (its parameters) and groups
         self._params = list(obj.state)
-        self.param_ids = list(map(id, self._params))
         self._flat = list(chain.from_iterable(map(_PARAMS, obj.param_groups)))
-        self.flat_ids = list(map(id, self._flat))
         self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
         self.indices = [g["params"] for g in sd["param_groups"]]
-        self._group_items: list[dict[Any, tuple[Any, list[Any]]]] = []  # groups_node's
+        self._group_items: list[dict[Any, tuple[Any, list[Any], str]]] = []  # groups_node's
         self.can_pack = (
             self.cls.state_dict is _OPTIMIZER_STATE_DICT
             and all(type(k) in PLAIN_TENSORS or is_dtensor(k) for k in self._params)
@@ -457,7 +467,7 @@ class OptimizerEntry:
             obj is self.obj
             and type(st) is dict
             and list(st) == self.keys
-            and list(map(id, st.values())) == self.inner_ids
+            and _same_objects(st.values(), self._inner)
             and self._same_inner()
             and (self.glob is None or self.glob.valid())
         )
@@ -478,10 +488,10 @@ class OptimizerEntry:
         st = obj.state
         groups = obj.param_groups
         return (
-            list(map(id, st)) == self.param_ids
-            and list(map(id, st.values())) == self.inner_ids
+            _same_objects(st, self._params)
+            and _same_objects(st.values(), self._inner)
             and self._same_inner()
-            and list(map(id, chain.from_iterable(map(_PARAMS, groups)))) == self.flat_ids
+            and _same_objects(chain.from_iterable(map(_PARAMS, groups)), self._flat)
             and list(map(len, map(_PARAMS, groups))) == self.group_lens
             and (self.glob is None or self.glob.valid())
         )
@@ -490,39 +500,55 @@ class OptimizerEntry:
         return (
             list(map(len, self._inner)) == self.inner_lens
             and list(chain.from_iterable(self._inner)) == self.inner_keys
-            and list(map(id, chain.from_iterable(map(dict.values, self._inner)))) == self.value_ids
+            and _same_objects(chain.from_iterable(map(dict.values, self._inner)), self._values)
         )
 
     def groups_node(self, obj: torch.optim.Optimizer, enc: Encoder, key: str) -> Any:
         """The node ``enc.value(self.pack_groups(obj), (key, "param_groups"), 4)``
-        makes, built item by item: an item whose value is the very object of the last
-        call (an unchanged hyperparameter, a tuple of them, the parameter indices) is the
-        same ``[name, node]`` list as then, so `TreeJSON` reuses its text; a changed one
-        (a learning rate) and every tensor are walked."""
+        makes, built item by item, as a `KnownJSON` (its text built alongside): an item
+        whose value is the very object of the last call (an unchanged hyperparameter, a
+        tuple of them, the parameter indices) is the same ``[name, node]`` list, with
+        the same text, as then; a changed one (a learning rate) and every tensor are
+        walked and encoded."""
         path = (key, "param_groups")
-        nodes = []
-        kept: list[dict[Any, tuple[Any, list[Any]]]] = []
-        for i, packed in enumerate(self.pack_groups(obj)):
-            last = self._group_items[i] if i < len(self._group_items) else {}
-            mine: dict[Any, tuple[Any, list[Any]]] = {}
-            if not all(type(k) is str for k in packed):  # keys the walk refuses: walk it
+        nodes: list[Any] = []
+        texts: list[str | None] = []
+        kept: list[dict[Any, tuple[Any, list[Any], str]]] = []
+        last_groups = self._group_items
+        for i, (group, indices) in enumerate(zip(obj.param_groups, self.indices)):
+            last = last_groups[i] if i < len(last_groups) else {}
+            mine: dict[Any, tuple[Any, list[Any], str]] = {}
+            if not _STR.issuperset(map(type, group)):  # keys the walk refuses: walk it
+                packed = {k: v for k, v in group.items() if k != "params"}
+                packed["params"] = indices
                 nodes.append(enc.value(packed, (*path, i), 5))
+                texts.append(None)
                 kept.append(mine)
                 continue
             items = []
-            for k, v in packed.items():
+            item_texts = []
+            pairs = [(k, v) for k, v in group.items() if k != "params"]
+            pairs.append(("params", indices))
+            for k, v in pairs:
                 hit = last.get(k)
                 if hit is not None and hit[0] is v:
-                    item = hit[1]
-                else:
-                    item = [k, enc.value(v, (*path, i, k), 6)]
-                if _stable(v) or v is self.indices[i]:
-                    mine[k] = (v, item)
+                    mine[k] = hit
+                    items.append(hit[1])
+                    item_texts.append(hit[2])
+                    continue
+                item = [k, enc.value(v, (*path, i, k), 6)]
+                text = _item_json(item)
+                if v is indices or _stable(v):
+                    mine[k] = (v, item, text)
                 items.append(item)
+                item_texts.append(text)
             nodes.append({"dict": items})
+            texts.append('{"dict":[' + ",".join(item_texts) + "]}")
             kept.append(mine)
         self._group_items = kept
-        return {"list": nodes}
+        if None in texts:
+            return {"list": nodes}
+        return KnownJSON({"list": nodes}, '{"list":[' + ",".join(texts) + "]}")  # type: ignore[arg-type]
 
     def pack_groups(self, obj: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """``obj.state_dict()["param_groups"]`` while `direct` holds: each group but its

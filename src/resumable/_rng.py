@@ -133,7 +133,8 @@ class PythonState:
     kept Gaussian (``gauss_next``) is an attribute, compared by identity. Anything
     unexpected leaves this off: every call then reads ``getstate``. ``words_kept``
     says whether the last read found the words of the read before it (only the
-    position moved)."""
+    position moved): then the state is the last one with the position read, and
+    ``getstate`` is not called."""
 
     _BYTES = 4 + 624 * 4  # the position (an int), then the words
 
@@ -159,7 +160,11 @@ class PythonState:
         if last is not None and raw == self._raw and gauss is self._gauss:
             return last
         self.words_kept = last is not None and raw[4:] == self._raw[4:]
-        last = random.getstate()
+        if self.words_kept:  # the same words: only the position (and Gaussian) to take
+            position = int.from_bytes(raw[:4], sys.byteorder, signed=True)
+            last = (last[0], (*last[1][:-1], position), gauss)
+        else:
+            last = random.getstate()
         self._raw, self._gauss, self._last = raw, gauss, last
         return last
 

@@ -10,6 +10,8 @@ nobody knows are ignored, so a newer writer's slot stays readable.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -43,9 +45,39 @@ class SlotMeta:
     replicated: tuple[str, ...] = ()
     root: str | None = None
 
-    def encode(self, step: int) -> bytes:
+    def encode(self, step: int, root: str | None = None) -> bytes:
         """The JSON object (``step`` first: the control block's, repeated), byte for byte
-        what earlier versions wrote; a `RawJSON` tree is spliced in as it is."""
+        what earlier versions wrote; a `RawJSON` tree is spliced in as it is. ``root``:
+        recorded instead of `root` (the arena's), if given.
+
+        The common snapshot (a `RawJSON` tree, one process, no metrics) is written from
+        its parts without building the object: the memory tier writes one per step."""
+        if root is None:
+            root = self.root
+        if (
+            type(self.tree) is RawJSON
+            and type(step) is int
+            and not self.metrics
+            and not self.pieces
+            and not self.replicated
+            and self.world_size == 1
+            and (self.created is None or type(self.created) is float)
+        ):
+            created = "" if self.created is None else _created_json(self.created)
+            if created is not None:
+                text = (
+                    '{"step":'
+                    + int.__repr__(step)
+                    + ',"metrics":{}'
+                    + created
+                    + _names_json(self.run_id, root)
+                    + ',"tree":'
+                    + self.tree
+                    + "}"
+                )
+                return text.encode()
+        if root != self.root:
+            return dataclasses.replace(self, root=root).encode(step)
         obj: dict[str, Any] = {"step": step, "tree": self.tree, "metrics": dict(self.metrics)}
         if self.created is not None:
             obj["created"] = self.created
@@ -212,6 +244,22 @@ def encode_meta(meta: Mapping[str, Any]) -> bytes:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _created_json(created: float) -> str | None:
+    """``,"created":<created>`` as `encode_meta` writes it; None if not finite."""
+    return ',"created":' + float.__repr__(created) if math.isfinite(created) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _names_json(run_id: str | None, root: str | None) -> str:
+    """``,"run_id":...,"root":...`` (each where given) as `encode_meta` writes them."""
+    out = ""
+    if run_id is not None:
+        out += ',"run_id":' + _dumps(run_id)
+    if root is not None:
+        out += "," + _dumps(ROOT_KEY) + ":" + _dumps(root)
+    return out
 
 
 def layout_meta(slots: list[TensorSlot]) -> list[dict[str, Any]]:

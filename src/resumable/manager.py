@@ -29,7 +29,7 @@ from resumable.errors import CheckpointError, NoCheckpointError
 from resumable.group import Group, current_group
 from resumable.incremental import Incremental
 from resumable.monitor import AlertCallback
-from resumable.options import DEFAULT_KEEP, CheckpointOptions, resolve_options
+from resumable.options import DEFAULT_KEEP, CheckpointOptions, Overlap, resolve_options
 from resumable.pipeline._worker import worker_nice
 from resumable.pipeline.emergency import Emergency
 from resumable.pipeline.first_save import FirstSaveChecks
@@ -76,7 +76,7 @@ class Checkpointer:
         persist: str = "auto",
         on_busy: str = "skip",
         shm_dir: str | os.PathLike[str] | None = None,
-        overlap: bool = False,
+        overlap: Overlap = False,
         preemption: Preemption | None = None,
         alert: AlertCallback | None = None,
         max_commit_age_s: float | None = None,
@@ -153,6 +153,10 @@ class Checkpointer:
         memory tier (any persist mode but ``"sync"``, or ``memory_every`` given).
         """
         self._report(step, metrics, "snapshot")
+        self._collect_and_snapshot(step, metrics)
+
+    def _collect_and_snapshot(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """`snapshot` once the step is reported (`_report`)."""
         try:
             self._collect()
             self._checks.before_save(step)
@@ -218,7 +222,7 @@ class Checkpointer:
                 self._parts.schedule.observe_cost(time.perf_counter() - t0)
             return started
         if self._parts.schedule.memory_due(step):
-            self.snapshot(step, metrics)
+            self._collect_and_snapshot(step, metrics)  # reported above
         return False
 
     def _preempted(self, step: int, metrics: Mapping[str, Any] | None) -> None:

@@ -30,12 +30,14 @@ from resumable.storage import Storage, options_for
 
 __all__ = [
     "DEFAULT_KEEP",
+    "OVERLAP_MIN_BYTES",
     "PERSIST_MODES",
     "CaptureOptions",
     "CheckpointOptions",
     "DistributedOptions",
     "MemoryOptions",
     "MonitorOptions",
+    "Overlap",
     "PersistMode",
     "PersistOptions",
     "RetentionOptions",
@@ -49,6 +51,10 @@ DEFAULT_PERSIST_EVERY = Every(steps=100)
 PersistMode = Literal["auto", "process", "thread", "sync"]
 PERSIST_MODES: tuple[PersistMode, ...] = ("auto", "process", "thread", "sync")
 OnBusy = Literal["skip", "wait"]
+Overlap = bool | Literal["auto"]
+# With overlap="auto", what the background copy must hold at least: below, a second
+# thread costs the step more than the copy (docs/decisions.md, "Overlap by size").
+OVERLAP_MIN_BYTES = 4 << 20
 Url = str | os.PathLike[str] | Storage
 
 
@@ -158,11 +164,12 @@ class PersistOptions:
 @dataclass(frozen=True)
 class MemoryOptions:
     """The memory tier: the shared-memory directory (``shm_dir``, default ``/dev/shm``),
-    whether copies ``overlap`` the next forward/backward, and how many nodes hold each
-    node's newest snapshot (``replicas``, its own included)."""
+    whether copies ``overlap`` the next forward/backward (True, False, or ``"auto"``: by
+    the size of what would be overlapped), and how many nodes hold each node's newest
+    snapshot (``replicas``, its own included)."""
 
     shm_dir: Path | None = None
-    overlap: bool = False
+    overlap: Overlap = False
     replicas: int = 1
 
     def __post_init__(self) -> None:
@@ -170,8 +177,8 @@ class MemoryOptions:
             if not isinstance(self.shm_dir, (str, os.PathLike)):
                 raise _refuse("shm_dir", "a path or None", self.shm_dir)
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
-        if not isinstance(self.overlap, bool):
-            raise _refuse("overlap", "True or False", self.overlap)
+        if not isinstance(self.overlap, bool) and self.overlap != "auto":
+            raise _refuse("overlap", 'True, False or "auto"', self.overlap)
         replicas = self.replicas
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise _refuse(
@@ -265,7 +272,9 @@ class CheckpointOptions:
                 "needs the memory tier (memory_every=..., or a persist mode other than 'sync')"
             )
         if self.memory.overlap:
-            raise OptionError("overlap=True needs the memory tier (not persist='sync' alone)")
+            raise OptionError(
+                f"overlap={self.memory.overlap!r} needs the memory tier (not persist='sync' alone)"
+            )
 
     @property
     def memory_tier(self) -> bool:
@@ -285,7 +294,7 @@ class CheckpointOptions:
         persist: str = "auto",
         on_busy: str = "skip",
         shm_dir: str | os.PathLike[str] | None = None,
-        overlap: bool = False,
+        overlap: Overlap = False,
         preemption: Preemption | None = None,
         alert: AlertCallback | None = None,
         max_commit_age_s: float | None = None,
@@ -322,7 +331,9 @@ class CheckpointOptions:
             overlap: copy parameters and optimizer state in the background during the
                 next forward/backward; an optimizer step pre-hook waits for the copy
                 before the optimizer changes them. Until ``optimizer.step()`` runs, nothing else may
-                change parameters or optimizer state in place.
+                change parameters or optimizer state in place. ``"auto"``: only where
+                they hold at least `OVERLAP_MIN_BYTES` (below, a second thread costs the
+                step more than their copy does); else copied at once.
             preemption: signals and cloud notices that trigger an emergency checkpoint
                 at the next `Checkpointer.maybe_save`, then ``Checkpointer.should_stop``
                 (and by default an exit with `REQUEUE_EXIT_CODE`); see

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import json
 import logging
 import mmap
@@ -474,10 +473,8 @@ class ShmArena:
         if plan is None:
             plan = self.plan(tensors)[0]
         layout, nbytes = plan.slots, plan.nbytes
-        if self.root is not None:
-            meta = dataclasses.replace(meta, root=self.root)
         # '{"layout":[...],' then the rest of the object: the head is the plan's
-        blob = meta.encode(step)[1:]
+        blob = meta.encode(step, root=self.root)[1:]
         head = plan.meta_head
         index = self._choose(step)
         slot = self.slots[index]

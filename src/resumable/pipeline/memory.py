@@ -33,6 +33,7 @@ import torch
 
 from resumable import capture as capture_mod
 from resumable._capture_plan import CapturePlan
+from resumable._encode import KnownJSON
 from resumable._shm import (
     RawJSON,
     SlotContent,
@@ -44,10 +45,11 @@ from resumable._shm import (
 from resumable.audit import AuditLog
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
+from resumable.options import OVERLAP_MIN_BYTES, Overlap
 from resumable.pieces import is_dtensor
 from resumable.replicas.peers import Replication
 from resumable.runid import snapshot_belongs
-from resumable.snapshot import MemorySnapshot, ShmArena, Snapshot
+from resumable.snapshot import CopyPlan, MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class MemoryTier:
         rank: int,
         world_size: int,
         shm_dir: Path | None,
-        overlap: bool,
+        overlap: Overlap,
         audit: AuditLog,
         run_id: str | None = None,
     ) -> None:
@@ -85,6 +87,7 @@ class MemoryTier:
             ThreadPoolExecutor(1, thread_name_prefix="resumable-overlap") if overlap else None
         )
         self._pending: Future[MemorySnapshot] | None = None
+        self._copied_now: CopyPlan | None = None  # overlap="auto": too small to overlap
         self._hooks: list[tuple[torch.optim.Optimizer, Any]] = []
         self._adopted = False
         self._tree_json = TreeJSON()
@@ -125,10 +128,7 @@ class MemoryTier:
             pieces=captured.pieces,
             replicated=tuple(sorted(captured.replicated)) if sharded else (),
         )
-        deferred: set[str] = set()
-        if self.overlap:
-            owned = self._optimizer_owned(state)
-            deferred = {n for n, t in captured.tensors.items() if t.data_ptr() in owned}
+        deferred = self._deferred(state, captured.tensors, copy_plan) if self.overlap else set()
         done = self.arena.snapshot(
             step, captured.tensors, meta, deferred=deferred, executor=self._exec, plan=copy_plan
         )
@@ -141,6 +141,25 @@ class MemoryTier:
             captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
         )
         return seconds, overlapped
+
+    def _deferred(
+        self, state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], plan: CopyPlan
+    ) -> set[str]:
+        """The tensors an overlapped copy takes: those only ``optimizer.step()`` changes.
+        With ``overlap="auto"``, none while they hold under `OVERLAP_MIN_BYTES` (decided
+        once per copy plan): handing a small copy to a second thread costs the step
+        more than copying it at once (``docs/decisions.md``, "Overlap by size")."""
+        if plan is self._copied_now:
+            return set()
+        owned = self._optimizer_owned(state)
+        deferred = {n for n, t in tensors.items() if t.data_ptr() in owned}
+        if self.overlap == "auto":
+            size = sum(tensors[n].numel() * tensors[n].element_size() for n in deferred)
+            if size < OVERLAP_MIN_BYTES:
+                self._copied_now = plan
+                return set()
+        self._copied_now = None
+        return deferred
 
     def _capture(self, state: Mapping[str, Any], rng: bool) -> capture_mod.Captured:
         return capture_mod.capture(
@@ -361,7 +380,10 @@ class TreeJSON:
         items_seen: dict[Any, tuple[Any, bytes, str]] = {}
         for key, node in entries:
             if key == capture_mod.RNG_KEY:  # changes at every step: encoded per stream
-                parts.append(self._streams.encode(node))
+                if type(node) is KnownJSON:  # made by the capture plan with its text
+                    parts.append("[" + _key_json(key) + "," + node.json + "]")
+                else:
+                    parts.append(self._streams.encode(node))
                 continue
             split = _few_entries(node)
             if split is None:
@@ -373,7 +395,9 @@ class TreeJSON:
             head, items, tail = split
             last, mine = self._kids.get(key, {}), kids.setdefault(key, {})
             texts = [
-                self._entry(last, mine, k, n)
+                "[" + _key_json(k) + "," + n.json + "]"
+                if type(n) is KnownJSON  # made by the capture plan with its text
+                else self._entry(last, mine, k, n)
                 if (groups := _dict_list(n)) is None
                 else self._groups((key, k), groups, items_seen)
                 for k, n in items
@@ -489,8 +513,8 @@ def _dumps(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _key_json(key: str) -> str:
-    """A top-level key's JSON (the same few keys at every snapshot)."""
+def _key_json(key: str | int) -> str:
+    """A top-level key's (or a part's) JSON: the same few keys at every snapshot."""
     return _dumps(key)
 
 
