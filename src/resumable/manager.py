@@ -147,11 +147,10 @@ class Checkpointer:
     def snapshot(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Take a memory snapshot of the state as of ``step`` (no persist).
 
-        Returns once the copy is complete: afterwards the trainer may change every
-        tensor. In overlap mode, parameters and optimizer state are still being copied
-        when it returns; the next ``optimizer.step()`` waits for that copy. Needs the
-        memory tier (any persist mode but ``"sync"``, or ``memory_every`` given).
-        """
+        Returns once the copy is complete: afterwards the trainer may change every tensor.
+        In overlap mode, parameters and optimizer state are still being copied when it
+        returns; the next ``optimizer.step()`` waits for that copy. Needs the memory tier
+        (any persist mode but ``"sync"``, or ``memory_every`` given)."""
         self._report(step, metrics, "snapshot")
         self._collect_and_snapshot(step, metrics)
 
@@ -172,8 +171,7 @@ class Checkpointer:
 
     @property
     def snapshot_pending(self) -> bool:
-        """Whether an overlapped snapshot copy is still running (``overlap=True``): the
-        next ``optimizer.step()``, or any call here, waits for it."""
+        """Whether an overlapped snapshot copy is still running: the next step waits."""
         return self._memory is not None and self._memory.copying
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
