@@ -76,7 +76,9 @@ def _load_torch_early(config: WorkerConfig) -> None:
     """Start importing torch on a thread of its own, after the start-up, where a job
     of this worker will need it: a coordinated persist (its store client, its share's
     copy) or a mirror's upload (a full verification). A single process's persist never
-    does (`resumable._lazy`); this only moves the import off the first such job."""
+    does (`resumable._lazy`); this only moves the import off the first such job. The
+    thread keeps the trainer's CPU priority (started before `lower_priority`, which
+    Linux applies to the calling thread): niced, two trainers starved it for seconds."""
     if config.world_size <= 1 and not config.mirror:
         return
     name = "torch.distributed" if config.world_size > 1 else "torch"
@@ -123,9 +125,9 @@ def worker_main(argv: list[str] | None = None) -> int:
         send(Ready(pid=os.getpid()))
     except OSError:
         return 0  # the trainer is already gone
+    _load_torch_early(config)  # before the niceness, which Linux sets per thread
     if config.nice:  # after the start-up, which the trainer's first save may wait for
         lower_priority(config.nice)
-    _load_torch_early(config)
     try:
         while True:
             if not watch.wait(sock):
