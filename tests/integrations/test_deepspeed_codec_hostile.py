@@ -18,7 +18,6 @@ other until the timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -39,7 +38,6 @@ from launch import run, torchrun_cmd
 from resumable.audit import read_audit
 from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, UnsupportedStateError
-from resumable.format import manifest_digest
 from resumable.integrations.deepspeed import (
     TAG_KEY,
     _checked,
@@ -47,6 +45,7 @@ from resumable.integrations.deepspeed import (
     to_tree,
 )
 from resumable.storage import open_storage
+from state_checks import edit_rank_tree
 
 pytestmark = pytest.mark.usefixtures("deepspeed_shm_op_built")
 
@@ -351,12 +350,8 @@ HOSTILE: dict[str, tuple[Callable[[Any], None], str]] = {
 
 
 def make_hostile(root: Path, step: int, rank: int, edit: Callable[[Any], None]) -> None:
-    """Edit rank ``rank``'s tree in the manifest of ``step`` and re-sign it."""
-    path = root / step_dir(step) / "manifest.json"
-    manifest = json.loads(path.read_bytes())
-    edit(manifest["ranks"][rank]["tree"])
-    manifest["digest"] = manifest_digest(manifest)
-    path.write_text(json.dumps(manifest))
+    """Edit rank ``rank``'s tree in the checkpoint of ``step`` and re-sign it."""
+    edit_rank_tree(root / step_dir(step), rank, edit)
 
 
 @pytest.mark.timeout(900)
