@@ -99,3 +99,34 @@ def test_the_worker_modules_do_not_import_torch() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch.bfloat16"
+
+
+def test_a_manifest_is_built_while_another_thread_imports_torch() -> None:
+    """The worker's early import of torch (several ranks, a mirror) runs beside its
+    persists: building a manifest meanwhile reads torch's version and checks metrics
+    for tensors without touching the half-imported module (a persist once failed with
+    "partially initialized module 'torch' has no attribute '__version__'")."""
+    src = Path(__file__).resolve().parents[1] / "src" / "resumable"
+    code = (
+        "import importlib, importlib.machinery, importlib.util, sys, threading, time\n"
+        f"spec = importlib.machinery.PathFinder.find_spec('resumable', [{str(src.parent)!r}])\n"
+        "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
+        "from resumable import _lazy, format\n"
+        "t = threading.Thread(target=importlib.import_module, args=('torch',))\n"
+        "t.start()\n"
+        "n = 0\n"
+        "while t.is_alive() or n == 0:\n"
+        "    format.versions(); format.json_metrics({'loss': 1.5}); _lazy.torch_module()\n"
+        "    n += 1\n"
+        "    time.sleep(0.002)\n"
+        "t.join()\n"
+        "assert format.versions()['torch'] == sys.modules['torch'].__version__\n"
+        "assert _lazy.torch_module() is sys.modules['torch']\n"
+        "print(n)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 1  # built many times while torch was being imported

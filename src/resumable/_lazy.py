@@ -28,5 +28,9 @@ class _OnFirstUse(types.ModuleType):
 
 
 def torch_module() -> Any:
-    """``torch`` if loaded, else a stand-in that loads it when first used."""
-    return sys.modules.get("torch") or _OnFirstUse("torch")
+    """``torch`` if loaded, else a stand-in that loads it when first used (also while
+    another thread is still importing it: the stand-in's import waits for that one)."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None and not getattr(loaded.__spec__, "_initializing", False):
+        return loaded
+    return _OnFirstUse("torch")

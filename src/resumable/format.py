@@ -334,11 +334,14 @@ def versions() -> dict[str, str]:
     }
 
 
-@functools.cache
 def _torch_version() -> str:
-    loaded = sys.modules.get("torch")
-    if loaded is not None:
-        return str(loaded.__version__)
+    # getattr: a module another thread is still importing has no __version__ yet
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    return str(version) if version is not None else _installed_torch_version()
+
+
+@functools.cache
+def _installed_torch_version() -> str:
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -386,8 +389,9 @@ def build_manifest(
 def json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in metrics.items():
-        torch = sys.modules.get("torch")  # a tensor means torch is loaded already
-        if torch is not None and isinstance(v, torch.Tensor) and v.numel() == 1:
+        # a tensor means torch is loaded already (or being loaded, by another thread)
+        tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+        if tensor is not None and isinstance(v, tensor) and v.numel() == 1:
             v = v.item()
         if isinstance(v, np.generic):
             v = v.item()
