@@ -6,7 +6,8 @@ Two ranks forked from this process (`stress.ioranks.Pair`: a real gloo group, th
 coordinated commit of ``persist="sync"``) commit steps 1 to 4 of a job whose model is
 replicated (its weight lands in rank 0's data file, its bias in rank 1's) and whose
 ``mine`` tensor is per rank. Each checkpoint holds ``rank-00000.safetensors``,
-``rank-00001.safetensors`` and the manifest rank 0 wrote. The files are read into
+``rank-00001.safetensors``, each rank's part of the manifest and the top rank 0 wrote
+(format version 4; an edit of a part re-signed is signed again in the top too). The files are read into
 memory once; each trial copies the newest two checkpoints (steps 3 and 4) into a
 `MemoryStorage`, damages step 4 with one mutation drawn by seed, and runs
 `CheckpointReader.verify` (what a restore runs first). The kinds, in turn:
@@ -54,7 +55,8 @@ from typing import Any
 import torch
 
 from resumable.commit import step_dir
-from resumable.format import manifest_digest
+from resumable.format import CHECKSUM, checksum, manifest_digest
+from resumable.parts import part_file
 from resumable.reader import CheckpointReader
 from stress.corruption import _edit, _loaded, _storage, judge
 from stress.ioranks import TRIAL_TIMEOUT_S, WORLD, Pair
@@ -69,7 +71,8 @@ NEWEST = STEPS[-1]
 KEPT = STEPS[-2:]  # the checkpoints each trial's root holds: the damaged one, the fallback
 MANIFEST = "manifest.json"
 RANK_FILES = tuple(f"rank-{r:05d}.safetensors" for r in range(WORLD))
-FILES = (MANIFEST, *RANK_FILES)
+PART_FILES = tuple(part_file(r) for r in range(WORLD))
+FILES = (MANIFEST, *RANK_FILES, *PART_FILES)
 KINDS = (
     "flip",
     "truncate",
@@ -104,15 +107,47 @@ def saved_files(pair: Pair, tmp: str) -> dict[str, bytes]:
     return files
 
 
-def _manifest_edit(doc: dict[str, Any], kind: str, rng: random.Random) -> str:
-    """Change ``doc`` (step 4's manifest) in place for a several-rank ``kind``."""
+class _Docs:
+    """Step 4's manifest as documents to edit (format version 4): the top and each
+    rank's part, written back with `store`, the edited parts signed again in the top
+    and the top's digest recomputed where asked (as a forger would)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        d = step_dir(NEWEST)
+        self.top: dict[str, Any] = json.loads(files[f"{d}/{MANIFEST}"])
+        self.parts = [json.loads(files[f"{d}/{name}"]) for name in PART_FILES]
+        self.edited: set[int] = set()
+
+    def part(self, rng: random.Random) -> dict[str, Any]:
+        r = rng.randrange(WORLD)
+        self.edited.add(r)
+        return self.parts[r]
+
+    def store(self, out: dict[str, bytes], resign: bool) -> None:
+        d = step_dir(NEWEST)
+        for r in sorted(self.edited):
+            blob = json.dumps(self.parts[r], indent=1).encode()
+            out[f"{d}/{PART_FILES[r]}"] = blob
+            if resign:
+                for entry in self.top["parts"]:
+                    if entry.get("file") == PART_FILES[r]:
+                        entry.update(size=len(blob), **{CHECKSUM: checksum(blob)})
+        if resign:
+            self.top["digest"] = manifest_digest(self.top)
+        out[f"{d}/{MANIFEST}"] = json.dumps(self.top, indent=1).encode()
+
+
+def _manifest_edit(docs: _Docs, kind: str, rng: random.Random) -> str:
+    """Change step 4's manifest (``docs``) in place for a several-rank ``kind``."""
+    top = docs.top
     if kind == "world-size":
-        was = doc["world_size"]
-        doc["world_size"] = rng.choice([w for w in range(9) if w != was])
-        return f"world_size {was} -> {doc['world_size']}"
+        was = top["world_size"]
+        top["world_size"] = rng.choice([w for w in range(9) if w != was])
+        return f"world_size {was} -> {top['world_size']}"
     if kind == "offsets":
-        name = rng.choice(sorted(doc["tensors"]))
-        entry = doc["tensors"][name]
+        part = docs.part(rng)
+        name = rng.choice(sorted(part["tensors"]))
+        entry = part["tensors"][name]
         b, e = entry["offsets"]
         how = rng.choice(("shift", "grow", "shrink", "file"))
         if how == "file":
@@ -131,16 +166,17 @@ def _manifest_edit(doc: dict[str, Any], kind: str, rng: random.Random) -> str:
     # rank-table
     how = rng.choice(("file-ranks", "trees", "drop-rank", "drop-file"))
     if how == "file-ranks":
-        a, b = (doc["files"][f] for f in RANK_FILES)
+        a, b = (top["files"][f] for f in RANK_FILES)
         a["rank"], b["rank"] = b["rank"], a["rank"]
     elif how == "trees":
-        r0, r1 = doc["ranks"]
-        r0["tree"], r1["tree"] = r1["tree"], r0["tree"]
+        p0, p1 = docs.parts
+        p0["tree"], p1["tree"] = p1["tree"], p0["tree"]
+        docs.edited.update(range(WORLD))
         return how  # never re-signed: that is a forger's new manifest, not damage
     elif how == "drop-rank":
-        doc["ranks"].pop(rng.randrange(len(doc["ranks"])))
+        top["parts"].pop(rng.randrange(len(top["parts"])))
     else:
-        doc["files"].pop(rng.choice(RANK_FILES))
+        top["files"].pop(rng.choice(RANK_FILES))
     return how
 
 
@@ -164,13 +200,11 @@ def mutate(files: dict[str, bytes], kind: str, rng: random.Random) -> tuple[dict
         out[mine] = files[other]
         return out, f"{RANK_FILES[1 - r]} in the place of {RANK_FILES[r]}"
     if kind in ("world-size", "offsets", "rank-table"):
-        doc = json.loads(files[f"{d}/{MANIFEST}"])
-        what = _manifest_edit(doc, kind, rng)
-        if what != "trees" and rng.random() < 0.5:
-            doc["digest"] = manifest_digest(doc)
-            what += ", re-signed"
-        out[f"{d}/{MANIFEST}"] = json.dumps(doc, indent=1).encode()
-        return out, what
+        docs = _Docs(files)
+        what = _manifest_edit(docs, kind, rng)
+        resign = what != "trees" and rng.random() < 0.5
+        docs.store(out, resign)
+        return out, what + (", re-signed" if resign else "")
     name = rng.choice(FILES)
     path = f"{d}/{name}"
     data = bytearray(out[path])
@@ -197,15 +231,18 @@ def mutate(files: dict[str, bytes], kind: str, rng: random.Random) -> tuple[dict
     elif kind == "swap":
         data = bytearray(files[f"{step_dir(older)}/{name}"])
         what = f"{name} of step {older}"
-    else:
-        doc = json.loads(files[f"{d}/{MANIFEST}"])
-        path = f"{d}/{MANIFEST}"
-        if kind == "edit":
-            what = "edited " + _edit(doc, rng, None)
+    else:  # an edit of the top or of a part; re-signed, of the tables a forger would
+        docs = _Docs(files)
+        under: tuple[str, ...]
+        if rng.random() < 0.5:
+            doc, under, where = docs.top, ("files", "parts"), MANIFEST
         else:
-            what = "edited and re-signed " + _edit(doc, rng, ("tensors", "files"))
-            doc["digest"] = manifest_digest(doc)
-        data = bytearray(json.dumps(doc, indent=1).encode())
+            doc, under, where = docs.part(rng), ("tensors",), "a part"
+        resign = kind == "edit-resigned"
+        what = ("edited and re-signed " if resign else "edited ") + where + " "
+        what += _edit(doc, rng, under if resign else None)
+        docs.store(out, resign)
+        return out, what
     out[path] = bytes(data)
     return out, what
 
