@@ -11,9 +11,11 @@ vocabulary 2,048, sequences of 64; nothing downloaded) trained on generated toke
 ``--steps`` steps (60) in batches of 8 on the CPU, ``save_strategy="steps"`` every
 ``--save-steps`` (20), the same `TrainingArguments` for both. Timed inside the launch:
 ``trainer.train()`` from its call to its return (the Trainer's own saves, or
-`ResumableTrainer`'s snapshots and persists, and its flush at the end). Launches
-alternate plain/resumable in ABBA order. Reported: the median train time of each, their
-ratio, and each launch's figures. With ``--out``, written to
+`ResumableTrainer`'s snapshots and persists, and its flush at the end). A third variant,
+*resumable-torch-worker*, is `ResumableTrainer` with a persist worker that imports torch
+as it starts, as every worker did before it stopped needing torch. Launches take turns,
+the order reversed every other round. Reported: the median train time of each, their
+ratios to the plain Trainer's, and each launch's figures. With ``--out``, written to
 ``benchmarks/results/hf-short-<date>.json``.
 """
 
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("plain", "resumable")
+VARIANTS = ("plain", "resumable", "resumable-torch-worker")
 
 
 def one_launch(variant: str, out: Path, *, steps: int, save_steps: int, layers: int) -> dict:
@@ -76,6 +78,13 @@ def one_launch(variant: str, out: Path, *, steps: int, save_steps: int, layers: 
         disable_tqdm=True,
         logging_strategy="no",
     )
+    if variant == "resumable-torch-worker":  # the worker as it was: importing torch first
+        from resumable.pipeline import _worker_process as wp
+
+        wp._WORKER_BOOT = wp._WORKER_BOOT.replace(
+            "from resumable.pipeline._worker import",
+            "import torch\nfrom resumable.pipeline._worker import",
+        )
     cls = Trainer if variant == "plain" else ResumableTrainer
     trainer = cls(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(8 * steps))
     t0 = time.perf_counter()
@@ -91,7 +100,7 @@ def run(rounds: int, *, steps: int, save_steps: int, layers: int, log: Any = pri
     launches: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     try:
         for r in range(rounds):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # ABBA
+            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # ABC CBA
             for variant in order:
                 out = work / f"{variant}-{r}"
                 cmd = [
@@ -123,6 +132,7 @@ def run(rounds: int, *, steps: int, save_steps: int, layers: int, log: Any = pri
         },
         "median_train_s": medians,
         "ratio": medians["resumable"] / medians["plain"],
+        "ratio_torch_worker": medians["resumable-torch-worker"] / medians["plain"],
         "launches": launches,
     }
 
@@ -149,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     m = out["median_train_s"]
     print(
         f"train time, median of {rounds}: plain Trainer {m['plain']:.2f} s, "
-        f"ResumableTrainer {m['resumable']:.2f} s ({out['ratio']:.3f}x)"
+        f"ResumableTrainer {m['resumable']:.2f} s ({out['ratio']:.3f}x); with a worker "
+        f"importing torch {m['resumable-torch-worker']:.2f} s ({out['ratio_torch_worker']:.3f}x)"
     )
     if args.out:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -19,7 +19,7 @@ import hf_short_run  # noqa: E402
 
 def test_both_variants_train_save_and_report() -> None:
     out = hf_short_run.run(1, steps=4, save_steps=2, layers=1, log=lambda _: None)
-    assert set(out["launches"]) == {"plain", "resumable"}
+    assert set(out["launches"]) == set(hf_short_run.VARIANTS)
     for variant, launches in out["launches"].items():
         assert len(launches) == 1
         assert launches[0]["train_s"] > 0
