@@ -6,10 +6,10 @@ Two ranks forked from this process (`stress.ioranks.Pair`: a real gloo group, th
 coordinated commit of ``persist="sync"``) commit steps 1 to 4 of a job whose model is
 replicated (its weight lands in rank 0's data file, its bias in rank 1's) and whose
 ``mine`` tensor is per rank. Each checkpoint holds ``rank-00000.safetensors``,
-``rank-00001.safetensors``, each rank's part of the manifest and the top rank 0 wrote
-(format version 4; an edit of a part re-signed is signed again in the top too). The files are read into
-memory once; each trial copies the newest two checkpoints (steps 3 and 4) into a
-`MemoryStorage`, damages step 4 with one mutation drawn by seed, and runs
+``rank-00001.safetensors``, each rank's part of the manifest and the top rank 0
+wrote (format version 4; a part edited and re-signed is signed in the top too).
+The files are read into memory once; each trial copies the newest two checkpoints
+(steps 3 and 4) into a `MemoryStorage`, damages step 4 with one mutation drawn by seed, and runs
 `CheckpointReader.verify` (what a restore runs first). The kinds, in turn:
 
 - those of campaign 4, on any of the three files: ``flip`` (one bit), ``truncate``,
