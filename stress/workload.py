@@ -81,7 +81,7 @@ class ManifestFirstCommit(RenameCommit):
         s.write(f"{attempt.final}/{MANIFEST}", [manifest])
         s.sync_dir(attempt.final)
         s.sync_dir("")
-        time.sleep(0.02)  # a slow copy: a wider window for a kill to land in
+        time.sleep(0.2)  # a slow copy: a window a kill lands in even on a loaded machine
         for name in s.list_dir(attempt.staging):
             if name != MANIFEST:
                 s.write(f"{attempt.final}/{name}", [s.read(f"{attempt.staging}/{name}")])
