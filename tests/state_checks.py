@@ -5,6 +5,7 @@ and persist per stage, restores into fresh objects, and exact comparison of the 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -123,3 +124,32 @@ def edit_rank_tree(checkpoint: Path, rank: int, edit: Callable[[Any], None]) -> 
     top.pop("digest", None)
     top["digest"] = manifest_digest(top)
     path.write_text(json.dumps(top))
+
+
+class ThreadRanks:
+    """`write_distributed`'s exchanges between ranks that are threads of this process
+    (each object through JSON, as through the coordination store)."""
+
+    def __init__(self, rank: int, world_size: int, shared: dict[Any, Any], meet: Any) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._shared, self._meet = shared, meet
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any, name: str) -> Any:
+        if self.coordinator:
+            self._shared[name] = json.dumps(obj)
+        self._meet.wait()
+        return json.loads(self._shared[name])
+
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        self._shared[(name, self.rank)] = json.dumps(obj)
+        self._meet.wait()
+        if not self.coordinator:
+            return []
+        return [json.loads(self._shared[(name, r)]) for r in range(self.world_size)]
+
+    def abandon(self, reason: str) -> None:
+        pass

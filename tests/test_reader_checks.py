@@ -6,7 +6,6 @@ into the live one only once every tensor passed, and the threads really share th
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from resumable.pipeline.write import WriteRequest, write_distributed
 from resumable.reader import CheckpointReader, _digests
 from resumable.snapshot import Arena, copy_threads
 from resumable.storage import open_storage
+from state_checks import ThreadRanks
 
 pytestmark = pytest.mark.usefixtures("sync_persist")
 MiB = 1 << 20
@@ -205,35 +205,6 @@ def test_digests_keep_order_and_raise_a_jobs_error() -> None:
         _digests([*jobs, (30 << 20, boom)], 2)
 
 
-class _Threads:
-    """`write_distributed`'s exchanges between ranks that are threads of this process
-    (each object through JSON, as through the coordination store)."""
-
-    def __init__(self, rank: int, world_size: int, shared: dict[Any, Any], meet: Any) -> None:
-        self.rank, self.world_size = rank, world_size
-        self._shared, self._meet = shared, meet
-
-    @property
-    def coordinator(self) -> bool:
-        return self.rank == 0
-
-    def broadcast(self, obj: Any, name: str) -> Any:
-        if self.coordinator:
-            self._shared[name] = json.dumps(obj)
-        self._meet.wait()
-        return json.loads(self._shared[name])
-
-    def gather(self, obj: Any, name: str) -> list[Any]:
-        self._shared[(name, self.rank)] = json.dumps(obj)
-        self._meet.wait()
-        if not self.coordinator:
-            return []
-        return [json.loads(self._shared[(name, r)]) for r in range(self.world_size)]
-
-    def abandon(self, reason: str) -> None:
-        pass
-
-
 def _two_ranks(storage: Any) -> list[Any]:
     """Step 1 of two ranks, each with its own data file; each rank's result."""
     shared: dict[Any, Any] = {}
@@ -245,7 +216,7 @@ def _two_ranks(storage: Any) -> list[Any]:
         state = {"extra": {"w": torch.full((1000,), float(r))}}
         cap = capture(state, include_rng=False, rank=r, world_size=2)
         results[r] = write_distributed(
-            _Threads(r, 2, shared, meet),
+            ThreadRanks(r, 2, shared, meet),
             storage,
             committer,
             WriteRequest(1, Arena().snapshot(cap.tensors), cap.tree, pieces={}),

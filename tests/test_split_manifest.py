@@ -42,35 +42,7 @@ from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
 from resumable.snapshot import Arena
 from resumable.storage import open_storage
-
-
-class _Threads:
-    """`write_distributed`'s exchanges between ranks that are threads of this process
-    (each object through JSON, as through the coordination store)."""
-
-    def __init__(self, rank: int, world_size: int, shared: dict[Any, Any], meet: Any) -> None:
-        self.rank, self.world_size = rank, world_size
-        self._shared, self._meet = shared, meet
-
-    @property
-    def coordinator(self) -> bool:
-        return self.rank == 0
-
-    def broadcast(self, obj: Any, name: str) -> Any:
-        if self.coordinator:
-            self._shared[name] = json.dumps(obj)
-        self._meet.wait()
-        return json.loads(self._shared[name])
-
-    def gather(self, obj: Any, name: str) -> list[Any]:
-        self._shared[(name, self.rank)] = json.dumps(obj)
-        self._meet.wait()
-        if not self.coordinator:
-            return []
-        return [json.loads(self._shared[(name, r)]) for r in range(self.world_size)]
-
-    def abandon(self, reason: str) -> None:
-        pass
+from state_checks import ThreadRanks
 
 
 def _model(step: int) -> torch.nn.Module:
@@ -102,7 +74,7 @@ def _save(root: Path, step: int, world: int) -> None:
                 cap.pieces,
                 replicated_holders(sizes, cap.replicated, r, world),
             )
-            write_distributed(_Threads(r, world, shared, meet), storage, committer, request)
+            write_distributed(ThreadRanks(r, world, shared, meet), storage, committer, request)
         except BaseException as exc:
             errors.append(exc)
             meet.abort()

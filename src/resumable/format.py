@@ -368,14 +368,7 @@ def build_manifest(
     if chunked:
         version = 3 if any("extents" in t for t in tensors.values()) else 2
     m: dict[str, Any] = {
-        "format": FORMAT_NAME,
-        "format_version": version,
-        "step": int(step),
-        "created": time.time(),
-        "metrics": json_metrics(metrics or {}),
-        "versions": versions(),
-        "hostname": socket.gethostname(),
-        "world_size": int(world_size),
+        **manifest_header(step=step, version=version, metrics=metrics, world_size=world_size),
         "ranks": [{"rank": i, "tree": t} for i, t in enumerate(trees)],
         "files": {k: dict(v) for k, v in files.items()},
         "tensors": {k: dict(v) for k, v in tensors.items()},
@@ -384,6 +377,23 @@ def build_manifest(
         m["refs"] = refs
     m["digest"] = manifest_digest(m)
     return m
+
+
+def manifest_header(
+    *, step: int, version: int, metrics: Mapping[str, Any] | None, world_size: int
+) -> dict[str, Any]:
+    """The fields every manifest starts with, a split one's top too: format, version,
+    step, time, metrics, versions, host and world size."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": version,
+        "step": int(step),
+        "created": time.time(),
+        "metrics": json_metrics(metrics or {}),
+        "versions": versions(),
+        "hostname": socket.gethostname(),
+        "world_size": int(world_size),
+    }
 
 
 def json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:

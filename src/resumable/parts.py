@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,16 +22,14 @@ import numpy as np
 from resumable.errors import CorruptCheckpointError
 from resumable.format import (
     CHECKSUM,
-    FORMAT_NAME,
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
     SPLIT_VERSION,
     check_body,
     check_relpath,
     checksum,
-    json_metrics,
+    manifest_header,
     no_gc,
-    versions,
 )
 
 PART_FORMAT = "resumable-checkpoint-part"
@@ -90,14 +86,7 @@ def build_top(
     those the digest covers (`format.manifest_digest`), which a reader checks by hashing
     them. Rank 0 builds it while every rank waits: one JSON encoding, not two."""
     m: dict[str, Any] = {
-        "format": FORMAT_NAME,
-        "format_version": SPLIT_VERSION,
-        "step": int(step),
-        "created": time.time(),
-        "metrics": json_metrics(metrics or {}),
-        "versions": versions(),
-        "hostname": socket.gethostname(),
-        "world_size": int(world_size),
+        **manifest_header(step=step, version=SPLIT_VERSION, metrics=metrics, world_size=world_size),
         "files": {k: dict(v) for k, v in files.items()},
         "parts": [dict(p) for p in parts],
         "refs": sorted(set(refs)),
