@@ -355,7 +355,7 @@ def commit(
     committer = committer_for(storage)
     saves = []
     for i, step in enumerate(steps):
-        job = {"rank": 0, "world": n, "key": f"p{seq0 + i}", "timeout": 120.0}
+        job = {"rank": 0, "world": n, "key": f"p{seq0 + i}", "timeout": 600.0}
         before = [c.snapshot() for c in ranks.clients]
         marks: dict[str, float] = {}
 
@@ -436,6 +436,27 @@ def retention(storage: Storage, counter: S3Counter | None, newest: int) -> dict[
         calls, objects = counter.take()
         out.update(requests=calls, requests_total=sum(calls.values()), objects_deleted=objects)
     return out
+
+
+def delete_floor(client: Any, bucket: str, count: int, in_flight: int = 8) -> dict[str, Any]:
+    """The server's own time to delete ``count`` objects: that many one-byte objects put
+    under ``floor/``, then deleted by raw DeleteObjects calls of 1,000 keys, ``in_flight``
+    at a time, nothing listed or read (retention's floor on this server)."""
+    keys = [f"floor/k{i:06d}" for i in range(count)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: client.put_object(Bucket=bucket, Key=k, Body=b"x"), keys))
+    batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(in_flight) as pool:
+        list(
+            pool.map(
+                lambda b: client.delete_objects(
+                    Bucket=bucket, Delete={"Objects": [{"Key": k} for k in b], "Quiet": True}
+                ),
+                batches,
+            )
+        )
+    return {"s": time.perf_counter() - t0, "objects": count, "in_flight": in_flight}
 
 
 class CountingStorage:
@@ -579,8 +600,8 @@ def measure(
     commit_tensors: int = 4,
     manifest_tensors: int = 500,
     manifest_max_n: int = 1024,
-    commit_max_n: int = 1024,
-    s3_max_n: int = 256,
+    commit_max_n: int = 4096,
+    s3_max_n: int = 4096,
     log: Log = lambda m: None,
 ) -> dict[str, Any]:
     """Every phase at each N of ``ns``; ``s3`` is an `S3Server` (tests/s3server.py) or None."""
@@ -624,6 +645,9 @@ def measure(
                     left = list_committed(store)
                     assert left == [2], left
                     row["restore_s3"] = restore_plan(store, 2, n, counter, sample)
+                    row["delete_floor_s3"] = delete_floor(
+                        client, bucket, row["retention_s3"]["objects_deleted"]
+                    )
                     log(
                         f"  N={n}: commit (s3) {row['commit_s3']['wall_s']:.3f} s, retention "
                         f"{row['retention_s3']['s']:.3f} s"
@@ -654,6 +678,7 @@ SERIES: list[tuple[str, tuple[str, ...], str]] = [
     ("retention, s3://", ("retention_s3", "s"), "s"),
     ("restore planning per rank, local", ("restore_local", "per_rank_s"), "s"),
     ("restore planning per rank, s3://", ("restore_s3", "per_rank_s"), "s"),
+    ("s3 delete floor: the same objects, raw DeleteObjects", ("delete_floor_s3", "s"), "s"),
     ("restore decode, top + own part (500 tensors/rank)", ("manifest", "restore_decode_s"), "s"),
     ("all parts decode, merged (500 tensors/rank)", ("manifest", "decode_s"), "s"),
     ("top manifest bytes", ("manifest", "top_bytes"), "B"),
@@ -803,6 +828,7 @@ PLOT_TIMES = [
     "rank 0 commit stretch, memory://",
     "commit wall, local root",
     "retention, s3://",
+    "s3 delete floor: the same objects, raw DeleteObjects",
     "restore planning per rank, s3://",
     "restore decode, top + own part (500 tensors/rank)",
     "all parts decode, merged (500 tensors/rank)",
@@ -862,14 +888,18 @@ def render(out: dict[str, Any], source: str) -> str:
             "",
             "Objects per checkpoint on `s3://`, and what retention of one checkpoint sent:",
             "",
-            "| N | objects per checkpoint | objects deleted | retention requests by operation |",
-            "|---|---|---|---|",
+            "| N | objects per checkpoint | objects deleted | retention | delete floor "
+            "| retention ÷ floor | retention requests by operation |",
+            "|---|---|---|---|---|---|---|",
         ]
         for n, row in s3_rows:
             req = row["retention_s3"].get("requests", {})
+            floor = row.get("delete_floor_s3", {}).get("s")
+            took = row["retention_s3"]["s"]
             lines.append(
                 f"| {n} | {row['s3_objects_per_checkpoint']} | "
-                f"{row['retention_s3'].get('objects_deleted', '-')} | "
+                f"{row['retention_s3'].get('objects_deleted', '-')} | {_fmt(took, 's')} | "
+                f"{_fmt(floor, 's')} | {f'{took / floor:.2f}x' if floor else '-'} | "
                 + ", ".join(f"{k} {v}" for k, v in sorted(req.items()))
                 + " |"
             )
@@ -926,8 +956,8 @@ def run_phase(
     commit_tensors: int = 4,
     manifest_tensors: int = 500,
     manifest_max_n: int = 1024,
-    commit_max_n: int = 1024,
-    s3_max_n: int = 256,
+    commit_max_n: int = 4096,
+    s3_max_n: int = 4096,
 ) -> dict[str, Any]:
     """The scale phase of ``make bench``: `measure` at every N, SeaweedFS started here."""
     ns = list(ns or NS)
@@ -987,8 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-tensors", type=int, default=4)
     ap.add_argument("--manifest-tensors", type=int, default=500)
     ap.add_argument("--manifest-max-n", type=int, default=1024)
-    ap.add_argument("--commit-max-n", type=int, default=1024)
-    ap.add_argument("--s3-max-n", type=int, default=256)
+    ap.add_argument("--commit-max-n", type=int, default=4096)
+    ap.add_argument("--s3-max-n", type=int, default=4096)
     ap.add_argument("--docs", action="store_true", help="rewrite the block in docs/scale.md")
     ap.add_argument("--results-dir", type=Path, default=HERE / "results")
     ap.add_argument(

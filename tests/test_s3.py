@@ -115,6 +115,64 @@ def test_storage_options_multipart_and_parallel_ranged_reads(
     assert torch.equal(ts.state["big"], torch.arange(3_000_000, dtype=torch.float32))
 
 
+def test_a_tree_of_thousands_of_objects_is_deleted_in_parallel_batches(seaweedfs: Any) -> None:
+    """A checkpoint of many ranks is thousands of objects: `delete` sends its
+    DeleteObjects batches several at a time, leaves nothing, and a batch the server
+    refuses is raised (the other batches are still sent), never swallowed."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    bucket = seaweedfs.new_bucket("del")
+    storage = S3Storage(f"s3://{bucket}/r", **options(seaweedfs, max_concurrency=4))
+    names = [f"step-1/a/rank-{i:05d}.bin" for i in range(2300)]
+
+    def fill() -> None:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda n: storage.write(n, [b"x"]), names))
+        storage.write("step-2/keep.bin", [b"y"])
+
+    fill()
+    lock = threading.Lock()
+    flight = {"now": 0, "most": 0, "calls": 0}
+    real = storage.client.delete_objects
+
+    def counted(**kw: Any) -> Any:
+        with lock:
+            flight["now"] += 1
+            flight["calls"] += 1
+            flight["most"] = max(flight["most"], flight["now"])
+        try:
+            time.sleep(0.05)  # keeps each call open long enough to overlap the others
+            return real(**kw)
+        finally:
+            with lock:
+                flight["now"] -= 1
+
+    storage.client.delete_objects = counted  # type: ignore[method-assign]
+    storage.delete("step-1")
+    assert storage.list_files("step-1") == {} and not storage.exists("step-1")
+    assert storage.list_files("step-2") == {"keep.bin": 1}
+    assert flight["calls"] >= 4 and flight["most"] > 1, flight  # 2,300 keys: 4 batches
+
+    fill()
+    sent: list[int] = []
+
+    def one_refused(**kw: Any) -> Any:
+        keys = [o["Key"] for o in kw["Delete"]["Objects"]]
+        with lock:
+            sent.append(len(keys))
+        if any(k.endswith("rank-00000.bin") for k in keys):
+            return {"Errors": [{"Key": keys[0], "Code": "AccessDenied", "Message": "no"}]}
+        return real(**kw)
+
+    storage.client.delete_objects = one_refused  # type: ignore[method-assign]
+    with pytest.raises(StorageError, match="could not delete 1 object.*AccessDenied"):
+        storage.delete("step-1")
+    assert sum(sent) == len(names) + 1  # every batch was sent: the tree and its own key
+    left = storage.list_files("step-1")
+    assert "a/rank-00000.bin" in left and len(left) < len(names)
+
+
 def test_bad_options_and_missing_bucket_are_clear_errors(seaweedfs: Any) -> None:
     with pytest.raises(CheckpointError, match="unknown S3 storage option"):
         open_storage("s3://bucket/x", {"part_sise": 1})

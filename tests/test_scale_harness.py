@@ -126,6 +126,10 @@ def test_retention_requests_on_s3_do_not_grow_with_n(measured_s3: dict) -> None:
     assert r16["requests"]["GetObject"] == 3  # manifests only: no data file's header
     # A HeadObject and two GetObjects per data file made it 32 at N=4, 68 at N=16.
     assert r16["requests_total"] == 21
+    for n in (4, 16):  # the floor deleted as many objects as retention, by raw requests
+        row = _row(measured_s3, n)
+        floor = row["delete_floor_s3"]
+        assert floor["objects"] == row["retention_s3"]["objects_deleted"] and floor["s"] > 0
 
 
 def test_retention_and_restore_ran(measured: dict) -> None:
