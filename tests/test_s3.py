@@ -166,7 +166,7 @@ def test_a_tree_of_thousands_of_objects_is_deleted_in_parallel_batches(seaweedfs
         return real(**kw)
 
     storage.client.delete_objects = one_refused  # type: ignore[method-assign]
-    with pytest.raises(StorageError, match="could not delete 1 object.*AccessDenied"):
+    with pytest.raises(StorageError, match=r"could not delete 1 object.*AccessDenied"):
         storage.delete("step-1")
     assert sum(sent) == len(names) + 1  # every batch was sent: the tree and its own key
     left = storage.list_files("step-1")
