@@ -45,10 +45,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep, StorageError
+from resumable._dtypes import dtype_from_name
 from resumable.audit import read_audit
 from resumable.cli import main as cli
 from resumable.commit import list_committed
-from resumable.format import checksum, dtype_from_name, manifest_digest, tensor_ranges
+from resumable.format import checksum, manifest_digest, tensor_ranges
 from resumable.policy import Entry
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, Storage, open_storage

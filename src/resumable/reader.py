@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from resumable._dtypes import dtype_from_name
 from resumable._lazy import torch_module
 from resumable._mapped_pieces import MappedPieces
 from resumable.commit import step_dir
@@ -37,7 +38,6 @@ from resumable.format import (
     byte_view,
     checksum,
     decode_manifest,
-    dtype_from_name,
     parse_safetensors_header,
     tensor_ranges,
 )
