@@ -17,9 +17,9 @@ bytes lie in several pieces (the table: unchanged chunks in earlier checkpoints'
 changed ones in newer files), its pieces mapped as the reader maps them, it times
 (median of ``reps``, the page cache warm):
 
-- ``stream``: one XXH3-64 over the pieces in the tensor's order (`_Pieces.digest`): the
-  check a restore makes today, before anything reaches a live tensor; the format's one
-  checksum per tensor cannot be split among threads;
+- ``stream``: one XXH3-64 over the pieces in the tensor's order
+  (`MappedPieces.digest`): the check a restore makes today, before anything reaches
+  a live tensor; the format's one checksum per tensor cannot be split among threads;
 - ``blocks_1``: an XXH3-64 per block of ``block_bytes`` of the tensor (each block's
   pieces fed to its hash in turn), one thread: what a checksum per block would cost;
 - ``blocks_n``: the same, the blocks shared among ``threads`` threads (the hash
@@ -27,7 +27,7 @@ changed ones in newer files), its pieces mapped as the reader maps them, it time
 - ``scratch_n``: each block's pieces first copied (``memmove``, which releases the GIL)
   into a buffer of one block kept per thread, that buffer then hashed as one large
   input, ``threads`` threads;
-- ``copy``: the pieces copied into a tensor (`_Pieces.copy_into`): what the restore
+- ``copy``: the pieces copied into a tensor (`MappedPieces.copy_into`): what the restore
   does once the check passed;
 - ``contiguous_stream`` and ``contiguous_blocks_n``: the same bytes in one buffer (as
   a whole checkpoint's file holds them): one XXH3-64, and an XXH3-64 per block on
@@ -164,8 +164,9 @@ def measure_root(root: Path, block: int, threads: int, reps: int) -> dict[str, A
     import torch
     import xxhash
 
+    from resumable._mapped_pieces import MappedPieces
     from resumable.format import CHECKSUM
-    from resumable.reader import CheckpointReader, _Pieces
+    from resumable.reader import CheckpointReader
     from resumable.storage.local import LocalStorage
 
     storage = LocalStorage(str(root))
@@ -179,7 +180,7 @@ def measure_root(root: Path, block: int, threads: int, reps: int) -> dict[str, A
     lo, hi = at.where[name]
     a = at.merged[lo:hi]
     maps = {k: memoryview(storage.map_file(at.paths[k])) for k in np.unique(a[:, 0]).tolist()}
-    gather = _Pieces(maps, a)
+    gather = MappedPieces(maps, a)
     blocks = Blocks(maps, gather.rows, block)
     buf = torch.empty(blocks.nbytes, dtype=torch.uint8)
     flat = memoryview(buf.numpy()).cast("B")

@@ -285,7 +285,8 @@ class Sandbox:
     def _make_slot(self) -> None:
         """A complete snapshot slot of the newest checkpoint's state, as the memory tier
         writes one for ``SHM_STORAGE``, with its per-tensor checksums."""
-        from resumable.format import TensorSlot, check_dtype_name
+        from resumable._dtypes import check_dtype_name
+        from resumable.format import TensorSlot
 
         storage = open_storage(SHM_STORAGE)
         directory = shm.own_dir(self.shm_dir)

@@ -20,8 +20,9 @@ import torch
 
 import resumable.incremental as inc_mod
 from resumable import Checkpointer, Incremental, Keep, StorageError
+from resumable._dtypes import dtype_name
 from resumable.commit import list_committed
-from resumable.format import TensorSlot, dtype_name
+from resumable.format import TensorSlot
 from resumable.incremental import DeltaBase
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage

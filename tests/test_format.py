@@ -20,18 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import resumable
+from resumable._dtypes import check_dtype_name, dtype_from_name, dtype_name, itemsize
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
 from resumable.format import (
     FORMAT_VERSION,
     MANIFEST,
     build_manifest,
-    check_dtype_name,
     check_relpath,
     decode_manifest,
-    dtype_from_name,
-    dtype_name,
     encode_manifest,
-    itemsize,
     manifest_digest,
     parse_safetensors_header,
     plan_layout,

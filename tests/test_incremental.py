@@ -45,10 +45,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from resumable import Checkpointer, CorruptCheckpointError, Incremental, Keep, StorageError
+from resumable._dtypes import dtype_from_name
 from resumable.audit import read_audit
 from resumable.cli import main as cli
 from resumable.commit import list_committed
-from resumable.format import checksum, dtype_from_name, manifest_digest, tensor_ranges
+from resumable.format import checksum, manifest_digest, tensor_ranges
 from resumable.policy import Entry
 from resumable.reader import CheckpointReader
 from resumable.storage import LocalStorage, Storage, open_storage
@@ -591,17 +592,17 @@ def test_pieces_of_every_size_are_copied_exactly(
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_pieces_copied_on_threads_land_where_they_belong(threads: int) -> None:
-    """`_Pieces.copy_into` with pieces from 3 bytes to 300 KiB in three sources, in an
+    """`MappedPieces.copy_into` with pieces from 3 bytes to 300 KiB in three sources, in an
     order that jumps between them: every byte lands at its place, whether a piece is
     copied by the calling thread, whole by one of ``threads`` threads, or cut between
     two of them."""
-    from resumable.reader import _SPLIT, _Pieces
+    from resumable._mapped_pieces import SPLIT, MappedPieces
 
     rng = np.random.default_rng(threads)
     sources = {
         k: memoryview(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for k in (0, 2, 5)
     }
-    rows, sizes = [], [3, 4096, _SPLIT - 1, _SPLIT, _SPLIT + 5, 300 << 10, 17]
+    rows, sizes = [], [3, 4096, SPLIT - 1, SPLIT, SPLIT + 5, 300 << 10, 17]
     for n in sizes * 4:
         k = int(rng.choice([0, 2, 5]))
         b = int(rng.integers(0, (1 << 20) - n))
@@ -609,17 +610,17 @@ def test_pieces_copied_on_threads_land_where_they_belong(threads: int) -> None:
     want = b"".join(bytes(sources[k][b:e]) for k, b, e in rows)
     dest = torch.full((len(want),), 7, dtype=torch.uint8)
     with mock.patch.object(torch, "get_num_threads", return_value=threads):
-        _Pieces(sources, np.array(rows, dtype=np.int64)).copy_into(dest)
+        MappedPieces(sources, np.array(rows, dtype=np.int64)).copy_into(dest)
     assert bytes(dest.numpy()) == want
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_pieces_in_place_in_a_file_are_copied_as_one_range_then_overwritten(threads: int) -> None:
     """A tensor that one file held whole (at byte 100), of which 300 scattered chunks
-    (1 KiB to 80 KiB, some back to back) lie in two other files: `_Pieces` copies the
+    (1 KiB to 80 KiB, some back to back) lie in two other files: `MappedPieces` copies the
     whole range from the first file, then every other piece over it, and the result
     is the tensor's bytes, not the first file's."""
-    from resumable.reader import _in_place, _Pieces
+    from resumable._mapped_pieces import MappedPieces, in_place
 
     rng = np.random.default_rng(threads)
     n = 8 << 20
@@ -642,14 +643,14 @@ def test_pieces_in_place_in_a_file_are_copied_as_one_range_then_overwritten(thre
     rows.append((0, 100 + at, 100 + n))
     a = np.array(rows, dtype=np.int64)
     lengths = a[:, 2] - a[:, 1]
-    assert _in_place(a, np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) is not None
+    assert in_place(a, np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) is not None
     sources = {
         0: memoryview(held.tobytes()),
         **{k: memoryview(v.tobytes()) for k, v in newer.items()},
     }
     dest = torch.zeros(n, dtype=torch.uint8)
     with mock.patch.object(torch, "get_num_threads", return_value=threads):
-        _Pieces(sources, a).copy_into(dest)
+        MappedPieces(sources, a).copy_into(dest)
     assert np.array_equal(dest.numpy(), want)
 
 
@@ -668,12 +669,12 @@ def test_pieces_out_of_bounds_are_refused_before_any_copy(
     """The raw copies trust no caller: a piece outside its file, a negative one, or
     pieces that do not add up to the destination raise `CorruptCheckpointError`, and
     the destination is untouched."""
-    from resumable.reader import _Pieces
+    from resumable._mapped_pieces import MappedPieces
 
     sources = {0: memoryview(bytes(1 << 20))}
     dest = torch.full((max(dest_bytes, 1),), 7, dtype=torch.uint8)[:dest_bytes]
     with pytest.raises(CorruptCheckpointError, match="do not fit"):
-        _Pieces(sources, np.array([(0, 0, 10), row], dtype=np.int64)).copy_into(dest)
+        MappedPieces(sources, np.array([(0, 0, 10), row], dtype=np.int64)).copy_into(dest)
     assert bool((dest == 7).all())
 
 

@@ -88,7 +88,7 @@ def test_the_worker_modules_do_not_import_torch() -> None:
         "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
         "import resumable.pipeline._worker, resumable.pipeline.mirror, resumable.retention\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        "from resumable.format import dtype_from_name\n"
+        "from resumable._dtypes import dtype_from_name\n"
         "assert 'torch' not in sys.modules\n"
         "print(dtype_from_name('BF16'))\n"
         "assert 'torch' in sys.modules\n"

@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from resumable._dtypes import check_dtype_name, itemsize
 from resumable.errors import CheckpointError, CorruptCheckpointError
-from resumable.format import TensorSlot, check_dtype_name, itemsize
+from resumable.format import TensorSlot
 from resumable.pieces import Piece, pieces_to_json
 
 ROOT_KEY = "root"  # metadata key: the checkpoint root's URL

@@ -21,16 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
+from resumable._dtypes import dtype_from_name, dtype_name
 from resumable.capture import CLASSES_KEY, iter_refs, subtree
 from resumable.commit import step_dir
 from resumable.errors import CheckpointError
-from resumable.format import (
-    TensorSlot,
-    byte_view,
-    dtype_from_name,
-    dtype_name,
-    safetensors_header,
-)
+from resumable.format import TensorSlot, byte_view, safetensors_header
 from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
 from resumable.storage import Storage

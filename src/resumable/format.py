@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from resumable._dtypes import ARRAY_LIMIT, ITEMSIZE, MAX_NDIM, dtype_name, numel, shape_ok
 from resumable._version import __version__
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
 from resumable.pieces import check_pieces, global_tensors
@@ -54,87 +55,10 @@ CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_SAFETENSORS_HEADER = 100 << 20
-MAX_NDIM = 64
 MAX_JSON_DEPTH = 256  # arrays and objects; a tree of MAX_TREE_DEPTH needs at most 197
 CHECKSUM = "xxh3_64"
 
-# The dtypes a checkpoint stores, by safetensors name, with their element sizes. The
-# names are what slots and manifests carry; torch's dtypes are looked up only where a
-# tensor is made or described, so the persist worker runs without importing torch.
-_ITEMSIZE: dict[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "U16": 2,
-    "U32": 4,
-    "U64": 8,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
-_TORCH_NAMES = {  # safetensors name -> torch attribute
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-_ARRAY_LIMIT = 2**63  # numpy and torch strides: bytes of an array, zero dimensions as 1
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9._-]{0,199}$")
-
-
-@functools.cache
-def _torch_dtypes() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
-    import torch
-
-    to_torch = {k: getattr(torch, v) for k, v in _TORCH_NAMES.items()}
-    return {v: k for k, v in to_torch.items()}, to_torch
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The safetensors name of a torch dtype; `UnsupportedStateError` for one a
-    checkpoint cannot store."""
-    try:
-        return _torch_dtypes()[0][dtype]
-    except KeyError:
-        raise UnsupportedStateError(
-            f"tensors of dtype {dtype} cannot be stored in safetensors; "
-            f"supported: {', '.join(str(d) for d in _torch_dtypes()[0])}"
-        ) from None
-
-
-def check_dtype_name(name: Any) -> str:
-    """``name`` if it is the safetensors name of a dtype a checkpoint stores, else
-    `CorruptCheckpointError` (no torch needed)."""
-    if not isinstance(name, str) or name not in _ITEMSIZE:
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint")
-    return name
-
-
-def dtype_from_name(name: Any) -> torch.dtype:
-    """The torch dtype of a safetensors name found in a checkpoint (validated here)."""
-    return _torch_dtypes()[1][check_dtype_name(name)]
-
-
-def itemsize(name: str) -> int:
-    """Bytes per element of a dtype known by its safetensors name (validated before)."""
-    return _ITEMSIZE[name]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -182,7 +106,7 @@ def check_relpath(path: Any) -> str:
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one tensor's bytes live in a data file's data region; ``dtype`` is its
-    safetensors name (``"F32"``, `dtype_from_name` gives torch's)."""
+    safetensors name (``"F32"``; `resumable._dtypes.dtype_from_name` gives torch's)."""
 
     name: str
     dtype: str
@@ -274,28 +198,28 @@ def parse_safetensors_header(prefix: bytes, file_size: int) -> tuple[int, dict[s
                 and type(offsets) is list
                 and len(offsets) == 2
                 and type(dtype) is str
-                and dtype in _ITEMSIZE
+                and dtype in ITEMSIZE
             ):
                 (n0,), (begin, end) = shape, offsets
                 if (
                     type(n0) is int
                     and type(begin) is int
                     and type(end) is int
-                    and 0 <= n0 < _ARRAY_LIMIT // _ITEMSIZE[dtype]
+                    and 0 <= n0 < ARRAY_LIMIT // ITEMSIZE[dtype]
                     and 0 <= begin <= end
-                    and end - begin == n0 * _ITEMSIZE[dtype]
+                    and end - begin == n0 * ITEMSIZE[dtype]
                 ):
                     ranges.append((begin, end))
                     continue
         dtype = entry.get("dtype") if type(entry) is dict else None
-        if type(dtype) is not str or dtype not in _ITEMSIZE:
+        if type(dtype) is not str or dtype not in ITEMSIZE:
             raise CorruptCheckpointError(f"{_entry(name)} is not an object with a known dtype")
         offsets = entry.get("data_offsets")
         shape = entry.get("shape")
-        if not _shape_ok(shape, _ITEMSIZE[dtype]) or not int_pair(offsets):
+        if not shape_ok(shape, ITEMSIZE[dtype]) or not int_pair(offsets):
             raise CorruptCheckpointError(f"{_entry(name)} has a malformed shape or data_offsets")
         begin, end = offsets
-        if end - begin != _numel(shape) * _ITEMSIZE[dtype]:
+        if end - begin != numel(shape) * ITEMSIZE[dtype]:
             raise CorruptCheckpointError(
                 f"{_entry(name)}: data_offsets {offsets} do not hold shape {shape} of {dtype}"
             )
@@ -654,31 +578,6 @@ def _nonneg_int(x: Any) -> bool:
     return type(x) is int and x >= 0  # a bool is an int, but not of type int
 
 
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _shape_ok(shape: Any, itemsize: int) -> bool:
-    """A list of at most `MAX_NDIM` non-negative integers that numpy and torch can lay
-    out: the product of its non-zero dimensions times ``itemsize`` stays below 2**63
-    (an empty tensor may not claim a dimension that overflows a stride). A loop, not
-    generators: a safetensors header may have thousands of entries."""
-    if type(shape) is not list or len(shape) > MAX_NDIM:
-        return False
-    n = itemsize
-    for d in shape:
-        if type(d) is not int or d < 0 or d >= _ARRAY_LIMIT:
-            return False
-        if d:
-            n *= d
-            if n >= _ARRAY_LIMIT:
-                return False
-    return True
-
-
 def _check_type(m: Mapping[str, Any], key: str, typ: type, where: str) -> None:
     if not isinstance(m.get(key), typ) or isinstance(m.get(key), bool):
         raise CorruptCheckpointError(
@@ -703,10 +602,10 @@ def _check_tensor_entry(
     if not isinstance(info, dict):
         raise CorruptCheckpointError(bad)
     dtype = info.get("dtype")
-    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CorruptCheckpointError(f"{bad}: unknown dtype {str(dtype)[:100]!r}")
     shape: Any = info.get("shape")
-    if not _shape_ok(shape, _ITEMSIZE[dtype]):
+    if not shape_ok(shape, ITEMSIZE[dtype]):
         raise CorruptCheckpointError(
             f"{bad}: shape {str(shape)[:100]} is not a list of at most {MAX_NDIM} "
             "non-negative integers whose non-zero product times the element size is "
@@ -714,7 +613,7 @@ def _check_tensor_entry(
         )
     if not isinstance(info.get(CHECKSUM), str):
         raise CorruptCheckpointError(f"{bad}: no {CHECKSUM} checksum")
-    nbytes = _numel(shape) * _ITEMSIZE[dtype]
+    nbytes = numel(shape) * ITEMSIZE[dtype]
     a: np.ndarray | None = None
     if "chunks" in info:
         if refs is None or version != 2:
@@ -744,11 +643,11 @@ def _check_tensor_entry(
     goffset = info.get("global_offset", [0] * len(shape))
     if (
         not isinstance(fqn, str)
-        or not _shape_ok(gshape, _ITEMSIZE[dtype])
+        or not shape_ok(gshape, ITEMSIZE[dtype])
         or len(gshape) != len(shape)
         or not isinstance(goffset, list)
         or len(goffset) != len(shape)
-        or not all(_nonneg_int(o) and o < _ARRAY_LIMIT for o in goffset)
+        or not all(_nonneg_int(o) and o < ARRAY_LIMIT for o in goffset)
     ):
         raise CorruptCheckpointError(
             f"{bad}: piece fields must be a string fqn, a global_shape like its shape "
@@ -818,11 +717,11 @@ def _check_extents(
         f = src.get("file")
         if "step" in src:
             _check_referred_file(src["step"], f, refs, bad)
-            limits.append(_ARRAY_LIMIT - 1)  # the reader checks it against that file
+            limits.append(ARRAY_LIMIT - 1)  # the reader checks it against that file
         elif not isinstance(f, str) or f not in files:
             raise CorruptCheckpointError(f"{bad}: source file {str(f)[:100]!r} is not listed")
         else:
-            limits.append(min(files[f]["size"], _ARRAY_LIMIT - 1))
+            limits.append(min(files[f]["size"], ARRAY_LIMIT - 1))
     if (
         not isinstance(extents, list)
         or not extents
@@ -835,7 +734,7 @@ def _check_extents(
     too_big = f"{bad}: an extent's integer exceeds 2**63"
     a = None
     if len(extents) < _NUMPY_FROM:
-        if max(extents) >= _ARRAY_LIMIT or min(extents) < -_ARRAY_LIMIT:
+        if max(extents) >= ARRAY_LIMIT or min(extents) < -ARRAY_LIMIT:
             raise CorruptCheckpointError(too_big)
         total = 0
         for i in range(0, len(extents), 3):

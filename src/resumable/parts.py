@@ -7,14 +7,14 @@ and the bytes it reads grow by a small entry per rank, not by every tensor. A re
 checks a part against the top's size and checksum before it parses a byte of it.
 Trade-off: a reader of the whole checkpoint reads N + 1 objects instead of one; a
 rank restoring at the same world size reads the top, its own part and those holding
-the replicated tensors it needs (`PartChoice`). ``docs/format.md`` section 13.
+the replicated tensors it needs (`read_merged`). ``docs/format.md`` section 13.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -225,6 +225,51 @@ def merge(
     m["partial"] = not complete
     check_body(m, top["format_version"], where, arrays, complete=complete)
     return m
+
+
+def read_merged(
+    top: Mapping[str, Any],
+    read: Callable[[Mapping[str, Any]], bytes],
+    *,
+    step: int,
+    where: str,
+    rank: int | None = None,
+    arrays: dict[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """The manifest of a version 4 checkpoint from its validated ``top`` (`check_parts`),
+    merged (`merge`) from the parts it reads. ``read`` returns the bytes of one entry
+    of ``top["parts"]``, refusing more than its declared size; each part is then
+    checked by `decode_part` before it is parsed. With ``rank`` (a rank restoring at
+    the world size saved with), it reads that rank's part and the parts holding the
+    replicated tensors its tree names (`holders_of`); every part where those do not
+    hold every global tensor it names (`held`), or where ``rank`` is None or out of
+    range. ``arrays`` as `merge`'s. Raises `CorruptCheckpointError`."""
+    entries = top["parts"]
+
+    def part(entry: Mapping[str, Any]) -> dict[str, Any]:
+        return decode_part(read(entry), entry, step, where)
+
+    parts: dict[int, dict[str, Any]] = {}
+    if rank is not None and 0 <= rank < len(entries):
+        own = part(entries[rank])
+        parts[rank] = own
+        for r in sorted(holders_of(own, len(entries), where) - {rank}):
+            parts[r] = part(entries[r])
+        if not held(own["tree"], parts):
+            rank = None  # its part does not say where all it names lies
+    if rank is None:
+        for e in entries:
+            if e["rank"] not in parts:
+                parts[e["rank"]] = part(e)
+    return merge(top, parts, where, arrays, tree_of=rank)
+
+
+def top_sizes(top: Mapping[str, Any]) -> dict[str, int]:
+    """Every object a validated top manifest names, its data files and its parts, with
+    the size it declares: what a listing of the checkpoint must show."""
+    sizes = {f: info["size"] for f, info in top["files"].items()}
+    sizes.update({p["file"]: p["size"] for p in top["parts"]})
+    return sizes
 
 
 def flatten(m: Mapping[str, Any]) -> dict[str, Any]:

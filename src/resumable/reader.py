@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import xxhash
 
+from resumable._dtypes import dtype_from_name
 from resumable._lazy import torch_module
+from resumable._mapped_pieces import MappedPieces
 from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, NewerFormatError
 from resumable.format import (
@@ -37,11 +38,10 @@ from resumable.format import (
     byte_view,
     checksum,
     decode_manifest,
-    dtype_from_name,
     parse_safetensors_header,
     tensor_ranges,
 )
-from resumable.parts import check_parts, decode_part, held, holders_of, merge
+from resumable.parts import check_parts, read_merged, top_sizes
 from resumable.storage.base import Storage
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class CheckpointReader:
         # The files `check_files` found sound: (step or None for this one, file).
         self._checked: set[tuple[int | None, str]] = set()
         # Tensors `tensors` returned unassembled, and where their bytes lie, for `fill`.
-        self._fills: list[tuple[torch.Tensor, _Pieces]] = []
+        self._fills: list[tuple[torch.Tensor, MappedPieces]] = []
 
     @property
     def top(self) -> dict[str, Any]:
@@ -135,31 +135,17 @@ class CheckpointReader:
         return bool(self.manifest.get("partial"))
 
     def _merged(self, top: dict[str, Any]) -> dict[str, Any]:
-        entries = top["parts"]
-        parts: dict[int, dict[str, Any]] = {}
-        rank = self._rank
-        if rank is not None and 0 <= rank < len(entries):
-            own = self._part(entries[rank])
-            parts[rank] = own
-            for r in sorted(holders_of(own, len(entries), self.where) - {rank}):
-                parts[r] = self._part(entries[r])
-            if not held(own["tree"], parts):
-                rank = None  # its part does not say where all it names lies
-        if rank is None:
-            for e in entries:
-                if e["rank"] not in parts:
-                    parts[e["rank"]] = self._part(e)
+        """A split manifest's parts read, checked and merged (`resumable.parts.read_merged`):
+        each part's size is checked before it is read."""
+
+        def read(entry: Mapping[str, Any]) -> bytes:
+            path = f"{self.dir}/{entry['file']}"
+            return self._read_capped(path, entry["size"], f"part {entry['rank']}")
+
         arrays: dict[str, np.ndarray] = {}
-        m = merge(top, parts, self.where, arrays, tree_of=rank)
+        m = read_merged(top, read, step=self.step, where=self.where, rank=self._rank, arrays=arrays)
         self._arrays = arrays
         return m
-
-    def _part(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """One part, its size checked before it is read and its checksum before it is
-        parsed (`resumable.parts.decode_part`)."""
-        path = f"{self.dir}/{entry['file']}"
-        raw = self._read_capped(path, entry["size"], f"part {entry['rank']}")
-        return decode_part(raw, entry, self.step, self.where)
 
     def _read_capped(self, path: str, cap: int, what: str) -> bytes:
         try:
@@ -239,9 +225,7 @@ class CheckpointReader:
         that each chunk lies inside). Raises `CorruptCheckpointError`."""
         top = self.top
         if top["format_version"] == SPLIT_VERSION:
-            sizes = {f: info["size"] for f, info in top["files"].items()}
-            sizes.update({p["file"]: p["size"] for p in top["parts"]})
-            self._sizes_listed(self, sizes)
+            self._sizes_listed(self, top_sizes(top))
             for step in top["refs"]:
                 holder = self._holder(step)
                 files = holder.manifest["files"]
@@ -530,7 +514,7 @@ class CheckpointReader:
         # (name, bytes, what computes its checksum): run once every tensor is found,
         # on several threads where there are enough bytes (`_digests`)
         checks: list[tuple[str, int, Callable[[], str]]] | None = [] if verify else None
-        fills: list[tuple[torch.Tensor, _Pieces]] = []
+        fills: list[tuple[torch.Tensor, MappedPieces]] = []
         regions: list[tuple[int, int]] = []  # (address, bytes) of what the checks read
         for path, names_in_file in by_path.items():
             ranges = [single[n][1:] for n in names_in_file]
@@ -577,7 +561,7 @@ class CheckpointReader:
             ends = {k: int(a[a[:, 0] == k, 2].max()) for k in np.unique(a[:, 0]).tolist()}
             views = {k: mapped(k) for k in ends}
             found = {k: v for k, v in views.items() if v is not None and ends[k] <= v.nbytes}
-            gather = _Pieces(found, a) if len(found) == len(views) else None
+            gather = MappedPieces(found, a) if len(found) == len(views) else None
             dest = self._destination(name, (into or {}).get(name))
             if gather is not None and dest is not None and checks is not None:
                 # the checksum over the pieces where they lie; copied by `fill`
@@ -762,111 +746,6 @@ class _Locations(NamedTuple):
     where: dict[str, tuple[int, int]]
 
 
-class _Pieces:
-    """The bytes of a tensor whose pieces lie in mapped files, in the tensor's order,
-    hashed or copied a piece at a time. Of what a small piece costs in Python, slicing
-    a memoryview is the cheapest. Measured against it (4 KiB and 64 KiB chunks): NumPy
-    views cost more per piece; gathering rows of a common piece size with NumPy fancy
-    indexing was slower still (scattered rows copy element-wise), and torch's scatter
-    ops too; `ctypes.memmove` costs more per call, so it pays only where the copy of
-    a piece costs more than the call: for the pieces of `_SPLIT` bytes or more, which
-    several threads copy at once (it releases the GIL; one thread alone copies at
-    about half the memory's speed)."""
-
-    def __init__(self, sources: Mapping[int, memoryview], a: np.ndarray) -> None:
-        self.sources = sources  # the mapped files, by path index
-        self.table = a  # (path index, begin, end) rows, in order
-        self.rows: list[list[int]] = a.tolist()
-
-    def digest(self) -> str:
-        h = xxhash.xxh3_64()
-        update, sources = h.update, self.sources
-        for i, b, e in self.rows:
-            update(sources[i][b:e])
-        return h.hexdigest()
-
-    def copy_into(self, dest: torch.Tensor) -> None:
-        """Write the tensor's bytes into ``dest``, contiguous bytes of their total
-        length. First, where many pieces lie in one file as they lie in the tensor (a
-        file that held the tensor whole, of which later checkpoints replaced chunks),
-        the whole range they span, in one copy (`_in_place`); then the other pieces:
-        those of `_SPLIT` bytes or more shared by byte count among torch's intra-op
-        thread count of threads, the rest one memoryview slice each. Every piece is
-        copied after the range, so what the range copied of another piece's place is
-        overwritten."""
-        a, sources = self.table, self.sources
-        lengths = a[:, 2] - a[:, 1]
-        # Raw copies: every bound checked here again, whatever the caller checked.
-        if (
-            dest.dtype != torch.uint8
-            or dest.dim() != 1
-            or not dest.is_contiguous()
-            or int(lengths.sum()) != dest.numel()
-            or len(a) == 0
-            or int(a[:, 1].min()) < 0
-            or int(lengths.min()) < 0
-            or any(int(a[a[:, 0] == k, 2].max()) > sources[k].nbytes for k in np.unique(a[:, 0]))
-        ):
-            raise CorruptCheckpointError("pieces that do not fit their files or destination")
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        threads = max(1, torch.get_num_threads())
-        base = dest.data_ptr()
-        addresses: dict[int, int] = {}
-
-        def address(k: int) -> int:
-            if k not in addresses:
-                addresses[k] = int(np.frombuffer(sources[k], dtype=np.uint8).ctypes.data)
-            return addresses[k]
-
-        rest = np.ones(len(a), dtype=bool)  # the pieces still to copy one by one
-        found = _in_place(a, starts, lengths)
-        if found is not None:
-            done, k, lo, hi, shift = found
-            _memmove_on_threads([(base + lo, address(k) + lo - shift, hi - lo)], threads)
-            rest &= ~done
-        big = rest & (lengths >= _SPLIT)
-        if big.any():
-            moves = []
-            for j in np.flatnonzero(big).tolist():
-                i, b, e = self.rows[j]
-                moves.append((base + int(starts[j]), address(i) + b, e - b))
-            _memmove_on_threads(moves, threads)
-        flat, positions = dest.numpy().data, starts.tolist()
-        for j in np.flatnonzero(rest & ~big).tolist():
-            i, b, e = self.rows[j]
-            pos = positions[j]
-            flat[pos : pos + e - b] = sources[i][b:e]
-
-
-def _in_place(
-    a: np.ndarray, starts: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, int, int, int, int] | None:
-    """The largest set of pieces (rows of ``a``, placed at ``starts`` in the tensor)
-    that lie in one file at one offset from their place in the tensor, if they are at
-    least `_IN_PLACE_MIN` and the tensor range they span holds at most twice their
-    bytes: (which rows, file, begin and end in the tensor, tensor place minus file
-    offset). Its source range lies between the lowest begin and the highest end of
-    those pieces, so inside their file."""
-    if len(a) < _IN_PLACE_MIN:
-        return None
-    shift = starts - a[:, 1]
-    best: tuple[int, int, int] | None = None  # (count, file, shift)
-    for k in np.unique(a[:, 0]).tolist():
-        values, counts = np.unique(shift[a[:, 0] == k], return_counts=True)
-        g = int(np.argmax(counts))
-        if best is None or int(counts[g]) > best[0]:
-            best = (int(counts[g]), k, int(values[g]))
-    assert best is not None
-    count, k, d = best
-    if count < _IN_PLACE_MIN:
-        return None
-    rows = (a[:, 0] == k) & (shift == d)
-    lo, hi = int(starts[rows].min()), int((starts + lengths)[rows].max())
-    if hi - lo > 2 * int(lengths[rows].sum()):
-        return None
-    return rows, k, lo, hi, d
-
-
 _libc: Any = None
 
 
@@ -930,44 +809,7 @@ def _digests(jobs: list[tuple[int, Callable[[], str]]], threads: int) -> list[st
     return out
 
 
-def _memmove_on_threads(moves: list[tuple[int, int, int]], threads: int) -> None:
-    """``memmove(dest, src, n)`` for each of ``moves`` (addresses whose bounds the
-    caller checked), the bytes shared evenly among ``threads`` threads, the calling one
-    included (a move larger than a share is cut)."""
-    total = sum(n for _, _, n in moves)
-    threads = max(1, min(threads, total // _SPLIT))
-    share = -(-total // threads)
-    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
-    k, room = 0, share
-    for d, s, n in moves:
-        while n:
-            take = min(n, room)
-            parts[k].append((d, s, take))
-            d, s, n, room = d + take, s + take, n - take, room - take
-            if room == 0 and k + 1 < threads:
-                k, room = k + 1, share
-    errors: list[BaseException] = []
-
-    def run(part: list[tuple[int, int, int]]) -> None:
-        try:
-            for d, s, n in part:
-                ctypes.memmove(d, s, n)
-        except BaseException as exc:  # handed to the calling thread
-            errors.append(exc)
-
-    others = [threading.Thread(target=run, args=(p,), daemon=True) for p in parts[1:]]
-    for t in others:
-        t.start()
-    run(parts[0])
-    for t in others:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 _DIGESTS_SPLIT_MIN = 8 << 20  # bytes to check from which `_digests` uses several threads
-_SPLIT = 64 << 10  # bytes of a piece from which `_Pieces` copies it on several threads
-_IN_PLACE_MIN = 64  # pieces in place in one file from which `_Pieces` copies their span
 _SHORT = 96  # integers in an extents list below which `_extents` makes its rows in Python
 
 

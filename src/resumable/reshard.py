@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from resumable._dtypes import dtype_from_name
 from resumable.errors import CorruptCheckpointError, StateMismatchError
-from resumable.format import dtype_from_name
 from resumable.pieces import global_tensors, is_dtensor
 
 

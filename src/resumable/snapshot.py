@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from resumable._dtypes import dtype_from_name
 from resumable._lazy import torch_module
 from resumable._shm import (
     COMPLETE,
@@ -54,7 +55,7 @@ from resumable._shm import (
     slot_paths,
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
-from resumable.format import TensorSlot, byte_view, checksum, dtype_from_name, plan_layout
+from resumable.format import TensorSlot, byte_view, checksum, plan_layout
 
 if TYPE_CHECKING:
     import torch

@@ -20,6 +20,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from resumable._dtypes import itemsize
 from resumable.audit import read_audit
 from resumable.capture import CLASSES_KEY, decode, recorded_classes
 from resumable.cli.common import (
@@ -46,7 +47,7 @@ from resumable.commit import (
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError
 from resumable.export import has_tensors
-from resumable.format import itemsize, tensor_ranges
+from resumable.format import tensor_ranges
 from resumable.pieces import GlobalTensor, global_tensors
 from resumable.reader import CheckpointReader
 from resumable.retention import pinned_steps

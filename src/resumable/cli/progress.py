@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from resumable._dtypes import itemsize
 from resumable.cli.common import printable
 from resumable.errors import CheckpointError
-from resumable.format import itemsize
 from resumable.reader import CheckpointReader
 from resumable.storage import Storage
 
