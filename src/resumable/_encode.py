@@ -101,7 +101,6 @@ class Encoder:
         # Paths below a stateful object that it says every rank holds alike
         # (``resumable_replicated``): their tensors are global, as a module's are.
         self.global_paths: set[tuple[Any, ...]] = set()
-        self._tied: dict[tuple[Any, ...], str] = {}  # a view's first global name
         self.classes: list[tuple[tuple[Any, ...], str]] = []  # stateful objects met
         self.in_stateful = 0  # how many stateful objects' state dicts enclose the walk
 
@@ -116,17 +115,6 @@ class Encoder:
                 self.replicated.add(name)
         else:
             self._check(t, path)
-            if self.global_paths:  # a stateful's replicated tensors: a tied one once
-                key = (
-                    t.untyped_storage().data_ptr(),
-                    t.storage_offset(),
-                    tuple(t.shape),
-                    tuple(t.stride()),
-                    t.dtype,
-                )
-                first = self._tied.setdefault(key, fqn)
-                if first != fqn:  # the same view as an earlier tensor's: named by it
-                    return {"global": first, "device": str(t.device)}
             local = t.detach()
             piece = Piece(fqn, tuple(int(x) for x in t.shape), (0,) * t.dim())
             name = fqn
