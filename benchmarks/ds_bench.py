@@ -343,10 +343,10 @@ def render(out: dict[str, Any], source: str) -> str:
         "resumable's own timing of its capture and copy of the state inside `save()` "
         "(`Checkpointer.last_snapshot_s`). Ratios: resumable's median ÷ DeepSpeed's. "
         "*Min*: the fastest sample (other jobs on this shared machine only ever add time). "
-        "Why resumable writes more at ZeRO 1 and 2: every rank writes the module's state "
-        "(DeepSpeed writes it from rank 0 only; `DeepSpeedState` keeps it in each rank's "
-        "share so that every rank restores on its own), and GPT-2's tied `lm_head` and "
-        "`wte` weight is written twice (`torch.save` writes a shared storage once). "
+        "At ZeRO 0-2 the module's state is written once per job, as DeepSpeed writes it "
+        "from rank 0 only (`DeepSpeedState.resumable_replicated`, docs/deepspeed.md); "
+        "GPT-2's tied `lm_head` and `wte` weight is written twice (`torch.save` writes a "
+        "shared storage once; a tree names each stored tensor once). "
         "resumable's first save starts its persist workers and allocates its shared "
         'memory (*first*); with `persist="auto"` the second one also touches the second '
         "of its two snapshot slots for the first time.",

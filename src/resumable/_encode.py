@@ -98,6 +98,9 @@ class Encoder:
         self.replicated: set[str] = set()
         self.live: dict[str, torch.Tensor] = {}
         self.in_global = False  # encoding a top-level module or optimizer
+        # Paths below a stateful object that it says every rank holds alike
+        # (``resumable_replicated``): their tensors are global, as a module's are.
+        self.global_paths: set[tuple[Any, ...]] = set()
         self.classes: list[tuple[tuple[Any, ...], str]] = []  # stateful objects met
         self.in_stateful = 0  # how many stateful objects' state dicts enclose the walk
 
@@ -254,7 +257,11 @@ class Encoder:
         if is_stateful(v):
             self.in_stateful += 1
             try:
-                return {"stateful": self.value(self.state_dict_of(v, path), path, depth + 1)}
+                sd = self.state_dict_of(v, path)
+                if self.world_size > 1:
+                    for sub in getattr(v, "resumable_replicated", None) or ():
+                        self.global_paths.add((*path, *sub))
+                return {"stateful": self.value(sd, path, depth + 1)}
             finally:
                 self.in_stateful -= 1
         raise UnsupportedStateError(
@@ -306,6 +313,13 @@ class Encoder:
                     f"{path_str(path)}: cannot checkpoint a dict key of type "
                     f"{type(k).__name__} ({k!r}); use str or int keys"
                 )
+            if self.global_paths and (*path, k) in self.global_paths and not self.in_global:
+                self.in_global = True
+                try:
+                    items.append([k, self.value(item, (*path, k), depth + 1)])
+                finally:
+                    self.in_global = False
+                continue
             items.append([k, self.value(item, (*path, k), depth + 1)])
         return {"dict": items}
 

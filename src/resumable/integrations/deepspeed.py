@@ -171,6 +171,20 @@ class DeepSpeedState:
         _check_supported(engine)
         self.engine = engine
 
+    @property
+    def resumable_replicated(self) -> tuple[tuple[str, ...], ...]:
+        """Where in `state_dict` every rank holds the same tensors, written once per job
+        (as DeepSpeed writes its model states from data-parallel rank 0 only): the module
+        of ZeRO stages 0 to 2, whose parameters every data-parallel rank holds whole,
+        where the data-parallel group is the whole job. Stage 3 partitions them, and
+        model-parallel ranks hold different ones: per rank there."""
+        engine = self.engine
+        if int(engine.zero_optimization_stage()) >= 3 or not torch.distributed.is_initialized():
+            return ()
+        if _dp_rank_and_world(engine)[1] != torch.distributed.get_world_size():
+            return ()
+        return (("model_states", "module"),)
+
     # ------------------------------------------------------------------- save
 
     def state_dict(self) -> dict[str, Any]:
@@ -664,8 +678,12 @@ def export_deepspeed(
                 "the DeepSpeedState"
             )
         tree = {"dict": [[key, node]]}
-        names = list(dict.fromkeys(n for _, n in capture_mod.iter_tensor_refs(tree)))
-        values = capture_mod.decode(tree, reader.tensors(names, verify=True), "cpu")
+        names = [n for _, n in capture_mod.iter_tensor_refs(tree)]
+        # The module of ZeRO 0-2 is written once per job (`resumable_replicated`): its
+        # tensors are global nodes, each stored whole under its name by one rank.
+        names = list(dict.fromkeys([*names, *capture_mod.global_refs(tree)]))
+        got = reader.tensors(names, verify=True)
+        values = capture_mod.decode(tree, got, "cpu", resolve=got.__getitem__)
         per_rank.append(_checked(values[key]))
     # Every rank's files rebuilt (and so checked) before anything is written.
     files: dict[str, Any] = {}
