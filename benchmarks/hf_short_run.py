@@ -42,9 +42,14 @@ _TORCH_IMPORT = (
 )
 
 
-def _torch_boot(boot: str) -> str:
-    """The persist worker's boot code, importing torch first; fails if the line it
-    goes before is gone (the variant would silently be *resumable* again)."""
+def torch_importing_boot(boot: str | None = None) -> str:
+    """``boot`` (by default the persist worker's boot code as the library has it), importing
+    torch first; fails if the line it goes before is gone (the variant would silently be
+    *resumable* again)."""
+    if boot is None:
+        from resumable.pipeline import _worker_process
+
+        boot = _worker_process._WORKER_BOOT
     patched = boot.replace(*_TORCH_IMPORT)
     if patched == boot:
         raise RuntimeError(f"{_TORCH_IMPORT[0]!r} not found in the worker's boot code")
@@ -94,7 +99,7 @@ def one_launch(variant: str, out: Path, *, steps: int, save_steps: int, layers: 
     if variant == "resumable-torch-worker":  # the worker as it was: importing torch first
         from resumable.pipeline import _worker_process as wp
 
-        wp._WORKER_BOOT = _torch_boot(wp._WORKER_BOOT)
+        wp._WORKER_BOOT = torch_importing_boot(wp._WORKER_BOOT)
     cls = Trainer if variant == "plain" else ResumableTrainer
     trainer = cls(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(8 * steps))
     t0 = time.perf_counter()

@@ -21,8 +21,6 @@ sys.path.insert(0, str(BENCH))
 
 import hf_short_run  # noqa: E402
 
-from resumable.pipeline import _worker_process  # noqa: E402
-
 
 def test_both_variants_train_save_and_report() -> None:
     variants = ("plain", "resumable")
@@ -39,7 +37,7 @@ def test_both_variants_train_save_and_report() -> None:
 
 
 def test_the_torch_worker_variant_imports_torch_before_the_worker() -> None:
-    boot = hf_short_run._torch_boot(_worker_process._WORKER_BOOT)
+    boot = hf_short_run.torch_importing_boot()
     assert boot.index("import torch\n") < boot.index("from resumable.pipeline._worker import")
     with pytest.raises(RuntimeError, match="not found"):
-        hf_short_run._torch_boot("import os\n")
+        hf_short_run.torch_importing_boot("import os\n")
