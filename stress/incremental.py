@@ -94,6 +94,9 @@ from stress.workload import checkpointer, local, newest_commit, torn
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"chains": 3, "kills_per_chain": 5, "window_s": 1.0},
     "full": {"chains": 30, "kills_per_chain": 10, "window_s": 1.5},
+    # `make test`'s able-to-fail run: "small"'s launches, up to the first after which a
+    # problem is found (`able_to_fail` runs them all)
+    "caught": {"chains": 3, "kills_per_chain": 5, "window_s": 1.0, "until_caught": True},
 }
 SEED = 3
 LAUNCH_TIMEOUT_S = 60.0
@@ -629,6 +632,10 @@ def run(size: str, *, retention: str | None = None) -> dict[str, Any]:
                                 seen_v1.add((chain, where, s))
                     if os.path.isdir(root):
                         want = max(want, newest_commit(root))
+                    if problems and cfg.get("until_caught"):
+                        break
+                if problems and cfg.get("until_caught"):
+                    break
                 if os.path.isdir(root):
                     deletes += sum(e.get("event") == "delete" for e in read_audit(local(root)))
                 mirror_trash += _leftovers(mirror, ".trash-") + _leftovers(mirror, ".tmp-")

@@ -6,6 +6,7 @@
   1, 2, 3 and the exact tensors each one holds (`SavedRoot`).
 - `audit_events`: a recorder on a process-wide ``sys.addaudithook`` hook, installed once
   per session (audit hooks cannot be removed); it records only inside ``recording()``.
+- `frozen_heap`: a context in which `gc.collect` skips the test process's heap.
 
 Add new fixtures below the existing ones, each with a docstring saying what it builds.
 """
@@ -13,6 +14,7 @@ Add new fixtures below the existing ones, each with a docstring saying what it b
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import sys
@@ -300,3 +302,25 @@ def deepspeed_shm_op_built(tmp_path_factory: pytest.TempPathFactory) -> None:
         )
         if built is not None:
             built.touch()
+
+
+# --------------------------------------------------------------------------- garbage collection
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@pytest.fixture(scope="session")
+def frozen_heap() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """Factory of a context in which `gc.collect` skips every object alive at its start
+    (`gc.freeze`; unfrozen at its exit). For the smoke test of a benchmark harness that
+    collects before each timed sample: in a test process, holding torch and every test
+    module imported before, each collection scans that whole heap (about 0.5 s here).
+    Objects made inside the context are collected as usual."""
+    return _frozen_heap

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,15 @@ from s3server import find_weed  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def incr_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def incr_result(
+    tmp_path_factory: pytest.TempPathFactory,
+    frozen_heap: Callable[[], AbstractContextManager[None]],
+) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("incr") / "work"
-    return incr_bench.run_phase(
-        work, incr_bench.Settings.toy(), log=lambda _: None, s3=find_weed() is not None
-    )
+    with frozen_heap():  # the harness collects garbage before each timed restore
+        return incr_bench.run_phase(
+            work, incr_bench.Settings.toy(), log=lambda _: None, s3=find_weed() is not None
+        )
 
 
 def _modes(entry: dict[str, Any]) -> dict[str, Any]:

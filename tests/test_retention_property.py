@@ -327,13 +327,18 @@ class RetentionMachine(RuleBasedStateMachine):
         assert set(ours) == self.stale
 
 
-def test_retention_state_machine(tmp_path: Path, dead_pid: int) -> None:
+@pytest.mark.parametrize(
+    "examples", [20, pytest.param(200, marks=pytest.mark.slow)], ids=["20", "200"]
+)
+def test_retention_state_machine(tmp_path: Path, dead_pid: int, examples: int) -> None:
+    """``examples`` operation sequences: `make test` draws 20 (with the ``ci`` profile,
+    the same 20 at every run), `make campaign` 200."""
     RetentionMachine.base = tmp_path
     RetentionMachine.dead_pid = dead_pid
     run_state_machine_as_test(
         RetentionMachine,
         settings=settings(
-            max_examples=40,
+            max_examples=examples,
             stateful_step_count=25,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],

@@ -432,10 +432,16 @@ def test_a_forked_child_outliving_a_killed_trainer_does_not_keep_its_slots(
         found = arena.adopt(wait_s=5)  # the child holds no lock: taken over at once
         assert found and found[0][1].step == 13
         arena.close(unlink=False)
-        again = trainer(root, shm_dir, 15, "done")
-        out, err = again.communicate(timeout=120)
-        assert again.returncode == 0, err
-        assert "ready 13" in out, "the relaunch resumes from the snapshot in shared memory"
+        # the relaunch: a Checkpointer as the trainer's, in this process (not the one killed)
+        with resumable.Checkpointer(
+            root,
+            make_state(),
+            memory_every=resumable.Every(steps=1),
+            persist_every=resumable.Every(steps=10),
+            persist="sync",
+            shm_dir=shm_dir,
+        ) as ck:
+            assert ck.restore() == 13, "the relaunch resumes from the snapshot in shared memory"
     finally:
         os.kill(child, signal.SIGKILL)
 

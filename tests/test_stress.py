@@ -155,7 +155,12 @@ def test_kill_small_campaign_passes() -> None:
 
 
 def test_kill_checker_catches_a_manifest_written_first() -> None:
-    assert kill.able_to_fail()["manifest written first"]["failures"] > 0
+    """`able_to_fail`'s launches, up to the first that the checks catch: a checkpoint
+    listed whose data is not all there."""
+    r = kill.run("caught", commit="manifest-first")
+    assert r["failures"] > 0
+    problems = r["details"]["problems"]
+    assert any("listed but does not verify" in p for p in problems), problems
 
 
 def _run_apart(module: str, call: str) -> dict[str, Any]:
@@ -314,7 +319,11 @@ def test_a_commit_kill_lands_at_its_commit_while_another_thread_commits(phase: s
 
 
 def test_kill_with_incremental_checker_catches_a_retention_that_ignores_refs() -> None:
-    assert incremental.able_to_fail()["retention ignores references"]["failures"] > 0
+    """`able_to_fail`'s launches, up to the first that the checks catch: a checkpoint
+    listed whose references are gone."""
+    r = incremental.run("caught", retention="ignore-refs")
+    assert r["failures"] > 0
+    assert any("refers to" in p for p in r["details"]["problems"]), r["details"]["problems"]
 
 
 def test_retention_cut_after_any_delete_leaves_every_listed_checkpoint_whole(

@@ -54,22 +54,44 @@ def test_a_damaged_file_gives_a_stable_derived_id(
     assert storage.read(RUN_ID_FILE) == b"not json at all"  # never rewritten
 
 
+RACE = """
+import os, sys, traceback
+from resumable.runid import ensure_run_id
+from resumable.storage import LocalStorage
+root, n = sys.argv[1], int(sys.argv[2])
+go_r, go_w = os.pipe()
+racers = []
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(go_w)
+            os.read(go_r, 1)  # EOF once every racer is forked: they start together
+            os.write(1, (ensure_run_id(LocalStorage(root)) + "\\n").encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    racers.append(pid)
+os.close(go_w)
+sys.exit(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in racers))
+"""
+
+
 def test_processes_racing_to_create_it_agree(tmp_path: Path) -> None:
-    code = (
-        "import sys; from resumable.runid import ensure_run_id; "
-        "from resumable.storage import LocalStorage; "
-        "print(ensure_run_id(LocalStorage(sys.argv[1])))"
-    )
+    """Six processes, forked from one interpreter that imported the library, call
+    `ensure_run_id` on a root that does not exist yet, released at the same moment."""
     env = {**os.environ, "PYTHONPATH": SRC}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path / "root")],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for _ in range(6)
-    ]
-    ids = {p.communicate()[0].strip() for p in procs}
-    assert all(p.returncode == 0 for p in procs)
-    assert ids == {read_run_id(LocalStorage(tmp_path / "root"))}
+    done = subprocess.run(
+        [sys.executable, "-c", RACE, str(tmp_path / "root"), "6"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    ids = done.stdout.split()
+    assert len(ids) == 6
+    assert set(ids) == {read_run_id(LocalStorage(tmp_path / "root"))}
