@@ -9,10 +9,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from resumable.capture import capture, decode, global_refs, iter_tensor_refs
 from resumable.commit import committer_for
+from resumable.errors import UnsupportedStateError
 from resumable.pipeline.write import (
     WriteRequest,
     owned_tensors,
@@ -122,3 +124,11 @@ def test_one_process_keeps_replicated_paths_as_plain_tensors() -> None:
     cap = capture({"engine": Engine(0, True)}, include_rng=False)
     assert not cap.replicated and not list(global_refs(cap.tree))
     assert {n for _, n in iter_tensor_refs(cap.tree)} >= {"engine/module/wte", "engine/own"}
+
+
+@pytest.mark.parametrize("bad", ["module", (["module"],), ((),), (("module", 1.5),)])
+def test_malformed_replicated_paths_are_refused_at_save(bad: Any) -> None:
+    engine = Engine(0, True)
+    engine.resumable_replicated = bad  # type: ignore[assignment]
+    with pytest.raises(UnsupportedStateError, match="resumable_replicated should hold tuples"):
+        capture({"engine": engine}, include_rng=False, rank=0, world_size=2)

@@ -81,11 +81,7 @@ def test_the_worker_modules_do_not_import_torch() -> None:
     """The modules the worker loads (its boot skips ``resumable/__init__``), imported the
     same way in a fresh interpreter, leave torch unloaded; a tensor path still loads it
     at first use."""
-    src = Path(__file__).resolve().parents[1] / "src" / "resumable"
     code = (
-        "import importlib.machinery, importlib.util, sys\n"
-        f"spec = importlib.machinery.PathFinder.find_spec('resumable', [{str(src.parent)!r}])\n"
-        "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
         "import resumable.pipeline._worker, resumable.pipeline.mirror, resumable.retention\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "from resumable._dtypes import dtype_from_name\n"
@@ -93,11 +89,7 @@ def test_the_worker_modules_do_not_import_torch() -> None:
         "print(dtype_from_name('BF16'))\n"
         "assert 'torch' in sys.modules\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
+    out = _booted(code)
     assert out.stdout.strip() == "torch.bfloat16"
 
 
@@ -106,11 +98,8 @@ def test_a_manifest_is_built_while_another_thread_imports_torch() -> None:
     persists: building a manifest meanwhile reads torch's version and checks metrics
     for tensors without touching the half-imported module (a persist once failed with
     "partially initialized module 'torch' has no attribute '__version__'")."""
-    src = Path(__file__).resolve().parents[1] / "src" / "resumable"
     code = (
-        "import importlib, importlib.machinery, importlib.util, sys, threading, time\n"
-        f"spec = importlib.machinery.PathFinder.find_spec('resumable', [{str(src.parent)!r}])\n"
-        "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
+        "import importlib, threading, time\n"
         "from resumable import _lazy, format\n"
         "t = threading.Thread(target=importlib.import_module, args=('torch',))\n"
         "t.start()\n"
@@ -124,9 +113,22 @@ def test_a_manifest_is_built_while_another_thread_imports_torch() -> None:
         "assert _lazy.torch_module() is sys.modules['torch']\n"
         "print(n)\n"
     )
+    out = _booted(code)
+    assert int(out.stdout) > 1  # built many times while torch was being imported
+
+
+def _booted(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run in a fresh interpreter after the package is loaded as the worker's
+    boot loads it (without ``resumable/__init__``); it must exit 0."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    boot = (
+        "import importlib.machinery, importlib.util, sys\n"
+        f"spec = importlib.machinery.PathFinder.find_spec('resumable', [{str(src)!r}])\n"
+        "sys.modules['resumable'] = importlib.util.module_from_spec(spec)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", boot + code], capture_output=True, text=True, env=env, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) > 1  # built many times while torch was being imported
+    return out

@@ -260,7 +260,7 @@ class Encoder:
                 sd = self.state_dict_of(v, path)
                 if self.world_size > 1:
                     for sub in getattr(v, "resumable_replicated", None) or ():
-                        self.global_paths.add((*path, *sub))
+                        self.global_paths.add((*path, *_key_path(sub, path)))
                 return {"stateful": self.value(sd, path, depth + 1)}
             finally:
                 self.in_stateful -= 1
@@ -331,6 +331,17 @@ class Encoder:
         if set(map(type, v)) <= _INT_OR_STR:
             return list(v)
         return [self.value(x, (*path, i), depth) for i, x in enumerate(v)]
+
+
+def _key_path(sub: Any, path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One entry of a stateful object's ``resumable_replicated``: a tuple of str or int
+    keys into its ``state_dict()``."""
+    if type(sub) is tuple and sub and all(type(k) in (str, int) for k in sub):
+        return sub
+    raise UnsupportedStateError(
+        f"{path_str(path)}: resumable_replicated should hold tuples of str or int keys "
+        f"into its state_dict(), found {sub!r}; e.g. (('model_states', 'module'),)"
+    )
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
