@@ -164,8 +164,9 @@ def guarded(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
 
 class CopyProbe:
     """The copy floor, sampled in every phase of the run (the memory phase interleaves it
-    1:1 with resumable's snapshots; the save and restore phases take one sample per
-    round), so that it reflects the machine's conditions over the whole run."""
+    1:1 with resumable's snapshots, the restores from shared memory 1:1 with those
+    restores; the save and restore phases take one sample per round), so that it
+    reflects the machine's conditions over the whole run."""
 
     def __init__(self, tree: Any) -> None:
         self.src = [t for _, t in state_mod.iter_tensors(tree)]
@@ -188,6 +189,8 @@ class CopyProbe:
         )
         if "memory" in self.samples:
             out["floors"]["copy_memory_phase"] = stat(self.samples["memory"])
+        if "restore_memory" in self.samples:
+            out["floors"]["copy_restore_memory"] = stat(self.samples["restore_memory"])
 
 
 def memory_phase(
@@ -363,6 +366,9 @@ def restore_phase(
         vals = []
         ok = True
         for _ in range(reps):
+            # the copy floor interleaved 1:1 with these restores: a floor taken at another
+            # moment of the run compares the restore with other conditions of the machine
+            probe.once("restore_memory")
             zero()
             vals.append(ours.restore_memory()["total"])
             ok = ok and check()
