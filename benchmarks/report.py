@@ -189,6 +189,16 @@ def _targets(out: Result, key: str) -> list[dict[str, Any]]:
         1.2,
         "as above",
     )
+    hashed = m("floors", "hash_restore_memory")
+    if hashed is not None and copy_restore is not None:
+        row(
+            "restore from shared memory ≤ 1.1x (copy + checksum floor), checksums verified",
+            _ratio(m("methods", "resumable", "restore_memory"), copy_restore + hashed),
+            "<=",
+            1.1,
+            "resumable restore(tier='memory') / (copy floor + XXH3-64 of the same bytes on "
+            "one thread), both sampled between those restores (1:1)",
+        )
     caches = [c for c in ("cold", "warm") if _get(out, "floors", f"read_{c}")]
     for i, cache in enumerate(caches):
         rf = read_floor(out, cache, key)
@@ -334,6 +344,11 @@ def render(out: Result) -> str:
         (
             "copy_restore_memory",
             "copy, samples interleaved with resumable's restores from shared memory",
+        ),
+        (
+            "hash_restore_memory",
+            "XXH3-64 (the checksum a restore verifies) of every tensor's bytes, one thread, "
+            "interleaved with those restores",
         ),
         ("write_python", "write + fsync from Python (random bytes)"),
         ("write_python_rounds", "the same, once per save round"),

@@ -71,6 +71,7 @@ import small_bench  # noqa: E402
 import state as state_mod  # noqa: E402
 import torch  # noqa: E402
 import training  # noqa: E402
+import xxhash  # noqa: E402
 from resumable_bench import ResumableMethod, api_info  # noqa: E402
 
 
@@ -172,6 +173,7 @@ class CopyProbe:
         self.src = [t for _, t in state_mod.iter_tensors(tree)]
         self.dst = [t for _, t in state_mod.iter_tensors(state_mod.empty_like_tree(tree))]
         self.samples: dict[str, list[float]] = {}
+        self.hashes: dict[str, list[float]] = {}
 
     def once(self, phase: str) -> float:
         t0 = time.perf_counter()
@@ -180,6 +182,16 @@ class CopyProbe:
                 d.copy_(s)
         dt_ = time.perf_counter() - t0
         self.samples.setdefault(phase, []).append(dt_)
+        return dt_
+
+    def hash_once(self, phase: str) -> float:
+        """XXH3-64 (the library's checksum) of every tensor's bytes, on this thread: what
+        a restore that verifies what it copies reads besides the copy."""
+        t0 = time.perf_counter()
+        for t in self.src:
+            xxhash.xxh3_64(t.detach().reshape(-1).view(torch.uint8).numpy()).intdigest()
+        dt_ = time.perf_counter() - t0
+        self.hashes.setdefault(phase, []).append(dt_)
         return dt_
 
     def record(self, out: dict[str, Any]) -> None:
@@ -191,6 +203,8 @@ class CopyProbe:
             out["floors"]["copy_memory_phase"] = stat(self.samples["memory"])
         if "restore_memory" in self.samples:
             out["floors"]["copy_restore_memory"] = stat(self.samples["restore_memory"])
+        if "restore_memory" in self.hashes:
+            out["floors"]["hash_restore_memory"] = stat(self.hashes["restore_memory"])
 
 
 def memory_phase(
@@ -369,6 +383,7 @@ def restore_phase(
             # the copy floor interleaved 1:1 with these restores: a floor taken at another
             # moment of the run compares the restore with other conditions of the machine
             probe.once("restore_memory")
+            probe.hash_once("restore_memory")
             zero()
             vals.append(ours.restore_memory()["total"])
             ok = ok and check()

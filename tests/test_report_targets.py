@@ -83,3 +83,10 @@ def test_restores_from_shared_memory_are_held_to_the_floor_sampled_between_them(
     text = report.render(run)
     assert "copy, samples interleaved with resumable's restores from shared memory" in text
     assert "| resumable save() [process] |" in text and "| 1.25x |" in text
+    checked = "restore from shared memory ≤ 1.1x (copy + checksum floor), checksums verified"
+    assert checked not in {t["target"] for t in report.targets(run)}
+    hashed = {"samples": [restore / 5] * 3, "median": restore / 5, "min": restore / 5}
+    run["floors"]["hash_restore_memory"] = hashed
+    row = {t["target"]: t for t in report.targets(run)}[checked]
+    assert row["measured"] == pytest.approx(1 / (1 / 1.25 + 1 / 5), rel=1e-3) and row["met"]
+    assert "XXH3-64 (the checksum a restore verifies)" in report.render(run)
