@@ -31,14 +31,14 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from torchrun_phase import run_logged
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -107,17 +107,7 @@ def launch(
     if loop_steps:
         cmd.append(f"--loop-steps={loop_steps}")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    tail = log_path.read_text(errors="replace")[-1500:]
+    rc, tail = run_logged(cmd, env, log_path, timeout_s)
     if rc != 0 or not out.exists():
         why = f"timed out after {timeout_s:g} s" if rc is None else f"exit code {rc}"
         raise RuntimeError(f"torchrun with {world} rank(s): {why}; log tail:\n{tail}")

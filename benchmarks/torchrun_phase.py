@@ -76,22 +76,30 @@ def launch(
         OMP_NUM_THREADS="1",
         PYTHONPATH=src + (os.pathsep + path if path else ""),
     )
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    tail = log_path.read_text(errors="replace")[-1500:]
+    rc, tail = run_logged(cmd, env, log_path, timeout_s)
     # Judged by the result file: a rank can abort in gloo's shutdown after its work is done.
     if not out.exists():
         why = f"timed out after {timeout_s:g} s" if rc is None else f"exit code {rc}"
         raise RuntimeError(f"torchrun, {what}: {why}, no result; log tail:\n{tail}")
     return json.loads(out.read_text())
+
+
+def run_logged(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float
+) -> tuple[int | None, str]:
+    """Run ``cmd`` in a session of its own, its output into ``log_path``; its exit code
+    (None: killed with its whole process group after ``timeout_s``) and the log's tail."""
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, log_path.read_text(errors="replace")[-1500:]
 
 
 def add_bytes(save: dict[str, Any], raw: dict[str, Any], files_of: Callable[[str], str]) -> None:
