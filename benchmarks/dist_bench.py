@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrun_phase import run_logged
+from torchrun_phase import stat as _stat
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -58,18 +58,6 @@ Log = Callable[[str], None]
 
 def _print(msg: str) -> None:
     print(f"[dist {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _stat(samples: list[float], warmup: int = 1) -> dict[str, Any]:
-    """Round 0 apart as ``first``, median and min over the rounds after the ``warmup``
-    ones."""
-    rest = samples[warmup:] or samples
-    return {
-        "samples": [round(s, 6) for s in rest],
-        "median": round(statistics.median(rest), 6),
-        "min": round(min(rest), 6),
-        "first": round(samples[0], 6),
-    }
 
 
 def launch(

@@ -34,9 +34,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stat(samples: list[float]) -> dict[str, Any]:
-    """Sample 0 apart as ``first``; median and min over the rest."""
-    rest = samples[1:] or samples
+def stat(samples: list[float], warmup: int = 1) -> dict[str, Any]:
+    """Sample 0 apart as ``first``; median and min over the samples after the ``warmup``
+    ones."""
+    rest = samples[warmup:] or samples
     return {
         "samples": [round(s, 6) for s in rest],
         "median": round(statistics.median(rest), 6),
