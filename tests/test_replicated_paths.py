@@ -104,19 +104,22 @@ def test_replicated_paths_are_written_once_and_every_rank_decodes_its_own(tmp_pa
     _save(tmp_path / "each", replicated=False)
     for r, cap in enumerate(caps):
         # the module's tensors are global; "own" is this rank's
-        module = {"engine/module/wte", "engine/module/lm_head", "engine/module/bias"}
+        # the tied weight is one global tensor, named from both places (format version 5)
+        module = {"engine/module/wte", "engine/module/bias"}
         assert cap.replicated == module and set(global_refs(cap.tree)) == module
+        assert list(global_refs(cap.tree)).count("engine/module/wte") == 2
         assert any(n == f"rank{r}/engine/own" for _, n in iter_tensor_refs(cap.tree))
-    # every rank wrote the module (two 16 KiB tensors) before; now one rank writes it
+    # every rank wrote the module (one 16 KiB tensor, tied) before; now one rank writes it
     saved = _data_bytes(tmp_path / "each") - _data_bytes(tmp_path / "once")
-    assert saved >= 2 * 4096 * 4, saved
+    assert saved >= 4096 * 4, saved
+    assert _data_bytes(tmp_path / "once") < 2 * 4096 * 4 + 2 * 1000 * 4 + 4096  # wte once
     for root in ("once", "each"):
         CheckpointReader(open_storage(str(tmp_path / root)), 1).verify()
         for r, values in enumerate(_values(tmp_path / root)):
             assert torch.equal(values["own"], torch.full((1000,), float(r)))
             module = values["module"]
             assert torch.equal(module["wte"], torch.arange(4096, dtype=torch.float32))
-            assert torch.equal(module["lm_head"], module["wte"])
+            assert module["lm_head"] is module["wte"]  # one tensor at both places, as saved
             assert torch.equal(module["bias"], torch.ones(3))
 
 

@@ -32,6 +32,18 @@ class _Decoder:
         self.tensors = tensors
         self.map_location = map_location
         self.resolve = resolve
+        # Each stored tensor built (resolved, moved) once, however many places name it
+        # (format version 5: a tied weight); the same tensor at each place, as saved.
+        self._built: dict[tuple[str, Any, torch.device], torch.Tensor] = {}
+
+    def _once(
+        self, tag: str, name: Any, dev: torch.device, build: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        key = (tag, name, dev)
+        t = self._built.get(key)
+        if t is None:
+            t = self._built[key] = build()
+        return t
 
     def _get_tensor(self, name: Any) -> torch.Tensor:
         if not isinstance(name, str) or name not in self.tensors:
@@ -61,13 +73,19 @@ class _Decoder:
         if "tensor" in node:
             t = self._get_tensor(node["tensor"])
             dev = self._device(node.get("device", "cpu"))
-            return t if dev.type == "cpu" else t.to(dev)
+            return (
+                t
+                if dev.type == "cpu"
+                else self._once("tensor", node["tensor"], dev, lambda: t.to(dev))
+            )
         if "global" in node:
-            if self.resolve is None or not isinstance(node["global"], str):
+            fqn = node["global"]
+            if self.resolve is None or not isinstance(fqn, str):
                 raise CorruptCheckpointError(f"malformed global tensor node: {str(node)[:80]}")
-            t = self.resolve(node["global"])
+            resolve = self.resolve
+            t = self._once("global", fqn, torch.device("cpu"), lambda: resolve(fqn))
             dev = self._device(node.get("device", "cpu"))
-            return t if dev.type == "cpu" else t.to(dev)
+            return t if dev.type == "cpu" else self._once("global", fqn, dev, lambda: t.to(dev))
         if "dict" in node:
             out: dict[Any, Any] = {}
             for pair in _as_list(node["dict"]):

@@ -103,9 +103,22 @@ class Encoder:
         self.global_paths: set[tuple[Any, ...]] = set()
         self.classes: list[tuple[tuple[Any, ...], str]] = []  # stateful objects met
         self.in_stateful = 0  # how many stateful objects' state dicts enclose the walk
+        # Each tensor met so far, by the memory it views (`alias_key`): the tensor (kept
+        # alive, so no other takes its address) and its node. A tensor met again (a
+        # tied weight) is stored once and referenced from each place (format version 5).
+        self._seen: dict[tuple[Any, ...], tuple[torch.Tensor, dict[str, Any]]] = {}
 
-    def _global(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+    def _again(self, key: tuple[Any, ...] | None) -> dict[str, Any] | None:
+        """The node of the tensor met before under ``key``, copied; None if none was."""
+        hit = self._seen.get(key) if key is not None else None
+        return None if hit is None else dict(hit[1])
+
+    def _global(self, t: torch.Tensor, path: tuple[Any, ...], alias: bool) -> dict[str, Any]:
         """A tensor of a module or optimizer, with several ranks or as a DTensor."""
+        key = alias_key(t, "global") if alias else None
+        node = self._again(key)
+        if node is not None:
+            return node
         fqn = _tensor_name(path, self.live)
         if is_dtensor(t):
             local, piece, whole = dtensor_piece(t, fqn)
@@ -123,15 +136,21 @@ class Encoder:
         if local.numel():  # an empty shard (uneven sharding) holds no bytes
             self.tensors[name] = local
             self.pieces[name] = piece
-        return {"global": fqn, "device": str(local.device)}
+        node = {"global": fqn, "device": str(local.device)}
+        if key is not None:
+            self._seen[key] = (t, node)
+        return node
 
-    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        # Runs once per tensor at every snapshot: the common case (a plain CPU or CUDA
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...], alias: bool = True) -> dict[str, Any]:
+        """The node of tensor ``t`` at ``path``, ``t`` collected (or a ``global`` node).
+        A tensor viewing the same memory as one met before (``alias``: `alias_key`) is
+        referenced under that one's name, not stored again."""
+        # Runs once per tensor at every walk: the common case (a plain CPU or CUDA
         # tensor of one process) takes as few attribute reads as it can (docs/performance.md).
         if (self.in_global and self.world_size > 1) or (
             type(t) not in PLAIN_TENSORS and is_dtensor(t)
         ):
-            return self._global(t, path)
+            return self._global(t, path, alias)
         if not (
             type(t) in PLAIN_TENSORS
             and t.layout is torch.strided
@@ -140,18 +159,21 @@ class Encoder:
             and not t.is_nested
         ):
             self._refuse(t, path)
-        name = _tensor_name(path, self.tensors)
-        if self.world_size > 1:  # per-rank state: every rank saves its own
-            name = _tensor_name((f"rank{self.rank}", *path), self.tensors)
-        if t.requires_grad:
-            self.tensors[name] = t.detach()
-            if not (self.in_global or self.in_stateful):
-                self.classes.append((path, KIND_NAMES[type(t), True]))
-        else:
-            self.tensors[name] = t
-            if type(t) is not torch.Tensor and not (self.in_global or self.in_stateful):
-                self.classes.append((path, KIND_NAMES[type(t), False]))
-        return {"tensor": name, "device": "cpu" if t.is_cpu else str(t.device)}
+        key = alias_key(t, "tensor") if alias else None
+        node = self._again(key)
+        if node is None:
+            name = _tensor_name(path, self.tensors)
+            if self.world_size > 1:  # per-rank state: every rank saves its own
+                name = _tensor_name((f"rank{self.rank}", *path), self.tensors)
+            self.tensors[name] = t.detach() if t.requires_grad else t
+            node = {"tensor": name, "device": "cpu" if t.is_cpu else str(t.device)}
+            if key is not None:
+                self._seen[key] = (t, node)
+        if not (self.in_global or self.in_stateful) and (
+            t.requires_grad or type(t) is not torch.Tensor
+        ):
+            self.classes.append((path, KIND_NAMES[type(t), t.requires_grad]))
+        return node
 
     def _check(self, t: torch.Tensor, path: tuple[Any, ...]) -> None:
         if type(t) in PLAIN_TENSORS and t.layout is torch.strided and _plain_dtype(t.dtype):
@@ -233,7 +255,7 @@ class Encoder:
                     f"{path_str(path)}: cannot checkpoint a NumPy array of dtype {v.dtype} "
                     f"({exc}); convert it to a native-endian numeric or bool array"
                 ) from exc
-            node = self.tensor(as_tensor, path)
+            node = self.tensor(as_tensor, path, alias=False)
             return {"ndarray": node["tensor"]}
         if isinstance(v, torch.dtype):
             return {"dtype": str(v).removeprefix("torch.")}
@@ -242,7 +264,7 @@ class Encoder:
         if isinstance(v, (bytes, bytearray)):
             return {"bytes": base64.b64encode(bytes(v)).decode("ascii")}
         if isinstance(v, torch.Generator):
-            node = self.tensor(v.get_state(), path)
+            node = self.tensor(v.get_state(), path, alias=False)
             return {"torch_generator": node["tensor"]}
         if isinstance(v, np.random.Generator):
             return {"np_generator": self.value(v.bit_generator.state, path, depth + 1)}
@@ -345,6 +367,25 @@ def _key_path(sub: Any, path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def alias_key(t: torch.Tensor, kind: str) -> tuple[Any, ...] | None:
+    """What two tensors viewing the same memory alike have in common (a tied weight
+    under two names, or one tensor given twice): their kind of node, device, address,
+    dtype, shape and strides (a DTensor's: its local tensor's, and its global shape and
+    placements). None for a tensor of no bytes (those share address 0)."""
+    if type(t) in PLAIN_TENSORS or not is_dtensor(t):
+        if not t.numel():
+            return None
+        return (kind, t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
+    local = t._local_tensor  # type: ignore[attr-defined]
+    if not local.numel():
+        return None
+    placements = tuple(t.placements)  # type: ignore[attr-defined]
+    where = (local.device, local.data_ptr(), local.dtype, local.shape, local.stride())
+    return (kind, *where, t.shape, placements)
+
+
 # What ``__classes__`` records of a tensor in a plain container that is not a plain tensor
 # without gradient (by its type and requires_grad), so that a restore into an empty slot
 # makes it again: a name no stateful object has, so older readers pass it by.

@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from resumable._encode import PLAIN_TENSORS, Encoder, KnownJSON, key_json, scalar_json
+from resumable._encode import (
+    PLAIN_TENSORS,
+    Encoder,
+    KnownJSON,
+    alias_key,
+    key_json,
+    scalar_json,
+)
 from resumable.pieces import Piece, is_dtensor
 
 _MODULE_ATTRS = operator.itemgetter(  # from a module's __dict__
@@ -144,7 +151,10 @@ def _own_tensors(
     """The tensors an entry hands out at a reuse, by name: the live ones where the walk
     took ``values`` (at ``paths`` under ``key``) under the names a walk gives them; None
     if it did not (names taken, or values that are not plain tensors of their own)."""
-    names = _base_names(key, paths)
+    firsts = _first_places(_base_names(key, paths), values)
+    if firsts is None:
+        return None
+    names, values = firsts
     if glob is not None:
         return glob.handout(made, names, values)
     if [n for n, _ in made] != names or len(made) != len(values):
@@ -152,6 +162,35 @@ def _own_tensors(
     if not all(_same_tensor(t, v) for (_, t), v in zip(made, values)):
         return None
     return {n: v for (n, _), v in zip(made, values)}
+
+
+def _first_places(names: list[str], values: list[Any]) -> tuple[list[str], list[Any]] | None:
+    """``names`` and ``values`` without the places where a value is met again (a tied
+    weight: the walk referenced it under its first name, `Encoder.tensor`); None where
+    two different tensor objects view the same memory, a tie that a reuse's identity
+    checks would not see break (such an entry is walked at every capture)."""
+    if len(names) != len(values):
+        return None
+    if len(set(map(id, values))) == len(values):  # no object twice (the usual case)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        keys = [alias_key(v, "") for v in tensors]
+        ok = len({k for k in keys if k is not None}) == sum(k is not None for k in keys)
+        return (names, values) if ok else None
+    first: dict[int, Any] = {}
+    keyed: dict[Any, Any] = {}
+    out_names, out_values = [], []
+    for n, v in zip(names, values):
+        if id(v) in first:
+            continue
+        first[id(v)] = v
+        k = alias_key(v, "") if isinstance(v, torch.Tensor) else None
+        if k is not None:
+            if k in keyed:
+                return None
+            keyed[k] = v
+        out_names.append(n)
+        out_values.append(v)
+    return out_names, out_values
 
 
 def _same_tensor(walked: torch.Tensor, live: Any) -> bool:
@@ -347,7 +386,11 @@ class ContainerEntry:
                     return None, "it holds a tuple of containers"
             elif tv not in _IMMUTABLE_TYPES:
                 return None, f"it holds a {tv.__name__}"
-        if [n for n, _ in made] != _base_names(key, paths):
+        firsts = _first_places(_base_names(key, paths), live)
+        if firsts is None:
+            return None, "two of its tensors view the same memory"
+        names, live = firsts
+        if [n for n, _ in made] != names:
             return None, "its tensors' names are taken"
         if len(made) != len(live) or not all(_same_tensor(t, v) for (_, t), v in zip(made, live)):
             return None, "its tensors are not its own"

@@ -230,14 +230,22 @@ class _Own:
 
     def __init__(self, owned: frozenset[int]) -> None:
         self.owned = owned
+        # one copy of a tensor decoded at several places (a tied weight, format
+        # version 5), so the places still share it; the values stay alive meanwhile
+        self._copies: dict[int, torch.Tensor] = {}
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             if id(value) in self.owned:
                 return value
-            if type(value) is torch.Tensor and not value.requires_grad:
-                return value.clone()
-            return _of_kind(value.detach().clone(), type(value), value.requires_grad)
+            copy = self._copies.get(id(value))
+            if copy is None:
+                if type(value) is torch.Tensor and not value.requires_grad:
+                    copy = value.clone()
+                else:
+                    copy = _of_kind(value.detach().clone(), type(value), value.requires_grad)
+                self._copies[id(value)] = copy
+            return copy
         if isinstance(value, np.ndarray):
             return value.copy()
         if isinstance(value, dict):

@@ -42,15 +42,17 @@ from resumable._dtypes import ARRAY_LIMIT, ITEMSIZE, MAX_NDIM, dtype_name, numel
 from resumable._version import __version__
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
 from resumable.pieces import check_pieces, global_tensors
-from resumable.tree import check_tree
+from resumable.tree import check_tree, has_repeats
 
 if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 4  # the highest this reads; one process writes 1, or 3 if it refers;
-# several ranks write 4 (the split manifest: `resumable.parts`)
+FORMAT_VERSION = 5  # the highest this reads; one process writes 1, or 3 if it refers;
+# several ranks write 4 (the split manifest: `resumable.parts`); either writes 5 where a
+# tree references one stored tensor from several places (a tied weight)
 SPLIT_VERSION = 4
+ALIAS_VERSION = 5  # trees may reference a stored tensor more than once; split or not
 CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -291,6 +293,10 @@ def build_manifest(
     version = 1
     if chunked:
         version = 3 if any("extents" in t for t in tensors.values()) else 2
+    if any(map(has_repeats, trees)):  # a tied weight, stored once
+        if version == 2:
+            raise ValueError("chunks (format version 2) are read, no longer written")
+        version, chunked = ALIAS_VERSION, True  # refs are recorded from version 2 on
     m: dict[str, Any] = {
         **manifest_header(step=step, version=version, metrics=metrics, world_size=world_size),
         "ranks": [{"rank": i, "tree": t} for i, t in enumerate(trees)],
@@ -482,11 +488,11 @@ def _decode_manifest(
         check_relpath(fname)
         if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
             raise CorruptCheckpointError(f"{where}: bad entry for file {fname!r}")
-    if version == SPLIT_VERSION:
+    if is_split(m):
         # the top manifest of a split one: its parts are checked as they are read
         if "tensors" in m or "ranks" in m:
             raise CorruptCheckpointError(
-                f"{where}: a version 4 manifest lists its parts, not tensors or ranks"
+                f"{where}: a split manifest lists its parts, not tensors or ranks"
             )
         _check_refs(m, version, where)
         return m
@@ -494,6 +500,13 @@ def _decode_manifest(
         return m
     check_body(m, version, where, arrays)
     return m
+
+
+def is_split(m: Mapping[str, Any]) -> bool:
+    """Whether a manifest (its version checked) is the top of a split one (`resumable.parts`):
+    every one of version 4; one of version 5 that lists ``parts``."""
+    version = m["format_version"]
+    return version == SPLIT_VERSION or (version >= ALIAS_VERSION and "parts" in m)
 
 
 def check_body(
@@ -531,7 +544,13 @@ def check_body(
         check_pieces(fqn, spec, m["tensors"], where, complete=complete)
     for i, r in enumerate(m["ranks"]):
         if complete or r["tree"] is not None:
-            check_tree(r["tree"], m["tensors"], fqns, f"{where}: rank {i}'s state tree")
+            check_tree(
+                r["tree"],
+                m["tensors"],
+                fqns,
+                f"{where}: rank {i}'s state tree",
+                repeats=version >= ALIAS_VERSION,
+            )
 
 
 def _check_refs(m: Mapping[str, Any], version: int, where: str) -> set[int] | None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from resumable.errors import CorruptCheckpointError
 from resumable.format import (
+    ALIAS_VERSION,
     CHECKSUM,
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
@@ -78,15 +79,22 @@ def build_top(
     parts: list[Mapping[str, Any]],
     refs: list[int],
     world_size: int,
+    repeats: bool = False,
 ) -> tuple[dict[str, Any], bytes]:
     """The top manifest of a split checkpoint and its bytes: the header fields of a
     version 1 manifest, the data ``files``, the ``parts`` (`part_entry`, in rank order)
-    and the steps any part refers to. Encoded once, in the digest's form (keys sorted,
-    no whitespace), the digest appended as the last member: the bytes without it are
+    and the steps any part refers to; version 4, or 5 where a part's tree references a
+    stored tensor from several places (``repeats``: a tied weight). Encoded once, in
+    the digest's form (keys sorted, no whitespace), the digest appended as the last member: the bytes without it are
     those the digest covers (`format.manifest_digest`), which a reader checks by hashing
     them. Rank 0 builds it while every rank waits: one JSON encoding, not two."""
     m: dict[str, Any] = {
-        **manifest_header(step=step, version=SPLIT_VERSION, metrics=metrics, world_size=world_size),
+        **manifest_header(
+            step=step,
+            version=ALIAS_VERSION if repeats else SPLIT_VERSION,
+            metrics=metrics,
+            world_size=world_size,
+        ),
         "files": {k: dict(v) for k, v in files.items()},
         "parts": [dict(p) for p in parts],
         "refs": sorted(set(refs)),
@@ -104,8 +112,7 @@ def check_parts(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
     world = m["world_size"]
     if type(parts) is not list or len(parts) != world:
         raise CorruptCheckpointError(
-            f"{where}: a version 4 manifest lists one part per rank ({world}); found "
-            f"{str(parts)[:100]}"
+            f"{where}: a split manifest lists one part per rank ({world}); found {str(parts)[:100]}"
         )
     names: set[str] = set()
     for i, p in enumerate(parts):
@@ -274,11 +281,12 @@ def top_sizes(top: Mapping[str, Any]) -> dict[str, int]:
 
 def flatten(m: Mapping[str, Any]) -> dict[str, Any]:
     """A merged manifest of every part (`merge`) as one manifest of version 1, or 3
-    where an entry has extents: what a copy elsewhere commits (`pipeline.mirror`),
-    without its digest (the caller signs what it changed)."""
+    where an entry has extents, or 5 (kept) where a tree references a stored tensor
+    from several places: what a copy elsewhere commits (`pipeline.mirror`), without its
+    digest (the caller signs what it changed)."""
     out = {k: v for k, v in m.items() if k not in ("parts", "partial", "digest")}
     if out.get("format_version") != SPLIT_VERSION:
-        return out
+        return out  # version 5 keeps its refs (a list from version 2 on)
     extents = any("extents" in t for t in out["tensors"].values())
     out["format_version"] = 3 if extents else 1
     if not extents:

@@ -34,10 +34,10 @@ from resumable.format import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_SAFETENSORS_HEADER,
-    SPLIT_VERSION,
     byte_view,
     checksum,
     decode_manifest,
+    is_split,
     parse_safetensors_header,
     tensor_ranges,
 )
@@ -91,7 +91,7 @@ class CheckpointReader:
                 raise CorruptCheckpointError(
                     f"{self.where}: manifest says step {m['step']}, directory says {self.step}"
                 )
-            if m["format_version"] == SPLIT_VERSION:
+            if is_split(m):
                 check_parts(m, self.where)
             else:
                 self._manifest, self._arrays = m, arrays
@@ -224,7 +224,7 @@ class CheckpointReader:
         checkpoint it refers to, every data file at its declared size (a restore checks
         that each chunk lies inside). Raises `CorruptCheckpointError`."""
         top = self.top
-        if top["format_version"] == SPLIT_VERSION:
+        if is_split(top):
             self._sizes_listed(self, top_sizes(top))
             for step in top["refs"]:
                 holder = self._holder(step)

@@ -48,7 +48,12 @@ _REFS = ("tensor", "ndarray", "torch_generator", "global")
 
 
 def check_tree(
-    tree: Any, tensors: Mapping[str, Mapping[str, Any]], fqns: Collection[str], where: str
+    tree: Any,
+    tensors: Mapping[str, Mapping[str, Any]],
+    fqns: Collection[str],
+    where: str,
+    *,
+    repeats: bool = False,
 ) -> None:
     """Validate a state tree against its checkpoint's tensor index.
 
@@ -57,7 +62,9 @@ def check_tree(
     most `MAX_TREE_DEPTH` deep; ``tensor``, ``ndarray`` and ``torch_generator`` nodes
     name an entry of ``tensors``, ``global`` nodes one of ``fqns``, and no name is
     referenced twice (so a restore materialises each stored tensor at most once: a
-    tensor referenced 10,000 times would otherwise be copied 10,000 times); generator
+    tensor referenced 10,000 times would otherwise be copied 10,000 times), except with
+    ``repeats`` (format version 5: one tensor in several places, as a tied weight is; a
+    decoder builds it once and hands out the same tensor at each place); generator
     states are 1-D ``U8`` tensors; the ``__rng__`` entry holds what `capture.rng_state`
     writes. Raises `CorruptCheckpointError` naming ``where``.
     """
@@ -81,7 +88,7 @@ def check_tree(
             raise CorruptCheckpointError(f"{where}: unknown or malformed node {str(node)[:80]}")
         x = node[tag]
         if tag in _REFS:
-            _check_ref(tag, x, tensors, fqns, referenced, where)
+            _check_ref(tag, x, tensors, fqns, None if repeats else referenced, where)
             if not isinstance(node.get("device", ""), str):
                 raise CorruptCheckpointError(f"{where}: malformed device in {str(node)[:80]}")
         elif tag == "dict":
@@ -115,6 +122,29 @@ def check_tree(
             _check_rng_node(node, tensors, where)
 
 
+def has_repeats(tree: Any) -> bool:
+    """Whether a tree (as a writer made it) references one stored tensor from more than
+    one place (a tied weight: format version 5), walked iteratively."""
+    seen: set[tuple[str, str]] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if type(node) is list:
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for tag in _REFS:
+                name = node.get(tag)
+                if type(name) is str:
+                    ref = ("global" if tag == "global" else "tensor", name)
+                    if ref in seen:
+                        return True
+                    seen.add(ref)
+                    break
+            else:
+                stack.extend(node.values())
+    return False
+
+
 def _dimension(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _INT64_LIMIT
 
@@ -130,7 +160,7 @@ def _check_ref(
     name: Any,
     tensors: Mapping[str, Mapping[str, Any]],
     fqns: Collection[str],
-    referenced: set[str],
+    referenced: set[str] | None,
     where: str,
 ) -> None:
     if tag == "global":
@@ -143,12 +173,13 @@ def _check_ref(
         raise CorruptCheckpointError(
             f"{where} references tensor {str(name)[:100]!r}, which is not in the tensor index"
         )
-    if name in referenced:
-        raise CorruptCheckpointError(
-            f"{where} references tensor {name[:100]!r} more than once; a tree references "
-            "each stored tensor at most once"
-        )
-    referenced.add(name)
+    if referenced is not None:
+        if name in referenced:
+            raise CorruptCheckpointError(
+                f"{where} references tensor {name[:100]!r} more than once; a tree of "
+                "format version 4 or below references each stored tensor at most once"
+            )
+        referenced.add(name)
     if tag == "torch_generator" and not _state_bytes(tensors[name]):
         raise CorruptCheckpointError(f"{where}: generator state {name[:100]!r} is not 1-D U8")
 

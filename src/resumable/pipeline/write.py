@@ -40,6 +40,7 @@ from resumable.pieces import Piece, balance, owned_tensors
 from resumable.snapshot import Arena, Snapshot
 from resumable.storage import direct
 from resumable.storage.base import Storage
+from resumable.tree import has_repeats
 
 log = logging.getLogger(__name__)
 
@@ -577,13 +578,16 @@ def _write_part(
     )
     file.storage.write(attempt.path(name), [blob])
     refs = sorted({s for t in tensors.values() for s, *_ in tensor_ranges(t) if s is not None})
-    return {
+    report = {
         "file": file.key,
         "size": size,
         "part": part_entry(rank, attempt.key(name), blob),
         "refs": refs,
         "step": request.step,
     }
+    if has_repeats(request.tree):  # a tied weight: the top says format version 5
+        report["repeats"] = True
+    return report
 
 
 class Coordination(Protocol):
@@ -674,6 +678,7 @@ def write_distributed(
                     parts=[r["part"] for r in reports],
                     refs=[k for r in reports for k in r["refs"]],
                     world_size=group.world_size,
+                    repeats=any(r.get("repeats") for r in reports),
                 )
                 if check is not None:
                     check()
