@@ -87,7 +87,8 @@ def build_top(
     stored tensor from several places (``repeats``: a tied weight). Encoded once, in
     the digest's form (keys sorted, no whitespace), the digest appended as the last
     member: the bytes without it are those the digest covers (`format.manifest_digest`),
-    which a reader checks by hashing them. Rank 0 builds it while every rank waits: one JSON encoding, not two."""
+    which a reader checks by hashing them. Rank 0 builds it while every rank waits: one
+    JSON encoding, not two."""
     m: dict[str, Any] = {
         **manifest_header(
             step=step,
