@@ -59,6 +59,49 @@ def launch(
     return tp.launch(WORKER, args, workdir, what=f"ZeRO {stage}", timeout_s=timeout_s)
 
 
+def _tied(stages: list[tuple[Any, dict[str, Any]]]) -> str:
+    """What the block says of GPT-2's tied weight: written once at the stages whose
+    checkpoint is of format version 5 (results since it was made), else twice."""
+    once = [str(st) for st, e in stages if (e.get("format_version") or 0) >= 5]
+    if once:
+        return (
+            f"GPT-2's tied `lm_head` and `wte` weight is written once at ZeRO {', '.join(once)}, "
+            "as `torch.save` writes a shared storage once (format version 5: a tree names "
+            "one stored tensor from both places; at ZeRO 3 the module's parameters are "
+            "partitioned, and no tensor is named twice). "
+        )
+    return (
+        "GPT-2's tied `lm_head` and `wte` weight is written twice (`torch.save` writes a "
+        "shared storage once; a tree names each stored tensor once). "
+    )
+
+
+def _metadata(stages: list[tuple[Any, dict[str, Any]]]) -> list[str]:
+    """A line on resumable's bytes: its manifest and parts, and its data files ÷ all of
+    DeepSpeed's files, per stage (results that list the files)."""
+    parts = []
+    for st, e in stages:
+        ours, theirs = e["save"]["resumable_sync"], e["save"]["deepspeed"]
+        files = ours.get("files")
+        if not files or not theirs.get("bytes"):
+            continue
+        meta = sum(n for f, n in files.items() if f.endswith(".json"))
+        data = ours["bytes"] - meta
+        parts.append(
+            f"ZeRO {st}: {meta / 1e3:.1f} kB of manifest and parts, data files "
+            f"{data - theirs['bytes']:+,} bytes against all of DeepSpeed's"
+        )
+    if not parts:
+        return []
+    return [
+        "",
+        "Of resumable's bytes on disk, the manifest and its parts per rank (tensor names, "
+        "dtypes, shapes, offsets, an XXH3-64 checksum per tensor, the state tree: what a "
+        "restore checks before it trusts a byte) against its data files (safetensors, "
+        "headers included): " + "; ".join(parts) + ".",
+    ]
+
+
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """Medians (slowest rank per sample), bytes, floors and resumable ÷ DeepSpeed ratios
     of one stage's raw samples."""
@@ -125,6 +168,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "capture": capture,
         "restore": restore,
         "restored_equal": {k: all(v) and bool(v) for k, v in raw["restored_equal"].items()},
+        "format_version": raw.get("format_version"),
         "floors": floors,
         "ratios": ratios("median"),
         "ratios_of_min": ratios("min"),
@@ -213,9 +257,8 @@ def render(out: dict[str, Any], source: str) -> str:
         "*Min*: the fastest sample (other jobs on this shared machine only ever add time). "
         "At ZeRO 0-2 the module's state is written once per job, as DeepSpeed writes it "
         "from rank 0 only (`DeepSpeedState.resumable_replicated`, docs/deepspeed.md); "
-        "GPT-2's tied `lm_head` and `wte` weight is written twice (`torch.save` writes a "
-        "shared storage once; a tree names each stored tensor once). "
-        "resumable's first save starts its persist workers and allocates its shared "
+        + _tied([(st, e) for st, e in stages if isinstance(e, dict) and "save" in e])
+        + "resumable's first save starts its persist workers and allocates its shared "
         'memory (*first*); with `persist="auto"` the second one also touches the second '
         "of its two snapshot slots for the first time.",
         "",
@@ -262,6 +305,7 @@ def render(out: dict[str, Any], source: str) -> str:
         ],
         rows,
     )
+    lines += _metadata([(st, e) for st, e in stages if isinstance(e, dict) and "save" in e])
     captured = [
         f"ZeRO {stage}: {_s(e['capture']['median'])} s"
         for stage, e in stages

@@ -346,6 +346,9 @@ def main() -> None:
             "restores": loads,
             "restored_equal": equal,
             "bytes": nbytes,
+            "format_version": json.loads(
+                (roots["resumable_sync"] / step_dir(last) / "manifest.json").read_text()
+            )["format_version"],
             "floor_bytes": (floor.share or 0) * world,
             "wall_s": round(time.perf_counter() - started, 3),
         }
