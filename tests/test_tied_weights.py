@@ -285,7 +285,7 @@ def test_a_repeated_reference_below_version_5_is_corrupt(version: int) -> None:
 def test_an_older_reader_refuses_version_5_as_newer(monkeypatch: pytest.MonkeyPatch) -> None:
     blob = encode_manifest(_manifest(TWICE))
     monkeypatch.setattr(fmt, "FORMAT_VERSION", 4)  # what resumable read before it
-    with pytest.raises(NewerFormatError, match="format version 5 is newer.*upgrade"):
+    with pytest.raises(NewerFormatError, match=r"format version 5 is newer.*upgrade"):
         decode_manifest(blob, where="step-000000000005")
 
 
