@@ -103,20 +103,29 @@ class Encoder:
         self.global_paths: set[tuple[Any, ...]] = set()
         self.classes: list[tuple[tuple[Any, ...], str]] = []  # stateful objects met
         self.in_stateful = 0  # how many stateful objects' state dicts enclose the walk
-        # Each tensor met so far, by the memory it views (`alias_key`): the tensor (kept
-        # alive, so no other takes its address) and its node. A tensor met again (a
-        # tied weight) is stored once and referenced from each place (format version 5).
-        self._seen: dict[tuple[Any, ...], tuple[torch.Tensor, dict[str, Any]]] = {}
+        # Each tensor met so far, by its address: its kind of node, the tensor (kept
+        # alive, so no other takes its address) and its node. A tensor met again (a tied
+        # weight: the same `alias_key`) is stored once and referenced from each place
+        # (format version 5). The whole key is made only where an address repeats.
+        self._seen: dict[int, list[tuple[str, torch.Tensor, dict[str, Any]]]] = {}
 
-    def _again(self, key: tuple[Any, ...] | None) -> dict[str, Any] | None:
-        """The node of the tensor met before under ``key``, copied; None if none was."""
-        hit = self._seen.get(key) if key is not None else None
-        return None if hit is None else dict(hit[1])
+    def _again(self, t: torch.Tensor, kind: str, ptr: int) -> dict[str, Any] | None:
+        """The node (copied) of a tensor met before that is the same as ``t`` (at address
+        ``ptr``; `alias_key`), or None."""
+        hits = self._seen.get(ptr)
+        if hits is None:
+            return None
+        key = alias_key(t, kind)
+        if key is not None:
+            for k, seen, node in hits:
+                if k == kind and alias_key(seen, kind) == key:
+                    return dict(node)
+        return None
 
     def _global(self, t: torch.Tensor, path: tuple[Any, ...], alias: bool) -> dict[str, Any]:
         """A tensor of a module or optimizer, with several ranks or as a DTensor."""
-        key = alias_key(t, "global") if alias else None
-        node = self._again(key)
+        ptr = (t._local_tensor if is_dtensor(t) else t).data_ptr() if alias else 0  # type: ignore[attr-defined]
+        node = self._again(t, "global", ptr) if alias else None
         if node is not None:
             return node
         fqn = _tensor_name(path, self.live)
@@ -137,8 +146,8 @@ class Encoder:
             self.tensors[name] = local
             self.pieces[name] = piece
         node = {"global": fqn, "device": str(local.device)}
-        if key is not None:
-            self._seen[key] = (t, node)
+        if alias:
+            self._seen.setdefault(ptr, []).append(("global", t, node))
         return node
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...], alias: bool = True) -> dict[str, Any]:
@@ -159,16 +168,16 @@ class Encoder:
             and not t.is_nested
         ):
             self._refuse(t, path)
-        key = alias_key(t, "tensor") if alias else None
-        node = self._again(key)
+        ptr = t.data_ptr() if alias else 0
+        node = self._again(t, "tensor", ptr) if alias else None
         if node is None:
             name = _tensor_name(path, self.tensors)
             if self.world_size > 1:  # per-rank state: every rank saves its own
                 name = _tensor_name((f"rank{self.rank}", *path), self.tensors)
             self.tensors[name] = t.detach() if t.requires_grad else t
             node = {"tensor": name, "device": "cpu" if t.is_cpu else str(t.device)}
-            if key is not None:
-                self._seen[key] = (t, node)
+            if alias:
+                self._seen.setdefault(ptr, []).append(("tensor", t, node))
         if not (self.in_global or self.in_stateful) and (
             t.requires_grad or type(t) is not torch.Tensor
         ):

@@ -1,0 +1,109 @@
+"""Build the golden checkpoints of format version 5 (tied weights) in ``tests/golden/v5-tied/``.
+
+    .venv/bin/python tests/golden/make_tied.py [--out DIR] [--force]
+
+Version 5 is what a state holding one tensor at several places makes: a module whose
+output layer shares its embedding's weight, and a dict holding one tensor twice. Two
+checkpoints: ``one/`` (one process, the manifest of versions 1 and 3's layout) and
+``ranks/`` (two ranks, each a thread of this process running the real
+`write_distributed`: the split manifest of version 4's layout, the tied weight a
+replicated tensor named from both places). ``expected.json`` beside them holds every
+value. ``tests/test_golden_v5.py`` reads them with the current code and never imports
+this script. A committed fixture is never regenerated: it stands for checkpoints that
+already exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import resumable
+from resumable.capture import capture
+from resumable.commit import committer_for
+from resumable.pieces import owned_tensors
+from resumable.pipeline.write import WriteRequest, replicated_holders, write_distributed
+from resumable.snapshot import Arena
+from resumable.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).parent))
+from make_split import _Threads  # noqa: E402  (the same in-process ranks)
+
+WORLD = 2
+STEP = 5
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output layer that share one weight, as GPT-2's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(55)
+        self.wte = torch.nn.Embedding(6, 4)
+        self.lm_head = torch.nn.Linear(4, 6, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+def state() -> dict[str, Any]:
+    model = Tied()
+    twice = torch.arange(5, dtype=torch.float32)
+    return {"model": model, "extra": {"a": twice, "b": twice, "c": [twice]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "v5-tied")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    if args.out.exists():
+        if not args.force:
+            raise SystemExit(f"{args.out} exists; a committed fixture is never regenerated")
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    one = state()
+    with resumable.Checkpointer(args.out / "one", one, persist="sync", keep=None) as ck:
+        ck.save(STEP, metrics={"loss": 0.25})
+
+    storage = open_storage(str(args.out / "ranks"))
+    committer = committer_for(storage)
+    shared: dict[Any, Any] = {}
+    meet = threading.Barrier(WORLD, timeout=60)
+
+    def rank(r: int) -> None:
+        st = {"model": Tied(), "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}}
+        cap = capture(st, include_rng=False, rank=r, world_size=WORLD)
+        sizes = {n: t.numel() * t.element_size() for n, t in cap.tensors.items()}
+        request = WriteRequest(
+            STEP,
+            Arena().snapshot(owned_tensors(cap.tensors, cap.replicated, r, WORLD)),
+            cap.tree,
+            {"loss": 0.5},
+            cap.pieces,
+            replicated_holders(sizes, cap.replicated, r, WORLD),
+        )
+        write_distributed(_Threads(r, shared, meet), storage, committer, request)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = {
+        "step": STEP,
+        "world_size": WORLD,
+        "weight": one["model"].wte.weight.tolist(),
+        "twice": one["extra"]["a"].tolist(),
+        "mine": [(torch.arange(3) + r).tolist() for r in range(WORLD)],
+    }
+    (args.out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
