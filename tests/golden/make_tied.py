@@ -34,7 +34,7 @@ from resumable.snapshot import Arena
 from resumable.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_split import _Threads  # noqa: E402  (the same in-process ranks)
+from make_split import _Threads
 
 WORLD = 2
 STEP = 5
