@@ -73,3 +73,15 @@ def test_two_ranks_decode_their_trees(golden: Path) -> None:
         assert module["lm_head.weight"] is module["wte.weight"]
         assert torch.equal(module["wte.weight"], weight)
         assert values["extra"]["mine"].tolist() == EXPECTED["mine"][r]
+
+
+def test_the_two_rank_checkpoint_restores_into_one_process(golden: Path) -> None:
+    """At another world size (a reshard): the tied weight, a global tensor named from both
+    places, is read once and the module stays tied."""
+    model = Tied()
+    state = {"model": model, "extra": {"mine": torch.zeros(3, dtype=torch.int64)}}
+    with resumable.Checkpointer(golden / "ranks", state, keep=None, persist="sync") as ck:
+        assert ck.restore(reset_per_rank_state=True) == STEP
+    assert model.lm_head.weight is model.wte.weight
+    assert torch.equal(model.wte.weight, torch.tensor(EXPECTED["weight"]))
+    assert state["extra"]["mine"].tolist() == [0, 0, 0]  # per-rank: left as it was
