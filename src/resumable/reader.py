@@ -527,9 +527,14 @@ class CheckpointReader:
                 for n in sorted(names_in_file, key=lambda n: single[n][1]):
                     _, b, e = single[n]
                     out[n] = self._tensor(n, buf, b - lo, e - lo, checks)
-            else:
+            else:  # a few of the file's tensors: one mapping, only their bytes read ahead
+                whole = self._mapped(path, sorted(ranges), hi)
                 for n in names_in_file:
                     _, b, e = single[n]
+                    if whole is not None:
+                        regions.append((whole.data_ptr() + b, e - b))
+                        out[n] = self._tensor(n, whole, b, e, checks)
+                        continue
                     buf = self._read(path, b, e - b)
                     regions.append((buf.data_ptr(), buf.numel()))
                     out[n] = self._tensor(n, buf, 0, e - b, checks)
@@ -624,6 +629,18 @@ class CheckpointReader:
                 f"{self.where}: checksum mismatch in tensor {name!r} "
                 f"(expected {want}, found {got}); the file is damaged"
             )
+
+    def _mapped(self, path: str, spans: list[tuple[int, int]], end: int) -> torch.Tensor | None:
+        """All of a data file's bytes, mapped copy-on-write, the ``spans`` read ahead;
+        None where the backend does not map (or the file is shorter than ``end``)."""
+        mm = self.storage.map_file(path, spans) if end > 0 else None
+        if mm is None:
+            return None
+        if end > len(mm):
+            mm.close()
+            return None
+        self.mapped = True
+        return torch.frombuffer(mm, dtype=torch.uint8, count=len(mm))
 
     def _read(self, path: str, offset: int, length: int) -> torch.Tensor:
         """Bytes ``[offset, offset + length)`` of a data file: a view of the file mapped

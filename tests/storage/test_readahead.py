@@ -102,6 +102,22 @@ def test_only_the_span_asked_for_is_read_ahead(tmp_path: Path) -> None:
     mm.close()
 
 
+def test_only_the_spans_of_a_list_are_read_ahead_in_one_go(tmp_path: Path) -> None:
+    """A reader of a few tensors of a file maps it once and names their ranges: each is
+    read ahead (from the 2 MiB block it starts in), nothing between them."""
+    mm = untouched_map(data_file(tmp_path / "f"))
+    spans = [((20 << 20) + 5, 21 << 20), (2 << 20, (3 << 20) + 7)]  # out of order
+    assert readahead.read_ahead(mm, spans)
+    deadline = time.monotonic() + 30
+    while rss(mm) < 2 << 20:  # [2, 3 MiB + 7) and [20, 21 MiB): 1 MiB each
+        assert time.monotonic() < deadline, "the spans were not read ahead"
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert rss(mm) < 8 << 20, "read ahead between or beyond the spans"
+    assert not readahead.read_ahead(mm, [(SIZE, SIZE + 10)]), "nothing to read there"
+    mm.close()
+
+
 def test_local_storage_reads_ahead_what_it_maps(tmp_path: Path) -> None:
     data_file(tmp_path / "f")
     mm = LocalStorage(tmp_path).map_file("f")

@@ -105,11 +105,13 @@ class Storage(ABC):
             )
         (out.cast("B") if out.format != "B" else out)[:] = data
 
-    def map_file(self, path: str, span: tuple[int, int] | None = None) -> mmap.mmap | None:
+    def map_file(
+        self, path: str, span: tuple[int, int] | list[tuple[int, int]] | None = None
+    ) -> mmap.mmap | None:
         """The whole file mapped copy-on-write, or None where the backend cannot map
         (the default; readers then use `read_into`). ``span``: the bytes ``[begin,
-        end)`` the caller will read (all of them if None), which a backend may read
-        ahead."""
+        end)`` the caller will read, or a list of such ranges (all of them if None),
+        which a backend may read ahead."""
         return None
 
     def read(self, path: str) -> bytes:
@@ -191,7 +193,9 @@ class ForwardingStorage(Storage):
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         self.inner.read_into(path, offset, out)
 
-    def map_file(self, path: str, span: tuple[int, int] | None = None) -> mmap.mmap | None:
+    def map_file(
+        self, path: str, span: tuple[int, int] | list[tuple[int, int]] | None = None
+    ) -> mmap.mmap | None:
         return self.inner.map_file(path, span)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:

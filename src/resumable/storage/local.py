@@ -320,12 +320,14 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def map_file(self, path: str, span: tuple[int, int] | None = None) -> mmap.mmap:
+    def map_file(
+        self, path: str, span: tuple[int, int] | list[tuple[int, int]] | None = None
+    ) -> mmap.mmap:
         """The whole file mapped copy-on-write (``MAP_PRIVATE``): reads come straight
         from the page cache, and writes through the mapping never reach the file.
-        Committed files are never modified, so the mapping stays valid. ``span`` (the
-        whole file if None) is read ahead of the caller, in order, on a thread
-        (`readahead`)."""
+        Committed files are never modified, so the mapping stays valid. ``span`` (a
+        range or a list of ranges; the whole file if None) is read ahead of the caller,
+        in order, on a thread (`readahead`)."""
         full, fd = self._open_ro(path)
         try:
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)

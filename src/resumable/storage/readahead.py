@@ -85,47 +85,61 @@ def _madvise() -> Any:
 _MADVISE = _madvise()
 
 
-def read_ahead(mm: mmap.mmap, span: tuple[int, int] | None = None) -> bool:
-    """Read ``span`` (``[begin, end)``; all of it if None) of ``mm``, a read mapping of
-    a file, into the page cache and map it, piece by piece in file order, on a thread;
-    returns once that thread runs, False where nothing will be read ahead (no such
-    advice here, or nothing to read)."""
-    begin, end = (0, len(mm)) if span is None else span
-    begin, end = max(0, begin - begin % BLOCK_BYTES), min(end, len(mm))
-    if _MADVISE is None or _state["refused"] or end <= begin:
+Span = tuple[int, int]
+
+
+def read_ahead(mm: mmap.mmap, span: Span | list[Span] | None = None) -> bool:
+    """Read ``span`` (``[begin, end)``, or a list of such ranges, read in file order;
+    all of ``mm`` if None) of ``mm``, a read mapping of a file, into the page cache and
+    map it, piece by piece in file order, on a thread; returns once that thread runs,
+    False where nothing will be read ahead (no such advice here, or nothing to read)."""
+    ranges = [(0, len(mm))] if span is None else [span] if isinstance(span, tuple) else span
+    todo: list[Span] = []
+    for b, e in sorted(ranges):
+        begin, end = max(0, b - b % BLOCK_BYTES), min(e, len(mm))
+        if end <= begin:
+            continue
+        if todo and begin <= todo[-1][1]:  # overlapping once aligned: one range
+            todo[-1] = (todo[-1][0], max(end, todo[-1][1]))
+        else:
+            todo.append((begin, end))
+    if _MADVISE is None or _state["refused"] or not todo:
         return False
     address = direct.address(memoryview(mm))
     threading.Thread(
         target=_run,
-        args=(mm, address, begin, end, _state["turns"]),
+        args=(mm, address, todo, _state["turns"]),
         name="resumable-read-ahead",
         daemon=True,
     ).start()
     return True
 
 
-def _run(
-    mm: mmap.mmap, address: int, begin: int, end: int, turns: threading.BoundedSemaphore
-) -> None:
+def _run(mm: mmap.mmap, address: int, spans: list[Span], turns: threading.BoundedSemaphore) -> None:
     with turns:
         try:
-            _populate(mm, address, begin, end)
+            for begin, end in spans:
+                if not _populate(mm, address, begin, end):
+                    return
         except Exception as exc:
             log.debug("read-ahead of a mapped file stopped: %r", exc)
 
 
-def _populate(mm: mmap.mmap, address: int, begin: int, end: int) -> None:
+def _populate(mm: mmap.mmap, address: int, begin: int, end: int) -> bool:
+    """Read ``[begin, end)`` ahead; False where reading ahead stopped (the mapping
+    closed, or the advice failed)."""
     offset = begin
     while offset < end:
         if mm.closed:  # its reader is done; the address may now be another mapping's
-            return
+            return False
         stop = min(end, offset - offset % PIECE_BYTES + PIECE_BYTES)
         if _MADVISE(address + offset, stop - offset, MADV_POPULATE_READ):
             if ctypes.get_errno() == errno.EINVAL and offset == begin and _advice_unknown():
                 _state["refused"] = True
                 log.debug("MADV_POPULATE_READ refused: mapped files are read by faults")
-            return
+            return False
         offset = stop
+    return True
 
 
 def _advice_unknown() -> bool:
