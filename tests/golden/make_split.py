@@ -17,6 +17,7 @@ import argparse
 import json
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,30 +65,24 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "v4-ranks")
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    if args.out.exists():
-        if not args.force:
-            raise SystemExit(f"{args.out} exists; a committed fixture is never regenerated")
-        shutil.rmtree(args.out)
-    storage = open_storage(str(args.out))
+def write_ranks(
+    root: Path, state_of: Callable[[int], dict[str, Any]], metrics: dict[str, Any], step: int
+) -> None:
+    """Commit ``step`` of ``WORLD`` ranks into ``root``, each rank a thread of this process
+    running the real `write_distributed` on its state ``state_of(rank)``."""
+    storage = open_storage(str(root))
     committer = committer_for(storage)
     shared: dict[Any, Any] = {}
     meet = threading.Barrier(WORLD, timeout=60)
-    models = [model() for _ in range(WORLD)]
 
     def rank(r: int) -> None:
-        state = {"model": models[r], "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}}
-        cap = capture(state, include_rng=False, rank=r, world_size=WORLD)
+        cap = capture(state_of(r), include_rng=False, rank=r, world_size=WORLD)
         sizes = {n: t.numel() * t.element_size() for n, t in cap.tensors.items()}
         request = WriteRequest(
-            STEP,
+            step,
             Arena().snapshot(owned_tensors(cap.tensors, cap.replicated, r, WORLD)),
             cap.tree,
-            {"loss": 0.5},
+            metrics,
             cap.pieces,
             replicated_holders(sizes, cap.replicated, r, WORLD),
         )
@@ -98,6 +93,24 @@ def main() -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "v4-ranks")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    if args.out.exists():
+        if not args.force:
+            raise SystemExit(f"{args.out} exists; a committed fixture is never regenerated")
+        shutil.rmtree(args.out)
+    models = [model() for _ in range(WORLD)]
+    write_ranks(
+        args.out,
+        lambda r: {"model": models[r], "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}},
+        {"loss": 0.5},
+        STEP,
+    )
     expected = {
         "step": STEP,
         "world_size": WORLD,

@@ -19,24 +19,16 @@ import argparse
 import json
 import shutil
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import resumable
-from resumable.capture import capture
-from resumable.commit import committer_for
-from resumable.pieces import owned_tensors
-from resumable.pipeline.write import WriteRequest, replicated_holders, write_distributed
-from resumable.snapshot import Arena
-from resumable.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_split import _Threads
+from make_split import WORLD, write_ranks
 
-WORLD = 2
 STEP = 5
 
 
@@ -71,30 +63,12 @@ def main() -> None:
     with resumable.Checkpointer(args.out / "one", one, persist="sync", keep=None) as ck:
         ck.save(STEP, metrics={"loss": 0.25})
 
-    storage = open_storage(str(args.out / "ranks"))
-    committer = committer_for(storage)
-    shared: dict[Any, Any] = {}
-    meet = threading.Barrier(WORLD, timeout=60)
-
-    def rank(r: int) -> None:
-        st = {"model": Tied(), "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}}
-        cap = capture(st, include_rng=False, rank=r, world_size=WORLD)
-        sizes = {n: t.numel() * t.element_size() for n, t in cap.tensors.items()}
-        request = WriteRequest(
-            STEP,
-            Arena().snapshot(owned_tensors(cap.tensors, cap.replicated, r, WORLD)),
-            cap.tree,
-            {"loss": 0.5},
-            cap.pieces,
-            replicated_holders(sizes, cap.replicated, r, WORLD),
-        )
-        write_distributed(_Threads(r, shared, meet), storage, committer, request)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    write_ranks(
+        args.out / "ranks",
+        lambda r: {"model": Tied(), "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}},
+        {"loss": 0.5},
+        STEP,
+    )
     expected = {
         "step": STEP,
         "world_size": WORLD,
