@@ -95,18 +95,25 @@ def write_ranks(
         t.join()
 
 
-def main() -> None:
+def fresh_out(name: str) -> Path:
+    """The fixture's directory (``--out``; ``name`` beside this script), which must not
+    exist unless ``--force`` (then it is emptied)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "v4-ranks")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / name)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     if args.out.exists():
         if not args.force:
             raise SystemExit(f"{args.out} exists; a committed fixture is never regenerated")
         shutil.rmtree(args.out)
+    return Path(args.out)
+
+
+def main() -> None:
+    out = fresh_out("v4-ranks")
     models = [model() for _ in range(WORLD)]
     write_ranks(
-        args.out,
+        out,
         lambda r: {"model": models[r], "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}},
         {"loss": 0.5},
         STEP,
@@ -117,7 +124,7 @@ def main() -> None:
         "model": {k: v.tolist() for k, v in models[0].state_dict().items()},
         "mine": [(torch.arange(3) + r).tolist() for r in range(WORLD)],
     }
-    (args.out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ already exist.
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import torch
 import resumable
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_split import WORLD, write_ranks
+from make_split import WORLD, fresh_out, write_ranks
 
 STEP = 5
 
@@ -50,21 +48,14 @@ def state() -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "v5-tied")
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    if args.out.exists():
-        if not args.force:
-            raise SystemExit(f"{args.out} exists; a committed fixture is never regenerated")
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    out = fresh_out("v5-tied")
+    out.mkdir(parents=True)
     one = state()
-    with resumable.Checkpointer(args.out / "one", one, persist="sync", keep=None) as ck:
+    with resumable.Checkpointer(out / "one", one, persist="sync", keep=None) as ck:
         ck.save(STEP, metrics={"loss": 0.25})
 
     write_ranks(
-        args.out / "ranks",
+        out / "ranks",
         lambda r: {"model": Tied(), "extra": {"mine": torch.arange(3, dtype=torch.int64) + r}},
         {"loss": 0.5},
         STEP,
@@ -76,7 +67,7 @@ def main() -> None:
         "twice": one["extra"]["a"].tolist(),
         "mine": [(torch.arange(3) + r).tolist() for r in range(WORLD)],
     }
-    (args.out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 
 
 if __name__ == "__main__":
