@@ -440,3 +440,34 @@ def test_pieces_that_do_not_fill_a_target_make_the_loader_read_every_part(
     got = GlobalLoader(reader, {}).value("shared")
     assert got.tolist() == [0.0] * 5 + [1.0] * 5 + [2.0] * 5
     assert not reader.partial
+
+
+def test_a_shard_written_by_two_data_parallel_replicas_is_one_piece() -> None:
+    """A tensor-parallel shard that every data-parallel replica holds is in each one's
+    part under one name (tests/integrations/test_megatron.py's TP 2 x DP 2 run): the
+    same piece (place, dtype, shape, checksum) is read once; anything else differing is
+    two tensors under one name, refused."""
+    from resumable.parts import _same_piece
+
+    entry = {
+        "file": "rank-00000.safetensors",
+        "dtype": "F32",
+        "shape": [2, 4],
+        "offsets": [64, 96],
+        "xxh3_64": "0123456789abcdef",
+        "fqn": "model/w",
+        "global_shape": [4, 4],
+        "global_offset": [0, 0],
+    }
+    copy = {**entry, "file": "rank-00002.safetensors", "offsets": [128, 160]}
+    assert _same_piece(entry, copy)
+    for key, other in [
+        ("xxh3_64", "fedcba9876543210"),
+        ("global_offset", [2, 0]),
+        ("shape", [1, 4]),
+        ("dtype", "BF16"),
+        ("fqn", "model/v"),
+    ]:
+        assert not _same_piece(entry, {**copy, key: other}), key
+    whole = {k: v for k, v in entry.items() if k not in ("fqn", "global_shape", "global_offset")}
+    assert not _same_piece(whole, dict(whole)), "a rank's own tensor is never another's"

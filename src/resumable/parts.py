@@ -216,6 +216,8 @@ def merge(
             )
         for name, info in part["tensors"].items():
             if name in tensors:
+                if _same_piece(tensors[name], info):
+                    continue  # a shard that data-parallel replicas each wrote: read once
                 raise CorruptCheckpointError(f"{where}: tensor {name[:100]!r} is in two parts")
             for _step, f in _own_files(info):
                 if f != fname:
@@ -293,6 +295,20 @@ def flatten(m: Mapping[str, Any]) -> dict[str, Any]:
     if not extents:
         out.pop("refs", None)
     return out
+
+
+def _same_piece(a: Any, b: Any) -> bool:
+    """Whether two parts' entries of one name hold the same bytes: a shard of a global
+    tensor (``fqn``) that ranks holding it alike each wrote (a tensor-parallel shard on
+    every data-parallel replica), of the same dtype, shape, place and checksum. The
+    first part's entry is kept; the other is a copy (each was checked as its part was)."""
+    keys = ("fqn", "global_shape", "global_offset", "dtype", "shape", CHECKSUM)
+    return (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and ("global_offset" in a or "fqn" in a)
+        and all(a.get(k) == b.get(k) for k in keys)
+    )
 
 
 def _own_files(info: Any) -> Iterator[tuple[None, Any]]:

@@ -59,6 +59,10 @@ class GlobalLoader:
         names = sorted({item[0] for plan in plans.values() for item in plan[2]})
         read = self.reader.tensors(names, verify=True) if names else {}
         for fqn, (local_shape, dtype, items) in plans.items():
+            whole = _whole_piece(items, read, local_shape, dtype)
+            if whole is not None:  # saved as this rank holds it: no copy here
+                self._values[fqn] = whole
+                continue
             out = torch.empty(local_shape, dtype=dtype)
             for name, src_off, dst_off, lengths in items:
                 src = read[name]
@@ -180,6 +184,24 @@ class GlobalLoader:
         if fqn not in self._values:
             self.prepare([fqn])
         return shaped_like(self._values[fqn], self.live.get(fqn))
+
+
+def _whole_piece(
+    items: list[Any], read: Mapping[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The piece read, where one piece is all of this rank's part, as it is (a restore at
+    the layout saved): the read tensor itself, not a copy of it. A mapped file's view is
+    borrowed as any read tensor is (`resumable.capture.restore` copies what is kept).
+    None where the part is assembled from several pieces or a part of one."""
+    if len(items) != 1:
+        return None
+    name, src_off, dst_off, lengths = items[0]
+    src = read[name]
+    if any(src_off) or any(dst_off) or tuple(lengths) != tuple(shape):
+        return None
+    if tuple(src.shape) != tuple(shape) or src.dtype != dtype:
+        return None
+    return src
 
 
 def shaped_like(local: torch.Tensor, live: Any) -> torch.Tensor:

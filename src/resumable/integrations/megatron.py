@@ -509,7 +509,10 @@ def _layout(
             f"the tensor-parallel group has {tp} ranks; other parallel splits are not supported"
         )
     part_shape = list(local)  # a factory's parts carry their own (part) shape
-    placement: Placement = Shard(part_dim) if split else Replicate()
+    # One TP rank holds each part whole (swiglu's two parts at TP=1): Replicate, so that
+    # the data-parallel ranks write it once between them, as every whole tensor (under
+    # Shard over a mesh of one, each would write it under the same piece name).
+    placement: Placement = Shard(part_dim) if split and tp > 1 else Replicate()
     want_shape, want_offset = compute_local_shape_and_global_offset(global_shape, mesh, [placement])
     for i, p in enumerate(parts):
         offset = list(p.global_offset[lead:])
