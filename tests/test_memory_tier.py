@@ -211,8 +211,9 @@ def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
 
 TRAINER = textwrap.dedent(
     """
-    import os, sys, torch, resumable
+    import hashlib, os, sys, torch, resumable
     from torch import nn
+    torch.set_num_threads(1)  # CPU kernels deterministic run to run (README)
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -220,12 +221,24 @@ TRAINER = textwrap.dedent(
     ck = resumable.Checkpointer(root, {"model": model, "optim": opt},
         memory_every=resumable.Every(steps=1), persist_every=resumable.Every(steps=10),
         persist=mode, shm_dir=shm_dir)
+
+    def digest(step):  # every byte of the state after `step` steps
+        h = hashlib.sha256()
+        for p in model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        for st in opt.state.values():
+            for k in sorted(st):
+                h.update(st[k].numpy().tobytes())
+        print("state", step, h.hexdigest()[:16], flush=True)
+
     start = ck.restore()
+    digest(start)
     for step in range(start, 40):
         torch.manual_seed(step)
         model(torch.randn(8, 64)).sum().backward()
         opt.step(); opt.zero_grad()
         ck.maybe_save(step + 1)
+        digest(step + 1)
         if step + 1 == stop_at:
             if mode != "sync":
                 ck.wait()
@@ -312,29 +325,51 @@ def test_a_flipped_byte_of_a_large_snapshot_is_found_on_the_copy_threads(
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_final(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The trainer's final parameter sum, run to the end without a kill (``persist="sync"``;
-    the persist mode does not change training, so one reference serves every mode)."""
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int | str, str]:
+    """The trainer run to the end without a kill (``persist="sync"``; the persist mode
+    does not change training, so one reference serves every mode): the state's digest
+    after each step, and its final parameter sum (``"final"``)."""
     base = tmp_path_factory.mktemp("uninterrupted")
     (base / "shm").mkdir()
     ref = run_trainer(base / "ck", base / "shm", stop_at=0, mode="sync")
     assert ref.returncode == 0, ref.stderr
-    return str(ref.stdout.strip().splitlines()[-1].split()[2])
+    return trainer_states(ref.stdout)
+
+
+def trainer_states(stdout: str) -> dict[int | str, str]:
+    """The digests a trainer printed by step, and its final sum (``"final"``)."""
+    out: dict[int | str, str] = {}
+    for line in stdout.splitlines():
+        word = line.split()
+        if word and word[0] == "state":
+            out[int(word[1])] = word[2]
+        elif word and word[0] == "final":
+            out["final"] = word[2]
+    return out
 
 
 @pytest.mark.parametrize("mode", ["process", "sync"])
 def test_kill9_resumes_from_shared_memory_and_persists_it(
-    tmp_path: Path, shm_dir: Path, mode: str, uninterrupted_final: str
+    tmp_path: Path, shm_dir: Path, mode: str, uninterrupted: dict[int | str, str]
 ) -> None:
     root = tmp_path / "ck"
     killed = run_trainer(root, shm_dir, stop_at=17, mode=mode)
     assert killed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))[-1].endswith("10")
+    before = trainer_states(killed.stdout)
+    assert [s for s in range(1, 18) if before[s] != uninterrupted[s]] == [], (
+        "the killed run trained differently from the uninterrupted one before any restore"
+    )
     resumed = run_trainer(root, shm_dir, stop_at=0, mode=mode)
     assert resumed.returncode == 0, resumed.stderr
     final = resumed.stdout.strip().splitlines()[-1].split()
     assert final[1] == "17", "must resume from the shared-memory snapshot of step 17"
-    assert final[2] == uninterrupted_final, "not bit-identical"
+    after = trainer_states(resumed.stdout)
+    assert after[17] == uninterrupted[17], "the restored state is not step 17's, byte for byte"
+    diverged = [s for s in range(18, 41) if after[s] != uninterrupted[s]]
+    assert not diverged and after["final"] == uninterrupted["final"], (
+        f"restored exactly, then trained differently from step {diverged[:1]}: not bit-identical"
+    )
     events = audit(root)
     assert any(
         e["event"] == "restore" and e.get("tier") == "memory" and e["step"] == 17 for e in events
