@@ -344,3 +344,17 @@ def test_an_incremental_checkpoint_of_a_tied_model_refers_and_restores(tmp_path:
     got = snapshot_of(fresh)
     assert all(torch.equal(expected[2][k], got[k]) for k in expected[2])
     assert fresh["model"].lm_head.weight is fresh["model"].wte.weight
+
+
+def test_a_restores_copies_are_never_taken_for_a_freed_tensors() -> None:
+    """The restore copies each borrowed tensor once for all its places (`_Own`, by the
+    value's id). A value met once and freed leaves its id to the next tensor made: that
+    one gets a copy of its own values, never the freed one's copy."""
+    from resumable._restore import _Own
+
+    own = _Own(frozenset())
+    for i in range(200):  # CPython hands a freed object's id to the next one made
+        got = own(torch.full((4,), float(i)))
+        assert torch.equal(got, torch.full((4,), float(i))), f"value {i} got another's copy"
+    shared = torch.arange(3.0)
+    assert own({"a": shared, "b": [shared]})["a"] is own(shared), "one copy for every place"

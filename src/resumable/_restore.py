@@ -231,20 +231,22 @@ class _Own:
     def __init__(self, owned: frozenset[int]) -> None:
         self.owned = owned
         # one copy of a tensor decoded at several places (a tied weight, format
-        # version 5), so the places still share it; the values stay alive meanwhile
-        self._copies: dict[int, torch.Tensor] = {}
+        # version 5), so the places still share it; each value is kept with its copy,
+        # so that no other tensor made meanwhile can take its id
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             if id(value) in self.owned:
                 return value
-            copy = self._copies.get(id(value))
-            if copy is None:
-                if type(value) is torch.Tensor and not value.requires_grad:
-                    copy = value.clone()
-                else:
-                    copy = _of_kind(value.detach().clone(), type(value), value.requires_grad)
-                self._copies[id(value)] = copy
+            hit = self._copies.get(id(value))
+            if hit is not None and hit[0] is value:
+                return hit[1]
+            if type(value) is torch.Tensor and not value.requires_grad:
+                copy = value.clone()
+            else:
+                copy = _of_kind(value.detach().clone(), type(value), value.requires_grad)
+            self._copies[id(value)] = (value, copy)
             return copy
         if isinstance(value, np.ndarray):
             return value.copy()
