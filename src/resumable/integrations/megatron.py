@@ -37,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from resumable.errors import CheckpointError, StateMismatchError, UnsupportedStateError
 from resumable.manager import Checkpointer
+from resumable.reshard import SpecCache
 
 PART_SEPARATOR = "#"
 _WRAPPERS = ("DistributedDataParallel", "Float16Module")  # they hold the model in .module
@@ -89,6 +90,7 @@ class MegatronModel:
         self.mesh = tp_mesh(_device_type(self.module))
         self.layouts = _layouts(self.module, self.mesh)
         self._by_tensor = {id(lay.tensor): lay for lay in self.layouts.values()}
+        self._specs = SpecCache()  # each DTensor made at a snapshot reuses its spec
 
     def layout_of(self, param: torch.Tensor) -> TensorLayout | None:
         """The layout of a live parameter, or None if the model's state does not hold it."""
@@ -99,11 +101,11 @@ class MegatronModel:
         spec = [layout.placement]
         out = {}
         for name, part in layout.split(t.detach()).items():
-            out[name] = DTensor.from_local(
+            out[name] = self._specs.make(
+                name,
                 part,
                 self.mesh,
                 spec,
-                run_check=False,
                 shape=torch.Size(layout.global_shape),
                 stride=_contiguous_stride(layout.global_shape),
             )
@@ -111,7 +113,8 @@ class MegatronModel:
 
     def replicated(self, t: torch.Tensor) -> DTensor:
         """A tensor every TP rank holds alike (an optimizer's step count) as a DTensor."""
-        return DTensor.from_local(t.detach(), self.mesh, [Replicate()], run_check=False)
+        made: DTensor = self._specs.make(None, t.detach(), self.mesh, [Replicate()])
+        return made
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
