@@ -219,14 +219,16 @@ def shaped_like(local: torch.Tensor, live: Any) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    mine = live._local_tensor
+    mine, spec = getattr(live, "_local_tensor", None), getattr(live, "_spec", None)
     if (
-        local.dtype == mine.dtype
+        mine is not None
+        and spec is not None
+        and local.dtype == mine.dtype
         and local.shape == mine.shape
         and local.stride() == mine.stride()
         and local.device == mine.device
     ):
-        made = with_spec(local, live._spec)  # the live one's spec holds for ``local``
+        made = with_spec(local, spec)  # the live one's spec holds for ``local``
         if made is not None:
             return made
     return DTensor.from_local(
