@@ -88,6 +88,8 @@ class ResumableMethod(SaveMethod):
         snap_s = getattr(self.ck, "last_snapshot_s", None)
         if self.is_async:
             rec["persist"] = total - blocking
+            if isinstance(snap_s, (int, float)):
+                rec["snapshot_part"] = snap_s  # the capture and copy inside the blocking
         elif isinstance(snap_s, (int, float)):
             rec["persist"] = total - snap_s
             rec["snapshot_part"] = snap_s

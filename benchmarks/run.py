@@ -201,6 +201,8 @@ class CopyProbe:
         )
         if "memory" in self.samples:
             out["floors"]["copy_memory_phase"] = stat(self.samples["memory"])
+        if "save" in self.samples:
+            out["floors"]["copy_save_phase"] = stat(self.samples["save"])
         if "restore_memory" in self.samples:
             out["floors"]["copy_restore_memory"] = stat(self.samples["restore_memory"])
         if "restore_memory" in self.hashes:
@@ -265,6 +267,7 @@ def save_phase(
     floor_samples: list[float] = []
     direct_samples: list[float] = []
     alive = list(methods)
+    snaps_here: list[float] = []
     assert reps < 255, "the masks are bytes"
     for i in range(reps + 1):
         # Round i saves the built state XORed byte by byte with reps - i: every byte
@@ -282,6 +285,12 @@ def save_phase(
         for m in list(alive):
             log(f"save {m.name} rep {i}")
             try:
+                if i > 0 and isinstance(m, ResumableMethod) and m.tiers:
+                    # A memory snapshot right before the save, in the same conditions:
+                    # the save's blocking part is a snapshot, and the copy floor of this
+                    # phase can differ from the memory phase's by a third (page cache
+                    # and writeback after the peers' gigabytes on two cores).
+                    snaps_here.append(m.snapshot())
                 rec = m.save(i)
                 if i > 0:
                     m.cleanup(i - 1)
@@ -298,6 +307,8 @@ def save_phase(
         for k, vals in samples[m.name].items():
             entry[f"save_{k}"] = stat(vals[1:], first=round(vals[0], 6))
     methods[:] = alive
+    if snaps_here and "resumable" in out["methods"]:
+        out["methods"]["resumable"]["snapshot_save_phase"] = stat(snaps_here)
     if floor_samples:
         out["floors"]["write_python_rounds"] = stat(
             floor_samples,

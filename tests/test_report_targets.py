@@ -90,3 +90,24 @@ def test_restores_from_shared_memory_are_held_to_the_floor_sampled_between_them(
     row = {t["target"]: t for t in report.targets(run)}[checked]
     assert row["measured"] == pytest.approx(1 / (1 / 1.25 + 1 / 5), rel=1e-3) and row["met"]
     assert "XXH3-64 (the checksum a restore verifies)" in report.render(run)
+
+
+def test_a_save_is_held_to_the_snapshot_taken_in_the_same_rounds() -> None:
+    """A run that takes a memory snapshot right before each of resumable's saves judges
+    the save's blocking time against those snapshots (the memory phase's ran at other
+    moments, where the copy floor was a third faster); a run without them has no row."""
+    raw = json.loads((BENCH / "results" / "vm-20261203T141033Z.json").read_text())
+    name = "save() blocking (a persist starting) ≤ 1.1x a memory snapshot alone"
+    assert name not in {t["target"] for t in report.targets(raw)}
+    blocking = raw["methods"]["resumable"]["save_blocking"]["median"]
+    for by, met in ((1.05, True), (1.2, False)):
+        snaps = {"samples": [blocking / by] * 5, "median": blocking / by, "min": blocking / by}
+        methods = {**raw["methods"]}
+        methods["resumable"] = {**methods["resumable"], "snapshot_save_phase": snaps}
+        copy_save = {"samples": [0.1] * 5, "median": 0.1, "min": 0.1}
+        run = {**raw, "methods": methods, "floors": {**raw["floors"], "copy_save_phase": copy_save}}
+        row = {t["target"]: t for t in report.targets(run)}[name]
+        assert row["measured"] == pytest.approx(by, rel=1e-3)
+        assert row["met"] is met
+        text = report.render(run)
+        assert "| resumable snapshot(), one before each save (save phase) |" in text
