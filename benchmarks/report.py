@@ -21,6 +21,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import ds_bench  # noqa: E402
+import goals  # noqa: E402
 import incr_report  # noqa: E402
 import mcore_bench  # noqa: E402
 import small_report  # noqa: E402
@@ -613,6 +614,7 @@ def render(out: Result) -> str:
     lines += mcore_section(out)
     lines += incr_section(out)
     lines += data_section(out)
+    lines += goals.goals_section(out)
 
     problems = []
     for w, e in sorted((_get(out, "dist", "worlds") or {}).items()):

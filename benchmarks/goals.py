@@ -1,0 +1,376 @@
+"""Every path against its goal, and the floor measured beside it in the same run.
+
+`goals` reads one results JSON of `make bench` (the core phases, the small-tensor,
+several-ranks, DeepSpeed and Megatron-Core phases) and gives, per path, the ratio that
+decides it, the goal, and what bounds it from below in that run: the copy floor of the
+same rounds, the copy + checksum floor a verified restore cannot go under, the share of
+an iteration that copying the state alone takes, the same path at one rank. Where that
+bound alone is past the goal, the goal cannot be met on this machine in that mode, and
+the row says so (*bound by the floor*); a miss with room left above the floor says
+*not met*. `goals_section` renders them for ``docs/performance.md``.
+
+Nothing here is typed by hand: each figure is a median (or the ratio of two medians) of
+the run it reads, and a path the run did not measure is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Result = dict[str, Any]
+
+
+def _get(out: Any, *path: str) -> Any:
+    cur = out
+    for p in path:
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(p)
+    return cur
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def _med(entry: Any, key: str = "median") -> float | None:
+    if isinstance(entry, dict):
+        return _num(entry.get(key))
+    return _num(entry)
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _goal(
+    path: str,
+    measured: float | None,
+    unit: str,
+    op: str,
+    limit: float,
+    bound: float | None,
+    why: str,
+    note: str = "",
+) -> dict[str, Any] | None:
+    """One row; ``bound``: the best ``measured`` the floor named in ``why`` allows."""
+    if measured is None:
+        return None
+
+    def meets(v: float) -> bool:
+        return v <= limit if op == "<=" else v >= limit
+
+    if meets(measured):
+        result = "met"
+    elif bound is not None and not meets(bound):
+        result = "bound by the floor"
+    else:
+        result = "not met"
+    return {
+        "path": path,
+        "measured": measured,
+        "unit": unit,
+        "op": op,
+        "limit": limit,
+        "bound": bound,
+        "result": result,
+        "why": why,
+        "note": note,
+    }
+
+
+def _core(out: Result) -> list[dict[str, Any] | None]:
+    res = _get(out, "methods", "resumable") or {}
+    floors = _get(out, "floors") or {}
+    rows: list[dict[str, Any] | None] = []
+    save = _med(res.get("save_blocking"))
+    snap_here = _med(res.get("snapshot_save_phase"))
+    copy_save = _med(floors.get("copy_save_phase"))
+    copy_mem = _med(floors.get("copy_memory_phase"))
+    rows.append(
+        _goal(
+            "`save()` blocking, a persist starting (1 GiB, process mode) ÷ a snapshot "
+            "alone in the same rounds",
+            _div(save, snap_here),
+            "x",
+            "<=",
+            1.1,
+            None,
+            f"its own snapshot took {_f(_med(res.get('save_snapshot_part')), 's')} of the "
+            f"{_f(save, 's')}; the copy floor of the save rounds {_f(copy_save, 's')}, of "
+            f"the memory phase {_f(copy_mem, 's')}",
+        )
+    )
+    restore = _med(res.get("restore_memory"))
+    copy_r = _med(floors.get("copy_restore_memory"))
+    hash_r = _med(floors.get("hash_restore_memory"))
+    between = copy_r is not None
+    if not between:  # runs before the floor was sampled between the restores
+        copy_r = _med(floors.get("copy"))
+    rows.append(
+        _goal(
+            "restore from shared memory ÷ the copy floor"
+            + (" sampled between those restores" if between else " of the run")
+            + ", every checksum verified",
+            _div(restore, copy_r),
+            "x",
+            "<=",
+            1.1,
+            None,
+            (
+                f"÷ (copy + XXH3-64 of the same bytes, one thread each, "
+                f"{_f(_sum(copy_r, hash_r), 's')}): "
+                f"{_f(_div(restore, _sum(copy_r, hash_r)), 'x')}: "
+                if hash_r is not None
+                else ""
+            )
+            + f"the restore {_f(restore, 's')}, the copy {_f(copy_r, 's')}; a restore that "
+            "trusts no byte before its checksum hashes every byte as well as copying it, "
+            "on the machine's two cores",
+        )
+    )
+    cold = _med(res.get("restore_cold"))
+    peers: dict[str, float] = {}
+    for name in out.get("methods") or {}:
+        v = _med(_get(out, "methods", name, "restore_cold"))
+        if name != "resumable" and v is not None:
+            peers[name] = v
+    if peers:
+        fastest = min(peers, key=lambda k: peers[k])
+        label = _get(out, "methods", fastest, "label") or fastest
+        read = _med(floors.get("read_cold"))
+        rows.append(
+            _goal(
+                "cold restore from local disk (1 GiB) ÷ the fastest peer's in the same run",
+                _div(cold, peers[fastest]),
+                "x",
+                "<=",
+                1.0,
+                None,
+                f"resumable {_f(cold, 's')}, {label} {_f(peers[fastest], 's')}; the cold "
+                f"read floor {_f(read, 's')}",
+            )
+        )
+    e2e: dict[str, Any] = out["e2e"] if isinstance(out.get("e2e"), dict) else {}
+    step = _num(e2e.get("step_ms_baseline"))
+    nbytes = _num(e2e.get("state_bytes"))
+    run_bytes = _num(_get(out, "state", "bytes"))
+    # A floor is the fastest sample: other jobs on this shared machine only add time.
+    copy = _med(floors.get("copy"), "min")
+    copy_ms = None
+    if nbytes and run_bytes and copy:
+        copy_ms = copy * nbytes / run_bytes * 1000
+    bound = None if step is None or copy_ms is None else step / (step + copy_ms)
+    rows.append(
+        _goal(
+            "training loop, a snapshot every step, no overlap (MLP): throughput kept",
+            _num(e2e.get("throughput_ratio")),
+            "",
+            ">=",
+            0.97,
+            bound,
+            f"copying its {_f(nbytes and nbytes / 2**20, 'MiB')} at the copy floor's "
+            "bandwidth (its fastest sample) "
+            f"takes {_f(copy_ms, 'ms')} of a {_f(step, 'ms')} step: a snapshot that blocks "
+            f"keeps at best {_f(bound, '')}; the snapshot blocked "
+            f"{_f(_ms(_med(e2e.get('snapshot_blocking_s'))), 'ms')} in the loop",
+            "overlap mode: " + _f(_num(_get(out, "e2e_overlap", "throughput_ratio")), ""),
+        )
+    )
+    return rows
+
+
+def _small(out: Result) -> list[dict[str, Any] | None]:
+    rows: list[dict[str, Any] | None] = []
+    for name, limit in (("tiny", 3.0), ("6-layer", 1.0)):
+        m = _get(out, "small", "models", name)
+        if not isinstance(m, dict):
+            continue
+        off_ms = _num(m.get("median_off_ms"))
+        copies = [
+            _med(_get(m, "methods", k), "median_us")
+            for k in ("loop_copy", "foreach_copy", "flat_copy")
+        ]
+        floor_us = min((c for c in copies if c is not None), default=None)
+        share = None if off_ms is None or floor_us is None else floor_us / (off_ms * 1000) * 100
+        overhead = _num(m.get("overhead_pct"))
+        alone = _num(m.get("maybe_save_pct"))
+        measured = None if overhead is None else max(overhead, alone or overhead)
+        rows.append(
+            _goal(
+                f"nanoGPT {name} ({m.get('tensors')} tensors), a snapshot every step, no "
+                "overlap: % per iteration",
+                measured,
+                "%",
+                "<=",
+                limit,
+                share,
+                "the fastest copy of the same tensors into memory allocated once (a "
+                "`copy_` loop, `_foreach_copy_`, one flat copy), alone: "
+                f"{_f(share, '%')} of the "
+                f"{_f(off_ms, 'ms')} iteration; `maybe_save` alone {_f(alone, '%')}",
+                "overlap mode: " + _f(_num(m.get("overlap_overhead_pct")), "%"),
+            )
+        )
+    return rows
+
+
+def _dist(out: Result) -> list[dict[str, Any] | None]:
+    worlds = _get(out, "dist", "worlds") or {}
+    rows: list[dict[str, Any] | None] = []
+    one = worlds.get("1") if isinstance(worlds.get("1"), dict) else {}
+
+    def ratio(w: Any, key: str) -> float | None:
+        return _div(
+            _med(_get(w, "methods", "resumable_process", key)),
+            _med(_get(w, "methods", "copy_floor", "blocking")),
+        )
+
+    for size, w in sorted(worlds.items(), key=lambda kv: int(kv[0])):
+        if size == "1" or not isinstance(w, dict):
+            continue
+        rows.append(
+            _goal(
+                f"{size} ranks (FSDP2): `save()` blocking ÷ the copy floor",
+                ratio(w, "blocking"),
+                "x",
+                "<=",
+                1.3,
+                None,
+                f"of which the snapshot {_f(ratio(w, 'snapshot'), 'x')}; at one rank "
+                f"{_f(ratio(one, 'blocking'), 'x')} (snapshot {_f(ratio(one, 'snapshot'), 'x')})"
+                f"; {size} ranks share the machine's {out.get('machine', {}).get('cpu_count', '?')}"
+                " cores, each rank's fixed work taking turns with the others'",
+            )
+        )
+    return rows
+
+
+def _frameworks(out: Result) -> list[dict[str, Any] | None]:
+    rows: list[dict[str, Any] | None] = []
+    for stage, st in sorted((_get(out, "ds", "stages") or {}).items()):
+        r = _get(st, "ratios") or {}
+        rmin = _get(st, "ratios_of_min") or {}
+        z = f"DeepSpeed ZeRO {stage}"
+        rows.append(
+            _goal(
+                f"{z}: `save()` + `wait()` ÷ `save_checkpoint` + fsync",
+                _num(r.get("auto_total_over_ds_durable")),
+                "x",
+                "<=",
+                1.0,
+                None,
+                f"fastest samples {_f(_num(rmin.get('auto_total_over_ds_durable')), 'x')}",
+            )
+        )
+        files = _get(st, "save", "resumable_auto", "files") or {}
+        theirs = _num(_get(st, "save", "deepspeed", "bytes"))
+        data = sum(v for k, v in files.items() if k.endswith(".safetensors"))
+        meta = sum(v for k, v in files.items() if k.endswith(".json"))
+        rows.append(
+            _goal(
+                f"{z}: bytes written ÷ DeepSpeed's",
+                _num(r.get("bytes_over_ds")),
+                "x4",
+                "<=",
+                1.0,
+                None,
+                f"the data files alone {_f(_div(float(data), theirs), 'x4')} of DeepSpeed's "
+                f"bytes; the rest, {meta:,} bytes, is the manifest and its parts (names, "
+                "shapes, a checksum per tensor, the tree: what a restore checks before it "
+                "trusts a byte)",
+            )
+        )
+        rows.append(
+            _goal(
+                f"{z}: `restore()` ÷ `load_checkpoint`",
+                _num(r.get("restore_over_ds")),
+                "x",
+                "<=",
+                1.0,
+                None,
+                f"fastest samples {_f(_num(rmin.get('restore_over_ds')), 'x')}; resumable "
+                "verifies every checksum first",
+            )
+        )
+    for name, c in (_get(out, "mcore", "configs") or {}).items():
+        r = _get(c, "ratios") or {}
+        rmin = _get(c, "ratios_of_min") or {}
+        rows.append(
+            _goal(
+                f"Megatron-Core {name}: `restore()` ÷ `dist_checkpointing.load`",
+                _num(r.get("restore_over_mc")),
+                "x",
+                "<=",
+                1.0,
+                None,
+                f"fastest samples {_f(_num(rmin.get('restore_over_mc')), 'x')}",
+            )
+        )
+    return rows
+
+
+def goals(out: Result) -> list[dict[str, Any]]:
+    """The rows the run measured, core paths first."""
+    parts: list[Callable[[Result], list[dict[str, Any] | None]]] = [
+        _core,
+        _small,
+        _dist,
+        _frameworks,
+    ]
+    return [row for part in parts for row in part(out) if row is not None]
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1000
+
+
+def _f(x: float | None, unit: str) -> str:
+    if x is None:
+        return "—"
+    if unit == "x":
+        return f"{x:.2f}x"
+    if unit == "x4":
+        return f"{x:.4f}x"
+    if unit == "%":
+        return f"{x:.2f} %"
+    if unit == "":
+        return f"{x:.3f}"
+    if unit == "s":
+        return f"{x:.3f} s"
+    return f"{x:.2f} {unit}"
+
+
+def goals_section(out: Result) -> list[str]:
+    rows = goals(out)
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Every path against its goal and its floor",
+        "",
+        "Each path's deciding ratio (medians of this run), its goal, and what bounds it "
+        "from below in this run. *Bound by the floor*: the floor alone is past the goal, "
+        "so no code can meet it on this machine in that mode (the bound is the best the "
+        "floor allows); *not met*: a miss with room above the floor. Made by "
+        "`benchmarks/goals.py`.",
+        "",
+        "| path | measured | goal | result | best the floor allows | measured beside it |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        result = {"met": "**met**"}.get(r["result"], r["result"])
+        extra = f" ({r['note']})" if r["note"] else ""
+        lines.append(
+            f"| {r['path']} | {_f(r['measured'], r['unit'])} | {r['op']} "
+            f"{_f(r['limit'], r['unit'])} | {result} | {_f(r['bound'], r['unit'])} | "
+            f"{r['why']}{extra} |"
+        )
+    return lines

@@ -1,0 +1,101 @@
+"""`benchmarks/goals.py`: every path of a `make bench` run against its goal and the floor
+measured beside it, from committed runs and from runs altered to cross each line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import goals  # noqa: E402
+import report  # noqa: E402
+
+RUN = "vm-20261203T141033Z.json"  # a full run: core, small, several ranks, DeepSpeed, Megatron
+
+
+def _run() -> dict:
+    return json.loads((BENCH / "results" / RUN).read_text())
+
+
+def _row(out: dict, start: str) -> dict:
+    rows = [r for r in goals.goals(out) if r["path"].startswith(start)]
+    assert len(rows) == 1, [r["path"] for r in goals.goals(out)]
+    return rows[0]
+
+
+def test_a_full_run_has_a_row_per_path_of_every_phase() -> None:
+    rows = goals.goals(_run())
+    paths = [r["path"] for r in rows]
+    for start in (
+        "restore from shared memory",
+        "cold restore from local disk",
+        "training loop",
+        "nanoGPT tiny",
+        "nanoGPT 6-layer",
+        "4 ranks",
+        "DeepSpeed ZeRO 3: `restore()`",
+        "Megatron-Core tp2",
+    ):
+        assert sum(p.startswith(start) for p in paths) == 1, start
+    assert all(r["result"] in ("met", "not met", "bound by the floor") for r in rows)
+    # This run has no snapshot in its save rounds: no row judges the save against one.
+    assert not any(p.startswith("`save()` blocking") for p in paths)
+    text = report.render(_run())
+    assert "## Every path against its goal and its floor" in text
+
+
+def test_the_loop_is_bound_by_the_floor_only_where_copying_the_state_alone_misses() -> None:
+    out = _run()
+    row = _row(out, "training loop")
+    e2e, floors = out["e2e"], out["floors"]
+    copy_ms = floors["copy"]["min"] * e2e["state_bytes"] / out["state"]["bytes"] * 1000
+    step = e2e["step_ms_baseline"]
+    assert row["bound"] == pytest.approx(step / (step + copy_ms))
+    assert row["measured"] == e2e["throughput_ratio"]
+    assert row["result"] == ("not met" if row["bound"] >= 0.97 else "bound by the floor")
+    slow = copy.deepcopy(out)
+    slow["floors"]["copy"]["min"] *= 10  # copying the state alone takes a third of a step
+    assert _row(slow, "training loop")["result"] == "bound by the floor"
+    fast = copy.deepcopy(out)
+    fast["e2e"]["throughput_ratio"] = 0.98
+    assert _row(fast, "training loop")["result"] == "met"
+
+
+def test_nanogpt_rows_take_the_fastest_copy_as_their_floor() -> None:
+    out = _run()
+    m = out["small"]["models"]["6-layer"]
+    fastest = min(m["methods"][k]["median_us"] for k in ("loop_copy", "foreach_copy", "flat_copy"))
+    row = _row(out, "nanoGPT 6-layer")
+    assert row["bound"] == pytest.approx(fastest / (m["median_off_ms"] * 1000) * 100)
+    assert row["measured"] == max(m["overhead_pct"], m["maybe_save_pct"])
+    assert row["result"] == "bound by the floor"  # the copy alone is over 1 % there
+    assert _row(out, "nanoGPT tiny")["result"] == "not met"  # room above a 1 % floor
+
+
+def test_a_save_is_judged_against_the_snapshot_of_its_own_rounds() -> None:
+    out = _run()
+    res = out["methods"]["resumable"]
+    blocking = res["save_blocking"]["median"]
+    for by, result in ((1.04, "met"), (1.3, "not met")):
+        res["snapshot_save_phase"] = {"samples": [blocking / by], "median": blocking / by}
+        row = _row(out, "`save()` blocking")
+        assert row["measured"] == pytest.approx(by)
+        assert row["result"] == result
+
+
+def test_a_run_without_a_phase_has_no_row_for_it() -> None:
+    out = _run()
+    for key in ("e2e", "small", "dist", "ds", "mcore"):
+        out.pop(key, None)
+    paths = [r["path"] for r in goals.goals(out)]
+    assert paths and not any(
+        p.startswith(("training loop", "nanoGPT", "4 ranks", "DeepSpeed", "Megatron"))
+        for p in paths
+    )
+    assert goals.goals({}) == [] and goals.goals_section({}) == []
