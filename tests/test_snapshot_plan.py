@@ -330,3 +330,112 @@ def test_copy_threads_share_the_cores_with_the_other_ranks_of_the_node(
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert copy_threads() == want
+
+
+def test_a_large_state_is_copied_by_threads_from_a_share_out_planned_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over `_PARALLEL_MIN_BYTES` with one intra-op thread, `CopyPlan.copy` shares the
+    tensors (the large ones in pieces) among the copy threads once per buffer and copies
+    exactly what `copy_into` does, round after round; a tensor to split that is no longer
+    contiguous is copied by `copy_into` instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from resumable import snapshot as snap_mod
+
+    monkeypatch.setattr(snap_mod, "_PARALLEL_MIN_BYTES", 1 << 10)
+    monkeypatch.setattr(snap_mod, "_CHUNK_BYTES", 1 << 10)
+    torch.manual_seed(5)
+    big = torch.randn(40, 50)  # 8,000 bytes: 8 pieces
+    tensors = {
+        "big": big,
+        "big_t": torch.randn(50, 40),
+        "f16": torch.randn(700).half(),
+        "i64": torch.arange(-300, 300),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "strided": torch.randn(12, 10)[::2, 1:4],  # small, not contiguous: copied whole
+    }
+    plan = snap_mod.CopyPlan(tensors)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+    want = torch.empty_like(buf)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for round_ in range(3):
+                buf.fill_(0xAB)
+                plan.copy(buf, tensors, pool)
+                snap_mod.copy_into(want, plan.slots, tensors, None)
+                assert torch.equal(buf, want), round_
+                for t in tensors.values():
+                    if t.dtype.is_floating_point and t.numel():
+                        t.mul_(-1.5)
+            shares = plan._shares(buf, 2)
+            assert len(shares) == 2 and plan._shares(buf, 2) is shares  # planned once
+            pieces = [w for s in shares for w in s[1] if w[0] == "big"]
+            assert sorted((lo, hi) for _, lo, hi in pieces) == [
+                (i, min(i + 256, 2000)) for i in range(0, 2000, 256)
+            ]
+            # "big" with its shape but not contiguous: nothing is copied by the share-out,
+            # and `copy` hands the whole state to `copy_into`
+            odd = {**tensors, "big": torch.randn(50, 40).t()}
+            buf.fill_(0)
+            assert plan._copy_shared(buf, odd, pool) is False
+            assert not buf.any()
+            plan.copy(buf, odd, pool)
+            snap_mod.copy_into(want, plan.slots, odd, None)
+            assert torch.equal(buf, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_state_over_the_threads_threshold_restores_from_shared_memory_exactly(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A 48 MiB model and its moments, snapshotted with one intra-op thread (the copy
+    threads' share-out) at every step while it trains, restore exactly from each of
+    the last snapshots."""
+    import resumable
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 1024))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ck = resumable.Checkpointer(
+            tmp_path / "ck",
+            {"model": model, "optim": opt},
+            persist="thread",
+            memory_every=resumable.Every(steps=1),
+            persist_every=resumable.Every(steps=10**9),
+            shm_dir=shm_dir,
+            keep=None,
+        )
+        try:
+            for step in range(1, 4):
+                opt.zero_grad()
+                model(torch.randn(4, 2048)).square().mean().backward()
+                opt.step()
+                ck.snapshot(step)
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            moments = [s["exp_avg"].clone() for s in opt.state.values()]
+            arena = ck._memory.arena  # type: ignore[union-attr]
+            if copy_threads() > 1:
+                assert arena._pool is not None  # the share-out ran
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            for s in opt.state.values():
+                s["exp_avg"].zero_()
+            assert ck.restore(tier="memory") == 3
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, want[k]), k
+            for s, m in zip(opt.state.values(), moments, strict=True):
+                assert torch.equal(s["exp_avg"], m)
+        finally:
+            ck.save_on_close = False
+            ck.close()
+    finally:
+        torch.set_num_threads(threads)

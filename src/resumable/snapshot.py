@@ -136,6 +136,10 @@ class CopyPlan:
         by_name = {s.name: s for s in self.slots}
         self._in_order = [by_name[n] for n in self.names]  # each tensor's slot, dict order
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._share_cache: dict[
+            tuple[int, int],
+            tuple[torch.Tensor, list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]]],
+        ] = {}
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``tensors`` has exactly the structure this plan was made for."""
@@ -154,8 +158,12 @@ class CopyPlan:
         pool: ThreadPoolExecutor | None = None,
     ) -> None:
         """Copy ``tensors`` (of this plan's structure) into ``buf``; done on return."""
-        if self.on_cuda or (pool is not None and self.nbytes >= _PARALLEL_MIN_BYTES):
-            copy_into(buf, self.slots, tensors, pool)  # side streams, thread chunks
+        if self.on_cuda:
+            copy_into(buf, self.slots, tensors, pool)  # side streams
+            return
+        if pool is not None and self.nbytes >= _PARALLEL_MIN_BYTES:
+            if torch.get_num_threads() > 1 or not self._copy_shared(buf, tensors, pool):
+                copy_into(buf, self.slots, tensors, pool)  # torch's threads, or chunks
             return
         if not self.names:
             return  # torch._foreach_copy_ refuses empty lists
@@ -172,9 +180,82 @@ class CopyPlan:
             hit = self._views[id(buf)] = (buf, [tensor_view(buf, s) for s in self._in_order])
         return hit[1]
 
+    def _copy_shared(
+        self, buf: torch.Tensor, tensors: Mapping[str, torch.Tensor], pool: ThreadPoolExecutor
+    ) -> bool:
+        """`copy_into`'s share-out among ``pool``'s threads (torch with one intra-op
+        thread), planned once per buffer: each thread's destination views and the
+        source pieces it copies, one ``torch._foreach_copy_`` a thread, the calling
+        thread taking the first share. `copy_into` made every view and the share-out
+        anew at each snapshot: about 1 ms of a 6-layer nanoGPT's 12 ms snapshot (306
+        tensors). False where a tensor to split is not contiguous (not copied)."""
+        shares = self._shares(buf, pool._max_workers)
+        srcs: list[list[torch.Tensor]] = []
+        for share in shares:
+            pieces: list[torch.Tensor] = []
+            for name, lo, hi in share[1]:
+                src = tensors[name]
+                if hi < 0:
+                    pieces.append(src)
+                elif src.is_contiguous():
+                    pieces.append(src.view(-1)[lo:hi])
+                else:
+                    return False
+            srcs.append(pieces)
+
+        def run(k: int) -> None:
+            with torch.no_grad():
+                torch._foreach_copy_(shares[k][0], srcs[k])
+
+        futures = [pool.submit(run, k) for k in range(1, len(shares))]
+        try:
+            run(0)
+        finally:
+            for f in futures:
+                f.result()  # waited for even when this thread failed: nothing copies after
+        return True
+
+    def _shares(
+        self, buf: torch.Tensor, n: int
+    ) -> list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]]:
+        """Per thread (at most ``n``, each non-empty): destination views in ``buf`` and,
+        for each, the source's name and the element range copied (``hi`` -1: all of
+        it); tensors over `_CHUNK_BYTES` in pieces of about that size, the largest
+        pieces first to the least loaded thread, as `copy_into` shares them."""
+        key = (id(buf), n)
+        hit = self._share_cache.get(key)
+        if hit is not None and hit[0] is buf:
+            return hit[1]
+        jobs: list[tuple[torch.Tensor, tuple[str, int, int]]] = []
+        for slot in self.slots:
+            dst = tensor_view(buf, slot)
+            if slot.nbytes > _CHUNK_BYTES and dst.dim() > 0:
+                flat = dst.view(-1)
+                step = max(1, _CHUNK_BYTES // max(1, dst.element_size()))
+                for i in range(0, flat.numel(), step):
+                    piece = flat[i : i + step]
+                    jobs.append((piece, (slot.name, i, i + piece.numel())))
+            else:
+                jobs.append((dst, (slot.name, 0, -1)))
+        buckets: list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]] = [
+            ([], []) for _ in range(max(1, n))
+        ]
+        loads = [0] * len(buckets)
+        for dst, what in sorted(jobs, key=lambda j: -j[0].numel() * j[0].element_size()):
+            i = loads.index(min(loads))
+            buckets[i][0].append(dst)
+            buckets[i][1].append(what)
+            loads[i] += dst.numel() * dst.element_size()
+        shares = [b for b in buckets if b[0]]
+        if len(self._share_cache) >= SLOTS:
+            self._share_cache.clear()
+        self._share_cache[key] = (buf, shares)
+        return shares
+
     def forget(self) -> None:
         """Drop the views (they keep a buffer, and a shared-memory mapping, alive)."""
         self._views.clear()
+        self._share_cache.clear()
 
 
 class _TensorGuard:
