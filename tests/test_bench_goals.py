@@ -71,11 +71,23 @@ def test_nanogpt_rows_take_the_fastest_copy_as_their_floor() -> None:
     out = _run()
     m = out["small"]["models"]["6-layer"]
     fastest = min(m["methods"][k]["median_us"] for k in ("loop_copy", "foreach_copy", "flat_copy"))
+    tiny = out["small"]["models"]["tiny"]
+    fastest_tiny = min(
+        tiny["methods"][k]["median_us"] for k in ("loop_copy", "foreach_copy", "flat_copy")
+    )
+    row = _row(out, "nanoGPT tiny")
+    assert row["bound"] == pytest.approx(fastest_tiny / (tiny["median_off_ms"] * 1000) * 100)
+    assert row["measured"] == max(tiny["overhead_pct"], tiny["maybe_save_pct"])
+    assert row["result"] == "not met"  # room above a 1 % floor
+    # The 6-layer state (122 MiB) is copied on the copy threads, the floor on one: the
+    # floor's share is shown, but bounds nothing, though it is over the 1 % goal.
     row = _row(out, "nanoGPT 6-layer")
-    assert row["bound"] == pytest.approx(fastest / (m["median_off_ms"] * 1000) * 100)
-    assert row["measured"] == max(m["overhead_pct"], m["maybe_save_pct"])
-    assert row["result"] == "bound by the floor"  # the copy alone is over 1 % there
-    assert _row(out, "nanoGPT tiny")["result"] == "not met"  # room above a 1 % floor
+    assert fastest / (m["median_off_ms"] * 1000) * 100 > 1.0
+    assert row["bound"] is None and row["result"] == "not met"
+    assert "not a bound" in row["why"]
+    small = copy.deepcopy(out)
+    small["small"]["models"]["6-layer"]["bytes"] = 16 << 20  # as if one thread copied it
+    assert _row(small, "nanoGPT 6-layer")["result"] == "bound by the floor"
 
 
 def test_a_save_is_judged_against_the_snapshot_of_its_own_rounds() -> None:
