@@ -258,6 +258,19 @@ def injected(size: str, broken: str | None = None) -> dict[str, Any]:
     }
 
 
+def _unmount(mnt: str) -> None:
+    """Unmount the campaign's tmpfs and remove its mount point. A persist worker that
+    has not quite exited can keep it busy for a moment (a fresh-clone CI run once met
+    EBUSY here): retried for up to 5 s, then detached lazily, so that it goes once free."""
+    for _ in range(50):
+        if subprocess.run(["umount", mnt], capture_output=True, check=False).returncode == 0:
+            break
+        time.sleep(0.1)
+    else:
+        subprocess.run(["umount", "-l", mnt], capture_output=True, check=False)
+    os.rmdir(mnt)
+
+
 def full_disk(mb: int = 8) -> dict[str, Any]:
     """Save into a real ``mb`` MiB tmpfs until it is full (root only)."""
     t0 = time.perf_counter()
@@ -318,8 +331,7 @@ def full_disk(mb: int = 8) -> dict[str, Any]:
         used = shutil.disk_usage(mnt).used
     finally:
         logging.getLogger("resumable").setLevel(logging.NOTSET)
-        subprocess.run(["umount", mnt], check=False)
-        os.rmdir(mnt)
+        _unmount(mnt)
     return {
         "saves": saves,
         "failed_saves": failed,
