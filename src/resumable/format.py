@@ -21,6 +21,7 @@ against the files before a byte is used, and nothing in a checkpoint can name co
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import gc
 import importlib.metadata
@@ -81,6 +82,29 @@ def human_bytes(n: float) -> str:
 def checksum(data: Any) -> str:
     """xxh3-64 of a buffer, as 16 hex digits (releases the GIL on large buffers)."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+CHECKED_BLOCK = 512 << 10  # `copy_checksum` copies, then hashes, this many bytes at a time
+
+
+def copy_checksum(src: int, data: memoryview, dst: int) -> str:
+    """The XXH3-64 of ``data`` (the bytes at address ``src``), as `checksum` gives it,
+    those bytes copied on the way to address ``dst`` (0: hashed only). A block of
+    `CHECKED_BLOCK` bytes at a time is copied, then hashed while it is still in the
+    cache, so the source is read from memory once, not once to hash it and again to
+    copy it (`docs/decisions.md`). Both calls let go of the GIL."""
+    n = data.nbytes
+    if n <= CHECKED_BLOCK:
+        if dst and n:
+            ctypes.memmove(dst, src, n)
+        return checksum(data)
+    h = xxhash.xxh3_64()
+    for o in range(0, n, CHECKED_BLOCK):
+        m = min(CHECKED_BLOCK, n - o)
+        if dst:
+            ctypes.memmove(dst + o, src + o, m)
+        h.update(data[o : o + m])
+    return h.hexdigest()
 
 
 def check_relpath(path: Any) -> str:

@@ -16,6 +16,7 @@ path goes through the storage's root check.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import threading
 from collections import defaultdict
@@ -36,6 +37,7 @@ from resumable.format import (
     MAX_SAFETENSORS_HEADER,
     byte_view,
     checksum,
+    copy_checksum,
     decode_manifest,
     is_split,
     parse_safetensors_header,
@@ -76,6 +78,11 @@ class CheckpointReader:
         self._checked: set[tuple[int | None, str]] = set()
         # Tensors `tensors` returned unassembled, and where their bytes lie, for `fill`.
         self._fills: list[tuple[torch.Tensor, MappedPieces]] = []
+        # Tensors `tensors` returned unchecked (``fuse``), for `fill` to copy and check:
+        # (name, the bytes where they lie, the live tensor, its bytes)
+        self._fused: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.fused_started = False  # whether `fill` began copying unchecked bytes
+        self._owned: set[int] = set()  # ids of the live tensors `fill` writes
 
     @property
     def top(self) -> dict[str, Any]:
@@ -471,6 +478,7 @@ class CheckpointReader:
         *,
         verify: bool = True,
         into: Mapping[str, torch.Tensor] | None = None,
+        fuse: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Read (and by default checksum) tensors, as CPU tensors. All of a file's
         tensors are read with one sequential read of its data span. The files read
@@ -483,7 +491,14 @@ class CheckpointReader:
         (files mapped), and the tensor returned is the ``into`` one, still unchanged;
         `fill` copies the chunks into it. The caller calls `fill` once it is about to
         copy every value into the live state, so that nothing live changes before the
-        whole checkpoint was read and verified."""
+        whole checkpoint was read and verified.
+
+        ``fuse`` (with ``verify``): a tensor whose bytes lie in one place and that has a
+        destination in ``into`` is not checked here either: the tensor returned is the
+        ``into`` one, unchanged, and `fill` copies its bytes into it and checks them in
+        the same pass (`copy_checksum`). A mismatch is then found once live tensors
+        were written: the caller must be able to restore something else over them
+        (`docs/decisions.md`)."""
         assert not self._files_only, "a files-only reader reads no tensors"
         m = self.manifest
         index = m["tensors"]
@@ -516,6 +531,20 @@ class CheckpointReader:
         checks: list[tuple[str, int, Callable[[], str]]] | None = [] if verify else None
         fills: list[tuple[torch.Tensor, MappedPieces]] = []
         regions: list[tuple[int, int]] = []  # (address, bytes) of what the checks read
+        targets = (into or {}) if fuse and verify else {}
+
+        def place(n: str, buf: torch.Tensor, b: int, e: int) -> torch.Tensor:
+            dest = self._destination(n, targets.get(n)) if n in targets else None
+            if dest is None:
+                return self._tensor(n, buf, b, e, checks)
+            try:
+                flat = dest.detach().view(-1).view(torch.uint8)
+            except RuntimeError:  # a dtype without a byte view
+                return self._tensor(n, buf, b, e, checks)
+            self._fused.append((n, buf[b:e], dest, flat))
+            self._owned.add(id(dest))
+            return dest
+
         for path, names_in_file in by_path.items():
             ranges = [single[n][1:] for n in names_in_file]
             lo = min(r[0] for r in ranges)
@@ -526,18 +555,18 @@ class CheckpointReader:
                 regions.append((buf.data_ptr(), buf.numel()))
                 for n in sorted(names_in_file, key=lambda n: single[n][1]):
                     _, b, e = single[n]
-                    out[n] = self._tensor(n, buf, b - lo, e - lo, checks)
+                    out[n] = place(n, buf, b - lo, e - lo)
             else:  # a few of the file's tensors: one mapping, only their bytes read ahead
                 whole = self._mapped(path, sorted(ranges), hi)
                 for n in names_in_file:
                     _, b, e = single[n]
                     if whole is not None:
                         regions.append((whole.data_ptr() + b, e - b))
-                        out[n] = self._tensor(n, whole, b, e, checks)
+                        out[n] = place(n, whole, b, e)
                         continue
                     buf = self._read(path, b, e - b)
                     regions.append((buf.data_ptr(), buf.numel()))
-                    out[n] = self._tensor(n, buf, 0, e - b, checks)
+                    out[n] = place(n, buf, 0, e - b)
         # Each file mapped once for all its pieces: a tensor may have thousands.
         maps: dict[int, memoryview | None] = {}
         spans: dict[int, tuple[int, int]] = {}  # per file, from its first piece to its last
@@ -597,6 +626,7 @@ class CheckpointReader:
             for (name, _, _), digest in zip(checks, got, strict=True):
                 self._check_sum(name, digest)
         self._fills.extend(fills)  # only once every tensor passed
+        self._owned.update(id(dest) for dest, _ in fills)
         return out
 
     def _destination(self, name: str, dest: torch.Tensor | None) -> torch.Tensor | None:
@@ -615,9 +645,31 @@ class CheckpointReader:
             return None
         return dest
 
+    @property
+    def owned(self) -> frozenset[int]:
+        """The ids of the live tensors `tensors` returned to be written by `fill`."""
+        return frozenset(self._owned)
+
     def fill(self) -> None:
         """Copy the chunks of the tensors `tensors` returned unassembled (``into``)
-        into them; once."""
+        into them, and the bytes of those it returned unchecked (``fuse``), checking
+        those as they are copied; once. A mismatch raises `CorruptCheckpointError`
+        once every copy ended (`fused_started` then says live tensors were written).
+        Where every byte is in memory the copies share the copy threads; where some
+        must still come from the disk, one thread copies in the file's order, right
+        behind the read-ahead (as `tensors` checks)."""
+        fused, self._fused = self._fused, []
+        if fused:
+            from resumable.snapshot import copy_threads
+
+            self.fused_started = True
+            warm = all(_resident(src.data_ptr(), src.numel()) for _, src, _, _ in fused)
+            jobs: list[tuple[int, Callable[[], str]]] = [
+                (src.numel(), functools.partial(_copy_job, src, flat)) for _, src, _, flat in fused
+            ]
+            got = _digests(jobs, copy_threads() if warm else 1)
+            for (name, *_), digest in zip(fused, got, strict=True):
+                self._check_sum(name, digest)
         fills, self._fills = self._fills, []
         for dest, gather in fills:
             gather.copy_into(dest.detach().view(-1).view(torch.uint8))
@@ -787,6 +839,16 @@ def _resident(address: int, length: int) -> bool:
         return bool((vec & 1).all())
     except (OSError, AttributeError):
         return False
+
+
+def _copy_job(src: torch.Tensor, dst: torch.Tensor) -> str:
+    """Copy flat bytes ``src`` into ``dst`` (as many), returning their XXH3-64."""
+    if dst.numel() != src.numel():
+        raise CorruptCheckpointError(
+            f"a tensor of {src.numel()} bytes cannot fill a live one of {dst.numel()}"
+        )
+    data = byte_view(src) if src.numel() else memoryview(b"")
+    return copy_checksum(src.data_ptr(), data, dst.data_ptr() if src.numel() else 0)
 
 
 def _digests(jobs: list[tuple[int, Callable[[], str]]], threads: int) -> list[str]:

@@ -19,7 +19,6 @@ a copy. Large copies are split across a small thread pool.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import mmap
@@ -31,8 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import xxhash
 
 from resumable._dtypes import dtype_from_name
 from resumable._lazy import torch_module
@@ -55,7 +52,7 @@ from resumable._shm import (
     slot_paths,
 )
 from resumable.errors import CheckpointError, CorruptCheckpointError, StorageError
-from resumable.format import TensorSlot, byte_view, checksum, plan_layout
+from resumable.format import TensorSlot, byte_view, checksum, copy_checksum, plan_layout
 
 if TYPE_CHECKING:
     import torch
@@ -359,7 +356,6 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 _PARALLEL_MIN_BYTES = 32 << 20
 _CHUNK_BYTES = 16 << 20
 _HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy thread
-_CHECKED_BLOCK = 512 << 10  # `ShmArena.copy_checked` copies, then hashes, this many bytes at a time
 
 
 def copy_threads() -> int:
@@ -804,7 +800,7 @@ class ShmArena:
         """The XXH3-64 of each slot's bytes in ``data`` (a slot's data tensor), as
         `checksums` gives them, each slot copied on the way into its destination in
         ``dests`` (a contiguous CPU tensor of its bytes; None: hashed only). A block of
-        `_CHECKED_BLOCK` bytes at a time is copied, then hashed while it is still in the
+        `CHECKED_BLOCK` bytes at a time is copied, then hashed while it is still in the
         cache, so the snapshot is read from memory once, not once to hash it and again
         to copy it (`docs/decisions.md`). The slots are shared by bytes among the copy
         threads, the largest first (one tensor is hashed in order, on one thread)."""
@@ -826,19 +822,7 @@ class ShmArena:
 
         def run(part: list[tuple[int, int, int, int]]) -> None:
             for i, src, dst, n in part:
-                view = mem[src - base : src - base + n]
-                if n <= _CHECKED_BLOCK:
-                    if dst and n:
-                        ctypes.memmove(dst, src, n)
-                    sums[i] = checksum(view)
-                    continue
-                h = xxhash.xxh3_64()
-                for o in range(0, n, _CHECKED_BLOCK):
-                    m = min(_CHECKED_BLOCK, n - o)
-                    if dst:
-                        ctypes.memmove(dst + o, src + o, m)
-                    h.update(view[o : o + m])
-                sums[i] = h.hexdigest()
+                sums[i] = copy_checksum(src, mem[src - base : src - base + n], dst)
 
         total = sum(n for *_, n in jobs)
         if self._pool is None or total < _PARALLEL_MIN_BYTES:

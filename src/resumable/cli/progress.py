@@ -153,9 +153,10 @@ class ProgressReader(CheckpointReader):
         *,
         verify: bool = True,
         into: Any = None,
+        fuse: bool = False,
     ) -> dict[str, torch.Tensor]:
         if names is not None or into is not None or not self._bar.active:
-            return super().tensors(names, verify=verify, into=into)
+            return super().tensors(names, verify=verify, into=into, fuse=fuse)
         index = self.manifest["tensors"]
         out: dict[str, torch.Tensor] = {}
         for batch in _batches(index):

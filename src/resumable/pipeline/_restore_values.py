@@ -141,10 +141,17 @@ class RestoreValues:
             )
         return live
 
-    def _decode(self, reader: CheckpointReader, loc: Any) -> tuple[dict[str, Any], set[str]]:
+    def _decode(
+        self, reader: CheckpointReader, loc: Any, *, fuse: bool = False
+    ) -> tuple[dict[str, Any], set[str]]:
         """Read, verify and decode this rank's values from ``reader`` without touching a
         live object; returns them and the state keys to leave as they are. Only the
-        files it reads are checked (`CheckpointReader.tensors`), not every rank's."""
+        files it reads are checked (`CheckpointReader.tensors`), not every rank's.
+
+        ``fuse``: the caller can handle a check failing once live tensors were written.
+        Then a tensor the restore would copy into a live one of its dtype and shape (as
+        the memory tier's `_fused` chooses them) is left to the reader's `fill` (the
+        restore's ``prepare``), which copies it there and checks it in one pass."""
         if self.world_size > 1 and reader.top["world_size"] == self.world_size:
             reader.only_rank(self.rank)  # a split manifest: the parts this rank needs
         m = reader.manifest  # validated: one tree per rank of world_size
@@ -154,8 +161,19 @@ class RestoreValues:
         if plain and not any(True for _ in capture_mod.global_refs(trees[0])):
             live = capture_mod.capture(self.state, include_rng=False)
             if not live.pieces:
-                into = destinations(self.state, live, trees[0])
-                tensors = reader.tensors(verify=True, into=into)
+                fuse = fuse and loc is None and on_cpu(trees[0])
+                into = destinations(self.state, live, trees[0], containers=fuse)
+                if fuse:
+                    refs = list(capture_mod.iter_refs(trees[0]))
+                    uses = Counter(name for _, _, name in refs)
+                    into = {
+                        name: into[name]
+                        for path, _, name in refs
+                        if name in into
+                        and uses[name] == 1
+                        and path[0] not in capture_mod.RESERVED_KEYS
+                    }
+                tensors = reader.tensors(verify=True, into=into, fuse=fuse)
                 return capture_mod.decode(trees[0], tensors, loc), set()
         global_keys = {k for k, v in self.state.items() if capture_mod.is_global_object(v)}
         skip: set[str] = set()
@@ -238,19 +256,25 @@ class RestoreValues:
         *,
         borrowed: bool,
         prepare: Callable[[], None] | None = None,
+        owned: frozenset[int] = frozenset(),
     ) -> None:
         """Restore decoded ``values`` into the live state, leaving the ``skip`` keys.
-        ``prepare``: see `capture.restore`."""
+        ``prepare``, ``owned``: see `capture.restore`."""
         if not skip:
             self.partial += capture_mod.restore(
-                self.state, values, borrowed=borrowed, strict=self.strict, prepare=prepare
+                self.state,
+                values,
+                borrowed=borrowed,
+                strict=self.strict,
+                prepare=prepare,
+                owned=owned,
             )
             return
         log.warning("restore leaves per-rank state %s as this launch made it", sorted(skip))
         part = {k: v for k, v in self.state.items() if k not in skip}
         values = {k: v for k, v in values.items() if k not in skip}
         self.partial += capture_mod.restore(
-            part, values, borrowed=borrowed, strict=self.strict, prepare=prepare
+            part, values, borrowed=borrowed, strict=self.strict, prepare=prepare, owned=owned
         )
         if isinstance(self.state, dict):
             self.state.update(part)

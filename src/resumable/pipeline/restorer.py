@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from resumable import capture as capture_mod
 from resumable._shm import SlotContent
@@ -504,7 +504,13 @@ class Restorer(RestoreValues):
             return Restored(0, "none", skipped=skipped)
         problems: list[str] = []
         last: CorruptCheckpointError | None = None
-        for s in candidates:
+        # A step whose check failed while it was copied into the live state (`fuse`)
+        touched: int | None = None
+        for i, s in enumerate(candidates):
+            # Checked while copied where an older checkpoint is left to restore over
+            # what a failed check leaves (as from shared memory): one process, strict,
+            # no step asked for (`_decode`'s ``fuse``, `docs/decisions.md`).
+            fuse = self.world_size == 1 and self.strict and i + 1 < len(candidates)
             t0 = time.perf_counter()
             root: Storage | None = None
             reader: CheckpointReader | None = None
@@ -515,7 +521,7 @@ class Restorer(RestoreValues):
             for candidate in roots[s]:
                 try:
                     reader = CheckpointReader(candidate, s)
-                    values, skip = self._decode(reader, loc)
+                    values, skip = self._decode(reader, loc, fuse=fuse)
                     root = candidate
                     break
                 except CorruptCheckpointError as exc:
@@ -524,7 +530,7 @@ class Restorer(RestoreValues):
                     self._skip(s, candidate, exc, skipped)
                 except StateMismatchError as exc:
                     if self.world_size == 1:
-                        raise
+                        raise _noting(exc, touched) from None
                     problem = ("mismatch", f"rank {self.rank}: {exc}")
                     break
             if root is None and problem is None:
@@ -540,15 +546,23 @@ class Restorer(RestoreValues):
             try:
                 # Raises CorruptCheckpointError or StateMismatchError only before
                 # touching a live object.
-                self._apply(values, skip, borrowed=reader.mapped, prepare=reader.fill)
+                self._apply(
+                    values, skip, borrowed=reader.mapped, prepare=reader.fill, owned=reader.owned
+                )
             except CorruptCheckpointError as exc:
                 last = exc
+                if reader.fused_started:
+                    touched = s
+                    exc = CorruptCheckpointError(
+                        f"{exc} (found while copying into the live state; the checkpoint "
+                        "restored next overwrites it)"
+                    )
                 self._skip(s, root, exc, skipped)
                 applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
             except StateMismatchError as exc:
                 exc = self._way_back(exc, values, s)
                 if self.world_size == 1:
-                    raise exc from None
+                    raise _noting(exc, touched) from None
                 applied = ("mismatch", f"rank {self.rank}: {exc}")
             failures = self.verdicts.collect(applied)
             if any(kind == "mismatch" for kind, _ in failures):
@@ -571,11 +585,14 @@ class Restorer(RestoreValues):
         if step is not None and last is not None and self.world_size == 1:
             raise last
         roots_named = " and ".join(r.url for r in (self.storage, self.mirror) if r is not None)
-        raise CorruptCheckpointError(
-            f"{len(candidates)} checkpoint(s) in {roots_named} "
-            "and none is valid (readable by every rank); refusing to start over silently. "
-            "Inspect them with `resumable verify`, or move the directory away to start "
-            "fresh. Problems: " + "; ".join(problems)
+        raise _noting(
+            CorruptCheckpointError(
+                f"{len(candidates)} checkpoint(s) in {roots_named} "
+                "and none is valid (readable by every rank); refusing to start over "
+                "silently. Inspect them with `resumable verify`, or move the directory "
+                "away to start fresh. Problems: " + "; ".join(problems)
+            ),
+            touched,
         )
 
     def _way_back(
@@ -608,6 +625,20 @@ class Restorer(RestoreValues):
         log.warning("skipping corrupt checkpoint %s in %s: %s", step_dir(step), root.url, exc)
         self.audit.record("skip", step=step, url=root.url, reason=str(exc)[:500])
         skipped.append(f"{step_dir(step)} in {root.url} ({exc})")
+
+
+E = TypeVar("E", bound=Exception)
+
+
+def _noting(exc: E, touched: int | None) -> E:
+    """``exc`` saying that the live state holds part of step ``touched`` (whose check
+    failed while it was copied there), if any: a caller that goes on must rebuild it."""
+    if touched is None:
+        return exc
+    return type(exc)(
+        f"{exc}. The live state holds part of {step_dir(touched)}, whose check failed "
+        "while it was copied into it: rebuild the state before training from it"
+    )
 
 
 def _ranks(ranks: list[int]) -> str:
