@@ -107,6 +107,10 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
     restore = _med(res.get("restore_memory"))
     copy_r = _med(floors.get("copy_restore_memory"))
     hash_r = _med(floors.get("hash_restore_memory"))
+    # the fastest copy that checks what it copies (both cores, no restore around it)
+    # against the fastest plain copy: the best such a restore can do here
+    checked = _med(floors.get("checked_copy_restore_memory"), "min")
+    checked_bound = _div(checked, _med(floors.get("copy_restore_memory"), "min"))
     between = copy_r is not None
     if not between:  # runs before the floor was sampled between the restores
         copy_r = _med(floors.get("copy"))
@@ -119,8 +123,15 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
             "x",
             "<=",
             1.1,
-            None,
+            checked_bound,
             (
+                f"the fastest copy that computes the XXH3-64 of what it copies, block by "
+                f"block on the copy threads, alone: {_f(checked, 's')}, "
+                f"{_f(checked_bound, 'x')} the fastest plain copy; "
+                if checked_bound is not None
+                else ""
+            )
+            + (
                 f"÷ (copy + XXH3-64 of the same bytes, one thread each, "
                 f"{_f(_sum(copy_r, hash_r), 's')}): "
                 f"{_f(_div(restore, _sum(copy_r, hash_r)), 'x')}: "

@@ -361,6 +361,11 @@ def render(out: Result) -> str:
             "XXH3-64 (the checksum a restore verifies) of every tensor's bytes, one thread, "
             "interleaved with those restores",
         ),
+        (
+            "checked_copy_restore_memory",
+            "copy that computes the XXH3-64 of what it copies, block by block, on the copy "
+            "threads (the fastest checked copy), interleaved with those restores",
+        ),
         ("write_python", "write + fsync from Python (random bytes)"),
         ("write_python_rounds", "the same, once per save round"),
         (

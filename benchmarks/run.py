@@ -174,6 +174,7 @@ class CopyProbe:
         self.dst = [t for _, t in state_mod.iter_tensors(state_mod.empty_like_tree(tree))]
         self.samples: dict[str, list[float]] = {}
         self.hashes: dict[str, list[float]] = {}
+        self.checked: dict[str, list[float]] = {}
 
     def once(self, phase: str) -> float:
         t0 = time.perf_counter()
@@ -194,6 +195,40 @@ class CopyProbe:
         self.hashes.setdefault(phase, []).append(dt_)
         return dt_
 
+    def checked_once(self, phase: str) -> float:
+        """Every tensor copied into its preallocated destination while its XXH3-64 is
+        computed, block by block (`resumable.format.copy_checksum`), the tensors shared
+        by bytes among `copy_threads()` threads, the largest first: the fastest a copy
+        that checks every byte it copies can go here, with no restore around it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from resumable.format import copy_checksum
+        from resumable.snapshot import copy_threads
+
+        n = max(1, copy_threads())
+        jobs = sorted(zip(self.src, self.dst), key=lambda p: -p[0].numel() * p[0].element_size())
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for src, dst in jobs:
+            k = loads.index(min(loads))
+            parts[k].append((src, dst))
+            loads[k] += src.numel() * src.element_size()
+
+        def run(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            for src, dst in part:
+                flat = src.detach().reshape(-1).view(torch.uint8)
+                copy_checksum(flat.data_ptr(), memoryview(flat.numpy()), dst.data_ptr())
+
+        with ThreadPoolExecutor(n - 1 or 1) as pool:
+            t0 = time.perf_counter()
+            futures = [pool.submit(run, p) for p in parts[1:]]
+            run(parts[0])
+            for f in futures:
+                f.result()
+            dt_ = time.perf_counter() - t0
+        self.checked.setdefault(phase, []).append(dt_)
+        return dt_
+
     def record(self, out: dict[str, Any]) -> None:
         every = [x for v in self.samples.values() for x in v]
         out["floors"]["copy"] = stat(
@@ -207,6 +242,8 @@ class CopyProbe:
             out["floors"]["copy_restore_memory"] = stat(self.samples["restore_memory"])
         if "restore_memory" in self.hashes:
             out["floors"]["hash_restore_memory"] = stat(self.hashes["restore_memory"])
+        if "restore_memory" in self.checked:
+            out["floors"]["checked_copy_restore_memory"] = stat(self.checked["restore_memory"])
 
 
 def memory_phase(
@@ -395,6 +432,7 @@ def restore_phase(
             # moment of the run compares the restore with other conditions of the machine
             probe.once("restore_memory")
             probe.hash_once("restore_memory")
+            probe.checked_once("restore_memory")
             zero()
             vals.append(ours.restore_memory()["total"])
             ok = ok and check()
