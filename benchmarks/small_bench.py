@@ -36,8 +36,12 @@ groups, the learning rate of nanoGPT's schedule set before each iteration), one 
 thread. After warm-up iterations, rounds of ``block`` iterations
 without checkpoints and ``block`` with ``ck.maybe_save(step)`` after each (a memory
 snapshot every step, no persist), in ABBA order; each iteration is timed from the batch
-to the end of ``maybe_save``. Reported: medians of both, their ratio and difference, the
-median of ``maybe_save`` alone, and the same parts as above on the model's state.
+to the end of ``maybe_save``. A fourth block copies the same tensors after each
+iteration with nothing else (`loop_floor`: ``_foreach_copy_`` into memory allocated
+once, on the copy threads from 32 MiB as a snapshot copies): the copy floor where the
+snapshot runs, with the caches as an iteration leaves them. Reported: medians of both,
+their ratio and difference, the median of ``maybe_save`` alone, that floor, and the same
+parts as above on the model's state.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ from resumable import capture as capture_mod  # noqa: E402
 from resumable._capture_plan import CapturePlan, NumpyState  # noqa: E402
 from resumable._shm import encode_meta  # noqa: E402
 from resumable.pipeline.memory import TreeJSON  # noqa: E402
-from resumable.snapshot import CopyPlan  # noqa: E402
+from resumable.snapshot import CopyPlan, copy_threads  # noqa: E402
 
 __all__ = ["MODELS", "ModelSpec", "Settings", "main", "render", "run_phase", "write_docs"]
 
@@ -405,9 +409,11 @@ def model_overhead(
         nanogpt.step(model, optim, spec.batch, it=it)  # creates AdamW's moments
     captured = capture_mod.capture(state)
     tensors = list(captured.tensors.values())
-    iters: dict[str, list[float]] = {"off": [], "on": [], "overlap": []}
+    iters: dict[str, list[float]] = {"off": [], "on": [], "overlap": [], "floor": []}
     saves: list[float] = []
     saves_overlap: list[float] = []
+    floor_copy, floor_threads, close_floor = loop_floor(tensors)
+    floors: list[float] = []
     with (
         snapshotter(work / spec.name, state, shm) as ck,
         snapshotter(work / f"{spec.name}-overlap", state, shm, overlap=True) as ck_overlap,
@@ -423,7 +429,7 @@ def model_overhead(
         pairs_overlap: list[float] = []
         for rnd in range(rounds):
             start = {m: len(v) for m, v in iters.items()}
-            order = ("off", "on", "overlap")
+            order = ("off", "on", "overlap", "floor")
             for mode in order if rnd % 2 == 0 else order[::-1]:
                 for _ in range(block):
                     step += 1
@@ -436,26 +442,33 @@ def model_overhead(
                     elif mode == "overlap":
                         ck_overlap.maybe_save(step)
                         saves_overlap.append(time.perf_counter() - t1)
+                    elif mode == "floor":
+                        floor_copy()
+                        floors.append(time.perf_counter() - t1)
                     iters[mode].append(time.perf_counter() - t0)
                 if mode == "overlap":  # the last copy, which the next step would wait for
                     t0 = time.perf_counter()
                     ck_overlap.wait()
                     iters[mode][-1] += time.perf_counter() - t0
             this = {m: statistics.median(v[start[m] :]) for m, v in iters.items()}
+            this_floor = statistics.median(floors[-block:])
             pairs.append(this["on"] / this["off"])
             pairs_overlap.append(this["overlap"] / this["off"])
             log(
                 f"small: {spec.name} round {rnd}: median iteration "
                 f"{statistics.median(iters['off']) * 1e3:.1f} ms off, "
                 f"{statistics.median(iters['on']) * 1e3:.1f} ms on, "
-                f"{statistics.median(iters['overlap']) * 1e3:.1f} ms overlap"
+                f"{statistics.median(iters['overlap']) * 1e3:.1f} ms overlap; "
+                f"copy floor in the loop {this_floor * 1e6:,.0f} µs"
             )
         parts_ = snapshot_parts(state, ck, ck_no_rng, step + 1, pool)
         methods = {**parts_, **copy_floors(tensors)}
         big = captured_bytes(tensors) > 2**25
         reps = min(settings.reps, max(10, settings.reps // 4)) if big else settings.reps
         samples = round_robin(methods, reps, settings.warmup)
+    close_floor()
     off, on = statistics.median(iters["off"]), statistics.median(iters["on"])
+    floor = statistics.median(floors)
     ov = statistics.median(iters["overlap"])
     save = statistics.median(saves)
     med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
@@ -489,10 +502,58 @@ def model_overhead(
         "overlap_overhead_us": round((ov - off) * 1e6, 1),
         "overlap_overhead_pct": round((ov / off - 1) * 100, 2),
         "median_maybe_save_overlap_us": round(statistics.median(saves_overlap) * 1e6, 1),
+        "loop_floor_us": _us(floors),
+        "median_loop_floor_us": round(floor * 1e6, 1),
+        "loop_floor_pct": round(floor / off * 100, 2),
+        "loop_floor_threads": floor_threads,
         "reps": reps,
         "methods": {k: _stats(v) for k, v in samples.items()},
         "parts_us": parts(med),
     }
+
+
+def loop_floor(tensors: list[torch.Tensor]) -> tuple[Callable[[], None], int, Callable[[], None]]:
+    """The copy floor timed inside the training loop: the same tensors copied by
+    ``_foreach_copy_`` into views of one buffer allocated once, with nothing else (no
+    capture, no metadata, no slot). From 32 MiB on, as a snapshot copies such a state
+    (`resumable.snapshot.copy_into`), the copies are cut into pieces of 16 MiB at most
+    and shared out by bytes over `copy_threads` threads, each running one
+    ``_foreach_copy_``. Returns the copy, its thread count and a closer."""
+    total = captured_bytes(tensors)
+    views = list(torch.empty(total, dtype=torch.uint8).split([t.nbytes for t in tensors]))
+    pairs = [(v.view(t.dtype).view(t.shape), t) for v, t in zip(views, tensors)]
+    threads = copy_threads() if total >= 32 << 20 else 1
+    if threads == 1:
+
+        @torch.no_grad()
+        def one() -> None:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+        return one, 1, lambda: None
+    chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for d, s in pairs:
+        fd, fs = d.view(-1), s.reshape(-1)
+        step = max(1, (16 << 20) // s.element_size())
+        chunks.extend((fd[i : i + step], fs[i : i + step]) for i in range(0, fs.numel(), step))
+    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for d, s in sorted(chunks, key=lambda c: -c[1].nbytes):  # largest first, least loaded
+        k = loads.index(min(loads))
+        groups[k].append((d, s))
+        loads[k] += s.nbytes
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="loop-floor")
+
+    @torch.no_grad()
+    def run(group: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        torch._foreach_copy_([d for d, _ in group], [s for _, s in group])
+
+    def many() -> None:
+        futures = [pool.submit(run, g) for g in groups[1:]]
+        run(groups[0])
+        for f in futures:
+            f.result()
+
+    return many, threads, pool.shutdown
 
 
 def captured_bytes(tensors: list[torch.Tensor]) -> int:

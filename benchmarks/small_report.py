@@ -339,6 +339,16 @@ def _verdict(out: dict[str, Any]) -> list[str]:
                 "the snapshot's code and data are no longer in the CPU caches, so each part "
                 "costs several times what it costs in a row of snapshots."
             )
+        if kind == "models" and "median_loop_floor_us" in e:
+            threads = e.get("loop_floor_threads", 1)
+            loop += (
+                " The same copy timed in the loop, after each iteration of a block of its "
+                "own (`_foreach_copy_` into memory allocated once"
+                + (f", on {threads} copy threads" if threads != 1 else "")
+                + f"), took {e['median_loop_floor_us']:,.0f} µs, {e['loop_floor_pct']:.2f} % "
+                f"of the median iteration: `maybe_save` took "
+                f"{e['median_maybe_save_us'] / e['median_loop_floor_us']:.1f}x that."
+            )
         lines.append(
             f"- Not met, {what}: the snapshot's {p['total']:,.0f} µs are, largest first, "
             f"{parts_txt} µs; the `_foreach_copy_` floor of the same tensors alone is "

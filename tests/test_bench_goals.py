@@ -90,6 +90,24 @@ def test_nanogpt_rows_take_the_fastest_copy_as_their_floor() -> None:
     assert _row(small, "nanoGPT 6-layer")["result"] == "bound by the floor"
 
 
+def test_nanogpt_rows_take_the_copy_timed_in_the_loop_as_their_floor_where_measured() -> None:
+    out = _run()
+    tiny = out["small"]["models"]["tiny"]
+    tiny.update(median_loop_floor_us=300.0, loop_floor_pct=3.3, loop_floor_threads=1)
+    row = _row(out, "nanoGPT tiny")
+    assert row["bound"] == 3.3 and row["result"] == "bound by the floor"
+    assert "timed in the loop" in row["why"] and "300 µs" in row["why"]
+    tiny["loop_floor_pct"] = 1.5  # room above the floor: a miss
+    assert _row(out, "nanoGPT tiny")["result"] == "not met"
+    six = out["small"]["models"]["6-layer"]
+    six.update(median_loop_floor_us=11_500.0, loop_floor_pct=2.9, loop_floor_threads=2)
+    row = _row(out, "nanoGPT 6-layer")
+    assert row["bound"] == 2.9 and row["result"] == "bound by the floor"
+    assert "over 2 copy threads" in row["why"]
+    six["maybe_save_pct"] = six["overhead_pct"] = 0.9
+    assert _row(out, "nanoGPT 6-layer")["result"] == "met"
+
+
 def test_a_save_is_judged_against_the_snapshot_of_its_own_rounds() -> None:
     out = _run()
     res = out["methods"]["resumable"]

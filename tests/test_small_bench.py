@@ -65,6 +65,10 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     assert len(tiny["maybe_save_us"]) == len(tiny["maybe_save_overlap_us"]) == 1
     assert tiny["tensors"] > 50 and {"ratio", "overhead_pct", "parts_us"} <= set(tiny)
     assert {"overlap_ratio", "overlap_overhead_pct"} <= set(tiny)
+    # the copy floor timed in the loop: one sample per iteration of its block, one
+    # thread under 32 MiB
+    assert len(tiny["loop_floor_us"]) == 1 and tiny["loop_floor_threads"] == 1
+    assert tiny["median_loop_floor_us"] > 0 and tiny["loop_floor_pct"] > 0
     goals = {g["goal"]: g for g in small_result["goals"]}
     assert len(goals) == 5  # two sizes, two models, tiny with overlap=True
     assert goals["the same with `overlap=True`, tiny nanoGPT"]["met"] is not None
