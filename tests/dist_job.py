@@ -211,6 +211,9 @@ def phase_save2(out: Path, report: dict[str, Any]) -> None:
     report["fail_steps"] = ck.steps()
     ck.close()
 
+    with counted_ck(out, Counted(rank() + 1.0)) as ck:
+        ck.save(3)
+
     # The per-rank memory tier: every rank keeps step 3 in shared memory ...
     report["mem_steps"] = save_in_memory(out, "mem2").steps()
     # A state of per-rank values only (no module or optimizer: nothing global), in
@@ -242,6 +245,26 @@ def memory_ck(out: Path, root: str, model: nn.Module, optim: torch.optim.Optimiz
         keep=None,
         shm_dir=out / "shm",
     )
+
+
+class Counted:
+    """A stateful object of per-rank tensors (as a DeepSpeed engine's state is) that
+    counts its ``state_dict`` calls: on a DeepSpeed ZeRO 3 engine each one gathers."""
+
+    def __init__(self, value: float) -> None:
+        self.calls = 0
+        self.sd = {"w": torch.full((8,), value), "m": torch.full((3,), -value)}
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sd = sd
+
+
+def counted_ck(out: Path, obj: Counted) -> Checkpointer:
+    return Checkpointer(out / "counted2", {"obj": obj}, persist="sync", keep=None)
 
 
 def per_rank_ck(out: Path, values: dict[str, torch.Tensor]) -> Checkpointer:
@@ -296,6 +319,13 @@ def phase_load2(out: Path, report: dict[str, Any]) -> None:
         ck.wait()  # the recovered step is committed in the background
         report["mem_steps_after"] = ck.steps()
     dump(out, "got-mem2", model, optim)
+    # A restore from storage of a state without global tensors asks the live objects
+    # for nothing: their state dicts are not needed to place what it reads.
+    counted = Counted(0.0)
+    with counted_ck(out, counted) as ck:
+        report["counted_restore"] = outcome(lambda: ck.restore(tier="storage"))
+        report["counted_calls"] = counted.calls
+        report["counted_sd"] = {k: v.tolist() for k, v in counted.sd.items()}
     values = {"x": torch.zeros(4)}
     with per_rank_ck(out, values) as ck:
         report["perrank_restore"] = outcome(ck.restore)

@@ -287,6 +287,16 @@ def test_memory_tier_restores_a_state_of_per_rank_values_only(runs: Runs) -> Non
         assert report["perrank_x"] == [r * 10 + 3.0] * 4
 
 
+def test_a_restore_without_global_tensors_does_not_capture_the_live_state(runs: Runs) -> None:
+    """Each rank's own tensors of a stateful object, restored from storage at the same
+    world size: no ``state_dict()`` of the live object is taken to place them (on a
+    DeepSpeed ZeRO 3 engine that gathers every parameter), and each rank gets its own."""
+    for r, report in enumerate(runs.reports("load2", 2)):
+        assert restored(report, "counted_restore") == 3
+        assert report["counted_calls"] == 0
+        assert report["counted_sd"] == {"w": [r + 1.0] * 8, "m": [-(r + 1.0)] * 3}
+
+
 def test_memory_tier_falls_back_together_when_a_rank_lacks_the_step(runs: Runs) -> None:
     """Rank 1 lost its snapshot of step 3: no rank uses its own; all restore step 2."""
     for report in runs.reports("load2", 2):

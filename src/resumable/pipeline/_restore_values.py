@@ -207,13 +207,16 @@ class RestoreValues:
                 )
             skip = per_rank
             tree = {"dict": [p for p in tree["dict"] if p[0] not in skip]}
-        live = self._live()
         tree = capture_mod.globalize(tree, global_keys)
-        loader = GlobalLoader(reader, live.live)
-        loader.prepare(list(dict.fromkeys(capture_mod.global_refs(tree))))
+        fqns = list(dict.fromkeys(capture_mod.global_refs(tree)))
+        resolve = None
+        if fqns:  # the live targets decide what each rank reads of a global tensor
+            loader = GlobalLoader(reader, self._live().live)
+            loader.prepare(fqns)
+            resolve = loader.value
         names = list(dict.fromkeys(name for _, name in capture_mod.iter_tensor_refs(tree)))
         tensors = reader.tensors(names, verify=True) if names else {}
-        return capture_mod.decode(tree, tensors, loc, resolve=loader.value), skip
+        return capture_mod.decode(tree, tensors, loc, resolve=resolve), skip
 
     def _per_rank_keys(
         self, reader: CheckpointReader, trees: list[Any], global_keys: set[str]
