@@ -523,33 +523,34 @@ def loop_floor(tensors: list[torch.Tensor]) -> tuple[Callable[[], None], int, Ca
     views = list(torch.empty(total, dtype=torch.uint8).split([t.nbytes for t in tensors]))
     pairs = [(v.view(t.dtype).view(t.shape), t) for v, t in zip(views, tensors)]
     threads = copy_threads() if total >= 32 << 20 else 1
-    if threads == 1:
-
-        @torch.no_grad()
-        def one() -> None:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-
-        return one, 1, lambda: None
-    chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for d, s in pairs:
-        fd, fs = d.view(-1), s.reshape(-1)
-        step = max(1, (16 << 20) // s.element_size())
-        chunks.extend((fd[i : i + step], fs[i : i + step]) for i in range(0, fs.numel(), step))
-    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
-    loads = [0] * threads
-    for d, s in sorted(chunks, key=lambda c: -c[1].nbytes):  # largest first, least loaded
-        k = loads.index(min(loads))
-        groups[k].append((d, s))
-        loads[k] += s.nbytes
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="loop-floor")
+    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [pairs]
+    if threads > 1:
+        chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for d, s in pairs:
+            fd, fs = d.view(-1), s.reshape(-1)
+            step = max(1, (16 << 20) // s.element_size())
+            chunks.extend((fd[i : i + step], fs[i : i + step]) for i in range(0, fs.numel(), step))
+        groups = [[] for _ in range(threads)]
+        loads = [0] * threads
+        for d, s in sorted(chunks, key=lambda c: -c[1].nbytes):  # largest first, least loaded
+            k = loads.index(min(loads))
+            groups[k].append((d, s))
+            loads[k] += s.nbytes
+    # each group's destinations and sources as the lists `_foreach_copy_` takes, made once:
+    # the timed copy holds nothing else
+    lists = [([d for d, _ in g], [s for _, s in g]) for g in groups]
 
     @torch.no_grad()
-    def run(group: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        torch._foreach_copy_([d for d, _ in group], [s for _, s in group])
+    def run(dst_src: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        torch._foreach_copy_(*dst_src)
+
+    if threads == 1:
+        return lambda: run(lists[0]), 1, lambda: None
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="loop-floor")
 
     def many() -> None:
-        futures = [pool.submit(run, g) for g in groups[1:]]
-        run(groups[0])
+        futures = [pool.submit(run, g) for g in lists[1:]]
+        run(lists[0])
         for f in futures:
             f.result()
 
