@@ -106,6 +106,12 @@ def test_nanogpt_rows_take_the_copy_timed_in_the_loop_as_their_floor_where_measu
     assert "over 2 copy threads" in row["why"]
     six["maybe_save_pct"] = six["overhead_pct"] = 0.9
     assert _row(out, "nanoGPT 6-layer")["result"] == "met"
+    # with its samples, the fastest one is the floor (other jobs only ever add time)
+    off_us = tiny["median_off_ms"] * 1000
+    tiny.update(loop_floor_pct=3.3, loop_floor_us=[0.027 * off_us, 0.033 * off_us, 0.034 * off_us])
+    row = _row(out, "nanoGPT tiny")
+    assert row["bound"] == pytest.approx(2.7) and row["result"] == "not met"
+    assert "fastest" in row["why"] and "median 300 µs" in row["why"]
 
 
 def test_a_save_is_judged_against_the_snapshot_of_its_own_rounds() -> None:
