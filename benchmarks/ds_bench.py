@@ -172,6 +172,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "floors": floors,
         "ratios": ratios("median"),
         "ratios_of_min": ratios("min"),
+        "gc_in_calls_s": tp.gc_in_calls(raw),
         "raw": {"saves": saves, "restores": raw["restores"]},
     }
 
@@ -364,6 +365,7 @@ def render(out: dict[str, Any], source: str) -> str:
         ],
         rows,
     )
+    lines += tp.gc_sentence([(f"ZeRO {st}", e) for st, e in stages], "deepspeed", "DeepSpeed")
     lines.append(END)
     return "\n".join(lines)
 

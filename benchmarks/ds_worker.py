@@ -13,7 +13,9 @@ step so that the optimizer state exists, and engine B, built from another seed, 
 of the restores. Then ``reps + 1`` save rounds, each saving A's state once with every
 method, the first method rotating from round to round, all ranks meeting at a barrier
 before each call; each rank times its own call and the sample kept is the
-slowest rank's. Methods:
+slowest rank's Before each call (save
+and restore rounds alike) every rank runs a full garbage collection, outside the timing
+(`GcClock`), and records the time the collector still takes inside the call. Methods:
 
 - ``deepspeed``: ``A.save_checkpoint(DIR/deepspeed, tag=...)``; blocking = total = the
   call. DeepSpeed writes with ``torch.save`` and does not fsync: right after the call
@@ -57,6 +59,7 @@ restore rounds, that file read back. Rank 0 writes every sample to ``OUT``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -154,6 +157,38 @@ def fsync_tree(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class GcClock:
+    """Python's cyclic garbage collector, settled before each timed call and watched
+    during it. A generation-2 collection walks every container object of the process
+    (the framework's modules, optimizer and config objects as well as the library's),
+    here a quarter of a second, and would otherwise land in whichever call happens to
+    cross its threshold, whoever allocated the objects before it: `settle` runs a full
+    collection before every timed call of every method (outside the timing), so that
+    each starts from the same collector state, and the time the collector still takes
+    inside a call (started by that call's own allocations) is added up in `spent`.
+    ``RESUMABLE_BENCH_GC_SETTLE=0`` leaves the collection out (the rounds as they were
+    before, the collector still watched), to show what it changes."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.spent += time.perf_counter() - self._t0
+
+    def settle(self) -> None:
+        if os.environ.get("RESUMABLE_BENCH_GC_SETTLE", "1") != "0":
+            gc.collect()
+        self.spent = 0.0
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on)
 
 
 def slowest(mine: list[float]) -> list[list[float]]:
@@ -265,11 +300,15 @@ def main() -> None:
     }
     names = list(savers)
     saves: dict[str, list[list[list[float]]]] = {n: [] for n in names}
+    clock = GcClock()
+    gc_in: dict[str, dict[str, list[float]]] = {"saves": {n: [] for n in names}, "restores": {}}
     for i in range(args.reps + 1):
         k = i % len(names)
         for name in names[k:] + names[:k]:
+            clock.settle()
             dist.barrier()
             saves[name].append(slowest(savers[name](i)))
+            gc_in["saves"][name].append(max(r[0] for r in slowest([clock.spent])))
         dist.barrier()
         if rank == 0 and i > 0:
             shutil.rmtree(ds_dir / tag(i - 1))
@@ -312,6 +351,7 @@ def main() -> None:
     }
     lnames = list(loaders)
     loads: dict[str, list[list[float]]] = {n: [] for n in lnames}
+    gc_in["restores"] = {n: [] for n in lnames}
     equal: dict[str, list[bool]] = {"deepspeed": [], "resumable": []}
     for i in range(args.reps + 1):
         k = i % len(lnames)
@@ -320,8 +360,10 @@ def main() -> None:
             checks = checked and name in equal
             if checks:
                 train_step(b, 200 + i, shape)
+            clock.settle()
             dist.barrier()
             loads[name].append([r[0] for r in slowest([loaders[name]()])])
+            gc_in["restores"][name].append(max(r[0] for r in slowest([clock.spent])))
             if checks:
                 equal[name].append(state_sha256(b) == ref)
 
@@ -344,6 +386,7 @@ def main() -> None:
             "restore_order": lnames,
             "saves": saves,
             "restores": loads,
+            "gc_in_calls": gc_in,
             "restored_equal": equal,
             "bytes": nbytes,
             "format_version": json.loads(

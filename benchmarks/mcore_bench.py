@@ -158,6 +158,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "floors": floors,
         "ratios": ratios("median"),
         "ratios_of_min": ratios("min"),
+        "gc_in_calls_s": tp.gc_in_calls(raw),
         "raw": {"saves": saves, "restores": raw["restores"]},
     }
 
@@ -381,6 +382,11 @@ def render(out: dict[str, Any], source: str) -> str:
             "equal (Megatron / resumable)",
         ],
         rows,
+    )
+    lines += tp.gc_sentence(
+        [(_config(e), e) for _, e in configs if isinstance(e, dict) and "restore" in e],
+        "megatron",
+        "Megatron",
     )
     lines.append(END)
     return "\n".join(lines)

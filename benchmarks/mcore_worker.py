@@ -28,7 +28,9 @@ streams, a few KB).
 
 Then ``reps + 1`` save rounds, each saving A's state once with every method, the first
 method rotating from round to round, all ranks meeting at a barrier before each call;
-each rank times its own call and the sample kept is the slowest rank's. Methods:
+each rank times its own call and the sample kept is the slowest rank's Before each call (save
+and restore rounds alike) every rank runs a full garbage collection, outside the timing
+(`GcClock`), and records the time the collector still takes inside the call. Methods:
 
 - ``megatron``: building the sharded state dict (timed apart as ``snapshot``) and
   ``dist_checkpointing.save(sd, DIR/megatron/roundN)``; blocking = total = both. Its
@@ -87,7 +89,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "integrations"))
 
 import megatron_shim  # noqa: E402  (test-only: Megatron-Core on CPU)
-from ds_worker import Floor, files_of, fsync_tree, slowest  # noqa: E402
+from ds_worker import Floor, GcClock, files_of, fsync_tree, slowest  # noqa: E402
 
 BATCH = 2
 MODEL = {"num_layers": 6, "hidden_size": 512, "num_attention_heads": 8, "vocab": 8192, "seq": 256}
@@ -410,11 +412,15 @@ def main() -> None:
     }
     names = list(savers)
     saves: dict[str, list[list[list[float]]]] = {n: [] for n in names}
+    clock = GcClock()
+    gc_in: dict[str, dict[str, list[float]]] = {"saves": {n: [] for n in names}, "restores": {}}
     for i in range(args.reps + 1):
         k = i % len(names)
         for name in names[k:] + names[:k]:
+            clock.settle()
             dist.barrier()
             saves[name].append(slowest(savers[name](i)))
+            gc_in["saves"][name].append(max(r[0] for r in slowest([clock.spent])))
         dist.barrier()
         if rank == 0 and i > 0:
             shutil.rmtree(tag("round", i - 1))
@@ -463,6 +469,7 @@ def main() -> None:
     }
     lnames = list(loaders)
     loads: dict[str, list[list[float]]] = {n: [] for n in lnames}
+    gc_in["restores"] = {n: [] for n in lnames}
     equal: dict[str, list[bool]] = {"megatron": [], "resumable": []}
     differ: dict[str, list[str]] = {}
     for i in range(args.reps + 1):
@@ -473,8 +480,10 @@ def main() -> None:
             if checks:
                 b.train_step(200 + i)
             b.fresh_scheduler()  # as at a launch (outside the timing)
+            clock.settle()
             dist.barrier()
             loads[name].append([r[0] for r in slowest([loaders[name]()])])
+            gc_in["restores"][name].append(max(r[0] for r in slowest([clock.spent])))
             if checks:
                 got = b.sha256()
                 equal[name].append(got == ref)
@@ -505,6 +514,7 @@ def main() -> None:
             "restore_order": lnames,
             "saves": saves,
             "restores": loads,
+            "gc_in_calls": gc_in,
             "restored_equal": equal,
             "restored_differ": differ,
             "bytes": nbytes,

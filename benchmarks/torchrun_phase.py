@@ -136,6 +136,48 @@ def floors(
     }
 
 
+def gc_in_calls(raw: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+    """The most time Python's garbage collector took inside one timed call of each
+    method, over the rounds after the first (the slowest rank's; the workers settle the
+    collector before every call: `ds_worker.GcClock`); None from a worker without it."""
+    got = raw.get("gc_in_calls")
+    if not isinstance(got, dict):
+        return None
+    return {
+        kind: {name: round(max(v[1:] or v or [0.0]), 6) for name, v in per.items()}
+        for kind, per in got.items()
+    }
+
+
+def gc_sentence(entries: list[tuple[str, Any]], theirs: str, label: str) -> list[str]:
+    """The paragraph on the garbage collector for a section: how the rounds settle it,
+    and the most it took inside one timed call, per configuration (``entries``: label,
+    summary), of ``theirs`` (the peer's method name, shown as ``label``) and resumable;
+    nothing for runs made before the workers measured it."""
+    parts = []
+    for name, e in entries:
+        got = e.get("gc_in_calls_s") if isinstance(e, dict) else None
+        if not got:
+            continue
+        sv, rs = got.get("saves", {}), got.get("restores", {})
+        parts.append(
+            f"{name}: saves {fmt_s(sv.get(theirs))} s ({label}) / "
+            f"{fmt_s(max((v for k, v in sv.items() if k.startswith('resumable')), default=None))}"
+            f" s (resumable), restores {fmt_s(rs.get(theirs))} / {fmt_s(rs.get('resumable'))} s"
+        )
+    if not parts:
+        return []
+    return [
+        "",
+        "Before every timed call of every method a full collection of Python's garbage "
+        "collector runs, outside the timing (`ds_worker.GcClock`): a generation-2 "
+        "collection walks every container object of the process, the framework's as well "
+        "as the library's, and would otherwise land in whichever call crosses its "
+        "threshold. The most the collector still took inside one call, rounds after the "
+        "first, slowest rank: " + "; ".join(parts) + ".",
+    ]
+
+
 def ratio(x: float, y: float) -> float | None:
     return round(x / y, 4) if y else None
 

@@ -50,8 +50,34 @@ def test_results_hold_every_method_and_restores_are_exact(ds_result: dict[str, A
     assert e["restored_equal"] == {"deepspeed": True, "resumable": True}
     assert all(v is not None for v in e["ratios"].values())
     assert e["floors"]["write_gbps"] > 0 and e["floors"]["read_warm_gbps"] > 0
+    # the collector settled before every timed call and measured inside it, per method
+    gc_in = e["gc_in_calls_s"]
+    assert set(gc_in["saves"]) == set(e["raw"]["saves"])
+    assert set(gc_in["restores"]) == {"deepspeed", "resumable", "read_floor"}
+    assert all(v >= 0 for per in gc_in.values() for v in per.values())
     assert ds_bench.measured(ds_result)
     assert json.loads(json.dumps(ds_result)) == ds_result
+
+
+def test_the_collector_is_settled_before_a_call_and_counted_inside_it() -> None:
+    import gc
+
+    import ds_worker
+
+    clock = ds_worker.GcClock()
+    try:
+        for _ in range(20_000):  # cyclic garbage: a collection has something to walk
+            a: list[object] = []
+            a.append(a)
+        clock.settle()
+        assert clock.spent == 0.0  # its own collection is not counted
+        gc.collect()  # a collection inside the "call"
+        assert clock.spent > 0.0
+        clock.settle()
+        assert clock.spent == 0.0
+    finally:
+        clock.close()
+    assert clock._on not in gc.callbacks
 
 
 def test_block_renders_the_tables(ds_result: dict[str, Any]) -> None:
@@ -61,6 +87,7 @@ def test_block_renders_the_tables(ds_result: dict[str, Any]) -> None:
     assert "`benchmarks/results/ds-x.json`" in text
     assert "| 3 | `engine.save_checkpoint` + fsync of its files |" in text
     assert "| ZeRO | `load_checkpoint` s |" in text and "| yes / yes |" in text
+    assert "The most the collector still took inside one call" in text
     assert "Not measured: skipped." in ds_bench.render({"error": "skipped"}, "x")
     failed = {"stages": {"1": {"error": "boom"}, **ds_result["stages"]}}
     assert "not measured: boom" in ds_bench.render(failed, "x")

@@ -56,6 +56,9 @@ def test_results_hold_every_method_and_restores_are_exact(mc_result: dict[str, A
     assert e["restored_equal"] == {"megatron": True, "resumable": True}, e["restored_differ"]
     assert all(v is not None for v in e["ratios"].values())
     assert e["floors"]["write_gbps"] > 0 and e["floors"]["read_warm_gbps"] > 0
+    gc_in = e["gc_in_calls_s"]
+    assert set(gc_in["restores"]) == {"megatron", "resumable", "read_floor"}
+    assert all(v >= 0 for per in gc_in.values() for v in per.values())
     assert mcore_bench.measured(mc_result)
     assert json.loads(json.dumps(mc_result)) == mc_result
 
@@ -67,6 +70,7 @@ def test_block_renders_the_tables(mc_result: dict[str, Any]) -> None:
     assert "| TP 2 x DP 1 | `dist_checkpointing.save` + fsync of every file |" in text
     assert "| config | `dist_checkpointing.load` s |" in text and "| yes / yes |" in text
     assert "megatron_shim" in text  # the test-only shim is named
+    assert "The most the collector still took inside one call" in text
     assert "Not measured: skipped." in mcore_bench.render({"error": "skipped"}, "x")
     failed = {"configs": {"tp1dp2": {"error": "boom"}, **mc_result["configs"]}}
     assert "not measured: boom" in mcore_bench.render(failed, "x")
