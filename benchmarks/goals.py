@@ -1,13 +1,13 @@
 """Every path against its goal, and the floor measured beside it in the same run.
 
 `goals` reads one results JSON of `make bench` (the core phases, the small-tensor,
-several-ranks, DeepSpeed and Megatron-Core phases) and gives, per path, the ratio that
-decides it, the goal, and what bounds it from below in that run: the copy floor of the
-same rounds, the copy + checksum floor a verified restore cannot go under, the share of
-an iteration that copying the state alone takes, the same path at one rank. Where that
-bound alone is past the goal, the goal cannot be met on this machine in that mode, and
-the row says so (*bound by the floor*); a miss with room left above the floor says
-*not met*. `goals_section` renders them for ``docs/performance.md``.
+several-ranks, DeepSpeed, Megatron-Core and short HF Trainer runs phases) and gives, per
+path, the ratio that decides it, the goal, and what bounds it from below in that run:
+the copy floor of the same rounds, the copy + checksum floor a verified restore cannot
+go under, the share of an iteration that copying the state alone takes, the same path
+at one rank. Where that bound alone is past the goal, the goal cannot be met on this
+machine in that mode, and the row says so (*bound by the floor*); a miss with room left
+above the floor says *not met*. `goals_section` renders them for ``docs/performance.md``.
 
 Nothing here is typed by hand: each figure is a median (or the ratio of two medians) of
 the run it reads, and a path the run did not measure is left out.
@@ -360,6 +360,84 @@ def _frameworks(out: Result) -> list[dict[str, Any] | None]:
     return rows
 
 
+SAVE_AFTER_FIRST_LIMIT = 1.1
+"""Longest `save()` after a launch's first ÷ its own snapshot (short HF runs). The goal
+is that no save blocks longer than a snapshot; a save holds its snapshot and a fixed
+cost (the checks before it, the hand-off of the persist to the worker), and the limit
+allows that cost a tenth of the snapshot, as for the core path's `save()` ÷ its
+snapshot. A save that waited for the worker to start (the stall of a launch's second
+save) blocks for that start instead, many times its snapshot. This state is small, so
+the fixed cost alone can take more than a tenth of its snapshot: the row shows the
+seconds beyond the snapshot beside the ratio, which tells such a miss from a wait for
+the worker."""
+
+
+def _hf_short(out: Result) -> list[dict[str, Any] | None]:
+    """Short runs of the HF Trainer (`hf_short_run.py`): the train time against the plain
+    Trainer's, and the longest save after the first of a launch against its own snapshot
+    (the first save starts the persist worker and allocates the shared memory: reported
+    beside the row, not judged; `hf_short_run` says why)."""
+    hf = _get(out, "hf_short")
+    if not isinstance(hf, dict) or "error" in hf:
+        return []
+    settings = hf.get("settings") or {}
+    med = hf.get("median_train_s") or {}
+    saves = _get(hf, "saves", "resumable") or {}
+    by_index = [i for i in saves.get("by_index") or [] if isinstance(i, dict)]
+
+    def save_fig(i: dict[str, Any]) -> str:
+        return (
+            f"{_f(_ms(_num(i.get('median_blocking_s'))), 'ms')} against "
+            f"{_f(_ms(_num(i.get('median_snapshot_s'))), 'ms')}"
+        )
+
+    first = by_index[0] if by_index else {}
+    first_fig = (
+        f"the first save (not judged: it starts the persist worker and allocates the shared "
+        f"memory) blocked {save_fig(first)} of snapshot (medians), worst "
+        f"{_f(_num(saves.get('worst_ratio_first')), 'x')}"
+        if first
+        else ""
+    )
+    rounds = settings.get("rounds", "?")
+    rows: list[dict[str, Any] | None] = [
+        _goal(
+            f"short runs (HF Trainer, {settings.get('steps', '?')} steps, a save every "
+            f"{settings.get('save_steps', '?')}): train time ÷ the plain Trainer's",
+            _num(hf.get("ratio")),
+            "x3",
+            "<=",
+            1.05,
+            None,
+            f"medians of {rounds} launches each, a fresh process per launch: "
+            f"`ResumableTrainer` {_f(_num(med.get('resumable')), 's')}, the plain Trainer "
+            f"{_f(_num(med.get('plain')), 's')}" + (f"; {first_fig}" if first_fig else ""),
+        )
+    ]
+    after = saves.get("after_first") or {}
+    later = "; ".join(
+        f"save {i.get('index')} {save_fig(i)} (worst {_f(_num(i.get('worst_ratio')), 'x')})"
+        for i in by_index[1:]
+    )
+    rows.append(
+        _goal(
+            "short runs: longest `save()` blocking after the first ÷ its own snapshot "
+            f"(the worst of {rounds} launches)",
+            _num(saves.get("worst_ratio_after_first")),
+            "x",
+            "<=",
+            SAVE_AFTER_FIRST_LIMIT,
+            None,
+            f"medians per save, blocking against snapshot: {later}; beyond the snapshot, "
+            f"after the first save: median {_f(_ms(_num(after.get('median_excess_s'))), 'ms')}"
+            f", longest {_f(_ms(_num(after.get('worst_excess_s'))), 'ms')} (the fixed cost "
+            "of a save: checks and the persist's hand-off; a wait for the worker's start "
+            "would be that start)" + (f"; {first_fig}" if first_fig else ""),
+        )
+    )
+    return rows
+
+
 def goals(out: Result) -> list[dict[str, Any]]:
     """The rows the run measured, core paths first."""
     parts: list[Callable[[Result], list[dict[str, Any] | None]]] = [
@@ -367,6 +445,7 @@ def goals(out: Result) -> list[dict[str, Any]]:
         _small,
         _dist,
         _frameworks,
+        _hf_short,
     ]
     return [row for part in parts for row in part(out) if row is not None]
 
@@ -384,6 +463,8 @@ def _f(x: float | None, unit: str) -> str:
         return "—"
     if unit == "x":
         return f"{x:.2f}x"
+    if unit == "x3":
+        return f"{x:.3f}x"
     if unit == "x4":
         return f"{x:.4f}x"
     if unit == "%":

@@ -617,6 +617,7 @@ def render(out: Result) -> str:
     lines += dist_section(out)
     lines += ds_section(out)
     lines += mcore_section(out)
+    lines += hf_short_section(out)
     lines += incr_section(out)
     lines += data_section(out)
     lines += goals.goals_section(out)
@@ -767,6 +768,100 @@ def mcore_section(out: Result) -> list[str]:
     source = f"benchmarks/results/{out.get('mcore_file') or out.get('file', '?')}"
     block = mcore_bench.render(mc if isinstance(mc, dict) else {}, source)
     return ["", *block.splitlines()]
+
+
+def hf_short_section(out: Result) -> list[str]:
+    """Short Hugging Face Trainer runs (`hf_short_run.py`): the train time of each
+    variant, its ratio to the plain Trainer's, and `ResumableTrainer`'s saves by index."""
+    hf = out.get("hf_short")
+    lines = ["", "## Short runs: Hugging Face Trainer (`hf_short_run.py`)", ""]
+    if not isinstance(hf, dict) or "median_train_s" not in hf:
+        err = " ".join(str(_get(out, "hf_short", "error") or "").split())
+        return [*lines, f"Not measured{': ' + err[:300] if err else ''}."]
+    st = hf.get("settings") or {}
+    med = hf["median_train_s"]
+    launches = hf.get("launches") or {}
+    lines += [
+        f"A GPT-2 built from a config ({st.get('layers')} layers, 128 wide, 4 heads, "
+        f"vocabulary 2,048, sequences of 64: {st.get('parameters', 0):,} parameters; nothing "
+        f"downloaded) trained on the CPU for {st.get('steps')} steps in batches of 8, "
+        f'`save_strategy="steps"` every {st.get("save_steps")} steps, the same '
+        "`TrainingArguments` for the plain `Trainer` and `ResumableTrainer`. Each launch is "
+        "a fresh process (imports, the persist worker's start: what a user's launch pays); "
+        f"{st.get('rounds')} rounds, the variants taking turns, the order reversed every "
+        "other round (load average "
+        f"{hf.get('loadavg_start', '?')} → {hf.get('loadavg_end', '?')}, "
+        f"{hf.get('wall_s', '?')} s for the phase). *Train time*: `trainer.train()` from its "
+        "call to its return, every save and the flush at the end included; medians.",
+        "",
+    ]
+    rows = []
+    for name in med:
+        ratio = 1.0 if name == "plain" else _ratio(med[name], med.get("plain"))
+        rows.append(
+            [
+                f"`{name}`",
+                _f(med[name], "{:.2f}"),
+                _f(ratio, "{:.3f}"),
+                str(len(launches.get(name) or [])),
+            ]
+        )
+    lines += _table(["variant", "median train s", "÷ the plain Trainer's", "launches"], rows)
+    saves = _get(hf, "saves", "resumable")
+    if not isinstance(saves, dict) or not saves.get("by_index"):
+        return lines
+    lines += [
+        "",
+        "Every `save()` of the `ResumableTrainer` launches, by its place in the launch: "
+        "*blocking*, the wall time of the `Checkpointer.save` call the Trainer makes (what "
+        "training waits for); *snapshot*, the seconds the library reports for that save's "
+        "snapshot (`Checkpointer.last_snapshot_s`); *beyond the snapshot*, blocking minus "
+        "snapshot (the save's checks and the hand-off of its persist, or a wait for the "
+        "worker); medians over the launches, and the worst launch's blocking ÷ snapshot. "
+        "The first save of a launch starts the persist worker and allocates the shared "
+        "memory; the goal judges the saves after it, whose blocking should be their "
+        "snapshot and the persist's hand-off, nothing more.",
+        "",
+    ]
+
+    def ms(x: Any) -> str:
+        return _f(None if x is None else x * 1000, "{:.1f}")
+
+    rows = [
+        [
+            str(i.get("index")),
+            ", ".join(str(x) for x in i.get("steps") or []),
+            ms(i.get("median_blocking_s")),
+            ms(i.get("median_snapshot_s")),
+            ms(i.get("median_excess_s")),
+            _f(i.get("median_ratio"), "{:.2f}"),
+            _f(i.get("worst_ratio"), "{:.2f}"),
+            str(i.get("launches")),
+        ]
+        for i in saves["by_index"]
+        if isinstance(i, dict)
+    ]
+    lines += _table(
+        [
+            "save",
+            "step",
+            "median blocking ms",
+            "median snapshot ms",
+            "median beyond the snapshot ms",
+            "median blocking ÷ snapshot",
+            "worst blocking ÷ snapshot",
+            "launches",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        "Longest `save()` ÷ its own snapshot, the worst launch: after the first save "
+        f"{_x(saves.get('worst_ratio_after_first'))}; the first save "
+        f"{_x(saves.get('worst_ratio_first'))}. Longest beyond its snapshot after the "
+        f"first save: {ms(_get(saves, 'after_first', 'worst_excess_s'))} ms.",
+    ]
+    return lines
 
 
 def incr_section(out: Result) -> list[str]:

@@ -23,7 +23,10 @@ resumable beside ``dcp.save`` and ``dcp.async_save``); DeepSpeed (`ds_bench.py`:
 engine at ZeRO 1, 2 and 3 with two ranks, ``engine.save_checkpoint``/``load_checkpoint``
 beside resumable's ``DeepSpeedState``); Megatron-Core (`mcore_bench.py`: a GPTModel at
 TP=2 and at TP=1 x DP=2 with two ranks, ``dist_checkpointing.save``/``load`` beside
-resumable's ``integrations.megatron.checkpointer``); incremental checkpoints
+resumable's ``integrations.megatron.checkpointer``); short Hugging Face Trainer runs
+(`hf_short_run.py`: 60 steps with a save every 20, the plain ``Trainer`` against
+``ResumableTrainer``, each launch a fresh process; the train time and every ``save()``'s
+blocking against its own snapshot); incremental checkpoints
 (`incr_bench.py`: ``Incremental()`` beside ``incremental=False`` on a fine-tuning state,
 its S3 mirror and an embedding table with sparse updates); the data position
 (`data_bench.py`: resuming far into a large epoch against re-iterating to it).
@@ -61,6 +64,7 @@ import data_bench  # noqa: E402
 import dist_bench  # noqa: E402
 import ds_bench  # noqa: E402
 import floors  # noqa: E402
+import hf_short_run  # noqa: E402
 import incr_bench  # noqa: E402
 import mcore_bench  # noqa: E402
 import peers  # noqa: E402
@@ -525,6 +529,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="rounds after a first in the Megatron-Core phase (5; --quick: 2)",
     )
+    ap.add_argument("--no-hf", action="store_true", help="skip the short HF Trainer runs phase")
+    ap.add_argument(
+        "--hf-rounds",
+        type=int,
+        default=None,
+        help="rounds of launches in the short HF Trainer runs phase (6; --quick: 2)",
+    )
     ap.add_argument("--no-data", action="store_true", help="skip the data position phase")
     ap.add_argument(
         "--data-samples",
@@ -556,6 +567,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.ds_reps = 2 if args.quick else 5
     if args.mcore_reps is None:
         args.mcore_reps = 2 if args.quick else 5
+    if args.hf_rounds is None:
+        args.hf_rounds = 2 if args.quick else 6
     if args.dist_size_mb is None:
         args.dist_size_mb = 32 if args.quick else 128
     if args.reps < 1:
@@ -741,6 +754,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if got is not None:
             out["mcore"] = got
+
+    if args.no_hf:
+        out["hf_short"] = {"error": "skipped (--no-hf)"}
+    else:
+        log("short runs: HF Trainer against ResumableTrainer, a fresh process per launch")
+        got = guarded(out, "hf_short", lambda: hf_short_run.run_phase(max(1, args.hf_rounds), log))
+        if got is not None:
+            out["hf_short"] = got
 
     if args.no_incr:
         out["incr"] = {"error": "skipped (--no-incr)"}

@@ -135,3 +135,78 @@ def test_a_run_without_a_phase_has_no_row_for_it() -> None:
         for p in paths
     )
     assert goals.goals({}) == [] and goals.goals_section({}) == []
+
+
+HF_SHORT = "hf-short-20261203T172447Z.json"  # a standalone run, from before saves were timed
+
+
+def _hf_short(*saves: list[tuple[float, float]]) -> dict:
+    """The committed short-runs result with each launch's saves replaced by ``saves``
+    ((blocking, snapshot) seconds per save, one list per launch)."""
+    import hf_short_run
+
+    hf = json.loads((BENCH / "results" / HF_SHORT).read_text())
+    launches = [
+        {
+            "train_s": 2.0,
+            "saves": [
+                {"step": 20 * (i + 1), "blocking_s": b, "snapshot_s": s}
+                for i, (b, s) in enumerate(pairs)
+            ],
+        }
+        for pairs in saves
+    ]
+    hf["launches"]["resumable"] = launches
+    hf["saves"] = {"resumable": hf_short_run.summarise_saves(launches)}
+    return hf
+
+
+def test_short_runs_are_judged_on_the_train_time_and_every_save_after_the_first() -> None:
+    out = _run()
+    out["hf_short"] = _hf_short(
+        [(0.90, 0.10), (0.105, 0.10), (0.050, 0.05)],  # the first save: not judged
+        [(0.12, 0.10), (0.100, 0.10), (0.052, 0.05)],
+    )
+    time_row = _row(out, "short runs (HF Trainer, 60 steps, a save every 20)")
+    assert time_row["measured"] == out["hf_short"]["ratio"] and time_row["op"] == "<="
+    assert time_row["limit"] == 1.05
+    assert time_row["result"] == ("met" if out["hf_short"]["ratio"] <= 1.05 else "not met")
+    row = _row(out, "short runs: longest `save()` blocking after the first")
+    assert row["measured"] == pytest.approx(1.05) and row["result"] == "met"
+    assert row["limit"] == goals.SAVE_AFTER_FIRST_LIMIT
+    assert "the first save" in row["why"] and "9.00x" in row["why"]  # its worst, beside
+    assert "save 2 " in row["why"] and "save 3 " in row["why"]
+    # The second save of a launch stalls behind the worker's start: not met.
+    out["hf_short"] = _hf_short([(0.10, 0.10), (0.60, 0.10)], [(0.10, 0.10), (0.10, 0.10)])
+    assert _row(out, "short runs: longest `save()`")["result"] == "not met"
+    assert _row(out, "short runs: longest `save()`")["measured"] == pytest.approx(6.0)
+    slow = copy.deepcopy(out)
+    slow["hf_short"]["ratio"] = 1.06
+    assert _row(slow, "short runs (HF Trainer")["result"] == "not met"
+    slow["hf_short"]["ratio"] = 1.04
+    assert _row(slow, "short runs (HF Trainer")["result"] == "met"
+    text = report.render(out)
+    assert "## Short runs: Hugging Face Trainer" in text
+    assert "| save | step | median blocking ms |" in text
+    assert any("short runs: longest" in line for line in goals.goals_section(out))
+
+
+def test_short_runs_without_timed_saves_have_the_train_time_row_only() -> None:
+    out = _run()
+    out["hf_short"] = json.loads((BENCH / "results" / HF_SHORT).read_text())
+    paths = [r["path"] for r in goals.goals(out)]
+    assert sum(p.startswith("short runs (HF Trainer") for p in paths) == 1
+    assert not any(p.startswith("short runs: longest") for p in paths)
+    assert "## Short runs: Hugging Face Trainer" in report.render(out)
+
+
+@pytest.mark.parametrize(
+    "phase", [{"error": "skipped (--no-hf)"}, {"error": "RuntimeError: resumable launch failed"}]
+)
+def test_short_runs_skipped_or_failed_have_no_row(phase: dict) -> None:
+    out = _run()
+    out["hf_short"] = phase
+    assert not any(r["path"].startswith("short runs") for r in goals.goals(out))
+    assert not any(r["path"].startswith("short runs") for r in goals.goals(_run()))
+    text = report.render(out)
+    assert f"Not measured: {phase['error']}." in text
