@@ -85,6 +85,10 @@ def test_saves_are_summarised_per_index_and_the_goal_leaves_out_each_launchs_fir
     assert third["launches"] == 2 and third["median_blocking_s"] == pytest.approx(0.13)
     assert s["after_first"]["saves"] == 5
     assert s["after_first"]["median_blocking_s"] == pytest.approx(0.12)
+    # the longest beyond its own snapshot (0.1 s, the second save of the first launch)
+    # ÷ the median snapshot of the saves after the first (0.1 s): what the goal judges
+    assert s["after_first"]["worst_excess_s"] == pytest.approx(0.1)
+    assert s["after_first"]["worst_excess_over_median_snapshot"] == pytest.approx(1.0)
     assert hf_short_run.summarise_saves([{"train_s": 1.0}])["worst_ratio_after_first"] is None
 
 
