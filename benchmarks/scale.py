@@ -166,7 +166,17 @@ class CountingStore:
             self._store.wait(keys, timeout)
 
 
-def _tcp_store(port: int, *, master: bool, timeout_s: float = 120.0) -> Any:
+WAIT_S = 600.0
+"""How long a simulated rank waits on the store (a key, rank 0's outcome) before it
+gives up: a job's default (``dist_timeout_s``, 600 s). The harness waited 120 s until
+the scale phase of the `make bench` of 2026-12-04 16:09, where a rank waited longer
+than that for rank 0's outcome at N=4,096 (every rank a thread of one interpreter, load
+average 183 on the shared 2-core machine), while the same N alone committed in 23 s
+(`benchmarks/results/partial/scale-4096-alone-20261204T1709Z.json`). The timed rows
+measure the work, not this allowance."""
+
+
+def _tcp_store(port: int, *, master: bool, timeout_s: float = WAIT_S) -> Any:
     from torch.distributed import TCPStore
 
     return TCPStore(
@@ -213,7 +223,7 @@ def _coordination_store(ranks: Ranks, rank: int) -> CoordinationStore:
     """rank's `CoordinationStore` on its counting client (its constructor's two side-group
     collectives, which only share the address, are left out)."""
     cs = CoordinationStore.__new__(CoordinationStore)
-    cs.rank, cs.world_size, cs.timeout_s = rank, ranks.n, 120.0
+    cs.rank, cs.world_size, cs.timeout_s = rank, ranks.n, WAIT_S
     cs.host, cs.port = "127.0.0.1", ranks.port
     cs._store = ranks.clients[rank]
     cs._seq = 0
