@@ -51,7 +51,9 @@ def restore(
     shared-memory slot, a mapped file). They are then copied wherever the live state
     would keep a reference (optimizers and other non-module state dicts, new container
     entries), and handed as they are where the live object copies them anyway
-    (``nn.Module.load_state_dict``, in-place tensor copies): one copy either way.
+    (``nn.Module.load_state_dict``, in-place tensor copies, and a stateful object whose
+    class sets ``resumable_copies_on_load = True``: its ``load_state_dict`` keeps no
+    tensor it is given, as the Megatron wrappers'): one copy either way.
 
     ``strict=False`` (a partial restore): state keys the checkpoint lacks, and a module's
     parameters and buffers it lacks, are left as constructed; a module's entries that
@@ -325,8 +327,9 @@ def _restore_into(
                     f"{path_str(path)}: expected a state dict, checkpoint has "
                     f"{type(value).__name__}"
                 )
-            copies = isinstance(obj, torch.nn.Module)  # it copies into its parameters
-            if copies and partial is not None:
+            module = isinstance(obj, torch.nn.Module)  # it copies into its parameters
+            copies = module or getattr(type(obj), "resumable_copies_on_load", False) is True
+            if module and partial is not None:
                 result = obj.load_state_dict(value, strict=False)
                 where = path_str(path)
                 if result.missing_keys:

@@ -366,3 +366,71 @@ def test_a_scheduler_restored_in_a_running_job_takes_the_saved_step() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-5:] == ["raw", "8", "wrapped", "5", "True"], proc.stdout
+
+
+OWNS_JOB = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import megatron_shim
+megatron_shim.install()
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from resumable._restore import _Own
+from resumable.integrations.megatron import MegatronModel, MegatronOptimizer
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+megatron_shim.manual_seed(1234)
+config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+    ffn_hidden_size=32, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    vocab_size=64, max_sequence_length=8)
+optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+mo = MegatronOptimizer(optim, MegatronModel(model))
+given = _Own(frozenset())(mo.state_dict())  # values as a restore hands them: its own memory
+
+def storages(value, out):
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        out.add(value.untyped_storage().data_ptr())
+    elif isinstance(value, dict):
+        for v in value.values():
+            storages(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            storages(v, out)
+    return out
+
+lent = storages(given, set())
+mo.load_state_dict(given)
+kept = storages([optim.state[p] for p in optim.state], set())
+params = storages([p for g in optim.param_groups for p in g["params"]], set())
+kept |= storages(optim.param_groups, set()) - params
+print("kept", len(kept), "shared", len(kept & lent))
+"""
+
+
+def test_the_megatron_optimizer_keeps_no_tensor_it_is_given() -> None:
+    """`MegatronOptimizer` sets ``resumable_copies_on_load``: a restore hands it the values
+    it read (views of a shared-memory slot or of a read buffer, which later snapshots and
+    reads reuse) without copying them first, so every tensor the optimizer keeps must be
+    its own: the moments copied from their parts, the 0-d ``step`` cloned."""
+    proc = subprocess.run(
+        [sys.executable, "-c", OWNS_JOB, str(Path(__file__).parent), str(free_ports(1)[0])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[-4] == "kept" and int(words[-3]) > 0, proc.stdout
+    assert words[-2:] == ["shared", "0"], proc.stdout

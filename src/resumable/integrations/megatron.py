@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from resumable._restore import _Own
 from resumable.errors import CheckpointError, StateMismatchError, UnsupportedStateError
 from resumable.manager import Checkpointer
 from resumable.reshard import SpecCache
@@ -84,6 +85,11 @@ class MegatronModel:
     place, from ``DTensor`` shards of this rank or whole tensors. Raises
     `UnsupportedStateError` for a layout it cannot reshard (see the module docstring).
     """
+
+    resumable_copies_on_load = True
+    """`load_state_dict` copies what it is given into the live parameters and keeps no
+    tensor of it: a restore hands it the values it read without copying them first
+    (`resumable._restore.restore`)."""
 
     def __init__(self, model: Any) -> None:
         self.module = unwrap_model(model)
@@ -193,6 +199,11 @@ class MegatronOptimizer:
     ``torch.optim`` optimizer.
     """
 
+    resumable_copies_on_load = True
+    """`load_state_dict` hands the optimizer tensors of its own (the parts copied into new
+    tensors, every other tensor cloned), never one it was given: a restore hands it the
+    values it read without copying them first (`resumable._restore.restore`)."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, model: MegatronModel | Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UnsupportedStateError(
@@ -240,18 +251,20 @@ class MegatronOptimizer:
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        own = _Own(frozenset())  # the optimizer keeps what it is given: copies of it
         index = {name: i for i, name in enumerate(self.names)}
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         try:
             groups = [
-                {**g, "params": [index[n] for n in g["params"]]} for g in state_dict["param_groups"]
+                {**own(g), "params": [index[n] for n in g["params"]]}
+                for g in state_dict["param_groups"]
             ]
             state: dict[int, dict[str, Any]] = {}
             for name, entry in state_dict["state"].items():
                 i = index[name]
                 layout = self.model.layout_of(params[i])
                 assert layout is not None
-                state[i] = {k: self._local(layout, params[i], v) for k, v in entry.items()}
+                state[i] = {k: self._local(layout, params[i], v, own) for k, v in entry.items()}
         except KeyError as exc:
             raise StateMismatchError(
                 f"the checkpoint's optimizer state names parameter {exc} that this "
@@ -259,7 +272,7 @@ class MegatronOptimizer:
             ) from exc
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
-    def _local(self, layout: TensorLayout, p: torch.Tensor, v: Any) -> Any:
+    def _local(self, layout: TensorLayout, p: torch.Tensor, v: Any, own: _Own) -> Any:
         if isinstance(v, dict) and "parts" in v:
             first = next(iter(v["parts"].values()))
             out = torch.empty(p.shape, dtype=first.dtype, device=p.device)
@@ -267,8 +280,8 @@ class MegatronOptimizer:
             return out
         if isinstance(v, dict) and "replicated" in v:
             r = v["replicated"]
-            return r.to_local() if isinstance(r, DTensor) else r
-        return v
+            return own(r.to_local() if isinstance(r, DTensor) else r)
+        return own(v)
 
 
 class MegatronRNGTracker:
