@@ -75,7 +75,11 @@ class Stateful(Protocol):
 
     ``state_dict()`` returns plain containers of tensors and JSON values (and nested
     state dicts); ``load_state_dict(sd)`` receives an equal structure, with tensors on
-    the CPU or on ``map_location``.
+    the CPU or on ``map_location``. The tensors it receives are its own to keep (a
+    restore copies them out of shared memory or a read buffer first), unless its class
+    sets ``resumable_copies_on_load = True``: it then gets them as read, and must copy
+    what it keeps (as ``nn.Module.load_state_dict`` copies into its parameters), which
+    saves the restore one copy of them.
     """
 
     def state_dict(self) -> dict[str, Any]:
