@@ -356,8 +356,15 @@ def test_a_scheduler_restored_in_a_running_job_takes_the_saved_step() -> None:
     """Megatron's own load_state_dict adds the saved step count to the scheduler's
     (8 here, where 5 was saved); through MegatronScheduler the count and the learning
     rate are the saved step's."""
+    out = _python_job(SCHEDULER_JOB)
+    assert out.split()[-5:] == ["raw", "8", "wrapped", "5", "True"], out
+
+
+def _python_job(code: str, *args: str) -> str:
+    """The stdout of ``code`` run by a fresh interpreter with ``args``, this checkout's
+    library first on its path; fails the test if it fails."""
     proc = subprocess.run(
-        [sys.executable, "-c", SCHEDULER_JOB],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -365,7 +372,7 @@ def test_a_scheduler_restored_in_a_running_job_takes_the_saved_step() -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-5:] == ["raw", "8", "wrapped", "5", "True"], proc.stdout
+    return proc.stdout
 
 
 OWNS_JOB = """
@@ -422,15 +429,7 @@ def test_the_megatron_optimizer_keeps_no_tensor_it_is_given() -> None:
     it read (views of a shared-memory slot or of a read buffer, which later snapshots and
     reads reuse) without copying them first, so every tensor the optimizer keeps must be
     its own: the moments copied from their parts, the 0-d ``step`` cloned."""
-    proc = subprocess.run(
-        [sys.executable, "-c", OWNS_JOB, str(Path(__file__).parent), str(free_ports(1)[0])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    words = proc.stdout.split()
-    assert words[-4] == "kept" and int(words[-3]) > 0, proc.stdout
-    assert words[-2:] == ["shared", "0"], proc.stdout
+    out = _python_job(OWNS_JOB, str(Path(__file__).parent), str(free_ports(1)[0]))
+    words = out.split()
+    assert words[-4] == "kept" and int(words[-3]) > 0, out
+    assert words[-2:] == ["shared", "0"], out
