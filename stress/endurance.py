@@ -9,7 +9,10 @@ segments in its own shm directory; and the bytes in the root. It checks:
 - resources flat: descriptors, threads and shared-memory segments equal at the end to
   the warm-up values; resident memory within ``RSS_SLACK`` (allocator noise) of them;
 - disk within the retention bound: checkpoint directories hold at most ``last + 1``
-  checkpoints' bytes (the ones kept and one being written); the audit log, which grows
+  checkpoints' bytes (the ones kept and one being written), a checkpoint's bytes being
+  the largest one seen in any sample (a later step's manifest is a few bytes longer than
+  the warm-up's: its step number has more digits, which an average of the warm-up's
+  checkpoints once missed by 2 bytes); the audit log, which grows
   by design, is reported in bytes per save;
 - the newest checkpoint restores.
 """
@@ -76,9 +79,11 @@ def _size(path: str) -> int:
         return 0
 
 
-def _tree_bytes(root: str) -> tuple[int, int, int]:
-    """(bytes in step directories, bytes in hidden staging/trash ones, other bytes)."""
+def _tree_bytes(root: str) -> tuple[int, int, int, int]:
+    """(bytes in step directories, bytes in hidden staging/trash ones, other bytes, bytes
+    of the largest step directory)."""
     steps = hidden = other = 0
+    per_step: dict[str, int] = {}
     for d, _, files in os.walk(root):
         rel = os.path.relpath(d, root)
         size = sum(_size(os.path.join(d, f)) for f in files)
@@ -86,20 +91,23 @@ def _tree_bytes(root: str) -> tuple[int, int, int]:
             other += size
         elif rel.startswith("step-"):
             steps += size
+            top = rel.split(os.sep, 1)[0]
+            per_step[top] = per_step.get(top, 0) + size
         elif rel.startswith("."):
             hidden += size
         else:
             other += size
-    return steps, hidden, other
+    return steps, hidden, other, max(per_step.values(), default=0)
 
 
 def _sample(shm: str, root: str, worker: int | None) -> dict[str, Any]:
     segments = sum(len(files) for _, _, files in os.walk(shm))
-    steps, hidden, other = _tree_bytes(root)
+    steps, hidden, other, largest = _tree_bytes(root)
     out: dict[str, Any] = {
         "trainer": settled(os.getpid(), root),
         "shm_segments": segments,
         "checkpoint_bytes": steps,
+        "largest_checkpoint_bytes": largest,
         "staging_bytes": hidden,
         "other_bytes": other,
         "checkpoints": len(list_committed(local(root))),
@@ -194,13 +202,14 @@ def run(size: str, *, saves: int | None = None, broken: str | None = None) -> di
                     sample = _sample(shm, root, worker)
                     if step == warm:
                         base = sample
-                        one = sample["checkpoint_bytes"] // max(sample["checkpoints"], 1)
-                        max_ckpt = one
+                    max_ckpt = max(max_ckpt, sample["largest_checkpoint_bytes"])
                 if step % 50 == 0:
-                    steps_bytes, _, _ = _tree_bytes(root)
+                    steps_bytes, _, _, largest = _tree_bytes(root)
                     max_steps_bytes = max(max_steps_bytes, steps_bytes)
+                    max_ckpt = max(max_ckpt, largest)
             ck.wait()
             end = _sample(shm, root, worker)
+            max_ckpt = max(max_ckpt, end["largest_checkpoint_bytes"])
             leaking.close()
             audit_bytes = os.path.getsize(os.path.join(root, "audit.jsonl"))
             ck.close()

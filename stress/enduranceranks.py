@@ -86,15 +86,16 @@ def _job(rank: int, port: int, root: str, shm: str, out: int, saves: int, persis
             if ck.worker_pid is not None:
                 sample["worker"] = settled(ck.worker_pid, root if rank == 0 else None)
             if rank == 0:
-                steps_bytes, _, _ = _tree_bytes(root)
+                steps_bytes, _, _, largest = _tree_bytes(root)
                 sample["checkpoint_bytes"] = steps_bytes
                 sample["checkpoints"] = len(list_committed(local(root)))
-                if step == warm:
-                    max_ckpt = steps_bytes // max(sample["checkpoints"], 1)
+                max_ckpt = max(max_ckpt, largest)
             samples["warm" if step == warm else "end"] = sample
             dist.barrier()
         if rank == 0 and step % 50 == 0:
-            max_steps_bytes = max(max_steps_bytes, _tree_bytes(root)[0])
+            steps_bytes, _, _, largest = _tree_bytes(root)
+            max_steps_bytes = max(max_steps_bytes, steps_bytes)
+            max_ckpt = max(max_ckpt, largest)
     ck.close()
     dist.barrier()
     fresh = _state()

@@ -713,7 +713,22 @@ def test_endurance_sizes_a_tree_whose_files_vanish_while_it_is_walked(
     walked = list(os.walk(tmp_path))
     walked.append((str(tmp_path / ".trash-step-000000000001.1.ab"), [], ["gone"]))
     monkeypatch.setattr(endurance.os, "walk", lambda root: iter(walked))
-    assert endurance._tree_bytes(str(tmp_path)) == (10, 0, 0)
+    assert endurance._tree_bytes(str(tmp_path)) == (10, 0, 0, 10)
+
+
+def test_endurance_bounds_retention_by_the_largest_checkpoint_not_the_warm_up_average(
+    tmp_path: Path,
+) -> None:
+    """A later step's checkpoint is a few bytes longer than the warm-up's (more digits in
+    its step): the bound is the largest directory seen, so four of them fit it (an
+    average of the warm-up's missed by 2 bytes and failed a CI run)."""
+    for step, size in ((118, 100), (119, 101), (120, 102), (121, 102)):
+        d = tmp_path / f"step-{step:012d}"
+        d.mkdir()
+        (d / "manifest.json").write_bytes(b"x" * size)
+    steps, _, _, largest = endurance._tree_bytes(str(tmp_path))
+    assert (steps, largest) == (405, 102)
+    assert steps <= (endurance.KEEP + 1) * largest
 
 
 # --------------------------------------------------------------------------- the runner
