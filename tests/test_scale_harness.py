@@ -154,3 +154,28 @@ def test_fits_and_docs_render(measured: dict, tmp_path: Path) -> None:
     assert "old" not in text and "tail" in text
     assert "| store ops, other rank per save | 3 | 3 | 0.0 | 3 |" in text
     assert (tmp_path / "scale-times.svg").read_text().startswith("<svg")
+
+
+def test_retention_on_a_copy_of_the_local_checkpoints_sends_what_an_s3_commits_would(
+    measured_s3: dict, seaweedfs: Any, tmp_path: Path
+) -> None:
+    """Above ``s3_max_n`` the harness measures ``s3://`` retention on the local root's
+    checkpoints put into a bucket (`scale.s3_from_copy`): at N = 16 it sends the requests
+    retention sends after a real ``s3://`` commit, and deletes as many objects but the
+    attempt's directory."""
+    ranks = scale.Ranks(16)
+    try:
+        local = scale.open_storage(str(tmp_path / "root"))
+        scale.commit(ranks, local, [1, 2], 2, seq0=5)
+    finally:
+        ranks.close()
+    copied = scale.s3_from_copy(tmp_path / "root", seaweedfs, 16, 2)
+    real = _row(measured_s3, 16)
+    assert copied["s3_from_copy"]["objects_put"] == 2 * (2 * 16 + 1)
+    assert copied["s3_objects_per_checkpoint"] == real["s3_objects_per_checkpoint"] == 33
+    assert copied["retention_s3"]["steps_deleted"] == [1]
+    assert copied["retention_s3"]["requests"] == real["retention_s3"]["requests"]
+    # The attempt's directory, deleted as a key of its own, is the one key fewer.
+    assert copied["retention_s3"]["objects_deleted"] == real["retention_s3"]["objects_deleted"] - 1
+    assert copied["restore_s3"]["requests_per_rank"] == real["restore_s3"]["requests_per_rank"]
+    assert copied["delete_floor_s3"]["objects"] == copied["retention_s3"]["objects_deleted"]
