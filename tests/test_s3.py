@@ -173,6 +173,56 @@ def test_a_tree_of_thousands_of_objects_is_deleted_in_parallel_batches(seaweedfs
     assert "a/rank-00000.bin" in left and len(left) < len(names)
 
 
+def test_a_tree_is_deleted_page_by_page_while_it_is_listed(seaweedfs: Any) -> None:
+    """`delete` sends each page of its listing (1,000 keys) for deletion as it arrives:
+    the first DeleteObjects goes out before the last ListObjectsV2 (listing everything
+    first made the deletion of a 4,096-rank checkpoint wait for 9 pages), and nothing
+    is left."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    bucket = seaweedfs.new_bucket("stream")
+    storage = S3Storage(f"s3://{bucket}/r", **options(seaweedfs, max_concurrency=4))
+    names = [f"step-1/a/rank-{i:05d}.bin" for i in range(2300)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda n: storage.write(n, [b"x"]), names))
+    events: list[str] = []
+    lock = threading.Lock()
+    real_list, real_delete = storage.client.list_objects_v2, storage.client.delete_objects
+
+    def listed(**kw: Any) -> Any:
+        with lock:
+            events.append("list")
+        return real_list(**kw)
+
+    def deleted(**kw: Any) -> Any:
+        with lock:
+            events.append("delete")
+        return real_delete(**kw)
+
+    storage.client.list_objects_v2 = listed  # type: ignore[method-assign]
+    storage.client.delete_objects = deleted  # type: ignore[method-assign]
+    storage.delete("step-1")
+    storage.client.list_objects_v2 = real_list  # type: ignore[method-assign]
+    assert events.count("list") == 3, events  # 2,300 keys: three pages
+    last_list = len(events) - 1 - events[::-1].index("list")
+    assert events.index("delete") < last_list, events
+    assert storage.list_files("step-1") == {} and not storage.exists("step-1")
+
+
+def test_a_hostile_name_in_a_listing_stops_a_delete_with_an_error(seaweedfs: Any) -> None:
+    """A key under the tree whose name is not one `check_relpath` allows (a space in
+    it) is refused while the tree is deleted, as when it is listed."""
+    bucket = seaweedfs.new_bucket("hostile")
+    storage = S3Storage(f"s3://{bucket}/r", **options(seaweedfs))
+    storage.write("step-1/ok.bin", [b"x"])
+    storage.client.put_object(Bucket=bucket, Key="r/step-1/a b.bin", Body=b"y")
+    with pytest.raises(CheckpointError):
+        storage.list_files("step-1")
+    with pytest.raises(CheckpointError):
+        storage.delete("step-1")
+
+
 def test_bad_options_and_missing_bucket_are_clear_errors(seaweedfs: Any) -> None:
     with pytest.raises(CheckpointError, match="unknown S3 storage option"):
         open_storage("s3://bucket/x", {"part_sise": 1})

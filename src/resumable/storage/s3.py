@@ -544,37 +544,54 @@ class S3Storage(ObjectStorage):
     def delete(self, path: str) -> None:
         """Delete the object ``path`` and every object under ``path/``.
 
+        Each page of the listing (1,000 keys) is sent for deletion as it arrives, while
+        the next page is listed: a checkpoint of thousands of ranks spends the listing's
+        time deleting rather than waiting for it. A listed name that is not a plain
+        relative path stops it (`check_relpath`), after the batches already sent.
         Then the "directory" keys (``path/``, ``path/sub/``, deepest first): stores built
         on a filesystem (SeaweedFS, some MinIO modes) keep listing emptied directories
         otherwise; on AWS S3 there is no such key and deleting it is a no-op."""
-        names = list(self.list_files(path))
-        keys = [self._key(path)] if path else []
-        keys += [self._key(f"{path}/{name}" if path else name) for name in names]
-        self._delete_keys(path, keys)
         dirs = {path} if path else set()
-        for name in names:
-            parts = name.split("/")[:-1]
-            for i in range(1, len(parts) + 1):
-                dirs.add("/".join(x for x in (path, *parts[:i]) if x))
+        keys = [self._key(path)] if path else []
+        futures: list[Future[None]] = []
+        # A pool of its own: the storage's pool may be busy with (or be) the caller.
+        with ThreadPoolExecutor(self.max_concurrency) as pool:
+            for prefix, r in self._pages(path, False):
+                for o in r.get("Contents", []):
+                    if o["Key"].endswith("/"):  # a directory marker, not an object
+                        continue
+                    parts = check_relpath(o["Key"][len(prefix) :]).split("/")[:-1]
+                    keys.append(o["Key"])
+                    for i in range(1, len(parts) + 1):
+                        dirs.add("/".join(x for x in (path, *parts[:i]) if x))
+                futures += [pool.submit(self._delete_batch, path, b) for b in self._batches(keys)]
+                keys = []
+        for f in futures:
+            f.result()
         deepest_first = sorted(dirs, key=lambda d: -d.count("/"))
         self._delete_keys(path, [self._key(d) + "/" for d in deepest_first])
 
-    def _delete_keys(self, path: str, keys: list[str]) -> None:
-        """DeleteObjects in batches, ``max_concurrency`` batches in flight: a server spends
-        its time per key, so a checkpoint of thousands of ranks (two objects each) is
-        deleted about as fast as the server allows rather than one batch at a time.
-        Batches hold at most 1,000 keys (the S3 limit) and at least `_DELETE_BATCH_MIN`.
-        Every batch is sent even if one fails; then the first failure is raised."""
+    def _batches(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` in DeleteObjects batches: at most 1,000 keys (the S3 limit), at least
+        `_DELETE_BATCH_MIN`, up to ``max_concurrency`` of them."""
         if not keys:
-            return
+            return []
         workers = min(self.max_concurrency, -(-len(keys) // _DELETE_BATCH_MIN))
         size = min(1000, -(-len(keys) // workers))
-        batches = [keys[i : i + size] for i in range(0, len(keys), size)]
-        if len(batches) == 1:
-            self._delete_batch(path, batches[0])
+        return [keys[i : i + size] for i in range(0, len(keys), size)]
+
+    def _delete_keys(self, path: str, keys: list[str]) -> None:
+        """DeleteObjects in batches (`_batches`), all in flight at once: a server spends
+        its time per key, so a checkpoint of thousands of ranks (two objects each) is
+        deleted about as fast as the server allows rather than one batch at a time.
+        Every batch is sent even if one fails; then the first failure is raised."""
+        batches = self._batches(keys)
+        if len(batches) <= 1:
+            for b in batches:
+                self._delete_batch(path, b)
             return
         # A pool of its own: the storage's pool may be busy with (or be) the caller.
-        with ThreadPoolExecutor(min(len(batches), workers)) as pool:
+        with ThreadPoolExecutor(len(batches)) as pool:
             futures = [pool.submit(self._delete_batch, path, b) for b in batches]
         for f in futures:
             f.result()
