@@ -326,19 +326,44 @@ def verdicts(ranks: Ranks) -> dict[str, Any]:
 
 
 class _Timed(StoreCoordinator):
-    """`StoreCoordinator`, noting when rank 0 has every report and when it posts the
-    outcome (the stretch that is rank 0's alone: the gets, the manifest, the commit)."""
+    """`StoreCoordinator`, noting on each rank when each exchange starts and ends: on
+    rank 0 the stretch from every report gathered to the outcome posted is its own (the
+    gets, the manifest, the commit); on every rank, where it waited (`phases`)."""
 
     marks: dict[str, float]
 
     def gather(self, obj: Any, name: str) -> list[Any]:
+        self.marks[f"{name}_posting"] = time.perf_counter()
         out = super().gather(obj, name)
         self.marks[f"{name}_gathered"] = time.perf_counter()
         return out
 
     def broadcast(self, obj: Any, name: str) -> Any:
         self.marks[f"{name}_start"] = time.perf_counter()
-        return super().broadcast(obj, name)
+        out = super().broadcast(obj, name)
+        self.marks[f"{name}_done"] = time.perf_counter()
+        return out
+
+
+# (phase, from mark, to mark) of one rank's coordinated save, from `_Timed`'s marks.
+PHASES = [
+    ("attempt", "begin", "attempt_done"),  # rank 0 opens it; the others wait for it
+    ("write", "attempt_done", "reports_posting"),  # the data file and the part
+    ("reports", "reports_posting", "reports_gathered"),  # rank 0 waits for every report
+    ("outcome", "reports_gathered", "outcome_done"),  # rank 0 commits; the others wait
+]
+
+
+def phases(marks: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per phase of `PHASES`, the median and the longest over the ranks, and the rank
+    that took longest: where a slow save spent its time."""
+    out = {}
+    for name, a, b in PHASES:
+        took = [m[b] - m[a] for m in marks if a in m and b in m]
+        if took:
+            worst = max(range(len(took)), key=took.__getitem__)
+            out[name] = {"median": _med(took), "max": took[worst], "max_rank": worst}
+    return out
 
 
 def _rank_state(rank: int, n: int, tensors: int) -> tuple[Snapshot, Any]:
@@ -367,15 +392,18 @@ def commit(
     for i, step in enumerate(steps):
         job = {"rank": 0, "world": n, "key": f"p{seq0 + i}", "timeout": 600.0}
         before = [c.snapshot() for c in ranks.clients]
-        marks: dict[str, float] = {}
+        rank_marks: list[dict[str, float]] = [{} for _ in range(n)]
 
         def save(
-            r: int, job: dict[str, Any] = job, step: int = step, marks: dict[str, float] = marks
+            r: int,
+            job: dict[str, Any] = job,
+            step: int = step,
+            marks: list[dict[str, float]] = rank_marks,
         ) -> float:
             coord = _Timed(ranks.clients[r], {**job, "rank": r})
-            coord.marks = marks if r == 0 else {}
+            coord.marks = marks[r]
             snap, tree = states[r]
-            t0 = time.perf_counter()
+            t0 = marks[r]["begin"] = time.perf_counter()
             write_distributed(coord, storage, committer, WriteRequest(step, snap, tree, pieces={}))
             return time.perf_counter() - t0
 
@@ -389,7 +417,9 @@ def commit(
                 "step": step,
                 "wall_s": wall,
                 "rank_latency_s": {"median": _med(lat), "max": max(lat)},
-                "rank0_commit_s": marks["outcome_start"] - marks["reports_gathered"],
+                "rank0_commit_s": rank_marks[0]["outcome_start"]
+                - rank_marks[0]["reports_gathered"],
+                "phases_s": phases(rank_marks),
                 "ops_rank0": ops[0],
                 "ops_per_rank": {"max": max(ops[1:] or [0]), "min": min(ops[1:] or [0])},
                 "ops_total": sum(ops),

@@ -179,3 +179,13 @@ def test_retention_on_a_copy_of_the_local_checkpoints_sends_what_an_s3_commits_w
     assert copied["retention_s3"]["objects_deleted"] == real["retention_s3"]["objects_deleted"] - 1
     assert copied["restore_s3"]["requests_per_rank"] == real["restore_s3"]["requests_per_rank"]
     assert copied["delete_floor_s3"]["objects"] == copied["retention_s3"]["objects_deleted"]
+
+
+@pytest.mark.parametrize("where", ["commit_memory", "commit_local"])
+def test_a_commit_says_where_each_rank_waited(measured: dict, where: str) -> None:
+    """Every rank's save split in the phases of `scale.PHASES` (a commit of the run of
+    2026-12-04 21:12 had every rank wait 600 s at N=4,096, and nothing said where)."""
+    got = _row(measured, 16)[where]["phases_s"]
+    assert list(got) == [name for name, _, _ in scale.PHASES]
+    for phase in got.values():
+        assert 0 <= phase["median"] <= phase["max"] and 0 <= phase["max_rank"] < 16
