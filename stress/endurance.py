@@ -10,9 +10,9 @@ segments in its own shm directory; and the bytes in the root. It checks:
   the warm-up values; resident memory within ``RSS_SLACK`` (allocator noise) of them;
 - disk within the retention bound: checkpoint directories hold at most ``last + 1``
   checkpoints' bytes (the ones kept and one being written), a checkpoint's bytes being
-  the largest one seen in any sample (a later step's manifest is a few bytes longer than
-  the warm-up's: its step number has more digits, which an average of the warm-up's
-  checkpoints once missed by 2 bytes); the audit log, which grows
+  the largest one seen in any sample (a later checkpoint can be a few bytes longer than
+  the warm-up's, which an average of the warm-up's checkpoints once missed by 2 bytes);
+  the audit log, which grows
   by design, is reported in bytes per save;
 - the newest checkpoint restores.
 """
