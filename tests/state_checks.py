@@ -151,5 +151,12 @@ class ThreadRanks:
             return []
         return [json.loads(self._shared[(name, r)]) for r in range(self.world_size)]
 
+    def gather_to(self, obj: Any, name: str, leader: int, members: list[int]) -> list[Any]:
+        self._shared[(name, self.rank)] = json.dumps(obj)
+        self._meet.wait()
+        if self.rank != leader:
+            return []
+        return [json.loads(self._shared[(name, r)]) for r in members]
+
     def abandon(self, reason: str) -> None:
         pass

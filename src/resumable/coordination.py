@@ -49,10 +49,11 @@ from typing import Any
 
 from resumable import settings
 from resumable.errors import PersistError
+from resumable.nodes import NodeObjects
 
 log = logging.getLogger(__name__)
 
-ATTEMPT, REPORTS, OUTCOME = "attempt", "reports", "outcome"
+ATTEMPT, REPORTS, OUTCOME, STAGED = "attempt", "reports", "outcome", "staged"
 
 
 def _store(host: str, port: int, timeout_s: float, *, master: bool) -> Any:
@@ -76,8 +77,9 @@ class CoordinationStore:
     when every rank runs on rank 0's host, else rank 0's fully qualified host name.
     """
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
+    def __init__(self, group: Any, timeout_s: float, *, nodes: NodeObjects | None = None) -> None:
         self.rank = group.rank
+        self.nodes = nodes  # one object per node: each job says where (`resumable.nodes`)
         self.world_size = group.world_size
         self.timeout_s = timeout_s
         hosts = group.gather(socket.gethostname())
@@ -98,7 +100,7 @@ class CoordinationStore:
         """Where the workers of the next coordinated persist meet (the same on every
         rank, because every rank submits the same persists in the same order)."""
         self._seq += 1
-        return {
+        job = {
             "host": self.host,
             "port": self.port,
             "rank": self.rank,
@@ -106,6 +108,9 @@ class CoordinationStore:
             "key": f"p{self._seq}",
             "timeout": self.timeout_s,
         }
+        if self.nodes is not None:
+            job["nodes"] = self.nodes.job()
+        return job
 
     def first(self, key: str, value: str) -> str:
         """The value the first rank to get here set under ``key`` (``value``, if this
@@ -145,6 +150,8 @@ class CoordinationStore:
         others stop waiting now rather than at the timeout."""
         error = json.dumps({"error": f"rank {self.rank}: {reason}"})
         try:
+            if self.nodes is not None:  # its node's leader waits for it first
+                self._store.compare_set(f"{key}/{STAGED}/{self.rank}", "", error)
             self._store.compare_set(f"{key}/{REPORTS}/{self.rank}", "", error)
             if self.rank == 0:  # the others may still wait for the attempt itself
                 self._store.compare_set(f"{key}/{ATTEMPT}", "", error)
@@ -460,6 +467,7 @@ class StoreCoordinator:
         self.world_size = int(job["world"])
         self.key = str(job["key"])
         self.timeout_s = float(job["timeout"])
+        self.nodes = NodeObjects.from_job(job["nodes"]) if "nodes" in job else None
 
     @classmethod
     def connect(cls, job: dict[str, Any], cache: dict[tuple[str, int], Any]) -> StoreCoordinator:
@@ -511,6 +519,33 @@ class StoreCoordinator:
         # Every report in one request (`multi_get`), not one round trip per rank on the
         # path of every rank waiting for the outcome.
         values = self._call("read", lambda: self.store.multi_get(keys))
+        return [json.loads(v) for v in values]
+
+    def gather_to(self, obj: Any, name: str, leader: int, members: list[int]) -> list[Any]:
+        """Every one of ``members``' ``obj`` on ``leader`` (an empty list elsewhere): one
+        post per rank, one wait and one read on the leader, which then removes the keys
+        (a node's exchange: O(1) per rank, O(members) on the leader)."""
+        prefix = f"{self.key}/{name}"
+        mine = f"{prefix}/{self.rank}"
+        self._call("post", lambda: self.store.compare_set(mine, "", json.dumps(obj)))
+        if self.rank != leader:
+            return []
+        keys = [f"{prefix}/{r}" for r in members]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            missing = [r for r, k in zip(members, keys, strict=True) if not self._has(k)]
+            raise PersistError(
+                f"rank {self.rank}: no word from rank(s) {missing} of its node within "
+                f"{self.timeout_s:.0f} s ({_first_line(exc)}); nothing was committed by "
+                "this step"
+            ) from exc
+        values = self._call("read", lambda: self.store.multi_get(keys))
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception as exc:
+                log.debug("could not remove %s from the coordination store: %s", k, exc)
         return [json.loads(v) for v in values]
 
     def abandon(self, reason: str) -> None:

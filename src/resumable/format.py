@@ -49,11 +49,13 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 5  # the highest this reads; one process writes 1, or 3 if it refers;
+FORMAT_VERSION = 6  # the highest this reads; one process writes 1, or 3 if it refers;
 # several ranks write 4 (the split manifest: `resumable.parts`); either writes 5 where a
-# tree references one stored tensor from several places (a tied weight)
+# tree references one stored tensor from several places (a tied weight); several ranks
+# write 6 where they share one object per node (`resumable.nodes`)
 SPLIT_VERSION = 4
 ALIAS_VERSION = 5  # trees may reference a stored tensor more than once; split or not
+SEGMENT_VERSION = 6  # a split manifest whose files and parts lie in shared objects
 CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -519,11 +521,71 @@ def _decode_manifest(
                 f"{where}: a split manifest lists its parts, not tensors or ranks"
             )
         _check_refs(m, version, where)
+        if version >= SEGMENT_VERSION:
+            check_segments(m, where)
         return m
+    if version >= SEGMENT_VERSION:
+        raise CorruptCheckpointError(f"{where}: a manifest of version {version} lists parts")
     if files_only:
         return m
     check_body(m, version, where, arrays)
     return m
+
+
+def check_segments(m: Mapping[str, Any], where: str) -> None:
+    """The ``objects`` and ``segments`` of a version 6 top manifest: every data file and
+    every part lies in exactly one listed object (``segments``: name -> ``{object,
+    offset}``, its size the one the file or part declares), inside it, and no two
+    segments of one object overlap; object names are safe and name no file or part.
+    Raises `CorruptCheckpointError`. (``parts`` are checked by `resumable.parts`.)"""
+    objects, segments = m.get("objects"), m.get("segments")
+    if not isinstance(objects, dict) or not isinstance(segments, dict):
+        raise CorruptCheckpointError(
+            f"{where}: a manifest of version {m['format_version']} lists its objects and segments"
+        )
+    parts = m.get("parts")
+    sizes: dict[str, Any] = {f: info["size"] for f, info in m["files"].items()}
+    if isinstance(parts, list):
+        for p in parts:
+            if isinstance(p, dict) and isinstance(p.get("file"), str):
+                sizes[p["file"]] = p.get("size")
+    for name, info in objects.items():
+        check_relpath(name)
+        if name in sizes or not isinstance(info, dict) or not _nonneg_int(info.get("size")):
+            raise CorruptCheckpointError(f"{where}: bad entry for object {str(name)[:100]!r}")
+    if set(segments) != set(sizes):
+        missing = sorted(set(sizes) - set(segments))[:3]
+        extra = sorted(set(segments) - set(sizes))[:3]
+        raise CorruptCheckpointError(
+            f"{where}: every data file and part lies in one segment; without one: "
+            f"{missing}, not a file or part: {extra}"
+        )
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for name, seg in segments.items():
+        obj: Any = seg.get("object") if isinstance(seg, dict) else None
+        offset: Any = seg.get("offset") if isinstance(seg, dict) else None
+        size: Any = sizes[name]
+        if (
+            not isinstance(obj, str)
+            or obj not in objects
+            or not _nonneg_int(offset)
+            or not _nonneg_int(size)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: segment of {name[:100]!r} must be {{object listed, offset >= 0}}, "
+                f"found {str(seg)[:200]}"
+            )
+        if offset + size > objects[obj]["size"]:
+            raise CorruptCheckpointError(
+                f"{where}: segment of {name[:100]!r} ends at {offset + size}, past the "
+                f"{objects[obj]['size']} bytes of {obj!r}"
+            )
+        spans.setdefault(obj, []).append((offset, offset + size))
+    for obj, got in spans.items():
+        got.sort()
+        for (_, end), (begin, _) in itertools.pairwise(got):
+            if begin < end:
+                raise CorruptCheckpointError(f"{where}: two segments of {obj!r} overlap")
 
 
 def is_split(m: Mapping[str, Any]) -> bool:

@@ -97,6 +97,27 @@ class Group:
             ) from exc
         return box[0]
 
+    def gather_to(self, obj: Any, name: str, leader: int, members: list[int]) -> list[Any]:
+        """Every one of ``members``' ``obj`` on ``leader`` (an empty list elsewhere).
+        Called by every rank: an all-gather over the side group, of which the leader
+        keeps its members' (a node's exchange, on the training threads of
+        ``persist="sync"``; the persist workers use `resumable.coordination`'s store).
+
+        Args:
+            obj: this rank's contribution.
+            name: unused here.
+            leader: the rank that keeps the members' contributions.
+            members: the ranks whose contributions it keeps, in order.
+
+        Returns:
+            On ``leader``, the ``obj`` of each of ``members``; elsewhere an empty list.
+
+        Raises:
+            PersistError: the collective failed.
+        """
+        got = self.gather(obj, name)
+        return [got[r] for r in members] if self.rank == leader else []
+
     def abandon(self, reason: str) -> None:
         """Nothing to tell: when a collective fails, it fails on every rank.
 

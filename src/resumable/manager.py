@@ -88,6 +88,7 @@ class Checkpointer:
         incremental: Incremental | bool = True,
         save_on_close: bool = True,
         replicas: int = 1,
+        node_objects: bool = False,
         options: CheckpointOptions | None = None,
     ) -> None:
         opts = resolve_options(options, locals())

@@ -225,11 +225,15 @@ class MonitorOptions:
 @dataclass(frozen=True)
 class DistributedOptions:
     """With several ranks: how long a rank waits for the others during a coordinated
-    save or restore (``timeout_s``; None for the default)."""
+    save or restore (``timeout_s``; None for the default), and whether the ranks of a
+    node write one object together (``node_objects``: `resumable.nodes`)."""
 
     timeout_s: float | None = None
+    node_objects: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.node_objects, bool):
+            raise _refuse("node_objects", "True or False", self.node_objects)
         value = self.timeout_s
         if value is None:
             return
@@ -306,6 +310,7 @@ class CheckpointOptions:
         incremental: Incremental | bool = True,
         save_on_close: bool = True,
         replicas: int = 1,
+        node_objects: bool = False,
     ) -> CheckpointOptions:
         """The options the keywords of `resumable.Checkpointer` give (the same names and
         defaults; the Checkpointer takes either these keywords or the result).
@@ -370,6 +375,13 @@ class CheckpointOptions:
                 its peers' (two while a newer one arrives) and keeps one more of its
                 own. Needs the memory tier and as many nodes (torchrun ``GROUP_RANK``);
                 see ``docs/replicas.md``.
+            node_objects: with several ranks, the ranks of each node write their files
+                into one object of the checkpoint (format version 6) instead of two
+                objects each: an object store then deletes, lists and counts one object
+                per node, not two per rank. Each rank stages its files on its node's
+                local disk (``RESUMABLE_NODE_STAGING``) for the node's lowest rank to
+                upload; checkpoints are written whole (not incrementally). Default
+                False. See ``docs/scale.md``.
 
         Returns:
             The options, each part checked.
@@ -400,7 +412,7 @@ class CheckpointOptions:
                 max_commit_age_s=max_commit_age_s,
                 prometheus_registry=prometheus_registry,
             ),
-            distributed=DistributedOptions(timeout_s=dist_timeout_s),
+            distributed=DistributedOptions(timeout_s=dist_timeout_s, node_objects=node_objects),
             preemption=preemption,
         )
 

@@ -25,6 +25,7 @@ from resumable.format import (
     CHECKSUM,
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
+    SEGMENT_VERSION,
     SPLIT_VERSION,
     check_body,
     check_relpath,
@@ -80,6 +81,8 @@ def build_top(
     refs: list[int],
     world_size: int,
     repeats: bool = False,
+    objects: Mapping[str, Mapping[str, Any]] | None = None,
+    segments: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """The top manifest of a split checkpoint and its bytes: the header fields of a
     version 1 manifest, the data ``files``, the ``parts`` (`part_entry`, in rank order)
@@ -88,18 +91,20 @@ def build_top(
     the digest's form (keys sorted, no whitespace), the digest appended as the last
     member: the bytes without it are those the digest covers (`format.manifest_digest`),
     which a reader checks by hashing them. Rank 0 builds it while every rank waits: one
-    JSON encoding, not two."""
+    JSON encoding, not two. With ``objects`` and ``segments`` (`resumable.nodes`: the
+    files and parts lie in objects shared by the ranks of a node), version 6."""
+    version = ALIAS_VERSION if repeats else SPLIT_VERSION
+    if segments is not None:
+        version = SEGMENT_VERSION
     m: dict[str, Any] = {
-        **manifest_header(
-            step=step,
-            version=ALIAS_VERSION if repeats else SPLIT_VERSION,
-            metrics=metrics,
-            world_size=world_size,
-        ),
+        **manifest_header(step=step, version=version, metrics=metrics, world_size=world_size),
         "files": {k: dict(v) for k, v in files.items()},
         "parts": [dict(p) for p in parts],
         "refs": sorted(set(refs)),
     }
+    if segments is not None:
+        m["objects"] = {k: dict(v) for k, v in (objects or {}).items()}
+        m["segments"] = {k: dict(v) for k, v in segments.items()}
     body = json.dumps(m, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     m["digest"] = checksum(body)
     return m, body[:-1] + b',"digest":' + json.dumps(m["digest"]).encode() + b"}"
@@ -276,7 +281,10 @@ def read_merged(
 
 def top_sizes(top: Mapping[str, Any]) -> dict[str, int]:
     """Every object a validated top manifest names, its data files and its parts, with
-    the size it declares: what a listing of the checkpoint must show."""
+    the size it declares: what a listing of the checkpoint must show. Of version 6, the
+    objects its files and parts lie in (`format.check_segments` checked they fit)."""
+    if "objects" in top:
+        return {k: info["size"] for k, info in top["objects"].items()}
     sizes = {f: info["size"] for f, info in top["files"].items()}
     sizes.update({p["file"]: p["size"] for p in top["parts"]})
     return sizes
@@ -287,7 +295,11 @@ def flatten(m: Mapping[str, Any]) -> dict[str, Any]:
     where an entry has extents, or 5 (kept) where a tree references a stored tensor
     from several places: what a copy elsewhere commits (`pipeline.mirror`), without its
     digest (the caller signs what it changed)."""
-    out = {k: v for k, v in m.items() if k not in ("parts", "partial", "digest")}
+    out = {
+        k: v for k, v in m.items() if k not in ("parts", "partial", "digest", "objects", "segments")
+    }
+    if out.get("format_version") == SEGMENT_VERSION:  # its files, one object each
+        out["format_version"] = ALIAS_VERSION
     if out.get("format_version") != SPLIT_VERSION:
         return out  # version 5 keeps its refs (a list from version 2 on)
     extents = any("extents" in t for t in out["tensors"].values())

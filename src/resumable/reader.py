@@ -43,6 +43,7 @@ from resumable.format import (
     parse_safetensors_header,
     tensor_ranges,
 )
+from resumable.nodes import SegmentView
 from resumable.parts import check_parts, read_merged, top_sizes
 from resumable.storage.base import Storage
 
@@ -100,6 +101,8 @@ class CheckpointReader:
                 )
             if is_split(m):
                 check_parts(m, self.where)
+                if "segments" in m:  # version 6: files and parts lie in node objects
+                    self.storage = SegmentView(self.storage, self.dir, m)
             else:
                 self._manifest, self._arrays = m, arrays
             self._top = m

@@ -64,6 +64,12 @@ REPLICA_RATE = Knob(
     "The most MiB per second each rank sends to its replica peers, with replicas > 1 "
     "(0: no limit); the next snapshot waits for a push that pacing stretches.",
 )
+NODE_STAGING = Knob(
+    "RESUMABLE_NODE_STAGING",
+    "",
+    "With node_objects=True, the directory on each node where its ranks stage their "
+    "files for the node's object (default: the temporary directory's resumable-nodes).",
+)
 WATCH = Knob(
     "RESUMABLE_WATCH",
     "",
@@ -88,6 +94,7 @@ KNOBS: tuple[Knob, ...] = (
     STORE_HOST,
     REPLICA_HOST,
     REPLICA_RATE,
+    NODE_STAGING,
     WATCH,
     WATCH_ENDPOINT,
     DEBUG,

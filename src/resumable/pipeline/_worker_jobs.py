@@ -27,6 +27,7 @@ from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, RootInUseError, StorageError
 from resumable.incremental import DeltaBase, Incremental
 from resumable.lock import LeaseFence
+from resumable.nodes import NodeObjects
 from resumable.pipeline.messages import (
     Committed,
     Failed,
@@ -289,11 +290,14 @@ class JobRunner:
             coordinator.world_size,
         )
         request = dataclasses.replace(_request(content, snap), holders=holders)
-        return self.persist_group(coordinator, request)
+        return self.persist_group(coordinator, request, nodes=coordinator.nodes)
 
-    def persist_group(self, group: Coordination, request: WriteRequest) -> Committed:
-        """The coordinated commit of several ranks (`write_distributed`), then, on rank
-        0, the audit entry and retention. Not retried: a retry would need every rank."""
+    def persist_group(
+        self, group: Coordination, request: WriteRequest, *, nodes: NodeObjects | None = None
+    ) -> Committed:
+        """The coordinated commit of several ranks (`write_distributed`; with ``nodes``,
+        one object per node), then, on rank 0, the audit entry and retention. Not
+        retried: a retry would need every rank."""
         result = write_distributed(
             group,
             self.storage,
@@ -301,6 +305,7 @@ class JobRunner:
             request,
             check=self._check_parent,
             base=self.delta,
+            nodes=nodes,
         )
         return self._committed(result, result.seconds, ranks=group.world_size)
 

@@ -90,17 +90,18 @@ def upload_checkpoint(src: Storage, dst: Storage, step: int) -> int:
             if "step" not in c:  # a chunk of another checkpoint is named by basename
                 c["file"] = renamed[c["file"]]
     relocated["digest"] = manifest_digest(relocated)
+    read = source.storage  # a version 6 checkpoint's files: ranges of its node objects
     try:
         for name, new in renamed.items():
             path = f"{step_dir(step)}/{name}"
-            mm = src.map_file(path) if manifest["files"][name]["size"] > 0 else None
+            mm = read.map_file(path) if manifest["files"][name]["size"] > 0 else None
             if mm is not None:
                 try:
                     total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [mm])
                 finally:
                     mm.close()
             else:
-                total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [src.read(path)])
+                total += dst.write(attempt.path(new.rsplit("/", 1)[-1]), [read.read(path)])
         blob = encode_manifest(relocated)
         committer.commit(attempt, blob)
     except BaseException:

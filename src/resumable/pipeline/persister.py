@@ -43,6 +43,7 @@ from resumable.group import Group
 from resumable.incremental import Incremental
 from resumable.lock import LeaseFence
 from resumable.monitor import Monitor
+from resumable.nodes import NodeObjects
 from resumable.pieces import owned_tensors
 from resumable.pipeline._worker import JobRunner, PersistWorker, keep_to_json
 from resumable.pipeline.memory import MemoryTier
@@ -223,9 +224,11 @@ class SyncPersister(Persister):
         keep: Keep | None,
         mirror_keep: Keep | None,
         incremental: Incremental | None = None,
+        nodes: NodeObjects | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(storage, **kw)
+        self.nodes = nodes  # one object per node (`resumable.nodes`), or None
         self._reports: list[Report] = []  # from the mirror thread, taken at `collect`
         rank = self.group.rank
         self.runner = JobRunner(
@@ -306,7 +309,7 @@ class SyncPersister(Persister):
             group = self.group
 
             def persist() -> Committed:
-                return self.runner.persist_group(group, request)
+                return self.runner.persist_group(group, request, nodes=self.nodes)
         else:
 
             def persist() -> Committed:

@@ -21,6 +21,7 @@ from resumable.coordination import Agreement, CoordinationStore
 from resumable.errors import CheckpointError, OptionError
 from resumable.group import Group
 from resumable.monitor import Monitor
+from resumable.nodes import NodeObjects
 from resumable.options import CheckpointOptions, PersistMode, Url
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.persister import BackgroundPersister, Persister, SyncPersister
@@ -130,7 +131,12 @@ def build_parts(
     )
     timeout_s = options.distributed.seconds
     # The trainers agree on each due persist through the store too.
-    store = CoordinationStore(group, timeout_s) if mode != "sync" and world_size > 1 else None
+    nodes = NodeObjects.from_env() if options.distributed.node_objects and world_size > 1 else None
+    store = (
+        CoordinationStore(group, timeout_s, nodes=nodes)
+        if mode != "sync" and world_size > 1
+        else None
+    )
     agreement = Agreement(group, store)
     schedule = Schedule(options.schedule.memory_every, options.schedule.persist_every, agreement)
     schedule.on_absorbed = lambda step: monitor.skipped(
@@ -153,7 +159,7 @@ def build_parts(
         "incremental": options.persist.writer,
     }
     persister: Persister = (
-        SyncPersister(storage, **parts)
+        SyncPersister(storage, nodes=nodes, **parts)
         if mode == "sync"
         else BackgroundPersister(
             storage,

@@ -20,21 +20,24 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from resumable.commit import Attempt, Committer, abort_quietly, step_dir
+from resumable.coordination import STAGED
 from resumable.errors import PersistError
 from resumable.format import (
     CHECKSUM,
     MANIFEST,
     TensorSlot,
     build_manifest,
+    check_segments,
     checksum,
     encode_manifest,
     safetensors_header,
     tensor_ranges,
 )
 from resumable.incremental import Chunk, DeltaBase, Plan, Record
+from resumable.nodes import NodeObjects, Staging, node_file
 from resumable.parts import build_top, encode_part, part_entry, part_file
 from resumable.pieces import Piece, balance, owned_tensors
 from resumable.snapshot import Arena, Snapshot
@@ -603,6 +606,8 @@ class Coordination(Protocol):
 
     def gather(self, obj: Any, name: str) -> list[Any]: ...
 
+    def gather_to(self, obj: Any, name: str, leader: int, members: list[int]) -> list[Any]: ...
+
     def abandon(self, reason: str) -> None: ...
 
 
@@ -614,6 +619,7 @@ def write_distributed(
     *,
     check: Callable[[], None] | None = None,
     base: DeltaBase | None = None,
+    nodes: NodeObjects | None = None,
 ) -> PersistResult:
     """The coordinated commit of several ranks (called on every rank at the same step,
     through a `Group` on the training threads or a `StoreCoordinator` in the workers).
@@ -629,7 +635,8 @@ def write_distributed(
     nothing is committed, the attempt is removed, and every rank raises `PersistError`:
     the previous checkpoint stays the newest. ``check`` runs on every rank before it
     reports success and on rank 0 before it commits (a worker whose trainer died
-    reports an error instead).
+    reports an error instead). With ``nodes``, the ranks of each node share one object
+    (`resumable.nodes`, format version 6; every checkpoint whole, ``base`` unused).
     """
     t0 = time.perf_counter()
     step = request.step
@@ -643,16 +650,55 @@ def write_distributed(
     if "error" in shared:
         raise PersistError(f"step {step} was not committed: {shared['error']}")
     attempt = Attempt(**shared)
+    staging = Staging(nodes, attempt.path("")) if nodes is not None else None
+    if staging is not None:
+        base = None
     report: dict[str, Any]
     plan: Plan | None = None
     try:
-        file = _DataFile.of(storage, attempt, group.rank)
+        if staging is None:
+            file = _DataFile.of(storage, attempt, group.rank)
+        else:  # the staging files are written like a root's, without fsync
+            name = rank_file(group.rank)
+            file = _DataFile(cast("Storage", staging), attempt.path(name), attempt.key(name))
         size, tensors, plan = _write_data_file(file, request, base)
         report = _write_part(file, attempt, request, group.rank, size, tensors)
         if check is not None:
             check()
     except Exception as exc:
         report = {"error": f"rank {group.rank}: {type(exc).__name__}: {exc}", "step": step}
+    try:
+        if nodes is not None and staging is not None:
+            report = _node_object(group, storage, attempt, nodes, staging, report)
+        outcome, manifest = _commit_reports(group, committer, attempt, request, report, check)
+    finally:
+        if staging is not None:
+            staging.remove([rank_file(group.rank), part_file(group.rank)])
+    if "error" in outcome:
+        raise PersistError(f"step {step} was not committed on any rank: {outcome['error']}")
+    if base is not None and plan is not None:
+        base.committed(step, plan)
+    return PersistResult(
+        step,
+        outcome["nbytes"],
+        time.perf_counter() - t0,
+        outcome["replaced"],
+        manifest,
+        outcome["digest"],
+    )
+
+
+def _commit_reports(
+    group: Coordination,
+    committer: Committer,
+    attempt: Attempt,
+    request: WriteRequest,
+    report: dict[str, Any],
+    check: Callable[[], None] | None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Every rank's ``report`` to rank 0, rank 0's commit of them, and the outcome on
+    every rank (with the manifest on rank 0, None elsewhere)."""
+    step = request.step
     try:
         reports = group.gather(report, "reports")
     except PersistError as exc:  # a rank died or hung: nobody will commit
@@ -679,7 +725,10 @@ def write_distributed(
                     refs=[k for r in reports for k in r["refs"]],
                     world_size=group.world_size,
                     repeats=any(r.get("repeats") for r in reports),
+                    **_segments(reports),
                 )
+                if "segments" in manifest:  # every file and part in one node's object
+                    check_segments(manifest, f"the manifest of step {step}")
                 if check is not None:
                     check()
                 replaced = committer.commit(attempt, blob)
@@ -692,16 +741,71 @@ def write_distributed(
         if errors:
             abort_quietly(committer, attempt)
             outcome = {"error": "; ".join(errors)}
-    outcome = group.broadcast(outcome, "outcome")
-    if "error" in outcome:
-        raise PersistError(f"step {step} was not committed on any rank: {outcome['error']}")
-    if base is not None and plan is not None:
-        base.committed(step, plan)
-    return PersistResult(
-        step,
-        outcome["nbytes"],
-        time.perf_counter() - t0,
-        outcome["replaced"],
-        manifest,
-        outcome["digest"],
-    )
+    return group.broadcast(outcome, "outcome"), manifest
+
+
+def _segments(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """`build_top`'s ``objects`` and ``segments`` from the node leaders' reports (none
+    where no rank wrote a node's object)."""
+    nodes = [r["node"] for r in reports if "node" in r]
+    if not nodes:
+        return {}
+    return {
+        "objects": {n["object"]: {"size": n["size"]} for n in nodes},
+        "segments": {k: v for n in nodes for k, v in n["segments"].items()},
+    }
+
+
+def _node_object(
+    group: Coordination,
+    storage: Storage,
+    attempt: Attempt,
+    nodes: NodeObjects,
+    staging: Staging,
+    report: dict[str, Any],
+) -> dict[str, Any]:
+    """Each rank tells its node's leader what it staged (its report, and its node);
+    the leader uploads the node's staged files as one object and returns its report
+    with where each file and part lies in it (``node``), or an error. The others'
+    reports are unchanged."""
+    step, rank = report["step"], group.rank
+    try:
+        got = group.gather_to({**report, "node": nodes.node}, STAGED, nodes.leader, nodes.members)
+    except PersistError as exc:
+        if rank != nodes.leader:
+            raise
+        return {"error": str(exc), "step": step}
+    if rank != nodes.leader or "error" in report:
+        return report
+    errors = [r["error"] for r in got if "error" in r]
+    strangers = [m for m, r in zip(nodes.members, got, strict=True) if r.get("node") != nodes.node]
+    if strangers and not errors:
+        errors.append(
+            f"rank(s) {strangers} run on another node than {nodes.node!r}: one object per "
+            "node needs the ranks of a node numbered one after the other (torchrun's "
+            "numbering; LOCAL_WORLD_SIZE ranks from RANK - LOCAL_RANK)"
+        )
+    if errors:
+        return {"error": f"rank {rank}: no object for its node: {'; '.join(errors)}", "step": step}
+    name = node_file(nodes.leader)
+    key = attempt.key(name)
+    segments: dict[str, dict[str, Any]] = {}
+    chunks: list[Any] = []
+    offset = 0
+    try:
+        for r in got:
+            for fkey, size in ((r["file"], r["size"]), (r["part"]["file"], r["part"]["size"])):
+                segments[fkey] = {"object": key, "offset": offset}
+                chunks.append(staging.mapped(fkey.rsplit("/", 1)[-1], size))
+                offset += size
+        storage.write(attempt.path(name), chunks)
+    except Exception as exc:
+        return {
+            "error": f"rank {rank}: the object of its node: {type(exc).__name__}: {exc}",
+            "step": step,
+        }
+    finally:
+        for c in chunks:
+            if hasattr(c, "close"):
+                c.close()
+    return {**report, "node": {"object": key, "size": offset, "segments": segments}}
