@@ -73,6 +73,7 @@ from resumable.capture import iter_tensor_refs
 from resumable.commit import committer_for, list_committed, step_dir
 from resumable.coordination import Agreement, CoordinationStore, StoreCoordinator
 from resumable.format import decode_manifest, plan_layout
+from resumable.nodes import NodeObjects
 from resumable.parts import build_top, check_parts, decode_part, merge, part_entry
 from resumable.pipeline.write import WriteRequest, write_distributed
 from resumable.policy import Keep
@@ -380,11 +381,17 @@ def _rank_state(rank: int, n: int, tensors: int) -> tuple[Snapshot, Any]:
 
 
 def commit(
-    ranks: Ranks, storage: Storage, steps: list[int], tensors: int, seq0: int = 3
+    ranks: Ranks,
+    storage: Storage,
+    steps: list[int],
+    tensors: int,
+    seq0: int = 3,
+    nodes: Callable[[int], NodeObjects] | None = None,
 ) -> dict[str, Any]:
     """`write_distributed` of each step in ``steps`` on every rank (coordination key
     ``p<seq0>``, ``p<seq0+1>``...: from the third on rank 0 also clears the keys of the
-    one before the last, so the counts are those of a save in a long run)."""
+    one before the last, so the counts are those of a save in a long run). With
+    ``nodes`` (each rank's `NodeObjects`), one object per node."""
     n = ranks.n
     states = [_rank_state(r, n, tensors) for r in range(n)]
     committer = committer_for(storage)
@@ -404,7 +411,9 @@ def commit(
             coord.marks = marks[r]
             snap, tree = states[r]
             t0 = marks[r]["begin"] = time.perf_counter()
-            write_distributed(coord, storage, committer, WriteRequest(step, snap, tree, pieces={}))
+            request = WriteRequest(step, snap, tree, pieces={})
+            where = nodes(r) if nodes is not None else None
+            write_distributed(coord, storage, committer, request, nodes=where)
             return time.perf_counter() - t0
 
         wall, lat = run_ranks(n, save)
@@ -679,6 +688,51 @@ def gloo_model(n: int, obj_bytes: int) -> dict[str, Any]:
     }
 
 
+def node_objects(
+    ranks: Ranks,
+    roots: Path,
+    s3: Any,
+    *,
+    node_size: int,
+    tensors: int,
+    s3_max_n: int,
+    sample: int,
+) -> dict[str, Any]:
+    """The commit, retention and restore planning with one object per node
+    (`resumable.nodes`; ``node_size`` ranks a node, staged under ``roots``): on a local
+    root, and on ``s3://`` (a real commit up to ``s3_max_n``, above it the local root's
+    checkpoints copied into a bucket, as `s3_from_copy` does for a file per rank)."""
+    n = ranks.n
+    staging = str(roots / f"staging-{n}")
+
+    def where(r: int) -> NodeObjects:
+        leader = r - r % node_size
+        return NodeObjects(leader, min(node_size, n - leader), f"group-{leader}", staging)
+
+    root = roots / f"nodes-{n}"
+    local = open_storage(str(root))
+    out: dict[str, Any] = {"node_size": node_size, "nodes": -(-n // node_size)}
+    out["commit_local"] = commit(ranks, local, [1, 2], tensors, seq0=9, nodes=where)["last"]
+    if s3 is not None and n > s3_max_n:
+        out.update(s3_from_copy(root, s3, n, sample))
+    elif s3 is not None:
+        client = s3.client()
+        counter = S3Counter(client)
+        bucket = s3.new_bucket("scale-nodes")
+        store = open_storage(f"s3://{bucket}/run", {"client": client})
+        counter.take()
+        res = commit(ranks, store, [1, 2], tensors, seq0=11, nodes=where)
+        calls, _ = counter.take()
+        out["commit_s3"] = res["last"]
+        out["commit_s3"]["requests_two_saves"] = calls
+        out["s3_objects_per_checkpoint"] = len(store.list_files("step-000000000002"))
+        out.update(_s3_after_commit(store, client, counter, bucket, n, sample))
+    out["retention_local"] = retention(local, None, 2)
+    out["restore_local"] = restore_plan(local, 2, n, None, sample)
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 # ------------------------------------------------------------------------- one N
 
 
@@ -692,9 +746,11 @@ def measure(
     manifest_max_n: int = 1024,
     commit_max_n: int = 4096,
     s3_max_n: int = 1024,
+    node_size: int = 8,
     log: Log = lambda m: None,
 ) -> dict[str, Any]:
-    """Every phase at each N of ``ns``; ``s3`` is an `S3Server` (tests/s3server.py) or None."""
+    """Every phase at each N of ``ns``; ``s3`` is an `S3Server` (tests/s3server.py) or None.
+    ``node_size``: ranks per node of the one-object-per-node rows (0: none)."""
     out: dict[str, Any] = {"ns": ns, "by_n": {}}
     for n in ns:
         row: dict[str, Any] = {}
@@ -739,6 +795,18 @@ def measure(
                         f"  N={n}: commit (s3) {row['commit_s3']['wall_s']:.3f} s, retention "
                         f"{row['retention_s3']['s']:.3f} s"
                     )
+                if node_size:
+                    row["nodes"] = node_objects(
+                        ranks,
+                        roots,
+                        s3,
+                        node_size=node_size,
+                        tensors=commit_tensors,
+                        s3_max_n=s3_max_n,
+                        sample=sample,
+                    )
+                    got = row["nodes"].get("retention_s3", row["nodes"]["retention_local"])
+                    log(f"  N={n}: one object per node, retention {got['s']:.3f} s")
         finally:
             ranks.close()
         row["manifest"] = manifest(n, manifest_tensors, merged=n <= manifest_max_n)
@@ -789,6 +857,20 @@ SERIES: list[tuple[str, tuple[str, ...], str]] = [
     ("storage calls per rank, restore, local", ("restore_local", "storage_calls_per_rank"), "req"),
     ("s3 requests per rank, restore", ("restore_s3", "requests_per_rank"), "req"),
     ("s3 requests, retention", ("retention_s3", "requests_total"), "req"),
+    ("one object per node: commit wall, local root", ("nodes", "commit_local", "wall_s"), "s"),
+    ("one object per node: retention, s3://", ("nodes", "retention_s3", "s"), "s"),
+    ("one object per node: s3 delete floor", ("nodes", "delete_floor_s3", "s"), "s"),
+    (
+        "one object per node: restore planning per rank, s3://",
+        ("nodes", "restore_s3", "per_rank_s"),
+        "s",
+    ),
+    (
+        "one object per node: store ops, other rank per save",
+        ("nodes", "commit_local", "ops_per_rank", "max"),
+        "ops",
+    ),
+    ("one object per node: store ops, rank 0", ("nodes", "commit_local", "ops_rank0"), "ops"),
 ]
 
 
@@ -916,6 +998,7 @@ PLOT_TIMES = [
     "commit wall, local root",
     "retention, s3://",
     "s3 delete floor: the same objects, raw DeleteObjects",
+    "one object per node: retention, s3://",
     "restore planning per rank, s3://",
     "restore decode, top + own part (500 tensors/rank)",
     "all parts decode, merged (500 tensors/rank)",
@@ -991,6 +1074,31 @@ def render(out: dict[str, Any], source: str) -> str:
                 + ", ".join(f"{k} {v}" for k, v in sorted(req.items()))
                 + " |"
             )
+    node_rows = [(n, out["by_n"][str(n)]["nodes"]) for n in ns if "nodes" in out["by_n"][str(n)]]
+    node_rows = [(n, r) for n, r in node_rows if "retention_s3" in r]
+    if node_rows:
+        size = node_rows[0][1]["node_size"]
+        lines += [
+            "",
+            f"One object per node (`node_objects=True`, {size} ranks a node: format version "
+            "6), on `s3://`:",
+            "",
+            "| N | nodes | objects per checkpoint | objects deleted | retention | delete floor "
+            "| retention ÷ floor | restore planning per rank | retention ÷ a file per rank |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for n, r in node_rows:
+            floor = r.get("delete_floor_s3", {}).get("s")
+            took = r["retention_s3"]["s"]
+            per_rank = out["by_n"][str(n)].get("retention_s3", {}).get("s")
+            copied = " (copied)" if "s3_from_copy" in r else ""
+            lines.append(
+                f"| {n}{copied} | {r['nodes']} | {r['s3_objects_per_checkpoint']} | "
+                f"{r['retention_s3'].get('objects_deleted', '-')} | {_fmt(took, 's')} | "
+                f"{_fmt(floor, 's')} | {f'{took / floor:.2f}x' if floor else '-'} | "
+                f"{_fmt(r['restore_s3']['per_rank_s'], 's')} | "
+                f"{f'{took / per_rank:.2f}x' if per_rank else '-'} |"
+            )
     stops = out.get("stops", [])
     if stops:
         lines += ["", "Where the run stopped short:", ""] + [f"- {s}" for s in stops]
@@ -1046,6 +1154,7 @@ def run_phase(
     manifest_max_n: int = 1024,
     commit_max_n: int = 4096,
     s3_max_n: int = 1024,
+    node_size: int = 8,
 ) -> dict[str, Any]:
     """The scale phase of ``make bench``: `measure` at every N, SeaweedFS started here."""
     ns = list(ns or NS)
@@ -1063,6 +1172,7 @@ def run_phase(
             manifest_max_n=manifest_max_n,
             commit_max_n=commit_max_n,
             s3_max_n=s3_max_n,
+            node_size=node_size,
             log=log,
         )
     stops = []
@@ -1094,7 +1204,11 @@ def run_phase(
             "but for the attempt's directory an object store commit puts them under"
         )
     out["stops"] = stops
-    out["settings"] = {"commit_tensors": commit_tensors, "manifest_tensors": manifest_tensors}
+    out["settings"] = {
+        "commit_tensors": commit_tensors,
+        "manifest_tensors": manifest_tensors,
+        "node_size": node_size,
+    }
     out["machine"] = f"{os.cpu_count()} CPUs, {socket.gethostname().split('.')[0]}"
     out["wall_s"] = round(time.perf_counter() - started, 1)
     return out
@@ -1113,6 +1227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manifest-max-n", type=int, default=1024)
     ap.add_argument("--commit-max-n", type=int, default=4096)
     ap.add_argument("--s3-max-n", type=int, default=1024)
+    ap.add_argument(
+        "--node-size", type=int, default=8, help="ranks per node of the node-object rows (0: none)"
+    )
     ap.add_argument("--docs", action="store_true", help="rewrite the block in docs/scale.md")
     ap.add_argument("--results-dir", type=Path, default=HERE / "results")
     ap.add_argument(
@@ -1136,6 +1253,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest_max_n=args.manifest_max_n,
             commit_max_n=args.commit_max_n,
             s3_max_n=args.s3_max_n,
+            node_size=args.node_size,
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

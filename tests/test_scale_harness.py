@@ -8,6 +8,9 @@ rank 0 does at most a constant times N; nothing is left in the store by the deci
 or by the restore's verdicts (a constant number of store operations per rank);
 a rank's restore planning makes a constant number of storage calls; retention of one
 checkpoint makes the same storage calls at any N (and, on ``s3://``, the same requests).
+With one object per node (`resumable.nodes`), a checkpoint is one object per node and
+the manifest, and a rank does one store operation more, its node's leader O(ranks per
+node) more.
 """
 
 from __future__ import annotations
@@ -189,3 +192,53 @@ def test_a_commit_says_where_each_rank_waited(measured: dict, where: str) -> Non
     assert list(got) == [name for name, _, _ in scale.PHASES]
     for phase in got.values():
         assert 0 <= phase["median"] <= phase["max"] and 0 <= phase["max_rank"] < 16
+
+
+def test_one_object_per_node_costs_a_rank_one_more_store_operation(measured: dict) -> None:
+    """With one object per node (8 ranks a node here), each rank posts what it staged to
+    its node's leader: one store operation more than a file per rank; a leader waits
+    for, reads and removes its node's keys (2 + 8 more: O(ranks per node), not O(N))."""
+    c4, c16 = (
+        _row(measured, 4)["nodes"]["commit_local"],
+        _row(measured, 16)["nodes"]["commit_local"],
+    )
+    assert c4["ops_per_rank"] == {"max": 4, "min": 4}  # one node, led by rank 0
+    assert c16["ops_per_rank"] == {"max": 4 + 2 + 8, "min": 4}  # rank 8 leads the second
+    assert c4["ops_rank0"] == 4 + 7 + 1 + 2 + 4
+    assert c16["ops_rank0"] == 16 + 7 + 1 + 2 + 8
+
+
+def test_one_object_per_node_on_s3_is_an_object_per_node_and_deletes_them(
+    measured_s3: dict,
+) -> None:
+    n4, n16 = _row(measured_s3, 4)["nodes"], _row(measured_s3, 16)["nodes"]
+    # The manifest and one object per node (1 and 2 nodes of at most 8 ranks), against
+    # 2N + 1 with a data file and a part per rank.
+    assert n4["s3_objects_per_checkpoint"] == 1 + 1
+    assert n16["s3_objects_per_checkpoint"] == 1 + 2
+    assert _row(measured_s3, 16)["s3_objects_per_checkpoint"] == 2 * 16 + 1
+    assert n4["retention_s3"]["steps_deleted"] == n16["retention_s3"]["steps_deleted"] == [1]
+    assert n16["retention_s3"]["objects_deleted"] - n4["retention_s3"]["objects_deleted"] == 1
+    assert n4["retention_s3"]["requests"] == n16["retention_s3"]["requests"]
+    # A rank's restore planning: the same requests at any N (the top, its part's range
+    # of its node's object, its file's).
+    assert n4["restore_s3"]["requests_per_rank"] == n16["restore_s3"]["requests_per_rank"]
+    assert n16["delete_floor_s3"]["objects"] == n16["retention_s3"]["objects_deleted"]
+
+
+def test_one_object_per_node_on_a_copy_sends_what_an_s3_commit_would(
+    measured_s3: dict, seaweedfs: Any, tmp_path: Path
+) -> None:
+    ranks = scale.Ranks(16)
+    try:
+        got = scale.node_objects(
+            ranks, tmp_path, seaweedfs, node_size=8, tensors=2, s3_max_n=8, sample=2
+        )
+    finally:
+        ranks.close()
+    real = _row(measured_s3, 16)["nodes"]
+    assert got["s3_from_copy"]["objects_put"] == 2 * (1 + 2)
+    assert got["s3_objects_per_checkpoint"] == real["s3_objects_per_checkpoint"] == 3
+    assert got["retention_s3"]["requests"] == real["retention_s3"]["requests"]
+    assert got["retention_s3"]["objects_deleted"] == real["retention_s3"]["objects_deleted"] - 1
+    assert got["restore_s3"]["requests_per_rank"] == real["restore_s3"]["requests_per_rank"]
