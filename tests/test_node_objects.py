@@ -382,3 +382,27 @@ def test_on_s3_a_checkpoint_is_one_object_per_node_and_retention_deletes_them(
         assert len(storage.list_files(step_dir(2))) == 3
     finally:
         storage.close()
+
+
+def test_a_sweep_removes_only_stale_staged_persists(tmp_path: Path) -> None:
+    """What a rank killed while it staged leaves is removed at the next start by its
+    node's leader (`Staging.sweep`): only directories named as a persist's, untouched
+    for the given time."""
+    import os
+
+    from resumable.nodes import Staging
+
+    stale, fresh, other = (
+        tmp_path / "0123456789abcdef",
+        tmp_path / "fedcba9876543210",
+        tmp_path / "mine",
+    )
+    for d in (stale, fresh, other):
+        d.mkdir()
+        (d / "rank-00001.safetensors").write_bytes(b"x")
+    old = 1_000_000_000
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    assert Staging.sweep(str(tmp_path), 3600) == [stale.name]
+    assert not stale.exists() and fresh.exists() and other.exists()
+    assert Staging.sweep(str(tmp_path / "missing"), 3600) == []

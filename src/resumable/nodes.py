@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +98,13 @@ class NodeObjects:
         return cls(place.rank - place.local_rank, place.local_world_size, place.node, where)
 
 
+STALE_STAGING_S = 6 * 3600.0
+"""How long a staged persist's directory may stay untouched before `Staging.sweep` takes
+it for the leftover of a killed rank (a leader waits `dist_timeout_s` for its node, 600 s
+by default, and uploads in minutes)."""
+_STAGED_DIR = re.compile(r"[0-9a-f]{16}")
+
+
 class Staging:
     """One persist's staged files on this node: a directory named after the attempt,
     written without fsync (nobody reads them after a crash), removed by each rank for
@@ -141,6 +150,27 @@ class Staging:
 
     def clear(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    @staticmethod
+    def sweep(staging: str, older_than_s: float = STALE_STAGING_S) -> list[str]:
+        """Remove the persists' directories in ``staging`` untouched for ``older_than_s``
+        (left by ranks killed while they staged: a live persist's leader gives up long
+        before); returns their names. Only names a `Staging` makes are touched."""
+        try:
+            names = os.listdir(staging)
+        except OSError:
+            return []
+        now, gone = time.time(), []
+        for name in names:
+            path = os.path.join(staging, name)
+            try:
+                if not _STAGED_DIR.fullmatch(name) or now - os.stat(path).st_mtime < older_than_s:
+                    continue
+            except OSError:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(name)
+        return gone
 
 
 class SegmentView(ForwardingStorage):

@@ -21,7 +21,7 @@ from resumable.coordination import Agreement, CoordinationStore
 from resumable.errors import CheckpointError, OptionError
 from resumable.group import Group
 from resumable.monitor import Monitor
-from resumable.nodes import NodeObjects
+from resumable.nodes import STALE_STAGING_S, NodeObjects, Staging
 from resumable.options import CheckpointOptions, PersistMode, Url
 from resumable.pipeline.memory import MemoryTier
 from resumable.pipeline.persister import BackgroundPersister, Persister, SyncPersister
@@ -132,6 +132,9 @@ def build_parts(
     timeout_s = options.distributed.seconds
     # The trainers agree on each due persist through the store too.
     nodes = NodeObjects.from_env() if options.distributed.node_objects and world_size > 1 else None
+    if nodes is not None and nodes.leader == rank:  # what ranks killed while staging left
+        for name in Staging.sweep(nodes.staging, max(STALE_STAGING_S, 4 * timeout_s)):
+            log.warning("removed a stale staged persist %s from %s", name, nodes.staging)
     store = (
         CoordinationStore(group, timeout_s, nodes=nodes)
         if mode != "sync" and world_size > 1
