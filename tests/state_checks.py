@@ -160,3 +160,63 @@ class ThreadRanks:
 
     def abandon(self, reason: str) -> None:
         pass
+
+
+def save_thread_ranks(
+    storage: Any,
+    step: int,
+    states: list[dict[str, Any]],
+    *,
+    nodes: Callable[[int], Any] | None = None,
+    storage_of: Callable[[int], Any] | None = None,
+) -> None:
+    """Commit ``step`` of ``len(states)`` ranks into ``storage``, each rank a thread of
+    this process running the real `write_distributed` on its state (metrics ``loss``
+    1/step): its replicated tensors shared out as `owned_tensors` does, with their
+    holders. ``nodes``: each rank's `NodeObjects` (one object per node); ``storage_of``:
+    the storage a rank writes through. Raises the first rank's error."""
+    import threading
+
+    from resumable.capture import capture
+    from resumable.commit import committer_for
+    from resumable.pieces import owned_tensors
+    from resumable.pipeline.write import WriteRequest, replicated_holders, write_distributed
+    from resumable.snapshot import Arena
+
+    world = len(states)
+    shared: dict[Any, Any] = {}
+    meet = threading.Barrier(world, timeout=60)
+    committer = committer_for(storage)
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            cap = capture(states[r], include_rng=False, rank=r, world_size=world)
+            sizes = {n: t.numel() * t.element_size() for n, t in cap.tensors.items()}
+            own = owned_tensors(cap.tensors, cap.replicated, r, world)
+            request = WriteRequest(
+                step,
+                Arena().snapshot(own),
+                cap.tree,
+                {"loss": 1.0 / step},
+                cap.pieces,
+                replicated_holders(sizes, cap.replicated, r, world),
+            )
+            write_distributed(
+                ThreadRanks(r, world, shared, meet),
+                storage_of(r) if storage_of is not None else storage,
+                committer,
+                request,
+                nodes=nodes(r) if nodes is not None else None,
+            )
+        except BaseException as exc:
+            errors.append(exc)
+            meet.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

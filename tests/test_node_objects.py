@@ -16,7 +16,6 @@ them all.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,15 @@ import pytest
 import torch
 
 import resumable
-from resumable.capture import capture
 from resumable.cli import main
-from resumable.commit import committer_for, step_dir
+from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, PersistError
 from resumable.format import MANIFEST, encode_manifest, manifest_digest
 from resumable.nodes import NodeObjects, node_file
-from resumable.pieces import owned_tensors
-from resumable.pipeline.write import WriteRequest, replicated_holders, write_distributed
 from resumable.reader import CheckpointReader
-from resumable.snapshot import Arena
 from resumable.storage import open_storage
 from resumable.storage.base import ForwardingStorage, Storage
-from state_checks import ThreadRanks
+from state_checks import save_thread_ranks
 
 
 def _model(step: int) -> torch.nn.Module:
@@ -62,43 +57,27 @@ def _save(
 ) -> None:
     """Step ``step`` of ``world`` thread ranks, ``per_node`` to a node: the same module
     on each (replicated) and a tensor of each rank's own. Raises the first rank's error."""
-    shared: dict[Any, Any] = {}
-    meet = threading.Barrier(world, timeout=60)
-    committer = committer_for(storage)
-    errors: list[BaseException] = []
     models = [_model(step) for _ in range(world)]
+    states = [
+        {"model": m, "extra": {"mine": torch.full((5,), float(r))}} for r, m in enumerate(models)
+    ]
+    save_thread_ranks(
+        storage,
+        step,
+        states,
+        nodes=nodes or (lambda r: _nodes(r, world, per_node, staging)),
+        storage_of=storage_of,
+    )
 
-    def rank(r: int) -> None:
-        try:
-            state = {"model": models[r], "extra": {"mine": torch.full((5,), float(r))}}
-            cap = capture(state, include_rng=False, rank=r, world_size=world)
-            sizes = {n: t.numel() * t.element_size() for n, t in cap.tensors.items()}
-            own = owned_tensors(cap.tensors, cap.replicated, r, world)
-            request = WriteRequest(
-                step,
-                Arena().snapshot(own),
-                cap.tree,
-                {"loss": 1.0 / step},
-                cap.pieces,
-                replicated_holders(sizes, cap.replicated, r, world),
-            )
-            write_distributed(
-                ThreadRanks(r, world, shared, meet),
-                storage_of(r) if storage_of is not None else storage,
-                committer,
-                request,
-                nodes=nodes(r) if nodes is not None else _nodes(r, world, per_node, staging),
-            )
-        except BaseException as exc:
-            errors.append(exc)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+def _restored(root: Path) -> int:
+    """The step a process restores from ``root``, its module checked against that step's."""
+    state = {"model": _model(0)}
+    with resumable.Checkpointer(root, state, keep=None) as ckpt:
+        step = ckpt.restore(reset_per_rank_state=True)
+    for k, v in _model(step).state_dict().items():
+        assert torch.equal(state["model"].state_dict()[k], v)
+    return step
 
 
 def _top(root: Path, step: int) -> dict[str, Any]:
@@ -144,11 +123,7 @@ def test_a_checkpoint_restores_into_one_process_and_exports(
     storage = open_storage(str(root))
     _save(storage, 1, 4, 2, tmp_path / "staging")
     _save(storage, 2, 4, 2, tmp_path / "staging")
-    state = {"model": _model(0)}
-    with resumable.Checkpointer(root, state, keep=None) as ckpt:
-        assert ckpt.restore(reset_per_rank_state=True) == 2
-    for k, v in _model(2).state_dict().items():
-        assert torch.equal(state["model"].state_dict()[k], v)
+    assert _restored(root) == 2
     assert main(["verify", str(root), "--all"]) == 0
     assert main(["show", str(root)]) == 0
     out = tmp_path / "model.safetensors"
@@ -177,11 +152,7 @@ def test_a_flipped_byte_in_a_node_object_is_refused_and_the_restore_falls_back(
     capsys.readouterr()
     assert main(["verify", str(root), "--all"]) == 1
     assert f"CORRUPT  {step_dir(2)}" in capsys.readouterr().out
-    state = {"model": _model(0)}
-    with resumable.Checkpointer(root, state, keep=None) as ckpt:
-        assert ckpt.restore(reset_per_rank_state=True) == 1
-    for k, v in _model(1).state_dict().items():
-        assert torch.equal(state["model"].state_dict()[k], v)
+    assert _restored(root) == 1
 
 
 @pytest.mark.parametrize("change", ["cut", "grown", "missing"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,8 @@ import pytest
 import torch
 
 import resumable
-from resumable.capture import capture
 from resumable.cli import main
-from resumable.commit import committer_for, step_dir
+from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError
 from resumable.format import (
     CHECKSUM,
@@ -36,13 +34,10 @@ from resumable.format import (
     encode_manifest,
     manifest_digest,
 )
-from resumable.pieces import owned_tensors
-from resumable.pipeline.write import WriteRequest, replicated_holders, write_distributed
 from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
-from resumable.snapshot import Arena
 from resumable.storage import open_storage
-from state_checks import ThreadRanks
+from state_checks import save_thread_ranks
 
 
 def _model(step: int) -> torch.nn.Module:
@@ -53,39 +48,11 @@ def _model(step: int) -> torch.nn.Module:
 def _save(root: Path, step: int, world: int) -> None:
     """Step ``step`` of ``world`` thread ranks: the same module on each (replicated),
     and a tensor of each rank's own."""
-    storage = open_storage(str(root))
-    shared: dict[Any, Any] = {}
-    meet = threading.Barrier(world, timeout=60)
-    committer = committer_for(storage)
-    errors: list[BaseException] = []
     models = [_model(step) for _ in range(world)]  # seeded here: threads share the seed
-
-    def rank(r: int) -> None:
-        try:
-            state = {"model": models[r], "extra": {"mine": torch.full((5,), float(r))}}
-            cap = capture(state, include_rng=False, rank=r, world_size=world)
-            sizes = {n: t.numel() * t.element_size() for n, t in cap.tensors.items()}
-            own = owned_tensors(cap.tensors, cap.replicated, r, world)
-            request = WriteRequest(
-                step,
-                Arena().snapshot(own),
-                cap.tree,
-                {"loss": 1.0 / step},
-                cap.pieces,
-                replicated_holders(sizes, cap.replicated, r, world),
-            )
-            write_distributed(ThreadRanks(r, world, shared, meet), storage, committer, request)
-        except BaseException as exc:
-            errors.append(exc)
-            meet.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    states = [
+        {"model": m, "extra": {"mine": torch.full((5,), float(r))}} for r, m in enumerate(models)
+    ]
+    save_thread_ranks(open_storage(str(root)), step, states)
 
 
 class _Counted:
