@@ -867,6 +867,11 @@ SERIES: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "one object per node: store ops, other rank per save",
+        ("nodes", "commit_local", "ops_per_rank", "min"),
+        "ops",
+    ),
+    (
+        "one object per node: store ops, a node's leader per save",
         ("nodes", "commit_local", "ops_per_rank", "max"),
         "ops",
     ),
