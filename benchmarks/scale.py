@@ -36,10 +36,11 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
   one part (what a rank restoring at the same world size decodes), at every N; every
   part decoded and merged (a reshard, ``verify``), up to ``--manifest-max-n``.
 
-Not simulated: the gloo side group (`resumable.group.Group`; the sync persist path, the
-restore's verdicts without a coordination store and the memory tier's offers use
-``all_gather_object``). 4,096 gloo ranks cannot run on one machine; its cost is
-modelled by messages and bytes (`gloo_model`). All simulated
+Not simulated: the gloo side group (`resumable.group.Group`: the sync persist path
+gathers a save's reports on rank 0 with gloo's ``gather``; the restore's verdicts
+without a coordination store and the memory tier's offers use ``all_gather_object``).
+4,096 gloo ranks cannot run on one machine; its cost is modelled by messages and bytes
+(`gloo_model`). All simulated
 ranks share one interpreter (one GIL) on this machine's cores, so work that real ranks do
 in parallel is serialized here: per-rank latencies are reported beside wall times.
 """
@@ -679,12 +680,21 @@ def manifest(n: int, tensors: int, *, merged: bool = True) -> dict[str, Any]:
 
 
 def gloo_model(n: int, obj_bytes: int) -> dict[str, Any]:
-    """`Group.gather` (``all_gather_object`` on gloo, ring all-gather): two all-gathers
-    (the sizes, then the padded objects), each N-1 messages per rank."""
+    """`Group.all_gather` (``all_gather_object`` on gloo, ring all-gather: a restore's
+    offers and verdicts, a close's offers): two all-gathers (the sizes, then the padded
+    objects), each N-1 messages per rank; and `Group.gather` (a save's reports on the
+    sync path, ``save_reports``): each rank sends rank 0 its length, rank 0 broadcasts
+    the longest to the N-1 others, each rank sends its padded bytes: 3 messages per rank,
+    3(N-1) in all."""
     return {
         "messages_per_rank": 2 * (n - 1),
         "messages_total": 2 * n * (n - 1),
         "bytes_received_per_rank": (n - 1) * (8 + obj_bytes),
+        "save_reports": {
+            "messages_per_rank": 3 if n > 1 else 0,
+            "messages_total": 3 * (n - 1),
+            "bytes_received_rank0": (n - 1) * (8 + obj_bytes),
+        },
     }
 
 

@@ -294,6 +294,15 @@ def save_in_memory(out: Path, root: str) -> Checkpointer:
 
 
 def phase_world4(out: Path, report: dict[str, Any]) -> None:
+    from resumable.group import current_group
+
+    group = current_group()
+    assert group is not None
+    rank = group.rank
+    # A save's reports reach rank 0 alone (`Group.gather`, O(N) messages), of any length;
+    # the decisions every rank takes see every rank's answer (`Group.all_gather`).
+    report["gathered"] = group.gather({"rank": rank, "pad": "x" * (300 * rank)}, "reports")
+    report["all_gathered"] = group.all_gather(rank * 10)
     model, optim = build("fsdp")
     train(model, optim, range(1, 4))
     with open_ck(out / "fsdp4", model, optim) as ck:

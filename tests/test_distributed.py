@@ -115,6 +115,18 @@ def assert_same_state(runs: Runs, want: str, got: str) -> None:
     assert got_groups == want_groups
 
 
+def test_a_saves_reports_reach_rank_0_alone_and_a_decisions_answers_every_rank(
+    runs: Runs,
+) -> None:
+    """`Group.gather` (the reports of a save on the sync path: O(N) messages) gives rank
+    0 every rank's report, of whatever length, in rank order, and the others nothing;
+    `Group.all_gather` gives every rank every answer."""
+    reports = runs.reports("world4", 4)
+    assert reports[0]["gathered"] == [{"rank": r, "pad": "x" * (300 * r)} for r in range(4)]
+    assert [r["gathered"] for r in reports[1:]] == [[], [], []]
+    assert [r["all_gathered"] for r in reports] == [[0, 10, 20, 30]] * 4
+
+
 def restored(report: dict[str, Any], case: str) -> int:
     result = report[case]
     assert "value" in result, f"rank {report['rank']}: {case} failed: {result}"

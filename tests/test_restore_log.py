@@ -65,10 +65,10 @@ def test_a_restore_from_shared_memory_names_the_tier(
 
 
 def one_more_rank(answer: tuple[Any, ...]) -> Any:
-    """`Group.gather` as if a second rank answered the memory tier's offer (``mine``,
+    """`Group.all_gather` as if a second rank answered the memory tier's offer (``mine``,
     ``had``, ``why``, ``warned``, and the replicas it holds: none) with ``answer``;
     every other exchange agrees."""
-    real = Group.gather
+    real = Group.all_gather
 
     def gather(self: Group, obj: Any, name: str = "") -> list[Any]:
         out = real(self, obj, name)
@@ -97,7 +97,7 @@ def test_a_newer_snapshot_thrown_away_is_said_at_warning(
     root = tmp_path / "ck"
     killed = run_trainer(root, shm_dir, stop_at=17, mode="process")  # step 10 committed
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    monkeypatch.setattr(Group, "gather", one_more_rank(answer))
+    monkeypatch.setattr(Group, "all_gather", one_more_rank(answer))
     caplog.set_level(logging.WARNING, logger="resumable")
     with resumable.Checkpointer(root, make_state(), persist="thread", shm_dir=shm_dir) as ck:
         assert ck.restore() == 10

@@ -143,6 +143,7 @@ def test_retention_and_restore_ran(measured: dict) -> None:
         assert row["manifest"]["tensors"] == 20 * n
         assert row["manifest"]["restore_decode_s"] > 0 and row["manifest"]["decode_s"] > 0
         assert row["gloo_model"]["messages_per_rank"] == 2 * (n - 1)
+        assert row["gloo_model"]["save_reports"]["messages_total"] == 3 * (n - 1)
 
 
 def test_fits_and_docs_render(measured: dict, tmp_path: Path) -> None:

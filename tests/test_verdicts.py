@@ -152,7 +152,7 @@ class _Group:
         self.answers = answers
         self.world_size = len(answers)
 
-    def gather(self, obj: Any, name: str = "") -> list[Any]:
+    def all_gather(self, obj: Any, name: str = "") -> list[Any]:
         return self.answers
 
 

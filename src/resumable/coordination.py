@@ -197,7 +197,7 @@ def said(verdicts: list[Verdict]) -> list[Verdict]:
 
 
 class GroupVerdicts:
-    """The restore's verdicts over the side group (`resumable.group.Group.gather`): an
+    """The restore's verdicts over the side group (`resumable.group.Group.all_gather`): an
     all-gather, 2(N-1) messages per rank on gloo. With one process, its own verdict."""
 
     def __init__(self, group: Any) -> None:
@@ -206,7 +206,7 @@ class GroupVerdicts:
     def collect(self, mine: Verdict | None) -> list[Verdict]:
         """Every rank's verdict that is not None, the same list on every rank (`said`).
         Collective: every rank calls it for each candidate, in the same order."""
-        return said([_verdict(v) for v in self.group.gather(mine, "verdicts") if v is not None])
+        return said([_verdict(v) for v in self.group.all_gather(mine, "verdicts") if v is not None])
 
 
 class StoreVerdicts:

@@ -42,8 +42,12 @@ class Group:
     def coordinator(self) -> bool:
         return self.rank == 0
 
-    def gather(self, obj: Any, name: str = "") -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank.
+    def all_gather(self, obj: Any, name: str = "") -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank: ``all_gather_object``,
+        2(N - 1) messages per rank, 2N(N - 1) in all. What a decision every rank takes
+        from every rank's answer needs (a restore's offers and verdicts, a close's
+        offers, the replicas' placement), once per restore or launch; a save's reports
+        go to rank 0 alone (`gather`).
 
         Args:
             obj: this rank's contribution (picklable by ``torch.distributed``).
@@ -64,11 +68,50 @@ class Group:
         try:
             dist.all_gather_object(out, obj, group=self.pg)
         except RuntimeError as exc:  # a rank died, hung past the timeout, or the group broke
-            raise PersistError(
-                f"rank {self.rank}: checkpoint coordination with the other ranks failed "
-                f"({str(exc).splitlines()[0][:300]}); nothing was committed by this step"
-            ) from exc
+            raise self._gather_failed(exc) from exc
         return out
+
+    def gather(self, obj: Any, name: str = "") -> list[Any]:
+        """Every rank's ``obj``, in rank order, on rank 0 (an empty list elsewhere):
+        what a coordinated save's reports need (`write_distributed`). O(N) messages in
+        all, not an all-gather's N²: each rank sends rank 0 its length, rank 0
+        broadcasts the longest, and each rank sends its bytes padded to it (three gloo
+        collectives, ``gather``, ``broadcast``, ``gather``).
+
+        Args:
+            obj: this rank's contribution: a JSON value (a report).
+            name: unused here; `resumable.coordination`'s interface names its exchanges.
+
+        Returns:
+            On rank 0 the ``obj`` of every rank, in rank order; elsewhere an empty list.
+
+        Raises:
+            PersistError: the collective failed.
+        """
+        if self.world_size == 1:
+            return [obj]
+        import json
+
+        import torch.distributed as dist
+
+        data = json.dumps(obj).encode()
+        root = self.rank == 0
+        try:
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.gather(size, sizes if root else None, dst=0, group=self.pg)
+            longest = torch.tensor([max(int(t) for t in sizes) if root else 0])
+            dist.broadcast(longest, src=0, group=self.pg)
+            mine = torch.zeros(int(longest), dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            bufs = [torch.empty_like(mine) for _ in range(self.world_size)] if root else None
+            dist.gather(mine, bufs, dst=0, group=self.pg)
+        except RuntimeError as exc:
+            raise self._gather_failed(exc) from exc
+        if not root:
+            return []
+        assert bufs is not None
+        return [json.loads(bytes(b[: int(n)].numpy())) for b, n in zip(bufs, sizes, strict=True)]
 
     def broadcast(self, obj: Any, name: str = "") -> Any:
         """Rank 0's ``obj`` on every rank.
@@ -115,7 +158,7 @@ class Group:
         Raises:
             PersistError: the collective failed.
         """
-        got = self.gather(obj, name)
+        got = self.all_gather(obj, name)
         return [got[r] for r in members] if self.rank == leader else []
 
     def abandon(self, reason: str) -> None:
@@ -162,6 +205,12 @@ class Group:
         except RuntimeError as exc:
             raise self._failed(exc) from exc
         return bool(t.item())
+
+    def _gather_failed(self, exc: BaseException) -> PersistError:
+        return PersistError(
+            f"rank {self.rank}: checkpoint coordination with the other ranks failed "
+            f"({str(exc).splitlines()[0][:300]}); nothing was committed by this step"
+        )
 
     def _failed(self, exc: BaseException) -> PersistError:
         return PersistError(

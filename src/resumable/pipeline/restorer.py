@@ -220,7 +220,7 @@ class Restorer(RestoreValues):
         had = held[0][0].step if held else None
         replication = memory.replication
         replicas = replication.held() if replication is not None else []
-        gathered = self.group.gather((mine, had, why, warned, replicas))
+        gathered = self.group.all_gather((mine, had, why, warned, replicas))
         answers = [(_offered(a[0]), *a[1:4]) for a in gathered]
         # Where each rank's snapshot of a step is: its own memory, or a peer's replica.
         holders: dict[tuple[int, int], list[int]] = {}

@@ -208,14 +208,14 @@ class Saver:
                 committed,
             )
         # A collective save: only if every rank closes at that step.
-        offers = self._group.gather(wanted)
+        offers = self._group.all_gather(wanted)
         if final is not None and wanted is not None and all(o == wanted for o in offers):
             save(wanted, final[1])
             self._persister.wait()
         newest = self._memory.newest if self._memory is not None else None
         committed = self._persister.committed
         due = newest is not None and (committed is None or newest.step > committed)
-        offers = self._group.gather(newest.step if due and newest is not None else None)
+        offers = self._group.all_gather(newest.step if due and newest is not None else None)
         if due and newest is not None and all(o == offers[0] for o in offers):
             self.persist(newest)
             self._persister.wait()

@@ -181,7 +181,7 @@ class Replication:
         # ranks' own connections, set up by the rendezvous), before training starts.
         secret = group.broadcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self._secret = bytes(secret)
-        hosts = group.gather(socket.gethostname())
+        hosts = group.all_gather(socket.gethostname())
         self.host = settings.REPLICA_HOST.read() or (
             "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn()
         )
@@ -209,7 +209,7 @@ class Replication:
             address = (self.host, self.server.start()[1])
         except (OSError, CheckpointError, ValueError) as exc:
             problem = f"rank {self.rank}: {exc}"
-        answers = group.gather((problem, place, address))
+        answers = group.all_gather((problem, place, address))
         problems = [a[0] for a in answers if a[0]]
         if problems:
             self.close()
@@ -248,7 +248,7 @@ class Replication:
         assert self.store is not None
         available += sum(i.path.stat().st_size for i in self.store.held() if i.path.exists())
         where = str(self.store.directory.parent)
-        sizes = self.group.gather((snapshot_bytes, available, own_bytes, self.sources, where))
+        sizes = self.group.all_gather((snapshot_bytes, available, own_bytes, self.sources, where))
         problems = []
         for rank, (_, have, own, sources, at) in enumerate(sizes):
             incoming = sum(2 * int(sizes[s][0]) for s in sources)
