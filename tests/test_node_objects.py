@@ -377,3 +377,13 @@ def test_a_sweep_removes_only_stale_staged_persists(tmp_path: Path) -> None:
     assert Staging.sweep(str(tmp_path), 3600) == [stale.name]
     assert not stale.exists() and fresh.exists() and other.exists()
     assert Staging.sweep(str(tmp_path / "missing"), 3600) == []
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_node_objects_takes_true_or_false_only(bad: Any) -> None:
+    from resumable.errors import OptionError
+    from resumable.options import CheckpointOptions
+
+    with pytest.raises(OptionError, match="node_objects"):
+        CheckpointOptions.from_kwargs(node_objects=bad)
+    assert CheckpointOptions.from_kwargs(node_objects=True).distributed.node_objects
