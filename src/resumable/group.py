@@ -73,10 +73,11 @@ class Group:
 
     def gather(self, obj: Any, name: str = "") -> list[Any]:
         """Every rank's ``obj``, in rank order, on rank 0 (an empty list elsewhere):
-        what a coordinated save's reports need (`write_distributed`). O(N) messages in
-        all, not an all-gather's N²: each rank sends rank 0 its length, rank 0
-        broadcasts the longest, and each rank sends its bytes padded to it (three gloo
-        collectives, ``gather``, ``broadcast``, ``gather``).
+        what a coordinated save's reports need
+        (`resumable.pipeline.write.write_distributed`). O(N) messages in all, not an
+        all-gather's N²: each rank sends rank 0 its length, rank 0 broadcasts the
+        longest, and each rank sends its bytes padded to it (three gloo collectives,
+        ``gather``, ``broadcast``, ``gather``).
 
         Args:
             obj: this rank's contribution: a JSON value (a report).
