@@ -148,9 +148,6 @@ class Staging:
         except OSError:
             pass  # another rank's files are still there, or it is gone already
 
-    def clear(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
     @staticmethod
     def sweep(staging: str, older_than_s: float = STALE_STAGING_S) -> list[str]:
         """Remove the persists' directories in ``staging`` untouched for ``older_than_s``
