@@ -502,29 +502,29 @@ class StoreCoordinator:
 
     def gather(self, obj: Any, name: str) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
-        prefix = f"{self.key}/{name}"
-        mine = f"{prefix}/{self.rank}"
-        self._call("post", lambda: self.store.compare_set(mine, "", json.dumps(obj)))
-        if not self.coordinator:
-            return []
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            missing = [r for r, k in enumerate(keys) if not self._has(k)]
-            raise PersistError(
-                f"rank 0: no report from rank(s) {missing} within {self.timeout_s:.0f} s "
-                f"({_first_line(exc)}); nothing was committed by this step"
-            ) from exc
-        # Every report in one request (`multi_get`), not one round trip per rank on the
-        # path of every rank waiting for the outcome.
-        values = self._call("read", lambda: self.store.multi_get(keys))
-        return [json.loads(v) for v in values]
+        return self._collect(obj, name, 0, list(range(self.world_size)), "")
 
     def gather_to(self, obj: Any, name: str, leader: int, members: list[int]) -> list[Any]:
         """Every one of ``members``' ``obj`` on ``leader`` (an empty list elsewhere): one
         post per rank, one wait and one read on the leader, which then removes the keys
         (a node's exchange: O(1) per rank, O(members) on the leader)."""
+        got = self._collect(obj, name, leader, members, " of its node")
+        if self.rank == leader:
+            for r in members:
+                try:
+                    self.store.delete_key(f"{self.key}/{name}/{r}")
+                except Exception as exc:
+                    log.debug(
+                        "could not remove %s/%s/%d from the store: %s", self.key, name, r, exc
+                    )
+        return got
+
+    def _collect(
+        self, obj: Any, name: str, leader: int, members: list[int], which: str
+    ) -> list[Any]:
+        """Post this rank's ``obj`` under ``<key>/<name>/<rank>``; on ``leader``, wait for
+        every one of ``members``' keys and read them in one request (`multi_get`), not
+        one round trip per rank on the path of every rank waiting for the outcome."""
         prefix = f"{self.key}/{name}"
         mine = f"{prefix}/{self.rank}"
         self._call("post", lambda: self.store.compare_set(mine, "", json.dumps(obj)))
@@ -536,16 +536,11 @@ class StoreCoordinator:
         except Exception as exc:
             missing = [r for r, k in zip(members, keys, strict=True) if not self._has(k)]
             raise PersistError(
-                f"rank {self.rank}: no word from rank(s) {missing} of its node within "
+                f"rank {self.rank}: no report from rank(s) {missing}{which} within "
                 f"{self.timeout_s:.0f} s ({_first_line(exc)}); nothing was committed by "
                 "this step"
             ) from exc
         values = self._call("read", lambda: self.store.multi_get(keys))
-        for k in keys:
-            try:
-                self.store.delete_key(k)
-            except Exception as exc:
-                log.debug("could not remove %s from the coordination store: %s", k, exc)
         return [json.loads(v) for v in values]
 
     def abandon(self, reason: str) -> None:
