@@ -34,7 +34,9 @@ Each sample is ``[blocking, total, fsync, snapshot]`` per rank, *snapshot* being
 resumable's ``Checkpointer.last_snapshot_s`` (its capture and copy of the state).
 
 DeepSpeed's previous tag directory is removed after each round, outside the timings.
-After the rounds, the restore rounds (``reps + 1`` again, the first reported apart), the
+After the rounds, the restore rounds (``--restore-reps`` + 1, ``reps + 1`` unless given;
+`ds_bench.py` asks for `ds_bench.RESTORE_FACTOR` times the save rounds, since a restore
+takes a tenth of a second and its ratio decides a goal; the first reported apart), the
 first method rotating again; in the first and the last round engine B takes a training
 step of its own before each restore (outside the timing), so that every part of its state
 differs from A's, and B's whole state (what ``DeepSpeedState`` takes: module, fp32 master
@@ -203,6 +205,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=(0, 1, 2, 3))
     ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument(
+        "--restore-reps", type=int, default=None, help="restore rounds after a first (--reps)"
+    )
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true", help="the smoke test's model")
@@ -353,9 +358,10 @@ def main() -> None:
     loads: dict[str, list[list[float]]] = {n: [] for n in lnames}
     gc_in["restores"] = {n: [] for n in lnames}
     equal: dict[str, list[bool]] = {"deepspeed": [], "resumable": []}
-    for i in range(args.reps + 1):
+    restore_reps = args.reps if args.restore_reps is None else max(1, args.restore_reps)
+    for i in range(restore_reps + 1):
         k = i % len(lnames)
-        checked = i in (0, args.reps)
+        checked = i in (0, restore_reps)
         for name in lnames[k:] + lnames[:k]:
             checks = checked and name in equal
             if checks:
@@ -384,6 +390,7 @@ def main() -> None:
             "setup_s": round(setup_s, 3),
             "save_order": names,
             "restore_order": lnames,
+            "restore_reps": restore_reps,
             "saves": saves,
             "restores": loads,
             "gc_in_calls": gc_in,

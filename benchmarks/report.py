@@ -549,6 +549,22 @@ def render(out: Result) -> str:
     )
     if out.get("restore_page_cache") == ["warm"]:
         lines += ["", "The page cache could not be dropped: only warm restores were measured."]
+    ab = out.get("restore_cold_ab")
+    if isinstance(ab, dict) and isinstance(ab.get("resumable"), dict):
+        peer = _get(out, "methods", ab.get("peer"), "label") or ab.get("peer")
+        lines += [
+            "",
+            f"Cold restores timed again, resumable and the fastest peer of the table "
+            f"({peer}), in {ab.get('pairs')} pairs (the page cache dropped before each "
+            "restore, the first of a pair alternating), so that the goal is not decided "
+            "by the luckiest of several medians: resumable "
+            f"{_s(_median(ab['resumable']))} s, {peer} {_s(_median(ab.get('peer_restore')))} s, "
+            f"ratio of medians {ab.get('ratio_of_medians')}, median of the pairs' ratios "
+            f"{ab.get('median_pair_ratio')}; restored state equal: "
+            f"{'yes' if ab.get('restored_equal') else 'no'}.",
+        ]
+    elif isinstance(ab, dict) and ab.get("error"):
+        lines += ["", f"Cold restores timed again in pairs: not measured ({ab['error']})."]
 
     lines += ["", "## Targets", ""]
     trows = []

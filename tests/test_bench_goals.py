@@ -125,6 +125,38 @@ def test_a_save_is_judged_against_the_snapshot_of_its_own_rounds() -> None:
         assert row["result"] == result
 
 
+def test_the_cold_restore_is_decided_by_its_pairs_where_the_run_has_them() -> None:
+    out = _run()
+    res = out["methods"]["resumable"]
+    peer_med = min(
+        m["restore_cold"]["median"]
+        for name, m in out["methods"].items()
+        if name != "resumable" and isinstance(m.get("restore_cold"), dict)
+    )
+    before = _row(out, "cold restore from local disk")
+    assert before["measured"] == pytest.approx(res["restore_cold"]["median"] / peer_med)
+    for ratio, result in ((0.97, "met"), (1.06, "not met")):
+        out["restore_cold_ab"] = {
+            "peer": "dcp_save",
+            "pairs": 10,
+            "resumable": {"samples": [0.6 * ratio], "median": 0.6 * ratio},
+            "peer_restore": {"samples": [0.6], "median": 0.6},
+            "ratio_of_medians": ratio,
+            "median_pair_ratio": ratio,
+            "restored_equal": True,
+        }
+        row = _row(out, "cold restore from local disk")
+        assert row["measured"] == pytest.approx(ratio)
+        assert row["result"] == result
+        assert "timed again in 10 pairs" in row["why"]
+        text = report.render(out)
+        assert "Cold restores timed again" in text and f"ratio of medians {ratio}" in text
+    # a failed A/B leaves the round-robin's ratio to decide, and says so on the page
+    out["restore_cold_ab"] = {"peer": "dcp_save", "error": "RuntimeError: boom"}
+    assert _row(out, "cold restore from local disk")["measured"] == before["measured"]
+    assert "not measured (RuntimeError: boom)" in report.render(out)
+
+
 def test_a_run_without_a_phase_has_no_row_for_it() -> None:
     out = _run()
     for key in ("e2e", "small", "dist", "ds", "mcore"):

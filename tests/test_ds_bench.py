@@ -47,6 +47,10 @@ def test_results_hold_every_method_and_restores_are_exact(ds_result: dict[str, A
         e["save"]["resumable_sync"]["files"]
     )
     assert set(e["restore"]) == {"deepspeed", "resumable"}
+    # restores timed RESTORE_FACTOR times as often as saves (after a first, apart)
+    assert e["restore_reps"] == ds_bench.RESTORE_FACTOR
+    for m in e["restore"].values():
+        assert len(m["samples"]) == ds_bench.RESTORE_FACTOR
     assert e["restored_equal"] == {"deepspeed": True, "resumable": True}
     assert all(v is not None for v in e["ratios"].values())
     assert e["floors"]["write_gbps"] > 0 and e["floors"]["read_warm_gbps"] > 0
