@@ -407,10 +407,14 @@ def test_any_bit_flip_in_safetensors_header_is_caught(
 def test_all_checkpoints_corrupt_raises_and_leaves_state_untouched(
     saved_root: Any, small_training_state: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The last data bytes belong to the last tensor packed: every model tensor stays
-    # intact, so a loader that applied tensors before checking all of them would show.
+    # Only the random streams' bytes are damaged: every model tensor stays intact, so a
+    # loader that applied tensors before checking all of them would show. (A damaged
+    # tensor that a restore copies while it checks, an older checkpoint left to restore
+    # over it, is found while copying: docs/decisions.md.)
     for step in saved_root.steps:
-        DAMAGES["data-bit-last"](saved_root, step)
+        m = read_manifest(saved_root, step)
+        (rng,) = [n for n in m["tensors"] if n.startswith("__rng__/") and "torch_cpu" in n]
+        flip_bit(saved_root.data_file(step), m["tensors"][rng]["offsets"][1] - 1, 7)
     ts = small_training_state(seed=7, steps=1)
     before = ts.tensors()
     rng_before = torch.get_rng_state()

@@ -191,6 +191,31 @@ def test_a_byte_damaged_in_the_newest_falls_back_to_the_older_over_it(
     assert copies.count((3 << 20) * 4) == 1
 
 
+def test_a_byte_damaged_in_the_local_copy_restores_the_same_step_from_the_mirror(
+    tmp_path: Path, copies: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found while copying from the local root, the damage sends the restore to the
+    mirror's copy of the same step, not to an older step (a step would be lost)."""
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    state = build(0)
+    train(state, 1)
+    held = []
+    with Checkpointer(local, state, keep=None, incremental=False, mirror=str(mirror)) as ck:
+        for step in (1, 2):
+            train(state, 2)
+            ck.save(step)
+            held.append(flat(state))
+    flip(local, 2, "big")
+    state = fresh()
+    caplog.set_level(logging.INFO, logger="resumable")
+    with Checkpointer(local, state, keep=None, mirror=str(mirror)) as ck:
+        assert ck.restore() == 2
+    assert "restored step 2 from the mirror" in caplog.text
+    same(held[1], flat(state))
+    assert "found while copying into the live state" in caplog.text
+    assert copies.count((3 << 20) * 4) == 2  # the local copy's, then the mirror's
+
+
 def test_with_nothing_older_the_check_comes_before_any_copy(
     tmp_path: Path, copies: list[int]
 ) -> None:

@@ -512,76 +512,90 @@ class Restorer(RestoreValues):
             # no step asked for (`_decode`'s ``fuse``, `docs/decisions.md`).
             fuse = self.world_size == 1 and self.strict and i + 1 < len(candidates)
             t0 = time.perf_counter()
-            root: Storage | None = None
-            reader: CheckpointReader | None = None
-            values: dict[str, Any] = {}
-            skip: set[str] = set()
-            problem: tuple[str, str] | None = None
-            seen: list[str] = []
-            for candidate in roots[s]:
-                try:
-                    reader = CheckpointReader(candidate, s)
-                    values, skip = self._decode(reader, loc, fuse=fuse)
-                    root = candidate
+            pending = list(roots[s])  # the local root, then the mirror
+            while True:
+                root: Storage | None = None
+                reader: CheckpointReader | None = None
+                values: dict[str, Any] = {}
+                skip: set[str] = set()
+                problem: tuple[str, str] | None = None
+                seen: list[str] = []
+                while pending:
+                    candidate = pending.pop(0)
+                    try:
+                        reader = CheckpointReader(candidate, s)
+                        values, skip = self._decode(reader, loc, fuse=fuse)
+                        root = candidate
+                        break
+                    except CorruptCheckpointError as exc:
+                        last = exc
+                        seen.append(f"{candidate.url}/{step_dir(s)}: {exc}")
+                        self._skip(s, candidate, exc, skipped)
+                    except StateMismatchError as exc:
+                        if self.world_size == 1:
+                            raise _noting(exc, touched) from None
+                        problem = ("mismatch", f"rank {self.rank}: {exc}")
+                        break
+                if root is None and problem is None:
+                    problem = ("corrupt", f"rank {self.rank}: " + "; ".join(seen))
+                verdicts = self.verdicts.collect(problem)
+                if any(kind == "mismatch" for kind, _ in verdicts):
+                    raise StateMismatchError("; ".join(msg for _, msg in verdicts))
+                if verdicts:
+                    problems += seen if self.world_size == 1 else [m for _, m in verdicts]
                     break
+                assert root is not None and reader is not None
+                applied: tuple[str, str] | None = None
+                try:
+                    # Raises CorruptCheckpointError or StateMismatchError only before
+                    # touching a live object, but where a tensor is checked while it
+                    # is copied (``fuse``: `CheckpointReader.fused_started` says so).
+                    self._apply(
+                        values,
+                        skip,
+                        borrowed=reader.mapped,
+                        prepare=reader.fill,
+                        owned=reader.owned,
+                    )
                 except CorruptCheckpointError as exc:
                     last = exc
-                    seen.append(f"{candidate.url}/{step_dir(s)}: {exc}")
-                    self._skip(s, candidate, exc, skipped)
+                    if reader.fused_started:
+                        touched = s
+                        exc = CorruptCheckpointError(
+                            f"{exc} (found while copying into the live state; the checkpoint "
+                            "restored next overwrites it)"
+                        )
+                    self._skip(s, root, exc, skipped)
+                    applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
                 except StateMismatchError as exc:
+                    exc = self._way_back(exc, values, s)
                     if self.world_size == 1:
                         raise _noting(exc, touched) from None
-                    problem = ("mismatch", f"rank {self.rank}: {exc}")
+                    applied = ("mismatch", f"rank {self.rank}: {exc}")
+                failures = self.verdicts.collect(applied)
+                if any(kind == "mismatch" for kind, _ in failures):
+                    raise StateMismatchError("; ".join(msg for _, msg in failures))
+                if failures:
+                    problems += [m for _, m in failures]
+                    if self.world_size == 1 and pending:
+                        # The same step from the mirror before an older one: a damaged
+                        # byte found while copying from the local root (several ranks
+                        # agree on one step and its root before any copy, and do not
+                        # copy while they check)
+                        continue
                     break
-            if root is None and problem is None:
-                problem = ("corrupt", f"rank {self.rank}: " + "; ".join(seen))
-            verdicts = self.verdicts.collect(problem)
-            if any(kind == "mismatch" for kind, _ in verdicts):
-                raise StateMismatchError("; ".join(msg for _, msg in verdicts))
-            if verdicts:
-                problems += seen if self.world_size == 1 else [m for _, m in verdicts]
-                continue
-            assert root is not None and reader is not None
-            applied: tuple[str, str] | None = None
-            try:
-                # Raises CorruptCheckpointError or StateMismatchError only before
-                # touching a live object.
-                self._apply(
-                    values, skip, borrowed=reader.mapped, prepare=reader.fill, owned=reader.owned
+                tier = "local" if root is self.storage else "mirror"
+                self.audit.record(
+                    "restore",
+                    step=s,
+                    tier="storage" if tier == "local" else "mirror",
+                    url=root.url,
+                    bytes=sum(f["size"] for f in reader.manifest["files"].values()),
+                    ranks=self.world_size,
+                    saved_ranks=reader.manifest.get("world_size", 1),
+                    duration_s=round(time.perf_counter() - t0, 6),
                 )
-            except CorruptCheckpointError as exc:
-                last = exc
-                if reader.fused_started:
-                    touched = s
-                    exc = CorruptCheckpointError(
-                        f"{exc} (found while copying into the live state; the checkpoint "
-                        "restored next overwrites it)"
-                    )
-                self._skip(s, root, exc, skipped)
-                applied = ("corrupt", f"rank {self.rank}: {root.url}/{step_dir(s)}: {exc}")
-            except StateMismatchError as exc:
-                exc = self._way_back(exc, values, s)
-                if self.world_size == 1:
-                    raise _noting(exc, touched) from None
-                applied = ("mismatch", f"rank {self.rank}: {exc}")
-            failures = self.verdicts.collect(applied)
-            if any(kind == "mismatch" for kind, _ in failures):
-                raise StateMismatchError("; ".join(msg for _, msg in failures))
-            if failures:
-                problems += [m for _, m in failures]
-                continue
-            tier = "local" if root is self.storage else "mirror"
-            self.audit.record(
-                "restore",
-                step=s,
-                tier="storage" if tier == "local" else "mirror",
-                url=root.url,
-                bytes=sum(f["size"] for f in reader.manifest["files"].values()),
-                ranks=self.world_size,
-                saved_ranks=reader.manifest.get("world_size", 1),
-                duration_s=round(time.perf_counter() - t0, 6),
-            )
-            return Restored(s, tier, skipped=skipped)
+                return Restored(s, tier, skipped=skipped)
         if step is not None and last is not None and self.world_size == 1:
             raise last
         roots_named = " and ".join(r.url for r in (self.storage, self.mirror) if r is not None)
