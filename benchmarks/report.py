@@ -552,19 +552,31 @@ def render(out: Result) -> str:
     ab = out.get("restore_cold_ab")
     if isinstance(ab, dict) and isinstance(ab.get("resumable"), dict):
         peer = _get(out, "methods", ab.get("peer"), "label") or ab.get("peer")
+        flushed = str(ab.get("cold_start", "")).startswith("flush")
+        read = _median(ab.get("read_floor"))
         lines += [
             "",
             f"Cold restores timed again, resumable and the fastest peer of the table "
-            f"({peer}), in {ab.get('pairs')} pairs (the page cache dropped before each "
-            "restore, the first of a pair alternating), so that the goal is not decided "
-            "by the luckiest of several medians: resumable "
-            f"{_s(_median(ab['resumable']))} s, {peer} {_s(_median(ab.get('peer_restore')))} s, "
-            f"ratio of medians {ab.get('ratio_of_medians')}, median of the pairs' ratios "
-            f"{ab.get('median_pair_ratio')}; restored state equal: "
+            f"({peer}), in {ab.get('pairs')} rounds"
+            + (
+                ", each restore (and the plain read of as many bytes beside them) after an "
+                "unrelated file of the state's size was read through and the page cache "
+                "dropped (a restore right after another of the same files found them in "
+                "the virtual disk's own cache), the first of a round rotating"
+                if flushed
+                else " (the page cache dropped before each restore, the first of a pair "
+                "alternating)"
+            )
+            + ", so that the goal is not decided by the luckiest of several medians: "
+            f"resumable {_s(_median(ab['resumable']))} s, {peer} "
+            f"{_s(_median(ab.get('peer_restore')))} s"
+            + (f", the cold read floor {_s(read)} s" if read is not None else "")
+            + f", ratio of medians {ab.get('ratio_of_medians')}, median of the rounds' "
+            f"ratios {ab.get('median_pair_ratio')}; restored state equal: "
             f"{'yes' if ab.get('restored_equal') else 'no'}.",
         ]
     elif isinstance(ab, dict) and ab.get("error"):
-        lines += ["", f"Cold restores timed again in pairs: not measured ({ab['error']})."]
+        lines += ["", f"Cold restores timed again in rounds: not measured ({ab['error']})."]
 
     lines += ["", "## Targets", ""]
     trows = []

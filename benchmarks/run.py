@@ -386,7 +386,11 @@ def restore_phase(
     drop: bool,
     out: dict[str, Any],
     ab_pairs: int = 0,
+    flush: Path | None = None,
 ) -> None:
+    """Restores of every method, cold then warm, and the read floors beside them; a cold
+    read or restore starts from `floors.cold_start` (``flush`` read through, then the
+    page-cache drop), so that none inherits a cache below the guest from the one before."""
     refs = state_mod.flat(ref)
 
     def check() -> bool:
@@ -399,11 +403,18 @@ def restore_phase(
 
     caches = ["cold", "warm"] if drop and floors.drop_page_cache() else ["warm"]
     out["restore_page_cache"] = caches
+    if "cold" in caches:
+        out["restore_cold_start"] = (
+            f"each cold read and restore after reading an unrelated file of "
+            f"{flush.stat().st_size} bytes, then a page-cache drop (floors.cold_start)"
+            if flush is not None
+            else "each cold read and restore after a page-cache drop"
+        )
     for cache in caches:
         cold = cache == "cold"
         if read_file is not None:
             out["floors"][f"read_{cache}"] = {
-                **stat(floors.read_floor(read_file, reps, cold=cold)["samples"]),
+                **stat(floors.read_floor(read_file, reps, cold=cold, flush=flush)["samples"]),
                 "bytes": read_file.stat().st_size,
                 "page_cache": cache,
             }
@@ -416,7 +427,7 @@ def restore_phase(
             for m in methods[k:] + methods[:k]:
                 zero()
                 if cold:
-                    floors.drop_page_cache()
+                    floors.cold_start(flush)
                 try:
                     dt_ = m.restore()["total"]
                 except Exception as exc:
@@ -432,7 +443,9 @@ def restore_phase(
         for name, vals in got.items():
             out["methods"][name][f"restore_{cache}"] = stat(vals, page_cache=cache)
         if cold and ab_pairs > 0:
-            out["restore_cold_ab"] = cold_ab(methods, got, ab_pairs, zero, check)
+            out["restore_cold_ab"] = cold_ab(
+                methods, got, ab_pairs, zero, check, read_file=read_file, flush=flush
+            )
     ours = next((m for m in methods if isinstance(m, ResumableMethod)), None)
     if ours is not None and ours.tiers:
         vals = []
@@ -458,16 +471,21 @@ def cold_ab(
     pairs: int,
     zero: Callable[[], None],
     check: Callable[[], bool],
+    *,
+    read_file: Path | None = None,
+    flush: Path | None = None,
 ) -> dict[str, Any]:
     """resumable's cold restore against the fastest peer's, on samples of their own.
 
     The round-robin names the fastest of the peers by its median; compared with that
     same median, resumable is judged against the luckiest of several noisy medians (all
     of them at the disk's floor: a few percent apart from run to run, in either
-    direction). So that peer and resumable are timed again, ``pairs`` times, each pair
-    after a page-cache drop before each restore, the first of the two alternating; the
-    goal is decided by the ratio of these medians, the median of the pairs' ratios
-    beside it."""
+    direction). So that peer and resumable are timed again, ``pairs`` times, with the
+    cold read floor of ``read_file`` beside them, each of the three from
+    `floors.cold_start` (``flush`` read through, then the page-cache drop; without it a
+    restore right after another of the same files found them in a cache below the
+    guest), the first of each round rotating; the goal is decided by the ratio of the
+    medians, the median of the rounds' ratios beside it."""
     ours = next((m for m in methods if isinstance(m, ResumableMethod)), None)
     cands = {
         m.name: statistics.median(got[m.name]) for m in methods if m is not ours and got.get(m.name)
@@ -476,23 +494,37 @@ def cold_ab(
         return {"error": "no peer or no resumable restore to compare"}
     peer_name = min(cands, key=lambda n: cands[n])
     peer = next(m for m in methods if m.name == peer_name)
-    times: dict[str, list[float]] = {"resumable": [], "peer": []}
+    buf = bytearray(read_file.stat().st_size) if read_file is not None else None
+
+    def read() -> float:
+        assert read_file is not None and buf is not None
+        return floors.timed(lambda: floors.read_file_into(read_file, buf))
+
+    runs: list[tuple[str, Callable[[], float]]] = [
+        ("resumable", lambda: ours.restore()["total"]),
+        ("peer", lambda: peer.restore()["total"]),
+    ]
+    if read_file is not None:
+        runs.append(("read", read))
+    times: dict[str, list[float]] = {key: [] for key, _ in runs}
     equal = True
     try:
         for i in range(pairs):
-            order = [("resumable", ours), ("peer", peer)]
-            for key, m in order if i % 2 == 0 else order[::-1]:
+            k = i % len(runs)
+            for key, fn in runs[k:] + runs[:k]:
                 zero()
-                floors.drop_page_cache()
-                times[key].append(m.restore()["total"])
-                equal = equal and check()
+                floors.cold_start(flush)
+                times[key].append(fn())
+                if key != "read":
+                    equal = equal and check()
     except Exception as exc:
         log(f"cold restore A/B failed: {exc!r}")
         return {"peer": peer_name, "error": f"{type(exc).__name__}: {exc}"}
     ratios = [a / b for a, b in zip(times["resumable"], times["peer"])]
-    return {
+    res = {
         "peer": peer_name,
         "pairs": pairs,
+        "cold_start": "flush file read, then page-cache drop" if flush else "page-cache drop",
         "resumable": stat(times["resumable"]),
         "peer_restore": stat(times["peer"]),
         "ratio_of_medians": round(
@@ -501,6 +533,9 @@ def cold_ab(
         "median_pair_ratio": round(statistics.median(ratios), 4),
         "restored_equal": equal,
     }
+    if read_file is not None and times.get("read"):
+        res["read_floor"] = stat(times["read"], bytes=read_file.stat().st_size)
+    return res
 
 
 def dlrover_entry(raw: dict[str, Any]) -> dict[str, Any]:
@@ -724,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
             not args.no_drop_caches,
             out,
             ab_pairs=args.cold_ab_pairs,
+            flush=floors.make_flush_file(work / "floors" / "flush.bin", nbytes)
+            if read_file is not None and not args.no_drop_caches
+            else None,
         )
     finally:
         if probe is not None:

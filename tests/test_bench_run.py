@@ -1,5 +1,6 @@
 """`benchmarks/run.py`'s core phases on a small state: the cold restores of resumable
-and the fastest peer timed again in pairs (`run.cold_ab`), and the page it renders."""
+and the fastest peer timed again in rounds beside the cold read floor (`run.cold_ab`),
+and the page it renders."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def test_core_phases_time_the_cold_restore_again_in_pairs(tmp_path: Path) -> Non
     assert ab["peer"] == min(peers, key=lambda n: peers[n])  # the round-robin's fastest
     assert ab["pairs"] == 3 and ab["restored_equal"] is True
     assert len(ab["resumable"]["samples"]) == len(ab["peer_restore"]["samples"]) == 3
+    # the plain read of as many bytes in the same rounds, each from the same cold start
+    assert len(ab["read_floor"]["samples"]) == 3 and ab["cold_start"].startswith("flush")
+    assert "unrelated file" in out["restore_cold_start"]
     row = next(r for r in goals.goals(out) if r["path"].startswith("cold restore"))
     assert row["measured"] == ab["ratio_of_medians"]
     assert "Cold restores timed again" in page
