@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -116,6 +117,12 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "per_rank_total": m["per_rank_total"],
             "bytes": m["bytes"],
         }
+        if m.get("per_rank_cpu"):  # CPU seconds of each rank's process in the call
+            per = [c for rep in m["per_rank_cpu"][warmup:] for c in rep]
+            methods[name]["cpu_per_rank"] = {
+                "median": round(statistics.median(per), 6) if per else None,
+                "per_rank": m["per_rank_cpu"],
+            }
         if "snapshot" in m:  # the background save's own snapshot time (slowest rank)
             methods[name]["snapshot"] = _stat(m["snapshot"], warmup)
             methods[name]["per_rank_snapshot"] = m["per_rank_snapshot"]

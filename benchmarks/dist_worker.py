@@ -27,6 +27,11 @@ waits for). Rank 0 writes the samples, the per-rank times and the bytes of each 
 - ``dcp_async``: ``get_state_dict`` then ``dcp.async_save`` (thread executor, default
   stager) on a gloo side group; blocking = until it returns, total = ``.result()``.
 
+Each rank also records the CPU time its process spent in each call (``time.process_time``,
+every thread of the process): with more ranks than cores, the ranks take turns on the
+cores, and the slowest rank's wall time follows the sum of the ranks' CPU time over the
+cores rather than any one rank's work.
+
 The ``get_state_dict`` call is inside DCP's timings, as resumable's own capture is inside
 ``save()``. DCP's directories are removed after each round, outside the timings.
 
@@ -206,18 +211,22 @@ def main() -> None:
         methods["resumable_process"] = save_bg
     names = list(methods)
     times: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in names}
+    cpu: dict[str, list[list[float]]] = {n: [] for n in names}  # per round, each rank's
     snap_times: list[list[float]] = []  # per round, each rank's snapshot inside save()
     nbytes: dict[str, Any] = {}
     for i in range(args.warmup + args.reps):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             dist.barrier()
+            c0 = time.process_time()
             blocking, total = methods[name](i)
+            used = time.process_time() - c0
             snap = snapshots[-1] if name == "resumable_process" else float("nan")
-            mine = torch.tensor([blocking, total, snap], dtype=torch.float64)
-            every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+            mine = torch.tensor([blocking, total, snap, used], dtype=torch.float64)
+            every = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, mine)
             times[name].append([(float(t[0]), float(t[1])) for t in every])
+            cpu[name].append([float(t[3]) for t in every])
             if name == "resumable_process":
                 snap_times.append([float(t[2]) for t in every])
         dist.barrier()
@@ -260,6 +269,7 @@ def main() -> None:
                     "total": [max(t for _, t in rep) for rep in reps],
                     "per_rank_blocking": [[round(b, 6) for b, _ in rep] for rep in reps],
                     "per_rank_total": [[round(t, 6) for _, t in rep] for rep in reps],
+                    "per_rank_cpu": [[round(c, 6) for c in rep] for rep in cpu[name]],
                     "bytes": nbytes.get(name),
                 }
                 for name, reps in times.items()

@@ -305,9 +305,26 @@ def _dist(out: Result) -> list[dict[str, Any] | None]:
             _med(_get(w, "methods", "copy_floor", "blocking")),
         )
 
+    cores = _num(_get(out, "dist", "cpu_count")) or _num(_get(out, "machine", "cpu_count"))
     for size, w in sorted(worlds.items(), key=lambda kv: int(kv[0])):
         if size == "1" or not isinstance(w, dict):
             continue
+        cpu_floor = _med(_get(w, "methods", "copy_floor", "cpu_per_rank"))
+        cpu_save = _med(_get(w, "methods", "resumable_process", "cpu_per_rank"))
+        turns = ""
+        if cpu_floor is not None and cpu_save is not None:
+            turns = (
+                f"; CPU time per rank (median): the copy {_f(cpu_floor * 1e3, 'ms')}, "
+                f"`save()` {_f(cpu_save * 1e3, 'ms')} ({_f(_div(cpu_save, cpu_floor), 'x')})"
+            )
+            if cores and int(size) > cores:
+                turns += (
+                    f"; {size} ranks on {cores:g} cores take turns: the slowest rank waits "
+                    f"for about {size} ranks' CPU time over {cores:g} cores (the copy "
+                    f"{_f(cpu_floor * int(size) / cores * 1e3, 'ms')}, `save()` "
+                    f"{_f(cpu_save * int(size) / cores * 1e3, 'ms')}); one core per rank "
+                    "(the 2-rank row) leaves each its own"
+                )
         rows.append(
             _goal(
                 f"{size} ranks (FSDP2): `save()` blocking ÷ the copy floor",
@@ -319,7 +336,7 @@ def _dist(out: Result) -> list[dict[str, Any] | None]:
                 f"of which the snapshot {_f(ratio(w, 'snapshot'), 'x')}; at one rank "
                 f"{_f(ratio(one, 'blocking'), 'x')} (snapshot {_f(ratio(one, 'snapshot'), 'x')})"
                 f"; {size} ranks share the machine's {out.get('machine', {}).get('cpu_count', '?')}"
-                " cores, each rank's fixed work taking turns with the others'",
+                " cores, each rank's fixed work taking turns with the others'" + turns,
             )
         )
     return rows

@@ -265,3 +265,19 @@ def test_short_runs_skipped_or_failed_have_no_row(phase: dict) -> None:
     assert not any(r["path"].startswith("short runs") for r in goals.goals(_run()))
     text = report.render(out)
     assert f"Not measured: {phase['error']}." in text
+
+
+def test_a_rank_row_beyond_the_cores_says_what_the_ranks_cpu_time_allows() -> None:
+    out = _run()
+    out["dist"]["cpu_count"] = 2
+    w = out["dist"]["worlds"]["4"]
+    w["methods"]["copy_floor"]["cpu_per_rank"] = {"median": 0.0056}
+    w["methods"]["resumable_process"]["cpu_per_rank"] = {"median": 0.0070}
+    why = _row(out, "4 ranks (FSDP2)")["why"]
+    assert "the copy 5.60 ms, `save()` 7.00 ms (1.25x)" in why
+    assert "4 ranks on 2 cores take turns" in why and "`save()` 14.00 ms" in why
+    # two ranks on two cores: each has a core of its own, no turns to explain
+    out["dist"]["worlds"]["2"]["methods"]["copy_floor"]["cpu_per_rank"] = {"median": 0.0056}
+    out["dist"]["worlds"]["2"]["methods"]["resumable_process"]["cpu_per_rank"] = {"median": 0.007}
+    why2 = _row(out, "2 ranks (FSDP2)")["why"]
+    assert "CPU time per rank" in why2 and "take turns" not in why2

@@ -3,6 +3,7 @@ a run with interleaved loop segments and one from before them (no first-save col
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import sys
@@ -82,3 +83,36 @@ def test_the_phase_alone_rewrites_its_section_and_keeps_the_next_ones_marker(
     assert "figures from `dist.json`" in text
     assert text.count(marker) == 1 and text.index(marker) < text.index("## DeepSpeed")
     assert text.rstrip().endswith("kept")
+
+
+def test_each_ranks_cpu_time_is_summarised_past_the_warmup() -> None:
+    import dist_bench
+
+    w = _raw_world(4, rounds=4)
+    for m in w["methods"].values():
+        # the warm-up round is far slower: it must not move the median
+        m["per_rank_cpu"] = [[9.0] * 4] + [[0.005, 0.006, 0.007, 0.008]] * 3
+    got = dist_bench.summarise(w)["methods"]["copy_floor"]["cpu_per_rank"]
+    assert got["median"] == 0.0065
+    assert len(got["per_rank"]) == 4
+    del w["methods"]["copy_floor"]["per_rank_cpu"]  # a run from before: no CPU figures
+    assert "cpu_per_rank" not in dist_bench.summarise(w)["methods"]["copy_floor"]
+
+
+def _raw_world(world: int, rounds: int) -> dict:
+    rep = [[0.01] * world] * rounds
+    method = {
+        "blocking": [0.01] * rounds,
+        "total": [0.01] * rounds,
+        "per_rank_blocking": rep,
+        "per_rank_total": rep,
+        "bytes": None,
+    }
+    return {
+        "world_size": world,
+        "warmup": 1,
+        "torch_threads": 1,
+        "model": {},
+        "order": ["copy_floor", "resumable_process"],
+        "methods": {n: copy.deepcopy(method) for n in ("copy_floor", "resumable_process")},
+    }
