@@ -319,6 +319,87 @@ def test_an_engine_or_zero_optimizer_given_directly_is_refused(tmp_path: Path) -
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step-*"))
 
 
+OWNS_JOB = """
+import os, sys
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+import deepspeed, torch
+from resumable._restore import _Own
+from resumable.integrations.deepspeed import DeepSpeedState
+deepspeed.init_distributed(dist_backend="gloo")
+
+def engine(stage, steps, seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}})
+    for _ in range(steps):
+        eng.backward(eng(torch.randn(2, 8)).square().sum())
+        eng.step()
+    return eng
+
+def storages(value, out, depth=0):
+    if isinstance(value, torch.Tensor):
+        if value.numel():
+            out.add(value.untyped_storage().data_ptr())
+    elif isinstance(value, dict) and depth < 6:
+        for v in value.values():
+            storages(v, out, depth + 1)
+    elif isinstance(value, (list, tuple)) and depth < 6:
+        for v in value:
+            storages(v, out, depth + 1)
+    return out
+
+def held(eng):
+    out, opt, seen = set(), eng.optimizer, set()
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        storages(getattr(opt, "state", {}), out)
+        storages(dict(vars(opt)), out)
+        opt = getattr(opt, "optimizer", None)
+    for t in [*eng.module.parameters(), *eng.module.buffers()]:
+        storages([t, getattr(t, "ds_tensor", None)], out)
+    return out
+
+for stage in (0, 1, 3):
+    source = DeepSpeedState(engine(stage, 2, 0)).state_dict()
+    for target, steps in (("trained", 1), ("fresh", 0)):
+        eng = engine(stage, steps, 1)
+        given = _Own(frozenset())(source)  # the values as a restore hands them
+        lent = storages(given, set())
+        DeepSpeedState(eng).load_state_dict(given)
+        kept = held(eng)
+        moments = storages(getattr(eng.optimizer, "optimizer", eng.optimizer).state, set())
+        print("stage", stage, target, "moments", len(moments), "shared", len(kept & lent))
+"""
+
+
+def test_the_engine_keeps_no_tensor_it_is_given() -> None:
+    """`DeepSpeedState` sets ``resumable_copies_on_load``: a restore hands it the values
+    it read (views of a shared-memory slot or of a mapped file, which later snapshots
+    reuse) without copying them first, so every tensor the engine keeps after the load
+    must be its own: the moments copied into the tensors that held them (an engine that
+    trained) or cloned (a fresh one), at ZeRO 0, 1 and 3."""
+    from s3server import free_ports
+
+    (port,) = free_ports(1)
+    proc = subprocess.run(
+        [sys.executable, "-c", OWNS_JOB, str(port)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("stage ")]
+    assert len(lines) == 6, proc.stdout + proc.stderr[-3000:]
+    for words in lines:
+        assert int(words[4]) > 0, words  # the moments were restored: the check means something
+        assert words[5:] == ["shared", "0"], words
+
+
 # ------------------------------------------------------------------ campaign
 
 

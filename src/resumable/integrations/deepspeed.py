@@ -167,6 +167,14 @@ class DeepSpeedState:
     """Why `Checkpointer.restore` refuses a world-size change even when asked to reset
     per-rank state (that would silently start this engine afresh)."""
 
+    resumable_copies_on_load = True
+    """`load_state_dict` keeps no tensor it is given (`_Borrowed`): a restore hands it
+    the values as read (views of a mapped file or a shared-memory slot), DeepSpeed
+    copies most of them into the engine, and what the engine kept after the load (the
+    optimizer's moments, kept by reference by ``torch.optim.Optimizer.load_state_dict``)
+    is copied into the tensors that held them before, or cloned: one copy each, where
+    a copy made before the call would have been a second (`resumable._restore`)."""
+
     def __init__(self, engine: Any) -> None:
         _check_supported(engine)
         self.engine = engine
@@ -261,6 +269,8 @@ class DeepSpeedState:
             raise CorruptCheckpointError(
                 "the DeepSpeed checkpoint has no ZeRO optimizer state for this rank"
             )
+        borrowed = _Borrowed((model, zero))
+        before = borrowed.optimizer_states(engine)
         if engine._optimizer_has_ckpt_event_prologue():
             engine.optimizer.checkpoint_event_prologue()
         # DeepSpeedEngine._load_checkpoint, for one rank's model-states dict.
@@ -293,6 +303,139 @@ class DeepSpeedState:
             )
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
+        borrowed.own(engine, before)
+
+
+class _Borrowed:
+    """The memory the tensors handed to `DeepSpeedState.load_state_dict` lie in (the
+    storages they view: a mapped data file, a shared-memory slot, or the caller's own),
+    and, after DeepSpeed's load, every tensor the engine kept in that memory made the
+    engine's own.
+
+    Where the engine keeps tensors: its base optimizers' ``state`` (what
+    ``torch.optim.Optimizer.load_state_dict`` keeps by reference: a moment there is
+    copied into the tensor that held it before the load, where shape and dtype agree,
+    else cloned); tensors, and lists, tuples and dicts of tensors, that are attributes
+    of the engine's optimizers, scheduler and loss scaler (cloned); the module's
+    parameters, their ZeRO 3 partitions (``ds_tensor``) and buffers (their data
+    cloned). DeepSpeed 0.19 copies everything else it is given (module weights, fp32
+    partitions) and keeps only the moments; the rest is scanned so that a DeepSpeed that
+    keeps more is still safe (``tests/integrations/test_deepspeed.py`` restores from
+    shared memory, whose slot the next snapshot overwrites, and continues
+    bit-identically)."""
+
+    def __init__(self, trees: Any) -> None:
+        spans: dict[int, int] = {}
+        for t in _tensors(trees):
+            if t.numel() == 0 or t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            start = st.data_ptr()
+            spans[start] = max(spans.get(start, 0), start + st.nbytes())
+        self._spans = sorted(spans.items())
+
+    def holds(self, t: Any) -> bool:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type != "cpu":
+            return False
+        at = t.data_ptr()
+        return any(start <= at < end for start, end in self._spans)
+
+    @staticmethod
+    def _base_optimizers(engine: Any) -> list[torch.optim.Optimizer]:
+        found: list[torch.optim.Optimizer] = []
+        opt, seen = getattr(engine, "optimizer", None), set()
+        while opt is not None and id(opt) not in seen:
+            seen.add(id(opt))
+            if isinstance(opt, torch.optim.Optimizer):
+                found.append(opt)
+            opt = getattr(opt, "optimizer", None)
+        return found
+
+    def optimizer_states(self, engine: Any) -> dict[tuple[int, Any], tuple[Any, torch.Tensor]]:
+        """The engine's optimizer-state tensors now, by (parameter, key); each kept
+        with its parameter, so that no other object takes the parameter's id."""
+        return {
+            (id(p), k): (p, t)
+            for opt in self._base_optimizers(engine)
+            for p, st in opt.state.items()
+            if isinstance(st, dict)
+            for k, t in st.items()
+            if isinstance(t, torch.Tensor) and not self.holds(t)
+        }
+
+    def own(self, engine: Any, before: Mapping[tuple[int, Any], tuple[Any, torch.Tensor]]) -> None:
+        if not self._spans:
+            return
+        optimizers = self._base_optimizers(engine)
+        for opt in optimizers:
+            for p, st in opt.state.items():
+                if not isinstance(st, dict):
+                    continue
+                for k, t in list(st.items()):
+                    if not self.holds(t):
+                        continue
+                    hit = before.get((id(p), k))
+                    dst = hit[1] if hit is not None and hit[0] is p else None
+                    if dst is not None and dst.shape == t.shape and dst.dtype == t.dtype:
+                        with torch.no_grad():
+                            dst.copy_(t)
+                        st[k] = dst
+                    else:
+                        st[k] = t.detach().clone()
+        holders = [engine.optimizer, *optimizers, getattr(engine, "lr_scheduler", None)]
+        holders.append(getattr(engine.optimizer, "loss_scaler", None))
+        for obj in holders:
+            if obj is not None and hasattr(obj, "__dict__"):
+                for name, value in list(vars(obj).items()):
+                    owned = self._owned(value)
+                    if owned is not value:
+                        setattr(obj, name, owned)
+        module = getattr(engine, "module", None)
+        if isinstance(module, torch.nn.Module):
+            for t in [*module.parameters(), *module.buffers()]:
+                if self.holds(t):
+                    t.data = t.data.clone()
+                part = getattr(t, "ds_tensor", None)
+                if part is not None and self.holds(part):
+                    part.data = part.data.clone()
+
+    def _owned(self, value: Any, depth: int = 0) -> Any:
+        """``value`` with every tensor in the borrowed memory cloned (in place in lists
+        and dicts; a new tuple); ``value`` itself where nothing was."""
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone() if self.holds(value) else value
+        if depth > 3:
+            return value
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                owned = self._owned(v, depth + 1)
+                if owned is not v:
+                    value[i] = owned
+            return value
+        if isinstance(value, dict):
+            for k, v in list(value.items()):
+                owned = self._owned(v, depth + 1)
+                if owned is not v:
+                    value[k] = owned
+            return value
+        if type(value) is tuple:
+            items = tuple(self._owned(v, depth + 1) for v in value)
+            return items if any(a is not b for a, b in zip(items, value)) else value
+        return value
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
 
 
 def _checked(state_dict: Any) -> dict[str, Any]:
