@@ -271,6 +271,25 @@ def test_a_hostile_tagged_node_is_corrupt_not_executed(node: dict[str, Any]) -> 
         from_tree({"a": [node]})
 
 
+def _one_process_job(code: str, *args: str) -> str:
+    """The stdout of ``code`` run by a fresh interpreter as a world of one (a free port
+    first in its arguments, then ``args``), this checkout's library on its path; fails
+    the test if it fails."""
+    from s3server import free_ports
+
+    (port,) = free_ports(1)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 UNIT_JOB = """
 import os, sys
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -299,20 +318,9 @@ def test_an_engine_or_zero_optimizer_given_directly_is_refused(tmp_path: Path) -
     """engine.state_dict() is the module's alone (ZeRO-3: placeholders), and a ZeRO
     optimizer's load_state_dict takes every rank's dicts: without the wrapper a
     checkpoint would look whole and restore wrong, so the Checkpointer refuses."""
-    from s3server import free_ports
-
-    (port,) = free_ports(1)
-    proc = subprocess.run(
-        [sys.executable, "-c", UNIT_JOB, str(port), str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
-    assert len(refused) == 3, proc.stdout + proc.stderr[-3000:]
+    out = _one_process_job(UNIT_JOB, str(tmp_path / "ckpt"))
+    refused = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert len(refused) == 3, out
     assert "DeepSpeedEngine" in refused[0] and "DeepSpeedState(engine)" in refused[0]
     assert "DeepSpeedZeroOptimizer" in refused[1]
     assert "takes the engine deepspeed.initialize returned" in refused[2]
@@ -381,20 +389,9 @@ def test_the_engine_keeps_no_tensor_it_is_given() -> None:
     reuse) without copying them first, so every tensor the engine keeps after the load
     must be its own: the moments copied into the tensors that held them (an engine that
     trained) or cloned (a fresh one), at ZeRO 0, 1 and 3."""
-    from s3server import free_ports
-
-    (port,) = free_ports(1)
-    proc = subprocess.run(
-        [sys.executable, "-c", OWNS_JOB, str(port)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("stage ")]
-    assert len(lines) == 6, proc.stdout + proc.stderr[-3000:]
+    out = _one_process_job(OWNS_JOB)
+    lines = [line.split() for line in out.splitlines() if line.startswith("stage ")]
+    assert len(lines) == 6, out
     for words in lines:
         assert int(words[4]) > 0, words  # the moments were restored: the check means something
         assert words[5:] == ["shared", "0"], words
