@@ -85,30 +85,58 @@ def _tied(stages: list[tuple[Any, dict[str, Any]]]) -> str:
     )
 
 
+def is_metadata(name: str) -> bool:
+    """Whether a file of resumable's checkpoint is its manifest or a part (gzip'd from
+    format version 7), not a data file."""
+    return name.endswith((".json", ".json.gz"))
+
+
 def _metadata(stages: list[tuple[Any, dict[str, Any]]]) -> list[str]:
     """A line on resumable's bytes: its manifest and parts, and its data files ÷ all of
-    DeepSpeed's files, per stage (results that list the files)."""
-    parts = []
+    DeepSpeed's files, per stage (results that list the files); and, where the run
+    listed them, the files beside each one checkpoint in its directory."""
+    parts, beside = [], []
     for st, e in stages:
         ours, theirs = e["save"]["resumable_sync"], e["save"]["deepspeed"]
         files = ours.get("files")
         if not files or not theirs.get("bytes"):
             continue
-        meta = sum(n for f, n in files.items() if f.endswith(".json"))
+        meta = sum(n for f, n in files.items() if is_metadata(f))
         data = ours["bytes"] - meta
         parts.append(
             f"ZeRO {st}: {meta / 1e3:.1f} kB of manifest and parts, data files "
             f"{data - theirs['bytes']:+,} bytes against all of DeepSpeed's"
         )
+        if "dir_bytes" in ours and "dir_bytes" in theirs:
+            beside.append(
+                f"ZeRO {st}: resumable {_files(ours['beside'])}, DeepSpeed "
+                f"{_files(theirs['beside'])}; the directories "
+                f"{ours['dir_bytes'] / theirs['dir_bytes']:.5f}x"
+            )
     if not parts:
         return []
-    return [
+    lines = [
         "",
         "Of resumable's bytes on disk, the manifest and its parts per rank (tensor names, "
         "dtypes, shapes, offsets, an XXH3-64 checksum per tensor, the state tree: what a "
-        "restore checks before it trusts a byte) against its data files (safetensors, "
-        "headers included): " + "; ".join(parts) + ".",
+        "restore checks before it trusts a byte; the parts gzip'd, format version 7) "
+        "against its data files (safetensors, headers included): " + "; ".join(parts) + ".",
     ]
+    if beside:
+        lines += [
+            "",
+            "Each method's directory holds its one checkpoint (the earlier ones removed) "
+            "and the files beside it: DeepSpeed's `latest` "
+            "and the recovery scripts `save_checkpoint` copies there on every call; "
+            "resumable's audit log (a line per save of the rounds) and lease files. "
+            + "; ".join(beside)
+            + ".",
+        ]
+    return lines
+
+
+def _files(files: dict[str, int]) -> str:
+    return ", ".join(f"`{k}` {v:,} B" for k, v in files.items()) or "none"
 
 
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +169,11 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         save[name]["snapshot"] = tp.stat(col(name, 3))
     capture = tp.stat(col("capture", 0))
     tp.add_bytes(save, raw, lambda name: "deepspeed" if name.startswith("deepspeed") else name)
+    for name, entry in save.items():  # runs from 2026-12-05 on list the files beside
+        beside = raw.get("beside", {}).get("deepspeed" if name.startswith("deepspeed") else name)
+        if beside is not None:
+            entry["beside"] = beside
+            entry["dir_bytes"] = entry["bytes"] + sum(beside.values())
     restore = {name: tp.stat([max(rep) for rep in reps]) for name, reps in raw["restores"].items()}
     floors = tp.floors(raw, save, restore, "deepspeed")
 
@@ -161,6 +194,11 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "sync_over_ds_durable": r(v(save["resumable_sync"], "total"), ds_d),
             "restore_over_ds": r(restore["resumable"][stat], restore["deepspeed"][stat]),
             "bytes_over_ds": r(save["resumable_sync"]["bytes"], save["deepspeed"]["bytes"]),
+            "dir_bytes_over_ds": (
+                r(save["resumable_sync"]["dir_bytes"], save["deepspeed"]["dir_bytes"])
+                if "dir_bytes" in save["deepspeed"]
+                else None
+            ),
         }
 
     return {

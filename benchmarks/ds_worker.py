@@ -146,6 +146,14 @@ def files_of(d: Path) -> dict[str, int]:
     return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def files_beside(d: Path) -> dict[str, int]:
+    """The files directly in a method's directory, beside its one checkpoint (the
+    earlier ones removed): DeepSpeed's ``latest`` and the recovery scripts
+    ``save_checkpoint`` copies there on every call; resumable's audit log (a line per
+    save and close of the rounds) and its lease files."""
+    return {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
+
+
 def fsync_tree(d: Path) -> None:
     for p in sorted(d.rglob("*")):
         if p.is_file():
@@ -325,6 +333,7 @@ def main() -> None:
         "deepspeed": files_of(ds_dir / tag(args.reps)),
         **{n: files_of(root / step_dir(last)) for n, root in roots.items()},
     }
+    beside = {n: files_beside(d) for n, d in [("deepspeed", ds_dir), *roots.items()]}
 
     log("restore rounds")
 
@@ -396,6 +405,7 @@ def main() -> None:
             "gc_in_calls": gc_in,
             "restored_equal": equal,
             "bytes": nbytes,
+            "beside": beside,
             "format_version": json.loads(
                 (roots["resumable_sync"] / step_dir(last) / "manifest.json").read_text()
             )["format_version"],

@@ -362,21 +362,44 @@ def _frameworks(out: Result) -> list[dict[str, Any] | None]:
         files = _get(st, "save", "resumable_auto", "files") or {}
         theirs = _num(_get(st, "save", "deepspeed", "bytes"))
         data = sum(v for k, v in files.items() if k.endswith(".safetensors"))
-        meta = sum(v for k, v in files.items() if k.endswith(".json"))
-        rows.append(
-            _goal(
-                f"{z}: bytes written ÷ DeepSpeed's",
-                _num(r.get("bytes_over_ds")),
-                "x4",
-                "<=",
-                1.0,
-                None,
-                f"the data files alone {_f(_div(float(data), theirs), 'x4')} of DeepSpeed's "
-                f"bytes; the rest, {meta:,} bytes, is the manifest and its parts (names, "
-                "shapes, a checksum per tensor, the tree: what a restore checks before it "
-                "trusts a byte)",
-            )
+        meta = sum(v for k, v in files.items() if k.endswith((".json", ".json.gz")))
+        why = (
+            f"the data files alone {_f(_div(float(data), theirs), 'x4')} of DeepSpeed's "
+            f"bytes; the rest, {meta:,} bytes, is the manifest and its parts (names, "
+            "shapes, a checksum per tensor, the tree: what a restore checks before it "
+            "trusts a byte)"
         )
+        dir_ratio = _num(r.get("dir_bytes_over_ds"))
+        if dir_ratio is None:  # runs before 2026-12-05: the checkpoints alone
+            rows.append(
+                _goal(
+                    f"{z}: bytes written ÷ DeepSpeed's",
+                    _num(r.get("bytes_over_ds")),
+                    "x4",
+                    "<=",
+                    1.0,
+                    None,
+                    why,
+                )
+            )
+        else:
+            ours_beside = _get(st, "save", "resumable_sync", "beside") or {}
+            ds_beside = _get(st, "save", "deepspeed", "beside") or {}
+            rows.append(
+                _goal(
+                    f"{z}: bytes on disk ÷ DeepSpeed's (a directory of one checkpoint)",
+                    dir_ratio,
+                    "x4",
+                    "<=",
+                    1.0,
+                    None,
+                    f"the checkpoints alone (step and tag directories) "
+                    f"{_f(_num(r.get('bytes_over_ds')), 'x4')}: {why}; beside them "
+                    f"DeepSpeed's `latest` and recovery scripts "
+                    f"({sum(ds_beside.values()):,} bytes, copied by every save), "
+                    f"resumable's audit log and lease ({sum(ours_beside.values()):,} bytes)",
+                )
+            )
         rows.append(
             _goal(
                 f"{z}: `restore()` ÷ `load_checkpoint`",

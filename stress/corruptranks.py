@@ -7,7 +7,8 @@ coordinated commit of ``persist="sync"``) commit steps 1 to 4 of a job whose mod
 replicated (its weight lands in rank 0's data file, its bias in rank 1's) and whose
 ``mine`` tensor is per rank. Each checkpoint holds ``rank-00000.safetensors``,
 ``rank-00001.safetensors``, each rank's part of the manifest and the top rank 0
-wrote (format version 4; a part edited and re-signed is signed in the top too).
+wrote (format version 7: parts gzip'd; a part edited and re-signed is gzip'd again and
+signed in the top too).
 The files are read into memory once; each trial copies the newest two checkpoints
 (steps 3 and 4) into a `MemoryStorage`, damages step 4 with one mutation drawn by seed, and runs
 `CheckpointReader.verify` (what a restore runs first). The kinds, in turn:
@@ -43,6 +44,7 @@ flips in the tensor data go undetected.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -108,14 +110,15 @@ def saved_files(pair: Pair, tmp: str) -> dict[str, bytes]:
 
 
 class _Docs:
-    """Step 4's manifest as documents to edit (format version 4): the top and each
-    rank's part, written back with `store`, the edited parts signed again in the top
-    and the top's digest recomputed where asked (as a forger would)."""
+    """Step 4's manifest as documents to edit (format version 7): the top and each
+    rank's part, written back with `store` (a part gzip'd as the writer does), the
+    edited parts signed again in the top and the top's digest recomputed where asked
+    (as a forger would)."""
 
     def __init__(self, files: dict[str, bytes]) -> None:
         d = step_dir(NEWEST)
         self.top: dict[str, Any] = json.loads(files[f"{d}/{MANIFEST}"])
-        self.parts = [json.loads(files[f"{d}/{name}"]) for name in PART_FILES]
+        self.parts = [json.loads(gzip.decompress(files[f"{d}/{name}"])) for name in PART_FILES]
         self.edited: set[int] = set()
 
     def part(self, rng: random.Random) -> dict[str, Any]:
@@ -126,12 +129,15 @@ class _Docs:
     def store(self, out: dict[str, bytes], resign: bool) -> None:
         d = step_dir(NEWEST)
         for r in sorted(self.edited):
-            blob = json.dumps(self.parts[r], indent=1).encode()
+            text = json.dumps(self.parts[r], indent=1).encode()
+            blob = gzip.compress(text, mtime=0)
             out[f"{d}/{PART_FILES[r]}"] = blob
             if resign:
                 for entry in self.top["parts"]:
                     if entry.get("file") == PART_FILES[r]:
-                        entry.update(size=len(blob), **{CHECKSUM: checksum(blob)})
+                        entry.update(
+                            size=len(blob), json_size=len(text), **{CHECKSUM: checksum(blob)}
+                        )
         if resign:
             self.top["digest"] = manifest_digest(self.top)
         out[f"{d}/{MANIFEST}"] = json.dumps(self.top, indent=1).encode()

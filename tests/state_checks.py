@@ -104,7 +104,9 @@ def like(values: dict[str, Any]) -> dict[str, Any]:
 def edit_rank_tree(checkpoint: Path, rank: int, edit: Callable[[Any], None]) -> None:
     """Change rank ``rank``'s state tree in a committed checkpoint directory with ``edit``
     and sign it again (what a buggy writer, not damage, would leave): in the manifest of
-    format versions 1 to 3, or in the rank's part and the top of version 4."""
+    format versions 1 to 3, or in the rank's part and the top of versions 4 to 7 (the
+    part gzip'd from version 7, as it was)."""
+    import gzip
     import json
 
     from resumable.format import CHECKSUM, checksum, manifest_digest
@@ -114,9 +116,14 @@ def edit_rank_tree(checkpoint: Path, rank: int, edit: Callable[[Any], None]) -> 
     if "parts" in top:
         entry = top["parts"][rank]
         part_path = checkpoint / entry["file"]
-        part = json.loads(part_path.read_bytes())
+        gz = "json_size" in entry
+        blob = part_path.read_bytes()
+        part = json.loads(gzip.decompress(blob) if gz else blob)
         edit(part["tree"])
         blob = json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+        if gz:
+            entry["json_size"] = len(blob)
+            blob = gzip.compress(blob)
         part_path.write_bytes(blob)
         entry.update(size=len(blob), **{CHECKSUM: checksum(blob)})
     else:

@@ -281,3 +281,25 @@ def test_a_rank_row_beyond_the_cores_says_what_the_ranks_cpu_time_allows() -> No
     out["dist"]["worlds"]["2"]["methods"]["resumable_process"]["cpu_per_rank"] = {"median": 0.007}
     why2 = _row(out, "2 ranks (FSDP2)")["why"]
     assert "CPU time per rank" in why2 and "take turns" not in why2
+
+
+def test_deepspeed_bytes_are_judged_on_the_directories_where_the_run_lists_them() -> None:
+    """Runs from 2026-12-05 list the files beside each method's one checkpoint: the row
+    then compares the directories (DeepSpeed's `latest` and recovery scripts against
+    resumable's audit log and lease) and names the checkpoints' own ratio; older runs
+    keep the checkpoints' ratio."""
+    out = _run()
+    old = _row(out, "DeepSpeed ZeRO 1: bytes written")
+    assert old["measured"] == out["ds"]["stages"]["1"]["ratios"]["bytes_over_ds"]
+    st = out["ds"]["stages"]["1"]
+    st["save"]["deepspeed"]["beside"] = {"latest": 6, "zero_to_fp32.py": 38_580}
+    st["save"]["resumable_sync"]["beside"] = {"audit.jsonl": 6_000, ".resumable-lock": 257}
+    st["ratios"]["dir_bytes_over_ds"] = 0.9999
+    row = _row(out, "DeepSpeed ZeRO 1: bytes on disk")
+    assert row["measured"] == 0.9999 and row["result"] == "met"
+    alone = st["ratios"]["bytes_over_ds"]
+    assert f"checkpoints alone (step and tag directories) {alone:.4f}x" in row["why"]
+    assert "recovery scripts (38,586 bytes" in row["why"]
+    assert "audit log and lease (6,257 bytes)" in row["why"]
+    st["ratios"]["dir_bytes_over_ds"] = 1.0001
+    assert _row(out, "DeepSpeed ZeRO 1: bytes on disk")["result"] == "not met"

@@ -46,6 +46,13 @@ def test_results_hold_every_method_and_restores_are_exact(ds_result: dict[str, A
     assert {"rank-00000.safetensors", "rank-00001.safetensors"} <= set(
         e["save"]["resumable_sync"]["files"]
     )
+    assert {"part-00000.json.gz", "part-00001.json.gz"} <= set(e["save"]["resumable_sync"]["files"])
+    # beside each one checkpoint: DeepSpeed's `latest` and recovery script, copied by
+    # every save; resumable's audit log; each directory counted whole
+    assert {"latest", "zero_to_fp32.py"} <= set(e["save"]["deepspeed"]["beside"])
+    assert "audit.jsonl" in e["save"]["resumable_sync"]["beside"]
+    for m in e["save"].values():
+        assert m["dir_bytes"] == m["bytes"] + sum(m["beside"].values())
     assert set(e["restore"]) == {"deepspeed", "resumable"}
     # restores timed RESTORE_FACTOR times as often as saves (after a first, apart)
     assert e["restore_reps"] == ds_bench.RESTORE_FACTOR

@@ -88,11 +88,11 @@ def check_committed(root: Path) -> list[int]:
         d = root / step_dir(step)
         assert {p.name for p in d.iterdir()} == {MANIFEST, *OBJECTS}, step
         top = json.loads((d / MANIFEST).read_text())
-        assert top["format_version"] == 6
+        assert top["format_version"] == 7
         assert set(top["objects"]) == OBJECTS
         for r in range(WORLD):
             leader = r - r % PER_NODE
-            for name in (f"rank-{r:05d}.safetensors", f"part-{r:05d}.json"):
+            for name in (f"rank-{r:05d}.safetensors", f"part-{r:05d}.json.gz"):
                 assert top["segments"][name]["object"] == f"node-{leader:05d}.bin", name
         assert CheckpointReader(storage, step).verify() > 0
     return steps

@@ -270,7 +270,7 @@ def test_only_the_files_read_are_checked_and_each_once(tmp_path: Path) -> None:
     # the top manifest (size, read), rank 0's part (size, read; no other part); its
     # file checked (size, header length, header), read
     own = "step-000000000001/rank-00000.safetensors"
-    part = "step-000000000001/part-00000.json"
+    part = "step-000000000001/part-00000.json.gz"
     assert counted.paths == ["step-000000000001/manifest.json"] * 2 + [part] * 2 + [own] * 4
     assert reader.partial
     checks = len(counted.paths)

@@ -73,7 +73,7 @@ def test_commit_store_bytes(measured: dict, where: str) -> None:
 @pytest.mark.parametrize("where", ["restore_memory", "restore_local"])
 def test_restore_planning_calls(measured: dict, where: str) -> None:
     r4, r16 = _row(measured, 4)[where], _row(measured, 16)[where]
-    # The top manifest (size, read), the rank's own part (size, read; format version 4:
+    # The top manifest (size, read), the rank's own part (size, read; format version 7:
     # no other rank's), then the one file the rank reads (size, the 8-byte header
     # length, the header): 7 at any N. Checking every rank's file made it 3N + 2; one
     # manifest naming every rank's tensors made the bytes read O(N).

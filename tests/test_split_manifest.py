@@ -1,4 +1,5 @@
-"""The split manifest of several ranks (format version 4, `resumable.parts`).
+"""The split manifest of several ranks (format version 4, its parts gzip'd from version 7:
+`resumable.parts`).
 
 Ranks are threads of this process here, each with its own capture of a module (its
 tensors replicated, so each is written by one rank) and a per-rank tensor, written by
@@ -13,6 +14,7 @@ a restore falls back to the older checkpoint when a part is damaged.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -34,6 +36,7 @@ from resumable.format import (
     encode_manifest,
     manifest_digest,
 )
+from resumable.parts import MAX_PART_BYTES
 from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
 from resumable.storage import open_storage
@@ -92,7 +95,7 @@ def _part_path(root: Path, step: int, rank: int) -> Path:
 def test_round_trip_reads_only_the_parts_a_rank_needs(tmp_path: Path, world: int) -> None:
     _save(tmp_path, 1, world)
     top = _top(tmp_path, 1)
-    assert top["format_version"] == 4 and top["world_size"] == world
+    assert top["format_version"] == 7 and top["world_size"] == world
     assert "tensors" not in top and "ranks" not in top
     assert [p["rank"] for p in top["parts"]] == list(range(world))
     storage = open_storage(str(tmp_path))
@@ -105,7 +108,7 @@ def test_round_trip_reads_only_the_parts_a_rank_needs(tmp_path: Path, world: int
         reader = CheckpointReader(counted, 1)  # type: ignore[arg-type]
         reader.only_rank(r)
         tree = reader.manifest["ranks"][r]["tree"]
-        part = json.loads(_part_path(tmp_path, 1, r).read_bytes())
+        part = _read_part(_part_path(tmp_path, 1, r))
         needed = {r, *part["holders"].values()}
         parts_read = {p for p in counted.read_paths if "part-" in p}
         assert parts_read == {f"{step_dir(1)}/{top['parts'][k]['file']}" for k in needed}
@@ -175,12 +178,33 @@ def test_hostile_part_names_are_refused(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize(
     "edit",
-    ["no parts", "part of another rank", "size past the cap", "bad checksum", "tensors in top"],
+    [
+        "no parts",
+        "part of another rank",
+        "size past the cap",
+        "bad checksum",
+        "tensors in top",
+        "no json_size",
+        "json_size past the cap",
+        "json_size zero",
+        "json_size a string",
+        "json_size in version 4",
+    ],
 )
 def test_malformed_top_manifests_are_refused(tmp_path: Path, edit: str) -> None:
     _save(tmp_path, 1, 2)
     m = _top(tmp_path, 1)
-    if edit == "no parts":
+    if edit == "no json_size":
+        del m["parts"][1]["json_size"]
+    elif edit == "json_size past the cap":
+        m["parts"][1]["json_size"] = MAX_PART_BYTES + 1
+    elif edit == "json_size zero":
+        m["parts"][1]["json_size"] = 0
+    elif edit == "json_size a string":
+        m["parts"][1]["json_size"] = "100"
+    elif edit == "json_size in version 4":  # a version 4 part is JSON as stored
+        m["format_version"] = 4
+    elif edit == "no parts":
         m["parts"] = m["parts"][:1]
     elif edit == "part of another rank":
         m["parts"][1]["rank"] = 0
@@ -195,18 +219,71 @@ def test_malformed_top_manifests_are_refused(tmp_path: Path, edit: str) -> None:
         CheckpointReader(open_storage(str(tmp_path)), 1).top  # noqa: B018
 
 
+def _bomb(part: bytes) -> tuple[bytes, int]:
+    """gzip'd bytes that grow to 64 MiB, declared as the part's own length."""
+    return gzip.compress(part + b" " * (64 << 20)), len(part)
+
+
+GZIP_DAMAGES = {
+    # each signed in the top manifest as a buggy or hostile writer would: only what
+    # gzip and the declared length say can refuse it
+    "not gzip": (lambda part: (part, len(part)), "not gzip data"),
+    "longer than declared": (_bomb, "does not decompress"),
+    "shorter than declared": (lambda part: (gzip.compress(part), len(part) + 1), "decompress"),
+    "a second member": (
+        lambda part: (gzip.compress(part) + gzip.compress(b"{}"), len(part)),
+        "does not decompress",
+    ),
+    "trailing bytes": (lambda part: (gzip.compress(part) + b"junk", len(part)), "decompress"),
+    "cut short": (lambda part: (gzip.compress(part)[:-12], len(part)), "decompress"),
+}
+
+
+@pytest.mark.parametrize("damage", list(GZIP_DAMAGES))
+def test_a_part_whose_gzip_data_disagrees_with_the_top_is_refused(
+    tmp_path: Path, damage: str
+) -> None:
+    """A part that decompresses to other than the one member of the declared length is
+    refused before a byte of it is parsed, and decompression stops one byte past that
+    length: 64 MiB of spaces behind a sound part cost no 64 MiB."""
+    _save(tmp_path, 1, 2)
+    text = json.dumps(_read_part(_part_path(tmp_path, 1, 1))).encode()
+    make, message = GZIP_DAMAGES[damage]
+    blob, size = make(text)
+    _store_part(tmp_path, 1, 1, blob, json_size=size)
+    reader = CheckpointReader(open_storage(str(tmp_path)), 1)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        reader.manifest  # noqa: B018
+
+
+def test_the_part_written_is_deterministic_gzip_of_sorted_json(tmp_path: Path) -> None:
+    """What section 16 of docs/format.md says a part is: one gzip member with no name and
+    no time in its header (two saves of one state give the same bytes), of the JSON the
+    top declares the length of, in the digest's form (keys sorted, no whitespace)."""
+    _save(tmp_path, 1, 2)
+    _save(tmp_path / "again", 1, 2)
+    for r in range(2):
+        path = _part_path(tmp_path, 1, r)
+        blob = path.read_bytes()
+        assert blob[:4] == b"\x1f\x8b\x08\x00" and blob[4:8] == b"\0\0\0\0"  # no name, time
+        text = gzip.decompress(blob)
+        assert len(text) == _top(tmp_path, 1)["parts"][r]["json_size"]
+        part = json.loads(text)
+        assert text == json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+        assert path.name == f"part-{r:05d}.json.gz"
+        assert blob == _part_path(tmp_path / "again", 1, r).read_bytes()
+
+
 def test_a_part_naming_another_ranks_file_is_refused(tmp_path: Path) -> None:
     _save(tmp_path, 1, 2)
     m = _top(tmp_path, 1)
-    path = _part_path(tmp_path, 1, 1)
-    part = json.loads(path.read_bytes())
     other = next(f for f, info in m["files"].items() if info["rank"] == 0)
-    for info in part["tensors"].values():
-        info["file"] = other
-    blob = json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
-    path.write_bytes(blob)
-    m["parts"][1].update(size=len(blob), **{CHECKSUM: checksum(blob)})
-    _write_top(tmp_path, 1, m)
+
+    def claim(part: dict[str, Any]) -> None:
+        for info in part["tensors"].values():
+            info["file"] = other
+
+    _rewrite_part(tmp_path, 1, 1, claim)
     with pytest.raises(CorruptCheckpointError, match="not in its rank's data file"):
         CheckpointReader(open_storage(str(tmp_path)), 1).manifest  # noqa: B018
 
@@ -252,7 +329,7 @@ def test_retention_size_check_covers_the_parts(tmp_path: Path) -> None:
     CheckpointReader(storage, 1).check_sizes()
     path = _part_path(tmp_path, 1, 0)
     path.write_bytes(path.read_bytes()[:-1])
-    with pytest.raises(CorruptCheckpointError, match=r"part-00000\.json has"):
+    with pytest.raises(CorruptCheckpointError, match=r"part-00000\.json\.gz has"):
         CheckpointReader(storage, 1).check_sizes()
 
 
@@ -343,11 +420,22 @@ def _rewrite_part(root: Path, step: int, rank: int, edit: Any) -> None:
     (what a buggy writer, not damage, would leave)."""
     m = _top(root, step)
     path = root / step_dir(step) / m["parts"][rank]["file"]
-    part = json.loads(path.read_bytes())
+    part = _read_part(path)
     edit(part)
-    blob = json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
-    path.write_bytes(blob)
-    m["parts"][rank].update(size=len(blob), **{CHECKSUM: checksum(blob)})
+    text = json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+    _store_part(root, step, rank, gzip.compress(text), json_size=len(text))
+
+
+def _read_part(path: Path) -> dict[str, Any]:
+    return json.loads(gzip.decompress(path.read_bytes()))  # type: ignore[no-any-return]
+
+
+def _store_part(root: Path, step: int, rank: int, blob: bytes, *, json_size: int) -> None:
+    """Write ``blob`` as rank ``rank``'s part, signed in the top manifest as holding
+    ``json_size`` bytes of JSON."""
+    m = _top(root, step)
+    (root / step_dir(step) / m["parts"][rank]["file"]).write_bytes(blob)
+    m["parts"][rank].update(size=len(blob), json_size=json_size, **{CHECKSUM: checksum(blob)})
     _write_top(root, step, m)
 
 
@@ -364,7 +452,7 @@ def test_a_part_without_holders_makes_the_rank_read_every_part(tmp_path: Path) -
 
 def test_wrong_holders_make_the_rank_read_every_part(tmp_path: Path) -> None:
     _save(tmp_path, 1, 3)
-    owner = json.loads(_part_path(tmp_path, 1, 1).read_bytes())["holders"]
+    owner = _read_part(_part_path(tmp_path, 1, 1))["holders"]
 
     def misdirect(part: dict[str, Any]) -> None:  # every holder said to be rank 1
         part["holders"] = {k: 1 for k in part["holders"]} or {k: 1 for k in owner}

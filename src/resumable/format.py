@@ -51,13 +51,15 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 6  # the highest this reads; one process writes 1, or 3 if it refers;
-# several ranks write 4 (the split manifest: `resumable.parts`); either writes 5 where a
-# tree references one stored tensor from several places (a tied weight); several ranks
-# write 6 where they share one object per node (`resumable.nodes`)
+FORMAT_VERSION = 7  # the highest this reads; one process writes 1, or 3 if it refers,
+# or 5 where a tree references one stored tensor from several places (a tied weight);
+# several ranks write 7 (the split manifest, `resumable.parts`, its parts compressed),
+# which reads 4 (parts as JSON), 5 (4 with ties) and 6 (5 in one object per node,
+# `resumable.nodes`) as before
 SPLIT_VERSION = 4
 ALIAS_VERSION = 5  # trees may reference a stored tensor more than once; split or not
 SEGMENT_VERSION = 6  # a split manifest whose files and parts lie in shared objects
+GZIP_PARTS_VERSION = 7  # a split manifest whose parts are gzip'd JSON; objects optional
 CHUNK_HASH = "xxh3_128"  # version 2's per-chunk hash (read, no longer written)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
@@ -543,7 +545,7 @@ def _decode_manifest(
                 f"{where}: a split manifest lists its parts, not tensors or ranks"
             )
         _check_refs(m, version, where)
-        if version >= SEGMENT_VERSION:
+        if has_segments(m):
             check_segments(m, where)
         return m
     if version >= SEGMENT_VERSION:
@@ -554,8 +556,18 @@ def _decode_manifest(
     return m
 
 
+def has_segments(m: Mapping[str, Any]) -> bool:
+    """Whether a split top manifest (its version checked) lays its files and parts out in
+    shared objects: every one of version 6; one of version 7 that has ``objects`` or
+    ``segments`` (`check_segments` then requires both)."""
+    version = m["format_version"]
+    return version == SEGMENT_VERSION or (
+        version >= GZIP_PARTS_VERSION and ("objects" in m or "segments" in m)
+    )
+
+
 def check_segments(m: Mapping[str, Any], where: str) -> None:
-    """The ``objects`` and ``segments`` of a version 6 top manifest: every data file and
+    """The ``objects`` and ``segments`` of a version 6 (or 7) top manifest: every data file and
     every part lies in exactly one listed object (``segments``: name -> ``{object,
     offset}``, its size the one the file or part declares), inside it, and no two
     segments of one object overlap; object names are safe and name no file or part.

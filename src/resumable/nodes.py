@@ -1,5 +1,6 @@
 """One object per node: the ranks of a node write their data files and parts into one
-object of the checkpoint instead of two each (format version 6).
+object of the checkpoint instead of two each (format version 6; 7 since the parts are
+gzip'd).
 
 What it is for: an object store's cost per checkpoint grows with its objects, not its
 bytes. Retention deletes every object of a checkpoint, and at 4,096 ranks the server's
@@ -15,7 +16,7 @@ with a `NodeObjects`):
 2. the leader uploads the node's files one after the other as one object
    (``node-<leader>.bin`` in the attempt), mapped from the staging files, and reports
    where each lies (its *segments*) to rank 0 with its own report;
-3. rank 0 commits a top manifest of version 6 that maps every data file and part to its
+3. rank 0 commits a top manifest (version 7, as 6 was) that maps every data file and part to its
    ``{object, offset}`` (`resumable.format.check_segments` validates it); every rank
    removes its staged files once the outcome is known, committed or not.
 

@@ -1,4 +1,4 @@
-"""The split manifest of several ranks (format version 4): one part per rank, one top.
+"""The split manifest of several ranks (format versions 4 to 7): one part per rank, one top.
 
 Each rank writes its part (its state tree, its tensor index, where the replicated
 tensors its tree names lie) beside its data file, and reports only the part's name,
@@ -8,12 +8,18 @@ checks a part against the top's size and checksum before it parses a byte of it.
 Trade-off: a reader of the whole checkpoint reads N + 1 objects instead of one; a
 rank restoring at the same world size reads the top, its own part and those holding
 the replicated tensors it needs (`read_merged`). ``docs/format.md`` section 13.
+
+From version 7 a part is stored gzip'd (`encode_part`): a part repeats its tree's names
+and paths, which compress several times over, so the metadata a checkpoint of many
+ranks writes, and a restoring rank reads, shrinks as much. ``docs/format.md`` section 16.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -23,6 +29,7 @@ from resumable.errors import CorruptCheckpointError
 from resumable.format import (
     ALIAS_VERSION,
     CHECKSUM,
+    GZIP_PARTS_VERSION,
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
     SEGMENT_VERSION,
@@ -33,15 +40,21 @@ from resumable.format import (
     manifest_header,
     no_gc,
 )
+from resumable.tree import has_repeats
 
 PART_FORMAT = "resumable-checkpoint-part"
 MAX_PART_BYTES = MAX_MANIFEST_BYTES
 _HASH64 = re.compile(r"^[0-9a-f]{16}$")
 
 
+GZIP_LEVEL = 6
+"""zlib's default. A part is written once per checkpoint, beside a data file of
+megabytes, so its size counts for more than the milliseconds of compressing it."""
+
+
 def part_file(rank: int) -> str:
-    """The name of ``rank``'s part inside an attempt."""
-    return f"part-{rank:05d}.json"
+    """The name of ``rank``'s part inside an attempt (version 7: gzip'd JSON)."""
+    return f"part-{rank:05d}.json.gz"
 
 
 def encode_part(
@@ -52,9 +65,11 @@ def encode_part(
     tree: Any,
     tensors: Mapping[str, Mapping[str, Any]],
     holders: Mapping[str, int],
-) -> bytes:
+) -> tuple[bytes, int]:
     """One rank's part: its tree, the entries of its data file ``file`` and, for each
-    replicated tensor its tree names but another rank writes, that rank (``holders``)."""
+    replicated tensor its tree names but another rank writes, that rank (``holders``);
+    as stored (gzip, no file name or time in its header, so the same part gives the same
+    bytes) and its JSON's length."""
     part = {
         "format": PART_FORMAT,
         "step": int(step),
@@ -64,12 +79,20 @@ def encode_part(
         "tensors": {k: dict(v) for k, v in tensors.items()},
         "holders": {k: int(v) for k, v in holders.items()},
     }
-    return json.dumps(part, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    text = json.dumps(part, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return gzip.compress(text, compresslevel=GZIP_LEVEL, mtime=0), len(text)
 
 
-def part_entry(rank: int, key: str, blob: bytes) -> dict[str, Any]:
-    """The top manifest's entry for a part written as ``key`` with bytes ``blob``."""
-    return {"rank": rank, "file": key, "size": len(blob), CHECKSUM: checksum(blob)}
+def part_entry(rank: int, key: str, blob: bytes, json_size: int) -> dict[str, Any]:
+    """The top manifest's entry for a part written as ``key`` with bytes ``blob``, whose
+    JSON, gzip'd into ``blob``, has ``json_size`` bytes."""
+    return {
+        "rank": rank,
+        "file": key,
+        "size": len(blob),
+        CHECKSUM: checksum(blob),
+        "json_size": json_size,
+    }
 
 
 def build_top(
@@ -80,24 +103,22 @@ def build_top(
     parts: list[Mapping[str, Any]],
     refs: list[int],
     world_size: int,
-    repeats: bool = False,
     objects: Mapping[str, Mapping[str, Any]] | None = None,
     segments: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
-    """The top manifest of a split checkpoint and its bytes: the header fields of a
-    version 1 manifest, the data ``files``, the ``parts`` (`part_entry`, in rank order)
-    and the steps any part refers to; version 4, or 5 where a part's tree references a
-    stored tensor from several places (``repeats``: a tied weight). Encoded once, in
+    """The top manifest of a split checkpoint and its bytes, version 7 (gzip'd parts,
+    whose trees may reference a stored tensor from several places, as version 5's): the
+    header fields of a version 1 manifest, the data ``files``, the ``parts``
+    (`part_entry`, in rank order) and the steps any part refers to. Encoded once, in
     the digest's form (keys sorted, no whitespace), the digest appended as the last
     member: the bytes without it are those the digest covers (`format.manifest_digest`),
     which a reader checks by hashing them. Rank 0 builds it while every rank waits: one
     JSON encoding, not two. With ``objects`` and ``segments`` (`resumable.nodes`: the
-    files and parts lie in objects shared by the ranks of a node), version 6."""
-    version = ALIAS_VERSION if repeats else SPLIT_VERSION
-    if segments is not None:
-        version = SEGMENT_VERSION
+    files and parts lie in objects shared by the ranks of a node), as version 6's."""
     m: dict[str, Any] = {
-        **manifest_header(step=step, version=version, metrics=metrics, world_size=world_size),
+        **manifest_header(
+            step=step, version=GZIP_PARTS_VERSION, metrics=metrics, world_size=world_size
+        ),
         "files": {k: dict(v) for k, v in files.items()},
         "parts": [dict(p) for p in parts],
         "refs": sorted(set(refs)),
@@ -111,16 +132,19 @@ def build_top(
 
 
 def check_parts(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
-    """The ``parts`` of a version 4 top manifest: one per rank, in rank order, each a
-    safe name not among the data files, a size within `MAX_PART_BYTES` and a checksum.
+    """The ``parts`` of a split top manifest: one per rank, in rank order, each a safe
+    name not among the data files, a size within `MAX_PART_BYTES` and a checksum; from
+    version 7 the length of its JSON (gzip'd), within `MAX_PART_BYTES` too, before it.
     Raises `CorruptCheckpointError`."""
     parts = m.get("parts")
     world = m["world_size"]
+    gz = m["format_version"] >= GZIP_PARTS_VERSION
     if type(parts) is not list or len(parts) != world:
         raise CorruptCheckpointError(
             f"{where}: a split manifest lists one part per rank ({world}); found {str(parts)[:100]}"
         )
     names: set[str] = set()
+    json_size = f", json_size <= {MAX_PART_BYTES}" if gz else ""
     for i, p in enumerate(parts):
         size = p.get("size") if isinstance(p, dict) else None
         if (
@@ -130,10 +154,13 @@ def check_parts(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
             or not 0 <= size <= MAX_PART_BYTES
             or type(p.get(CHECKSUM)) is not str
             or not _HASH64.fullmatch(p[CHECKSUM])
+            or (gz and not _json_size_ok(p.get("json_size")))
+            or (not gz and "json_size" in p)
         ):
             raise CorruptCheckpointError(
                 f"{where}: part {i} must be {{rank, file, size <= {MAX_PART_BYTES}, "
-                f"{CHECKSUM}}}, found {str(p)[:200]}"
+                f"{CHECKSUM}{json_size}}} in a manifest of version {m['format_version']}, "
+                f"found {str(p)[:200]}"
             )
         name = check_relpath(p.get("file"))
         if name in m["files"] or name in names:
@@ -142,9 +169,14 @@ def check_parts(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
     return list(parts)
 
 
+def _json_size_ok(n: Any) -> bool:
+    return type(n) is int and 0 < n <= MAX_PART_BYTES
+
+
 def decode_part(data: bytes, entry: Mapping[str, Any], step: int, where: str) -> dict[str, Any]:
     """A part's bytes, checked against its top entry (size, checksum) before they are
-    parsed, then its fields. Raises `CorruptCheckpointError`."""
+    decompressed (version 7: no more than the JSON's declared length) and parsed, then
+    its fields. Raises `CorruptCheckpointError`."""
     rank = entry["rank"]
     what = f"{where}: part {rank} ({entry['file']})"
     if len(data) != entry["size"]:
@@ -154,6 +186,8 @@ def decode_part(data: bytes, entry: Mapping[str, Any], step: int, where: str) ->
         )
     if checksum(data) != entry[CHECKSUM]:
         raise CorruptCheckpointError(f"{what}: checksum mismatch (edited or corrupt)")
+    if "json_size" in entry:
+        data = _gunzip(data, entry["json_size"], what)
     try:
         with no_gc():
             part = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject)
@@ -174,6 +208,23 @@ def decode_part(data: bytes, entry: Mapping[str, Any], step: int, where: str) ->
     if not _depth_within(part, MAX_JSON_DEPTH):
         raise CorruptCheckpointError(f"{what} is nested more than {MAX_JSON_DEPTH} levels")
     return part
+
+
+def _gunzip(data: bytes, size: int, what: str) -> bytes:
+    """The one gzip member ``data`` holds, which must decompress to exactly ``size``
+    bytes: decompression stops one byte past ``size``, so a part that would grow beyond
+    its declared length (a decompression bomb) costs no more memory than that length."""
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # a gzip header and trailer
+    try:
+        out = d.decompress(data, size + 1)
+    except zlib.error as exc:
+        raise CorruptCheckpointError(f"{what} is not gzip data ({exc})") from None
+    if len(out) != size or not d.eof or d.unused_data or d.unconsumed_tail:
+        raise CorruptCheckpointError(
+            f"{what}: its gzip data does not decompress to one member of the "
+            f"{size} bytes the manifest declares"
+        )
+    return out
 
 
 def _reject(name: str) -> Any:
@@ -292,14 +343,16 @@ def top_sizes(top: Mapping[str, Any]) -> dict[str, int]:
 
 def flatten(m: Mapping[str, Any]) -> dict[str, Any]:
     """A merged manifest of every part (`merge`) as one manifest of version 1, or 3
-    where an entry has extents, or 5 (kept) where a tree references a stored tensor
-    from several places: what a copy elsewhere commits (`pipeline.mirror`), without its
-    digest (the caller signs what it changed)."""
+    where an entry has extents, or 5 where a tree references a stored tensor from
+    several places (as version 5 may, and 6 and 7 may): what a copy elsewhere commits
+    (`pipeline.mirror`), without its digest (the caller signs what it changed), in the
+    lowest version that holds it, which the most readers read."""
     out = {
         k: v for k, v in m.items() if k not in ("parts", "partial", "digest", "objects", "segments")
     }
-    if out.get("format_version") == SEGMENT_VERSION:  # its files, one object each
-        out["format_version"] = ALIAS_VERSION
+    if out.get("format_version") in (SEGMENT_VERSION, GZIP_PARTS_VERSION):
+        tied = any(has_repeats(r["tree"]) for r in out["ranks"])
+        out["format_version"] = ALIAS_VERSION if tied else SPLIT_VERSION
     if out.get("format_version") != SPLIT_VERSION:
         return out  # version 5 keeps its refs (a list from version 2 on)
     extents = any("extents" in t for t in out["tensors"].values())

@@ -39,6 +39,7 @@ from resumable.format import (
     checksum,
     copy_checksum,
     decode_manifest,
+    has_segments,
     is_split,
     parse_safetensors_header,
     tensor_ranges,
@@ -101,7 +102,7 @@ class CheckpointReader:
                 )
             if is_split(m):
                 check_parts(m, self.where)
-                if "segments" in m:  # version 6: files and parts lie in node objects
+                if has_segments(m):  # versions 6 and 7: files and parts in node objects
                     self.storage = SegmentView(self.storage, self.dir, m)
             else:
                 self._manifest, self._arrays = m, arrays

@@ -43,7 +43,6 @@ from resumable.pieces import Piece, balance, owned_tensors
 from resumable.snapshot import Arena, Snapshot
 from resumable.storage import direct
 from resumable.storage.base import Storage
-from resumable.tree import has_repeats
 
 log = logging.getLogger(__name__)
 
@@ -571,7 +570,7 @@ def _write_part(
     """Write ``rank``'s part of the split manifest beside its data file; returns its
     report to rank 0: O(1) bytes (the data file, the part's entry, the steps referred to)."""
     name = part_file(rank)
-    blob = encode_part(
+    blob, json_size = encode_part(
         step=request.step,
         rank=rank,
         file=file.key,
@@ -584,12 +583,10 @@ def _write_part(
     report = {
         "file": file.key,
         "size": size,
-        "part": part_entry(rank, attempt.key(name), blob),
+        "part": part_entry(rank, attempt.key(name), blob, json_size),
         "refs": refs,
         "step": request.step,
     }
-    if has_repeats(request.tree):  # a tied weight: the top says format version 5
-        report["repeats"] = True
     return report
 
 
@@ -724,7 +721,6 @@ def _commit_reports(
                     parts=[r["part"] for r in reports],
                     refs=[k for r in reports for k in r["refs"]],
                     world_size=group.world_size,
-                    repeats=any(r.get("repeats") for r in reports),
                     **_segments(reports),
                 )
                 if "segments" in manifest:  # every file and part in one node's object
