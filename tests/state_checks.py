@@ -227,3 +227,39 @@ def save_thread_ranks(
         t.join()
     if errors:
         raise errors[0]
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, as GPT-2's do (the golden
+    fixtures of format versions 5 and 7)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(6, 4)
+        self.lm_head = torch.nn.Linear(4, 6, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+def golden_split_reader(root: Path, step: int, version: int, rank: int | None) -> Any:
+    """A reader of the golden split checkpoint in ``root``, which must be of format
+    ``version``: read whole and verified (sizes too) where ``rank`` is None, else as
+    that rank restoring at its world size."""
+    from resumable.reader import CheckpointReader
+    from resumable.storage import open_storage
+
+    reader = CheckpointReader(open_storage(str(root)), step)
+    assert reader.top["format_version"] == version
+    if rank is None:
+        assert reader.verify() > 0
+        reader.check_sizes()
+    else:
+        reader.only_rank(rank)
+    return reader
+
+
+def check_mine(reader: Any, mine: list[list[int]], rank: int | None) -> None:
+    """Each rank's own ``rank{r}/extra/mine`` (every rank's where ``rank`` is None), read
+    and verified, is the int64 tensor ``mine[r]``."""
+    for r in range(len(mine)) if rank is None else [rank]:
+        (got,) = reader.tensors([f"rank{r}/extra/mine"], verify=True).values()
+        assert got.dtype == torch.int64 and got.tolist() == mine[r]

@@ -16,6 +16,7 @@ import resumable
 from resumable.capture import decode, global_refs, iter_tensor_refs
 from resumable.reader import CheckpointReader
 from resumable.storage import open_storage
+from state_checks import Tied
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v5-tied"
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
@@ -26,14 +27,6 @@ STEP = EXPECTED["step"]
 def golden(tmp_path: Path) -> Path:
     shutil.copytree(GOLDEN, tmp_path / "v5")
     return tmp_path / "v5"
-
-
-class Tied(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = torch.nn.Embedding(6, 4)
-        self.lm_head = torch.nn.Linear(4, 6, bias=False)
-        self.lm_head.weight = self.wte.weight
 
 
 def test_the_fixture_is_version_5_and_names_a_tensor_twice(golden: Path) -> None:

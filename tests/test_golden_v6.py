@@ -15,9 +15,8 @@ import torch
 
 import resumable
 from resumable.cli import main
-from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
-from resumable.storage import open_storage
+from state_checks import check_mine, golden_split_reader
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v6-nodes"
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
@@ -61,20 +60,12 @@ def test_the_fixture_is_version_6_with_one_object_per_node(golden: Path) -> None
 @pytest.mark.parametrize("rank", [None, 0, 1, 2, 3])
 def test_the_golden_node_checkpoint_reads(golden: Path, rank: int | None) -> None:
     """Read whole (and verified), and as each rank restoring at its world size."""
-    reader = CheckpointReader(open_storage(str(golden)), STEP)
-    assert reader.top["format_version"] == 6
-    if rank is None:
-        assert reader.verify() > 0
-        reader.check_sizes()
-    else:
-        reader.only_rank(rank)
+    reader = golden_split_reader(golden, STEP, 6, rank)
     assert reader.manifest["metrics"] == EXPECTED["metrics"]
     loader = GlobalLoader(reader, {})
     for k, v in EXPECTED["model"].items():
         assert loader.value(f"model/{k}").tolist() == v
-    for r in range(WORLD) if rank is None else [rank]:
-        (got,) = reader.tensors([f"rank{r}/extra/mine"], verify=True).values()
-        assert got.dtype == torch.int64 and got.tolist() == EXPECTED["mine"][r]
+    check_mine(reader, EXPECTED["mine"], rank)
     assert sorted(p.name for p in _step(golden).iterdir()) == FILES
 
 

@@ -22,6 +22,7 @@ from resumable.parts import PART_FORMAT
 from resumable.reader import CheckpointReader
 from resumable.reshard import GlobalLoader
 from resumable.storage import open_storage
+from state_checks import Tied, check_mine, golden_split_reader
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v7-parts"
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
@@ -37,14 +38,6 @@ def golden(tmp_path: Path) -> Path:
 
 def _step(root: Path) -> Path:
     return root / f"step-{STEP:012d}"
-
-
-class Tied(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = torch.nn.Embedding(6, 4)
-        self.lm_head = torch.nn.Linear(4, 6, bias=False)
-        self.lm_head.weight = self.wte.weight
 
 
 def test_the_fixture_is_version_7_with_gzipped_parts(golden: Path) -> None:
@@ -64,19 +57,11 @@ def test_the_fixture_is_version_7_with_gzipped_parts(golden: Path) -> None:
 @pytest.mark.parametrize("rank", [None, 0, 1])
 def test_the_golden_checkpoint_reads(golden: Path, rank: int | None) -> None:
     """Read whole (and verified), and as each rank restoring at its world size."""
-    reader = CheckpointReader(open_storage(str(golden)), STEP)
-    assert reader.top["format_version"] == 7
-    if rank is None:
-        assert reader.verify() > 0
-        reader.check_sizes()
-    else:
-        reader.only_rank(rank)
+    reader = golden_split_reader(golden, STEP, 7, rank)
     assert reader.manifest["metrics"] == EXPECTED["metrics"]
     loader = GlobalLoader(reader, {})
     assert loader.value("model/wte.weight").tolist() == EXPECTED["weight"]
-    for r in range(WORLD) if rank is None else [rank]:
-        (got,) = reader.tensors([f"rank{r}/extra/mine"], verify=True).values()
-        assert got.dtype == torch.int64 and got.tolist() == EXPECTED["mine"][r]
+    check_mine(reader, EXPECTED["mine"], rank)
 
 
 def test_the_cli_verifies_shows_and_exports_it(
