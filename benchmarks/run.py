@@ -905,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         got = guarded(
             out,
             "scale",
-            lambda: scale.run_phase(
+            lambda: scale.run_in_child(
                 work / "scale", log, ns=[4, 16, 64, 256] if args.quick else None, s3=not args.no_s3
             ),
         )

@@ -243,3 +243,35 @@ def test_one_object_per_node_on_a_copy_sends_what_an_s3_commit_would(
     assert got["retention_s3"]["requests"] == real["retention_s3"]["requests"]
     assert got["retention_s3"]["objects_deleted"] == real["retention_s3"]["objects_deleted"] - 1
     assert got["restore_s3"]["requests_per_rank"] == real["restore_s3"]["requests_per_rank"]
+
+
+def _children_running(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker`` (the phase's work directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd and "scale.py" in cmd:
+                found.append(int(proc.name))
+    return found
+
+
+def test_the_phase_runs_in_a_child_of_its_own(tmp_path: Path) -> None:
+    """`make bench` runs the phase in a fresh interpreter: its rows come back as
+    `run_phase` makes them, and its log lines reach the caller's log."""
+    lines: list[str] = []
+    out = scale.run_in_child(tmp_path / "w", lines.append, ns=[4], s3=False)
+    assert sorted(out["by_n"]) == ["4"] and out["ns"] == [4]
+    assert any("N=4" in line for line in lines)
+    assert not _children_running(str(tmp_path))
+
+
+def test_a_stalled_phase_is_stopped_and_named(tmp_path: Path) -> None:
+    """A phase past its time is killed, child and all, and reported as an error (the
+    run's other phases keep their results), not waited for."""
+    with pytest.raises(RuntimeError, match="did not finish in"):
+        scale.run_in_child(tmp_path / "w", lambda _: None, ns=[4, 16], s3=False, timeout_s=0.2)
+    assert not _children_running(str(tmp_path))
