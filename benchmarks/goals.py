@@ -15,7 +15,7 @@ the run it reads, and a path the run did not measure is left out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 Result = dict[str, Any]
@@ -287,11 +287,41 @@ def _small(out: Result) -> list[dict[str, Any] | None]:
                     f" ({alone / median_pct:.1f}x the copy's median in the loop)"
                     if alone is not None and median_pct
                     else ""
-                ),
+                )
+                + _profile(m, limit, off_ms),
                 "overlap mode: " + _f(_num(m.get("overlap_overhead_pct")), "%"),
             )
         )
     return rows
+
+
+def _profile(m: Mapping[str, Any], limit: float, off_ms: float | None) -> str:
+    """Where a small model's snapshot goes (`small_bench.parts`: its pieces timed apart,
+    out of the loop) against what the goal leaves beside the copy: the miss's profile."""
+    p = m.get("parts_us")
+    total = _num(p.get("total")) if isinstance(p, dict) else None
+    if not isinstance(p, dict) or total is None or not off_ms:
+        return ""
+    names = (
+        ("copy", "the copy"),
+        ("capture_walk", "the capture walk"),
+        ("rng", "the random streams (Python's, NumPy's and torch's, each advanced before)"),
+        ("plan_check", "the structure check"),
+        ("metadata", "the metadata"),
+        ("other", "the rest (slot, publish, schedule)"),
+    )
+    shown = [f"{label} {_f(_num(p.get(k)), 'µs')}" for k, label in names if _num(p.get(k))]
+    copy = _num(p.get("copy")) or 0.0
+    beside = total - copy
+    room = limit / 100 * off_ms * 1000 - (_num(m.get("median_loop_floor_us")) or copy)
+    if room <= 0:  # the copy alone is past the goal: the floor says it all
+        return ""
+    return (
+        f"; a snapshot timed apart, {_f(total, 'µs')}: "
+        + ", ".join(shown)
+        + f"; the Python work beside the copy, {_f(beside, 'µs')}, against the "
+        f"{_f(room, 'µs')} the goal leaves beside the copy's median in the loop"
+    )
 
 
 def _dist(out: Result) -> list[dict[str, Any] | None]:

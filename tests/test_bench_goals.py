@@ -303,3 +303,28 @@ def test_deepspeed_bytes_are_judged_on_the_directories_where_the_run_lists_them(
     assert "audit log and lease (6,257 bytes)" in row["why"]
     st["ratios"]["dir_bytes_over_ds"] = 1.0001
     assert _row(out, "DeepSpeed ZeRO 1: bytes on disk")["result"] == "not met"
+
+
+def test_a_small_models_miss_carries_its_profile_against_the_room_the_goal_leaves() -> None:
+    """Where the copy leaves room under the goal, the row says where the rest of the
+    snapshot goes (its pieces timed apart) and how much room that is; where the copy
+    alone is past the goal, the floor says it all and no profile is added."""
+    out = _run()
+    tiny = out["small"]["models"]["tiny"]
+    off_us = tiny["median_off_ms"] * 1000
+    tiny.update(median_loop_floor_us=0.02 * off_us, loop_floor_pct=2.0, loop_floor_threads=1)
+    tiny["parts_us"] = {
+        "capture_walk": 60.0,
+        "rng": 40.0,
+        "plan_check": 15.0,
+        "copy": 150.0,
+        "metadata": 20.0,
+        "other": 100.0,
+        "total": 385.0,
+    }
+    why = _row(out, "nanoGPT tiny")["why"]
+    assert "a snapshot timed apart, 385 µs" in why and "the capture walk 60 µs" in why
+    assert "beside the copy, 235 µs" in why
+    assert f"the {0.01 * off_us:,.0f} µs the goal leaves" in why
+    tiny.update(median_loop_floor_us=0.04 * off_us, loop_floor_pct=4.0)
+    assert "timed apart" not in _row(out, "nanoGPT tiny")["why"]
