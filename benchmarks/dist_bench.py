@@ -123,6 +123,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 "median": round(statistics.median(per), 6) if per else None,
                 "per_rank": m["per_rank_cpu"],
             }
+        for key in ("span_blocking", "span_total"):  # first rank's start to last's return
+            if m.get(key):
+                methods[name][key] = _stat(m[key], warmup)
         if "snapshot" in m:  # the background save's own snapshot time (slowest rank)
             methods[name]["snapshot"] = _stat(m["snapshot"], warmup)
             methods[name]["per_rank_snapshot"] = m["per_rank_snapshot"]

@@ -30,7 +30,12 @@ waits for). Rank 0 writes the samples, the per-rank times and the bytes of each 
 Each rank also records the CPU time its process spent in each call (``time.process_time``,
 every thread of the process): with more ranks than cores, the ranks take turns on the
 cores, and the slowest rank's wall time follows the sum of the ranks' CPU time over the
-cores rather than any one rank's work.
+cores rather than any one rank's work. Each rank's start (``CLOCK_MONOTONIC``, one clock
+for the machine's processes) gives every call's *span* too: from the first rank's start
+to the last rank's return, what the step's next collective waits for. With more ranks
+than cores the slowest rank's own time is a lottery: a rank the scheduler runs alone
+copies in 5.5 ms, one that shares a core in 11 (the copy floor at 4 ranks on 2 cores
+took either in the run of 2026-12-05T05); the span is not.
 
 The ``get_state_dict`` call is inside DCP's timings, as resumable's own capture is inside
 ``save()``. DCP's directories are removed after each round, outside the timings.
@@ -212,21 +217,23 @@ def main() -> None:
     names = list(methods)
     times: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in names}
     cpu: dict[str, list[list[float]]] = {n: [] for n in names}  # per round, each rank's
+    starts: dict[str, list[list[float]]] = {n: [] for n in names}  # CLOCK_MONOTONIC
     snap_times: list[list[float]] = []  # per round, each rank's snapshot inside save()
     nbytes: dict[str, Any] = {}
     for i in range(args.warmup + args.reps):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             dist.barrier()
-            c0 = time.process_time()
+            c0, s0 = time.process_time(), time.monotonic()  # one clock for all ranks
             blocking, total = methods[name](i)
             used = time.process_time() - c0
             snap = snapshots[-1] if name == "resumable_process" else float("nan")
-            mine = torch.tensor([blocking, total, snap, used], dtype=torch.float64)
-            every = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
+            mine = torch.tensor([blocking, total, snap, used, s0], dtype=torch.float64)
+            every = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, mine)
             times[name].append([(float(t[0]), float(t[1])) for t in every])
             cpu[name].append([float(t[3]) for t in every])
+            starts[name].append([float(t[4]) for t in every])
             if name == "resumable_process":
                 snap_times.append([float(t[2]) for t in every])
         dist.barrier()
@@ -270,6 +277,12 @@ def main() -> None:
                     "per_rank_blocking": [[round(b, 6) for b, _ in rep] for rep in reps],
                     "per_rank_total": [[round(t, 6) for _, t in rep] for rep in reps],
                     "per_rank_cpu": [[round(c, 6) for c in rep] for rep in cpu[name]],
+                    "span_blocking": [
+                        _span(st, [b for b, _ in rep]) for st, rep in zip(starts[name], reps)
+                    ],
+                    "span_total": [
+                        _span(st, [t for _, t in rep]) for st, rep in zip(starts[name], reps)
+                    ],
                     "bytes": nbytes.get(name),
                 }
                 for name, reps in times.items()
@@ -288,6 +301,13 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _span(starts: list[float], took: list[float]) -> float:
+    """From the first rank's start to the last rank's return (every rank reads the same
+    ``CLOCK_MONOTONIC``): what the next collective of a training step waits for, and,
+    with more ranks than cores, no lottery of which ranks the scheduler ran first."""
+    return round(max(s + t for s, t in zip(starts, took)) - min(starts), 6)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

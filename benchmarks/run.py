@@ -927,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         cloud = {**out["cloud"], "file": path.name, "machine": cloud_bench.machine()}
         cloud_bench.write_doc(cloud)
         log(f"regenerated {cloud_bench.DOC}")
-    if "by_n" in out.get("scale", {}):
+    if "by_n" in out.get("scale", {}) and "stopped" not in out["scale"]:
         scale.write_docs(out["scale"], f"benchmarks/results/{path.name}")
         log(f"regenerated {scale.DOCS}")
     if not args.keep_bench_dir:

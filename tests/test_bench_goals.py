@@ -283,6 +283,25 @@ def test_a_rank_row_beyond_the_cores_says_what_the_ranks_cpu_time_allows() -> No
     assert "CPU time per rank" in why2 and "take turns" not in why2
 
 
+def test_rank_rows_are_judged_on_the_span_where_the_run_has_it() -> None:
+    """Runs from 2026-12-05T11 time each call from the first rank's start to the last
+    rank's return: the row is judged on that ratio and names the slowest rank's own;
+    older runs keep the slowest rank's own time."""
+    out = _run()
+    before = _row(out, "4 ranks (FSDP2)")
+    assert "first rank's start" not in before["path"]
+    w = out["dist"]["worlds"]["4"]["methods"]
+    w["copy_floor"]["span_blocking"] = {"median": 0.0110}
+    w["resumable_process"]["span_blocking"] = {"median": 0.0132}
+    row = _row(out, "4 ranks (FSDP2)")
+    assert "from the first rank's start to the last rank's return" in row["path"]
+    assert row["measured"] == pytest.approx(1.2) and row["result"] == "met"
+    assert f"the slowest rank's own time ÷ the floor's {before['measured']:.2f}x" in row["why"]
+    assert "its span 11.00 ms" in row["why"] and "13.20 ms)" in row["why"]
+    w["resumable_process"]["span_blocking"] = {"median": 0.0165}
+    assert _row(out, "4 ranks (FSDP2)")["result"] == "not met"
+
+
 def test_deepspeed_bytes_are_judged_on_the_directories_where_the_run_lists_them() -> None:
     """Runs from 2026-12-05 list the files beside each method's one checkpoint: the row
     then compares the directories (DeepSpeed's `latest` and recovery scripts against

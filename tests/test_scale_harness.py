@@ -275,3 +275,17 @@ def test_a_stalled_phase_is_stopped_and_named(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="did not finish in"):
         scale.run_in_child(tmp_path / "w", lambda _: None, ns=[4, 16], s3=False, timeout_s=0.2)
     assert not _children_running(str(tmp_path))
+
+
+def test_a_stalled_phase_keeps_the_rows_of_the_ns_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child writes the rows of each N it finishes: a stall at a later N costs that
+    N only, and says so (`make bench` then leaves docs/scale.md as it was)."""
+    monkeypatch.setenv(scale.STALL_ENV, "16")
+    lines: list[str] = []
+    out = scale.run_in_child(tmp_path / "w", lines.append, ns=[4, 16], s3=False, timeout_s=20)
+    assert sorted(out["by_n"]) == ["4"]
+    assert "Kept: the rows of N=4; not run: N=16" in out["stopped"]
+    assert any("was stopped" in line for line in lines)
+    assert not _children_running(str(tmp_path))
