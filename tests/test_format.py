@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 
 import resumable
 from resumable._dtypes import check_dtype_name, dtype_from_name, dtype_name, itemsize
+from resumable._shm import layout_meta, slot_layout
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
 from resumable.format import (
     FORMAT_VERSION,
     LINE_BYTES,
     MANIFEST,
+    TensorSlot,
     build_manifest,
     check_relpath,
     decode_manifest,
@@ -34,6 +36,7 @@ from resumable.format import (
     parse_safetensors_header,
     plan_layout,
 )
+from resumable.pipeline.write import share_prefix
 from resumable.reader import CheckpointReader
 from resumable.storage import open_storage
 
@@ -544,3 +547,50 @@ def test_dtype_tables_agree_with_torch() -> None:
     for bad in ("F128", "f32", None, 4):
         with pytest.raises(CorruptCheckpointError, match="unknown dtype"):
             check_dtype_name(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_dtypes, _shapes), min_size=1, max_size=10), st.data())
+def test_plan_layout_puts_what_other_ranks_write_last_from_a_cache_line(
+    specs: list[tuple[torch.dtype, list[int]]], data: st.DataObject
+) -> None:
+    """A rank's replicated tensors that another rank writes go after all of its own, the
+    first of them on a cache line: its own are the snapshot's first bytes (its persist
+    worker writes them from shared memory), and the shared-memory layout check takes
+    the gap before them and no other."""
+    tensors = {f"t{i}": torch.zeros(shape, dtype=dt) for i, (dt, shape) in enumerate(specs)}
+    last = set(data.draw(st.sets(st.sampled_from(sorted(tensors)))))
+    slots = plan_layout(tensors, last)
+    names = [s.name for s in slots]
+    mine = len(tensors) - len(last)
+    assert set(names[:mine]) == set(tensors) - last and set(names[mine:]) == last
+    assert [s.name for s in slots[:mine]] == [
+        s.name for s in plan_layout({n: t for n, t in tensors.items() if n not in last})
+    ]
+    for s in slots:
+        assert s.begin % tensors[s.name].element_size() == 0
+    if last and mine:
+        assert slots[mine].begin == slots[mine - 1].end + -slots[mine - 1].end % LINE_BYTES
+    cap = slots[-1].end
+    assert slot_layout(layout_meta(slots), cap) == slots
+    assert share_prefix(slots, last) == (slots[:mine] if mine else None)
+
+
+def test_the_shared_memory_layout_check_takes_no_gap_but_the_one_to_a_cache_line() -> None:
+    """A layout whose tensor starts past the previous one's end anywhere but at the next
+    cache line is not one `plan_layout` makes: refused, as any malformed layout is."""
+    a = TensorSlot("a", "F32", (3,), 0, 12)
+    at_line = TensorSlot("b", "F32", (1,), 64, 68)
+    assert slot_layout(layout_meta([a, at_line]), 68) == [a, at_line]
+    for begin in (16, 128):
+        off = TensorSlot("b", "F32", (1,), begin, begin + 4)
+        assert slot_layout(layout_meta([a, off]), begin + 4) is None
+
+
+def test_a_share_laid_out_otherwise_is_copied_out() -> None:
+    """`share_prefix` gives the first slots only where they are exactly this rank's."""
+    slots = [TensorSlot(n, "F32", (1,), 4 * i, 4 * i + 4) for i, n in enumerate("abcd")]
+    assert share_prefix(slots, set()) == slots
+    assert share_prefix(slots, {"c", "d"}) == slots[:2]
+    assert share_prefix(slots, {"a", "d"}) is None  # another rank's tensor comes first
+    assert share_prefix(slots, set("abcd")) is None  # nothing of its own

@@ -725,3 +725,27 @@ def test_overlap_auto_hands_a_large_copy_to_a_thread_and_copies_a_small_one_at_o
     assert_same(params(state), expected)
     ck.save_on_close = False
     ck.close()
+
+
+def test_a_ranks_layout_puts_last_only_a_small_replicated_part_that_others_write() -> None:
+    """FSDP2 with AdamW: each parameter's ``step`` is a replicated scalar, written by one
+    rank; those another rank writes go last in this rank's snapshot (its worker then
+    writes its share from shared memory). Data parallelism: most of the state is
+    replicated, and every rank keeps the same layout (replication to a peer sends only
+    what the peer's own snapshot does not hold at the same place)."""
+    from types import SimpleNamespace
+
+    from resumable.pieces import owned_tensors
+    from resumable.pipeline.memory import MemoryTier
+
+    shards = {f"w{i}": torch.zeros(4096) for i in range(4)}
+    steps = {f"step{i}": torch.zeros(()) for i in range(4)}
+    fsdp = SimpleNamespace(tensors={**shards, **steps}, replicated=set(steps))
+    tier = SimpleNamespace(world_size=2, rank=1)
+    others = MemoryTier._others(tier, fsdp)  # type: ignore[arg-type]
+    mine = owned_tensors(fsdp.tensors, fsdp.replicated, 1, 2)
+    assert others and others == set(fsdp.tensors) - set(mine) and others <= set(steps)
+    ddp = SimpleNamespace(tensors=dict(shards), replicated=set(shards))
+    assert MemoryTier._others(tier, ddp) == set()  # type: ignore[arg-type]
+    one = SimpleNamespace(world_size=1, rank=0)
+    assert MemoryTier._others(one, fsdp) == set()  # type: ignore[arg-type]

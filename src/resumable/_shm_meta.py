@@ -20,7 +20,7 @@ from typing import Any
 
 from resumable._dtypes import check_dtype_name, itemsize
 from resumable.errors import CheckpointError, CorruptCheckpointError
-from resumable.format import TensorSlot
+from resumable.format import LINE_BYTES, TensorSlot
 from resumable.pieces import Piece, pieces_to_json
 
 ROOT_KEY = "root"  # metadata key: the checkpoint root's URL
@@ -194,7 +194,8 @@ def _is_pieces(v: Any) -> bool:
 def slot_layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
     """The tensor slots of a snapshot's ``layout`` metadata if it is one `layout_meta`
     writes for a `plan_layout`: distinct names, known dtypes, shapes of non-negative
-    integers, each tensor's bytes right after the previous one's, aligned to its element
+    integers, each tensor's bytes right after the previous one's (or at the next cache
+    line: where the tensors another rank writes begin), aligned to its element
     size, as long as its shape needs, inside the data region; else None. (A slot whose
     metadata checksum holds was written by this user, but a restore must not crash on
     it either.)"""
@@ -218,7 +219,9 @@ def slot_layout(layout: Any, data_cap: int) -> list[TensorSlot] | None:
         if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
             return None
         size = itemsize(dtype)
-        if type(begin) is not int or type(end) is not int or begin != offset or begin % size:
+        if type(begin) is not int or type(end) is not int or begin % size:
+            return None
+        if begin != offset and begin != offset + -offset % LINE_BYTES:
             return None
         if end != begin + math.prod(shape) * size or end > data_cap:
             return None

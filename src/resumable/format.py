@@ -34,7 +34,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -156,12 +156,19 @@ LINE_BYTES = 64
 multiple of it."""
 
 
-def plan_layout(tensors: Mapping[str, torch.Tensor]) -> list[TensorSlot]:
+def plan_layout(
+    tensors: Mapping[str, torch.Tensor], last: Collection[str] = ()
+) -> list[TensorSlot]:
     """Pack tensors back to back: first those whose bytes are a multiple of
     `LINE_BYTES`, then the others; each kind by element size, largest first, in the
     state's order within that. Every slot is then aligned to its element size, and every
     one of the first kind to a cache line (the buffer and the file's data start on a
     page). The same layout serves the snapshot arena and the file.
+
+    The tensors named in ``last`` (a rank's replicated tensors that another rank writes:
+    `resumable.pieces.owned_tensors`) go after all the others, laid out alike from the
+    next cache line on: what the rank writes is then the first bytes of its snapshot,
+    which its persist worker writes from shared memory without copying them out.
 
     The first kind is nearly every large tensor; the second, scalars and odd sizes.
     Packed in the state's order instead, an optimizer's 4-byte ``step`` before each
@@ -171,12 +178,17 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> list[TensorSlot]:
     order = sorted(
         tensors.items(),
         key=lambda kv: (
+            kv[0] in last,
             kv[1].numel() * kv[1].element_size() % LINE_BYTES != 0,
             -kv[1].element_size(),
         ),
     )
     slots, offset = [], 0
+    tail = False
     for name, t in order:
+        if not tail and name in last:
+            tail = True
+            offset += -offset % LINE_BYTES
         n = t.numel() * t.element_size()
         slots.append(TensorSlot(name, dtype_name(t.dtype), tuple(t.shape), offset, offset + n))
         offset += n

@@ -116,13 +116,13 @@ class CopyPlan:
     Python comparison is.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], last: Collection[str] = ()) -> None:
         self.names = list(tensors)
         self._guard = _tensor_guard(list(tensors.values()))
         self.specs = _specs(tensors)
         # each tensor's device where any is not on the CPU (reading it allocates)
         self.devices = None if all(cpu for _, _, cpu in self.specs) else _devices(tensors)
-        self.slots = plan_layout(tensors)
+        self.slots = plan_layout(tensors, last)
         self.nbytes = self.slots[-1].end if self.slots else 0
         self.layout_json = RawJSON(
             json.dumps(layout_meta(self.slots), separators=(",", ":"), allow_nan=False)
@@ -615,15 +615,20 @@ class ShmArena:
         self.newest = MemorySnapshot(index, seq, step, nbytes)
         return self.newest
 
-    def plan(self, tensors: Mapping[str, torch.Tensor]) -> tuple[CopyPlan, bool]:
+    def plan(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        last: Callable[[], Collection[str]] = tuple,
+    ) -> tuple[CopyPlan, bool]:
         """The copy plan for ``tensors``: the last one if they have its structure, else
-        a new one (then True)."""
+        a new one (then True), laying out the tensors ``last()`` names after the others
+        (`plan_layout`; asked only for a new plan)."""
         plan = self._plan
         if plan is not None and plan.matches(tensors):
             return plan, False
         if plan is not None:
             plan.forget()
-        plan = self._plan = CopyPlan(tensors)
+        plan = self._plan = CopyPlan(tensors, last())
         return plan, True
 
     def _choose(self, step: int) -> int:

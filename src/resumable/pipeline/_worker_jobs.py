@@ -45,6 +45,7 @@ from resumable.pipeline.write import (
     WriteRequest,
     rank_share,
     replicated_holders,
+    share_prefix,
     write_checkpoint,
     write_distributed,
 )
@@ -268,42 +269,73 @@ class JobRunner:
     def _persist_coordinated(
         self, slot: ShmSlot, content: SlotContent, where: dict[str, Any]
     ) -> Committed:
-        """This rank's share of a coordinated persist, from its shared-memory snapshot:
-        its tensors copied out (the slot may be rewritten once the job ends), then the
-        exchanges of `write_distributed` through the coordination store."""
+        """This rank's share of a coordinated persist, from its shared-memory snapshot,
+        then the exchanges of `write_distributed` through the coordination store.
+
+        The share is the tensors of the snapshot but the replicated ones another rank
+        writes, which the trainer lays out last (`resumable.format.plan_layout`): the
+        share is then the slot's first bytes, written from shared memory as a single
+        process's persist writes (the trainer keeps the slot locked until this job's
+        reply), and the slot is checked unchanged before this rank reports its part
+        written. A share laid out otherwise is copied out first. That copy, of 32 MiB
+        a rank at 4 ranks, ran while the ranks that handed their persist off later
+        were still taking their snapshots, and stretched their `save()` on 4 ranks
+        sharing 2 cores (``docs/decisions.md``, "A rank's share written from shared
+        memory")."""
         from resumable.coordination import StoreCoordinator
 
         coordinator = StoreCoordinator.connect(where, self._stores)
-        snap = rank_share(
-            self._arena,
-            _bytes_of(slot, content),
-            content.meta.replicated,
-            coordinator.rank,
-            coordinator.world_size,
-        )
-        if not slot.still(content.seq):
-            raise CheckpointError("snapshot slot was rewritten while being persisted")
         holders = replicated_holders(
             {t.name: t.nbytes for t in content.slots},
             content.meta.replicated,
             coordinator.rank,
             coordinator.world_size,
         )
+        whole = _bytes_of(slot, content)
+        prefix = share_prefix(content.slots, holders)
+
+        def unchanged() -> None:
+            if not slot.still(content.seq):
+                raise CheckpointError("snapshot slot was rewritten while being persisted")
+
+        if prefix is not None:
+            snap = Snapshot(prefix, whole.buffer)
+
+            def check() -> None:
+                self._check_parent()
+                unchanged()
+
+        else:
+            snap = rank_share(
+                self._arena,
+                whole,
+                content.meta.replicated,
+                coordinator.rank,
+                coordinator.world_size,
+            )
+            unchanged()
+            check = self._check_parent
         request = dataclasses.replace(_request(content, snap), holders=holders)
-        return self.persist_group(coordinator, request, nodes=coordinator.nodes)
+        return self.persist_group(coordinator, request, nodes=coordinator.nodes, check=check)
 
     def persist_group(
-        self, group: Coordination, request: WriteRequest, *, nodes: NodeObjects | None = None
+        self,
+        group: Coordination,
+        request: WriteRequest,
+        *,
+        nodes: NodeObjects | None = None,
+        check: Callable[[], None] | None = None,
     ) -> Committed:
         """The coordinated commit of several ranks (`write_distributed`; with ``nodes``,
         one object per node), then, on rank 0, the audit entry and retention. Not
-        retried: a retry would need every rank."""
+        retried: a retry would need every rank. ``check`` runs before this rank reports
+        its part written (by default: whether the trainer is alive)."""
         result = write_distributed(
             group,
             self.storage,
             self.committer,
             request,
-            check=self._check_parent,
+            check=check or self._check_parent,
             base=self.delta,
             nodes=nodes,
         )

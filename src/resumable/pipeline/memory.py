@@ -46,13 +46,17 @@ from resumable.audit import AuditLog
 from resumable.errors import CorruptCheckpointError, StorageError
 from resumable.format import json_metrics
 from resumable.options import OVERLAP_MIN_BYTES, Overlap
-from resumable.pieces import is_dtensor
+from resumable.pieces import is_dtensor, owned_tensors
 from resumable.replicas.peers import Replication
 from resumable.runid import snapshot_belongs
 from resumable.snapshot import CopyPlan, MemorySnapshot, ShmArena, Snapshot
 from resumable.storage import Storage
 
 log = logging.getLogger(__name__)
+
+OTHERS_LAST_SHARE = 64
+"""The replicated tensors another rank writes are laid out last while they hold at most
+1/64 of a snapshot's bytes (`MemoryTier._others`)."""
 
 STALE_SHM_S = 24 * 3600.0
 
@@ -110,11 +114,11 @@ class MemoryTier:
         if self.replication is not None:
             self.replication.wait()  # counted as this snapshot's stall: it blocks
         captured = self._capture(state, rng)
-        copy_plan, new = self.arena.plan(captured.tensors)
+        copy_plan, new = self.arena.plan(captured.tensors, lambda: self._others(captured))
         if new and captured.reused:  # a tensor changed dtype, shape or device in place
             self._plan.forget()
             captured = self._capture(state, rng)
-            copy_plan = self.arena.plan(captured.tensors)[0]
+            copy_plan = self.arena.plan(captured.tensors, lambda: self._others(captured))[0]
         # Several ranks (or DTensors): what a coordinated persist and a restore need. A
         # state of per-rank objects only (a DeepSpeed engine's) has no pieces, yet its
         # snapshot is of this world size all the same.
@@ -141,6 +145,23 @@ class MemoryTier:
             captured.tensors[n].numel() * captured.tensors[n].element_size() for n in deferred
         )
         return seconds, overlapped
+
+    def _others(self, captured: capture_mod.Captured) -> set[str]:
+        """The replicated tensors another rank writes in a coordinated persist, to be laid
+        out last (`plan_layout`), where they are a small part of the snapshot (a sharded
+        state's optimizer step counters): this rank's persist worker then writes its
+        share from shared memory. Not where they are a large part (data parallelism):
+        every rank's layout then stays the same, and a replica to a peer sends only the
+        bytes the peer's own snapshot does not hold at the same place
+        (`resumable.replicas`)."""
+        if self.world_size <= 1 or not captured.replicated:
+            return set()
+        tensors = captured.tensors
+        mine = owned_tensors(tensors, captured.replicated, self.rank, self.world_size)
+        others = set(tensors) - set(mine)
+        size = sum(tensors[n].numel() * tensors[n].element_size() for n in others)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        return others if size * OTHERS_LAST_SHARE <= total else set()
 
     def _deferred(
         self, state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], plan: CopyPlan

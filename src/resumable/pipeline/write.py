@@ -18,7 +18,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol, cast
 
@@ -75,6 +75,17 @@ def rank_share(
     ``replicated`` ones that `owned_tensors` gives another rank."""
     views = {s.name: snapshot.tensor(s) for s in snapshot.slots}
     return arena.snapshot(owned_tensors(views, replicated, rank, world_size))
+
+
+def share_prefix(slots: Sequence[TensorSlot], holders: Collection[str]) -> list[TensorSlot] | None:
+    """The slots of a rank's share of a coordinated persist if they are the first of
+    ``slots`` (the trainer lays the tensors ``holders`` names, which other ranks write,
+    last: `resumable.format.plan_layout`), so that the share is the snapshot's first
+    bytes and is written from them without a copy; else None (copied out: `rank_share`)."""
+    mine = len(slots) - len(holders)
+    if mine <= 0 or any(s.name in holders for s in slots[:mine]):
+        return None
+    return list(slots[:mine])
 
 
 def replicated_holders(
