@@ -69,7 +69,7 @@ def launch(
     use_async: bool = True,
 ) -> dict[str, Any]:
     """One torchrun launch of `mcore_worker.py` at TP ``tp_size``; its JSON, raw."""
-    args = [f"--tp={tp_size}", f"--reps={reps}"]
+    args = [f"--tp={tp_size}", f"--reps={reps}", f"--restore-reps={reps * tp.RESTORE_FACTOR}"]
     args += ["--tiny"] if tiny else []
     args += ["--async"] if use_async else []
     return tp.launch(WORKER, args, workdir, what=f"TP {tp_size}", timeout_s=timeout_s)
@@ -151,6 +151,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "launch_wall_s": raw.get("launch_wall_s"),
         "save_order": raw["save_order"],
         "restore_order": raw["restore_order"],
+        "restore_reps": raw.get("restore_reps"),
         "save": save,
         "restore": restore,
         "restored_equal": {k: all(v) and bool(v) for k, v in raw["restored_equal"].items()},
@@ -257,8 +258,13 @@ def render(out: dict[str, Any], source: str) -> str:
         "`resumable.integrations.megatron.checkpointer(root, model, optimizer, scheduler)` "
         "(model, optimizer, scheduler, Megatron's RNG tracker and the process's random "
         "streams). "
-        f"Medians of {out.get('reps')} rounds after a first one (*first*, apart), the "
-        "methods interleaved and the first of them rotating each round; every sample is "
+        f"Medians of {out.get('reps')} rounds after a first one (*first*, apart)"
+        + (
+            f" ({ok[0]['restore_reps']} for the restores, after an `os.sync()`)"
+            if ok and ok[0].get("restore_reps") not in (None, out.get("reps"))
+            else ""
+        )
+        + ", the methods interleaved and the first of them rotating each round; every sample is "
         "the slowest rank's, after a barrier. *Blocking*: until the call returns; *total*: "
         "until the checkpoint is complete. `torch_dist` fsyncs the data files and "
         "`.metadata` it writes (`FileSystemWriterAsync`, `use_fsync=True`) but not "

@@ -50,7 +50,11 @@ Each sample is ``[blocking, total, fsync, snapshot]`` per rank, *snapshot* being
 resumable's ``Checkpointer.last_snapshot_s`` or the time Megatron's sharded state dict
 took to build.
 
-After the save rounds, the restore rounds (``reps + 1``, the first reported apart); in
+After the save rounds, every rank's ``os.sync()`` (outside the timing: the save rounds'
+buffered writes would otherwise be written back during the restores, and resumable's data
+files, written around the page cache, are read from the disk), then the restore rounds
+(``--restore-reps`` + 1, ``reps + 1`` unless given; `mcore_bench.py` asks for
+`torchrun_phase.RESTORE_FACTOR` times the save rounds; the first reported apart); in
 the first and the last round model B takes a training step of its own before each
 restore (outside the timing), so that every part of its state differs from A's, and B's
 state (every rank's parameter shards, AdamW moments and steps, the scheduler) is hashed
@@ -281,6 +285,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, required=True, choices=(1, 2))
     ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument(
+        "--restore-reps", type=int, default=None, help="restore rounds after a first (--reps)"
+    )
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true", help="the smoke test's model")
@@ -436,6 +443,12 @@ def main() -> None:
     }
 
     log("restore rounds")
+    # The save rounds leave dirty pages (Megatron's buffered writes) that the kernel writes
+    # back over the next seconds; resumable's data files, written around the page cache,
+    # are read back from the disk, behind that writeback. Flushed first, outside the
+    # timing, as a restore at a launch finds the last job's writes long written.
+    os.sync()
+    dist.barrier()
 
     def load_mc() -> float:
         t0 = time.perf_counter()
@@ -472,9 +485,10 @@ def main() -> None:
     gc_in["restores"] = {n: [] for n in lnames}
     equal: dict[str, list[bool]] = {"megatron": [], "resumable": []}
     differ: dict[str, list[str]] = {}
-    for i in range(args.reps + 1):
+    restore_reps = args.reps if args.restore_reps is None else max(1, args.restore_reps)
+    for i in range(restore_reps + 1):
         k = i % len(lnames)
-        checked = i in (0, args.reps)
+        checked = i in (0, restore_reps)
         for name in lnames[k:] + lnames[:k]:
             checks = checked and name in equal
             if checks:
@@ -512,6 +526,7 @@ def main() -> None:
             "setup_s": round(setup_s, 3),
             "save_order": names,
             "restore_order": lnames,
+            "restore_reps": restore_reps,
             "saves": saves,
             "restores": loads,
             "gc_in_calls": gc_in,

@@ -23,6 +23,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
+RESTORE_FACTOR = 3
+"""Restore rounds per save round (DeepSpeed and Megatron phases): a restore takes a tenth
+of a second, and five samples of a ratio near 1.0 decided its goal by chance (ZeRO 3:
+0.91x, 1.24x, 1.16x in three runs of the same code; Megatron TP1 x DP2: resumable's five
+restores 0.15 to 0.86 s in one run of `make bench`)."""
 HOW = "torchrun --nproc-per-node=2, gloo, OMP_NUM_THREADS=1; rank-max times"
 
 Log = Callable[[str], None]
