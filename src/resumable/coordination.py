@@ -38,6 +38,7 @@ Failure cases (each ends with nothing committed and `PersistError` on every rank
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -53,7 +54,7 @@ from resumable.nodes import NodeObjects
 
 log = logging.getLogger(__name__)
 
-ATTEMPT, REPORTS, OUTCOME, STAGED = "attempt", "reports", "outcome", "staged"
+ATTEMPT, REPORTS, OUTCOME, STAGED, READY = "attempt", "reports", "outcome", "staged", "ready"
 
 
 def _store(host: str, port: int, timeout_s: float, *, master: bool) -> Any:
@@ -457,7 +458,7 @@ class StoreCoordinator:
     persist worker). Keys are ``<key>/<name>`` and ``<key>/<name>/<rank>``; rank 0
     removes the keys of the persist before the previous one once it has posted this
     one's outcome, or given it up (every rank has read them by then: it reported for
-    the previous persist). Not when it starts it: those N + 2 deletes, one round trip
+    the previous persist). Not when it starts it: those 2N + 2 deletes, one round trip
     each, would delay the attempt every rank waits for (about 0.1 s at 4,096 ranks;
     docs/scale.md)."""
 
@@ -503,6 +504,27 @@ class StoreCoordinator:
     def gather(self, obj: Any, name: str) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
         return self._collect(obj, name, 0, list(range(self.world_size)), "")
+
+    def all_ready(self) -> None:
+        """Every rank's worker holds this persist's job, its trainer's snapshot taken:
+        each rank posts so, and rank 0 waits for every post before it opens the attempt
+        that every rank's write waits for. No rank's write then competes with another
+        rank's snapshot for the machine's cores (4 ranks on 2 cores: a `save()` 1.4-1.6x
+        the copy floor's time without this wait, 1.2-1.35x with it; ``docs/decisions.md``,
+        "Ranks write once every snapshot is taken"). Where a rank does not post in time,
+        rank 0 raises `PersistError` naming it and posts the error as the attempt, so
+        that the others fail at once instead of waiting out their timeout."""
+        try:
+            self._collect(
+                True, READY, 0, list(range(self.world_size)), " that it took its snapshot"
+            )
+        except PersistError as exc:
+            if self.coordinator:
+                with contextlib.suppress(Exception):
+                    self.store.compare_set(
+                        f"{self.key}/{ATTEMPT}", "", json.dumps({"error": str(exc)})
+                    )
+            raise
 
     def gather_to(self, obj: Any, name: str, leader: int, members: list[int]) -> list[Any]:
         """Every one of ``members``' ``obj`` on ``leader`` (an empty list elsewhere): one
@@ -564,7 +586,7 @@ class StoreCoordinator:
             return
         old = f"p{n}"
         names = [f"{old}/{ATTEMPT}", f"{old}/{OUTCOME}"]
-        names += [f"{old}/{REPORTS}/{r}" for r in range(self.world_size)]
+        names += [f"{old}/{part}/{r}" for part in (READY, REPORTS) for r in range(self.world_size)]
         for k in names:
             try:
                 self.store.delete_key(k)

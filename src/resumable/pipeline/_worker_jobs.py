@@ -281,7 +281,8 @@ class JobRunner:
         a rank at 4 ranks, ran while the ranks that handed their persist off later
         were still taking their snapshots, and stretched their `save()` on 4 ranks
         sharing 2 cores (``docs/decisions.md``, "A rank's share written from shared
-        memory")."""
+        memory"). For the same reason no rank writes before every rank's worker holds
+        its job (`StoreCoordinator.all_ready`)."""
         from resumable.coordination import StoreCoordinator
 
         coordinator = StoreCoordinator.connect(where, self._stores)
@@ -316,6 +317,7 @@ class JobRunner:
             unchanged()
             check = self._check_parent
         request = dataclasses.replace(_request(content, snap), holders=holders)
+        coordinator.all_ready()  # no write while another rank still takes its snapshot
         return self.persist_group(coordinator, request, nodes=coordinator.nodes, check=check)
 
     def persist_group(
