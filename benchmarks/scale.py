@@ -17,11 +17,12 @@ What runs, per N (each simulated rank is a thread with its own client of one rea
   each rank found on one restore candidate, told to all), with no rank failing and with
   every rank failing: store operations and bytes per rank;
 - **commit**: `resumable.pipeline.write.write_distributed` through `StoreCoordinator` on every
-  rank (the persist workers' path): rank 0 opens the attempt, every rank writes its own
-  data file (``--commit-tensors`` one-element tensors) and its part of the manifest and
-  reports, rank 0 builds the top manifest and commits, every rank reads the outcome.
-  Against ``memory://`` (coordination and manifest only), a local root, and SeaweedFS
-  (``s3://``, as the tests start it);
+  rank (the persist workers' path): every rank posts that it is ready
+  (`StoreCoordinator.all_ready`), rank 0 waits for them all and opens the attempt, every
+  rank writes its own data file (``--commit-tensors`` one-element tensors) and its part
+  of the manifest and reports, rank 0 builds the top manifest and commits, every rank
+  reads the outcome. Against ``memory://`` (coordination and manifest only), a local
+  root, and SeaweedFS (``s3://``, as the tests start it);
 - **retention** (local root and ``s3://``): a second save, then
   `resumable.retention.apply_retention` with ``Keep(last=1)`` deletes the first: storage
   calls by name, S3 requests by operation, objects deleted;
@@ -345,6 +346,10 @@ class _Timed(StoreCoordinator):
         self.marks[f"{name}_gathered"] = time.perf_counter()
         return out
 
+    def all_ready(self) -> None:
+        super().all_ready()
+        self.marks["ready_done"] = time.perf_counter()
+
     def broadcast(self, obj: Any, name: str) -> Any:
         self.marks[f"{name}_start"] = time.perf_counter()
         out = super().broadcast(obj, name)
@@ -354,7 +359,8 @@ class _Timed(StoreCoordinator):
 
 # (phase, from mark, to mark) of one rank's coordinated save, from `_Timed`'s marks.
 PHASES = [
-    ("attempt", "begin", "attempt_done"),  # rank 0 opens it; the others wait for it
+    ("ready", "begin", "ready_done"),  # every rank posts; rank 0 waits for them all
+    ("attempt", "ready_done", "attempt_done"),  # rank 0 opens it; the others wait for it
     ("write", "attempt_done", "reports_posting"),  # the data file and the part
     ("reports", "reports_posting", "reports_gathered"),  # rank 0 waits for every report
     ("outcome", "reports_gathered", "outcome_done"),  # rank 0 commits; the others wait
@@ -419,6 +425,7 @@ def commit(
             t0 = marks[r]["begin"] = time.perf_counter()
             request = WriteRequest(step, snap, tree, pieces={})
             where = nodes(r) if nodes is not None else None
+            coord.all_ready()  # as a persist worker does first (`_persist_coordinated`)
             write_distributed(coord, storage, committer, request, nodes=where)
             return time.perf_counter() - t0
 

@@ -109,3 +109,19 @@ def test_the_ready_keys_of_old_persists_are_removed_with_the_others() -> None:
     gone = [f"p1/{READY}/0", f"p1/{READY}/1", f"p1/{OUTCOME}"]
     assert not any(ranks.master.check([k]) for k in gone)
     assert ranks.master.check([f"p3/{READY}/0"]) and ranks.master.check([f"p2/{READY}/1"])
+
+
+def test_a_rank_whose_worker_died_fails_the_gate_at_once_with_its_trainer_s_reason() -> None:
+    """Rank 1's trainer posts in its dead worker's place (`CoordinationStore.give_up`):
+    rank 0 stops at the gate with that reason, long before its timeout, and rank 1's
+    next worker, were it to wait for this persist's attempt, reads the error."""
+    from resumable.coordination import CoordinationStore
+
+    ranks = Ranks(2, timeout_s=60.0)
+    c = ranks.job(1)
+    trainer_1 = CoordinationStore.__new__(CoordinationStore)  # its store client only
+    trainer_1.rank, trainer_1.nodes, trainer_1._store = 1, None, ranks.clients[1]
+    trainer_1.give_up("p1", "the persist process (pid 7) exited with code -9")
+    with pytest.raises(PersistError, match=r"rank 1: the persist process \(pid 7\) exited"):
+        c[0].all_ready()
+    assert "exited with code -9" in c[1].broadcast(None, ATTEMPT)["error"]

@@ -47,14 +47,16 @@ def test_agreement_is_constant_per_rank(measured: dict) -> None:
 @pytest.mark.parametrize("where", ["commit_memory", "commit_local"])
 def test_commit_store_ops(measured: dict, where: str) -> None:
     c4, c16 = _row(measured, 4)[where], _row(measured, 16)[where]
-    # Other ranks: wait for the attempt, post the report, wait for the outcome.
-    assert c4["ops_per_rank"] == c16["ops_per_rank"] == {"max": 3, "min": 3}
-    # Rank 0: post the attempt and its report, one wait and one multi_get for every
-    # report, post the outcome, then the N + 2 deletes of the keys of the save before
-    # the last: N + 7 (one get per report made it 2N + 6).
-    assert c4["ops_rank0"] == 4 + 7
-    assert c16["ops_rank0"] == 16 + 7
-    assert c16["ops_total"] == c16["ops_rank0"] + 3 * 15
+    # Other ranks: post that they are ready (`all_ready`), wait for the attempt, post the
+    # report, wait for the outcome.
+    assert c4["ops_per_rank"] == c16["ops_per_rank"] == {"max": 4, "min": 4}
+    # Rank 0: post its ready, one wait and one multi_get for every rank's; post the
+    # attempt and its report, one wait and one multi_get for every report, post the
+    # outcome, then the 2N + 2 deletes of the keys (ready, reports, attempt, outcome) of
+    # the save before the last: 2N + 10 (one get per report made the reports 2N + 6).
+    assert c4["ops_rank0"] == 2 * 4 + 10
+    assert c16["ops_rank0"] == 2 * 16 + 10
+    assert c16["ops_total"] == c16["ops_rank0"] + 4 * 15
 
 
 @pytest.mark.parametrize("where", ["commit_memory", "commit_local"])
@@ -156,7 +158,7 @@ def test_fits_and_docs_render(measured: dict, tmp_path: Path) -> None:
     scale.write_docs(measured, "test", doc)
     text = doc.read_text()
     assert "old" not in text and "tail" in text
-    assert "| store ops, other rank per save | 3 | 3 | 0.0 | 3 |" in text
+    assert "| store ops, other rank per save | 4 | 4 | 0.0 | 4 |" in text
     assert (tmp_path / "scale-times.svg").read_text().startswith("<svg")
 
 
@@ -203,10 +205,10 @@ def test_one_object_per_node_costs_a_rank_one_more_store_operation(measured: dic
         _row(measured, 4)["nodes"]["commit_local"],
         _row(measured, 16)["nodes"]["commit_local"],
     )
-    assert c4["ops_per_rank"] == {"max": 4, "min": 4}  # one node, led by rank 0
-    assert c16["ops_per_rank"] == {"max": 4 + 2 + 8, "min": 4}  # rank 8 leads the second
-    assert c4["ops_rank0"] == 4 + 7 + 1 + 2 + 4
-    assert c16["ops_rank0"] == 16 + 7 + 1 + 2 + 8
+    assert c4["ops_per_rank"] == {"max": 5, "min": 5}  # one node, led by rank 0
+    assert c16["ops_per_rank"] == {"max": 5 + 2 + 8, "min": 5}  # rank 8 leads the second
+    assert c4["ops_rank0"] == 2 * 4 + 10 + 1 + 2 + 4
+    assert c16["ops_rank0"] == 2 * 16 + 10 + 1 + 2 + 8
 
 
 def test_one_object_per_node_on_s3_is_an_object_per_node_and_deletes_them(

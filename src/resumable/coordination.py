@@ -28,8 +28,9 @@ Failure cases (each ends with nothing committed and `PersistError` on every rank
 - a rank's write fails: its report carries the error; rank 0 aborts the attempt and
   the outcome carries the error to every rank.
 - a rank's worker dies (SIGKILL): its trainer notices at its next call and posts the
-  error report in the worker's place (`CoordinationStore.give_up`); rank 0's trainer
-  also posts the outcome if its own worker died.
+  error report in the worker's place (`CoordinationStore.give_up`), and its ready (rank
+  0 waits for every rank's before it opens the attempt: `StoreCoordinator.all_ready`);
+  rank 0's trainer also posts the outcome if its own worker died.
 - a rank hangs: rank 0's worker stops waiting after the timeout (``dist_timeout_s``),
   aborts, and posts the outcome naming the ranks it waited for.
 - rank 0's trainer dies: the store dies with it; every worker waiting on it fails, and
@@ -151,6 +152,7 @@ class CoordinationStore:
         others stop waiting now rather than at the timeout."""
         error = json.dumps({"error": f"rank {self.rank}: {reason}"})
         try:
+            self._store.compare_set(f"{key}/{READY}/{self.rank}", "", error)
             if self.nodes is not None:  # its node's leader waits for it first
                 self._store.compare_set(f"{key}/{STAGED}/{self.rank}", "", error)
             self._store.compare_set(f"{key}/{REPORTS}/{self.rank}", "", error)
@@ -509,15 +511,19 @@ class StoreCoordinator:
         """Every rank's worker holds this persist's job, its trainer's snapshot taken:
         each rank posts so, and rank 0 waits for every post before it opens the attempt
         that every rank's write waits for. No rank's write then competes with another
-        rank's snapshot for the machine's cores (4 ranks on 2 cores: a `save()` 1.4-1.6x
-        the copy floor's time without this wait, 1.2-1.35x with it; ``docs/decisions.md``,
-        "Ranks write once every snapshot is taken"). Where a rank does not post in time,
-        rank 0 raises `PersistError` naming it and posts the error as the attempt, so
-        that the others fail at once instead of waiting out their timeout."""
+        rank's snapshot for the machine's cores (4 ranks on 2 cores: a `save()` 1.35x
+        and 1.59x the copy floor's time without this wait, 1.23x and 1.24x with it;
+        ``docs/decisions.md``, "Ranks write once every snapshot is taken"). A rank whose
+        worker died posts its trainer's error instead (`CoordinationStore.give_up`);
+        where one did, or a rank does not post in time, rank 0 raises `PersistError`
+        naming it and posts the error as the attempt, so that the others fail at once
+        instead of waiting out their timeout."""
+        members = list(range(self.world_size))
         try:
-            self._collect(
-                True, READY, 0, list(range(self.world_size)), " that it took its snapshot"
-            )
+            got = self._collect(True, READY, 0, members, " that it took its snapshot")
+            errors = [g["error"] for g in got if isinstance(g, dict) and "error" in g]
+            if errors:
+                raise PersistError(f"{errors[0]}; nothing was committed by this step")
         except PersistError as exc:
             if self.coordinator:
                 with contextlib.suppress(Exception):
