@@ -7,25 +7,13 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from resumable.coordination import ATTEMPT, OUTCOME, READY, StoreCoordinator
 from resumable.errors import PersistError
-
-
-def _store(port: int, *, master: bool, timeout_s: float) -> Any:
-    from torch.distributed import TCPStore
-
-    return TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=master,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+from test_verdicts import _store
 
 
 class Ranks:
