@@ -619,3 +619,71 @@ def test_a_group_key_the_walk_refuses_is_refused_through_a_plan_too() -> None:
         capture(state)
     with pytest.raises(UnsupportedStateError, match=r"1\.5"):
         capture(state, plan=plan)
+
+
+def test_unchanged_dicts_are_checked_by_their_version_tags_alone() -> None:
+    """Where CPython keeps dict version tags (this machine's 3.11), a reuse after a
+    training step compares the tags only: the per-item passes over the module's and the
+    optimizer's dicts are not run. A write straight into a watched dict (no
+    ``__setattr__``, no registration call) changes its tag: the whole check runs and
+    the capture is still exactly a full walk's."""
+    from resumable import _plan_entries
+
+    if _plan_entries.dict_tags([{}]) is None:
+        pytest.skip("this Python keeps no dict version tags")
+    state = make_state()
+    train(state)
+    plan = CapturePlan()
+    capture(state, plan=plan)
+    whole: list[str] = []
+    module_whole = _plan_entries.ModuleEntry._same_dicts
+    state_whole = _plan_entries.OptimizerEntry._same_state
+
+    def count_module(entry: Any) -> bool:
+        whole.append("module")
+        return module_whole(entry)
+
+    def count_state(entry: Any, st: Any) -> bool:
+        whole.append("optimizer")
+        return state_whole(entry, st)
+
+    model, optim = state["model"], state["optim"]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_plan_entries.ModuleEntry, "_same_dicts", count_module)
+    mp.setattr(_plan_entries.OptimizerEntry, "_same_state", count_state)
+    try:
+        for step in range(3):
+            train(state)
+            got = capture(state, plan=plan)
+            assert got.reused
+            assert_equivalent(got, capture(state), f"step {step}")
+        assert whole == []  # only tags compared
+        # straight into the dicts the tags watch
+        model.head._parameters["weight"] = nn.Parameter(torch.randn(2, 3))
+        got = capture(state, plan=plan)
+        assert "module" in whole
+        assert got.tensors["model/head.weight"] is model.head.weight
+        assert_equivalent(got, capture(state), "parameter written into _parameters")
+        whole.clear()
+        inner = optim.state[model.body[0].weight]
+        inner["exp_avg"] = torch.full_like(inner["exp_avg"], 3.0)
+        got = capture(state, plan=plan)
+        assert "optimizer" in whole
+        assert any(t is inner["exp_avg"] for t in got.tensors.values())
+        assert_equivalent(got, capture(state), "moment written into the optimizer's state")
+    finally:
+        mp.undo()
+
+
+def test_a_learning_rate_set_at_every_step_is_encoded_as_a_walk_would() -> None:
+    """The parameter groups' items are kept while their value is the same object; a
+    learning rate set before each step (a float, then an int, a bool, None, a tensor)
+    is encoded anew, exactly as a full walk encodes it."""
+    state = make_state()
+    plan = CapturePlan()
+    tree_json = TreeJSON()
+    group = state["optim"].param_groups[0]
+    for step, lr in enumerate([1e-3, 2e-3, 3, True, None, 0.5, torch.tensor(0.25), 0.125]):
+        group["lr"] = lr
+        got = capture(state, plan=plan)
+        assert_equivalent(got, capture(state), f"step {step} lr {lr!r}", tree_json)

@@ -10,6 +10,12 @@ The trade-off: each check is a few C-level passes (``map`` over lists, no Python
 per item), so an entry holds every object it compares by identity, and no other object
 can take its address. A check does not see a tensor's dtype, shape or device change:
 the caller compares those.
+
+Where CPython keeps a version tag in each dict (3.11 to 3.13: a number taken from a
+process-wide counter at every change; read through torch's ``dict_version``), an entry
+notes the tags of the dicts its check reads once that check passed. While every tag is
+the same, no dict changed since: the check compares the tags, one number per dict, and
+skips the per-item passes over those dicts. Any changed tag runs the whole check.
 """
 
 from __future__ import annotations
@@ -44,6 +50,39 @@ _SAVE_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
 _TORCH_MODULE = torch.nn.Module
 _TORCH_SAVE = tuple(getattr(_TORCH_MODULE, m) for m in _SAVE_METHODS)
 _IMMUTABLE = (int, float, bool, str, type(None))
+
+
+def _version_reader() -> Any:
+    """torch's reader of a dict's version tag, if this Python and torch have one that
+    changes at every change of a dict (checked here); else None (every check is whole)."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except (ImportError, AttributeError):
+        return None
+    try:
+        d: dict[int, int] = {}
+        tags = [dict_version(d)]
+        for v in (0, 1):
+            d[0] = v
+            tags.append(dict_version(d))
+        del d[0]
+        tags.append(dict_version(d))
+    except Exception:  # a private API: any failure means no tags
+        return None
+    if not all(type(t) is int for t in tags) or len(set(tags)) != len(tags):
+        return None
+    return dict_version
+
+
+_DICT_VERSION = _version_reader()
+
+
+def dict_tags(dicts: list[Any]) -> list[int] | None:
+    """The version tags of ``dicts`` (all dicts or dict subclasses), or None where this
+    Python has none to read."""
+    if _DICT_VERSION is None:
+        return None
+    return list(map(_DICT_VERSION, dicts))
 
 
 _LOCAL = operator.attrgetter("_local_tensor")
@@ -271,6 +310,9 @@ class ModuleEntry:
         self.cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
         self.names_rep = list(_SAVE_METHODS) * len(kinds)
         self.torch_rep = list(_TORCH_SAVE) * len(kinds)
+        # every dict the whole check reads, and their tags as the walk left them
+        self._tagged = [*self.own, *self.dicts, *self.post_hooks, *self.pre_hooks]
+        self._tags = dict_tags(self._tagged)
 
     @classmethod
     def make(
@@ -310,18 +352,30 @@ class ModuleEntry:
             return False
         for m, hook in self.pre_calls:
             hook(m, "", True)
-        return (
+        if not (
             list(map(type, self.mods)) == self.types
-            and _same_objects(chain.from_iterable(map(_MODULE_ATTRS, self.own)), self._attrs)
+            and list(map(frozenset, self.sets)) == self.set_copies
+            and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
+            and (self.glob is None or self.glob.valid())
+        ):
+            return False
+        if self._tags is not None and dict_tags(self._tagged) == self._tags:
+            return True  # none of the dicts changed: what follows holds as it did
+        same = self._same_dicts()
+        if same:
+            self._tags = dict_tags(self._tagged)
+        return same
+
+    def _same_dicts(self) -> bool:
+        """Whether the modules' dicts hold the objects this entry was made from."""
+        return (
+            _same_objects(chain.from_iterable(map(_MODULE_ATTRS, self.own)), self._attrs)
             and list(map(len, self.dicts)) == self.lens
             and list(chain.from_iterable(self.dicts)) == self.keys
             and _same_objects(chain.from_iterable(map(dict.values, self.dicts)), self._values)
             and not any(map(len, self.post_hooks))
             and _same_objects(chain.from_iterable(map(dict.values, self.pre_hooks)), self._pre)
-            and list(map(frozenset, self.sets)) == self.set_copies
             and not any(map(_overrides, self.own))
-            and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
-            and (self.glob is None or self.glob.valid())
         )
 
 
@@ -409,6 +463,7 @@ class ContainerEntry:
 
 
 _IMMUTABLE_TYPES = (int, float, bool, str, type(None))
+_SCALARS = frozenset((int, float, bool, type(None)))  # exact types: their node is the value
 _STR = frozenset((str,))
 
 
@@ -464,7 +519,10 @@ class OptimizerEntry:
         self._flat = list(chain.from_iterable(map(_PARAMS, obj.param_groups)))
         self.group_lens = list(map(len, map(_PARAMS, obj.param_groups)))
         self.indices = [g["params"] for g in sd["param_groups"]]
-        self._group_items: list[dict[Any, tuple[Any, list[Any], str]]] = []  # groups_node's
+        self._group_items: list[_GroupItems | None] = []  # groups_node's, per group
+        # what `direct` reads of the optimizer's state: its dict and the per-parameter ones
+        self._tagged = [obj.state, *self._inner]
+        self._tags = dict_tags(self._tagged) if self._same_state(obj.state) else None
         self.can_pack = (
             self.cls.state_dict is _OPTIMIZER_STATE_DICT
             and all(type(k) in PLAIN_TENSORS or is_dtensor(k) for k in self._params)
@@ -528,15 +586,30 @@ class OptimizerEntry:
             and "state_dict" not in vars(obj)
         ):
             return False
-        st = obj.state
         groups = obj.param_groups
+        if not (
+            _same_objects(chain.from_iterable(map(_PARAMS, groups)), self._flat)
+            and list(map(len, map(_PARAMS, groups))) == self.group_lens
+            and (self.glob is None or self.glob.valid())
+        ):
+            return False
+        st = obj.state
+        if self._tags is not None and st is self._tagged[0]:
+            if dict_tags(self._tagged) == self._tags:
+                return True  # neither the state nor a parameter's dict changed
+        same = self._same_state(st)
+        if same:
+            self._tagged[0] = st
+            self._tags = dict_tags(self._tagged)
+        return same
+
+    def _same_state(self, st: Any) -> bool:
+        """Whether the optimizer's ``state`` holds the parameters, dicts and values this
+        entry was made from."""
         return (
             _same_objects(st, self._params)
             and _same_objects(st.values(), self._inner)
             and self._same_inner()
-            and _same_objects(chain.from_iterable(map(_PARAMS, groups)), self._flat)
-            and list(map(len, map(_PARAMS, groups))) == self.group_lens
-            and (self.glob is None or self.glob.valid())
         )
 
     def _same_inner(self) -> bool:
@@ -548,46 +621,33 @@ class OptimizerEntry:
 
     def groups_node(self, obj: torch.optim.Optimizer, enc: Encoder, key: str) -> Any:
         """The node ``enc.value(self.pack_groups(obj), (key, "param_groups"), 4)``
-        makes, built item by item, as a `KnownJSON` (its text built alongside): an item
-        whose value is the very object of the last call (an unchanged hyperparameter, a
-        tuple of them, the parameter indices) is the same ``[name, node]`` list, with
-        the same text, as then; a changed one (a learning rate) and every tensor are
-        walked and encoded."""
+        makes, built item by item, as a `KnownJSON` (its text built alongside). Of a
+        group with the keys of the last call, an item whose value is the very object it
+        was then (an unchanged hyperparameter, a tuple of them, the parameter indices)
+        keeps its ``[name, node]`` list and text, found in one pass over the values; a
+        changed one (a learning rate) and every tensor or container are walked and
+        encoded."""
         path = (key, "param_groups")
         nodes: list[Any] = []
         texts: list[str | None] = []
-        kept: list[dict[Any, tuple[Any, list[Any], str]]] = []
+        kept: list[_GroupItems | None] = []
         last_groups = self._group_items
         for i, (group, indices) in enumerate(zip(obj.param_groups, self.indices)):
-            last = last_groups[i] if i < len(last_groups) else {}
-            mine: dict[Any, tuple[Any, list[Any], str]] = {}
+            last = last_groups[i] if i < len(last_groups) else None
             if not _STR.issuperset(map(type, group)):  # keys the walk refuses: walk it
                 packed = {k: v for k, v in group.items() if k != "params"}
                 packed["params"] = indices
                 nodes.append(enc.value(packed, (*path, i), 5))
                 texts.append(None)
-                kept.append(mine)
+                kept.append(None)
                 continue
-            items = []
-            item_texts = []
-            pairs = [(k, v) for k, v in group.items() if k != "params"]
-            pairs.append(("params", indices))
-            for k, v in pairs:
-                hit = last.get(k)
-                if hit is not None and hit[0] is v:
-                    mine[k] = hit
-                    items.append(hit[1])
-                    item_texts.append(hit[2])
-                    continue
-                item = [k, enc.value(v, (*path, i, k), 6)]
-                text = _item_json(item)
-                if v is indices or _stable(v):
-                    mine[k] = (v, item, text)
-                items.append(item)
-                item_texts.append(text)
-            nodes.append({"dict": items})
-            texts.append('{"dict":[' + ",".join(item_texts) + "]}")
-            kept.append(mine)
+            values = list(group.values())
+            if last is None or last.indices is not indices or list(group) != last.keys:
+                last = _GroupItems(list(group), indices)
+            last.update(values, enc, (*path, i))
+            nodes.append({"dict": list(last.items)})  # the last node keeps its own list
+            texts.append(last.text())
+            kept.append(last)
         self._group_items = kept
         if None in texts:
             return {"list": nodes}
@@ -602,6 +662,51 @@ class OptimizerEntry:
             packed["params"] = indices
             out.append(packed)
         return out
+
+
+class _GroupItems:
+    """One parameter group's items as `OptimizerEntry.groups_node` packs them (its keys
+    in order, "params" last as the indices), with the values they were made from."""
+
+    def __init__(self, keys: list[str], indices: list[int]) -> None:
+        self.keys, self.indices = keys, indices
+        at = keys.index("params") if "params" in keys else -1
+        # where each packed item's value lies among the group's values
+        self.order = [j for j in range(len(keys)) if j != at] + ([at] if at >= 0 else [])
+        self.names = [keys[j] for j in self.order]
+        self.values: list[Any] = []  # the group's values at the last update, in its order
+        self.items: list[list[Any]] = []
+        self.texts: list[str] = []
+        self.kept: list[bool] = []  # per packed item: reusable while its value is the same
+
+    def update(self, values: list[Any], enc: Encoder, path: tuple[Any, ...]) -> None:
+        """Make the items for the group's ``values`` (its keys are this one's)."""
+        if self.values:
+            same = list(map(operator.is_, values, self.values))
+            redo = [k for k, j in enumerate(self.order) if not (same[j] and self.kept[k])]
+        else:
+            redo = list(range(len(self.order)))
+            self.items = [[]] * len(self.order)
+            self.texts = [""] * len(self.order)
+            self.kept = [False] * len(self.order)
+        for k in redo:
+            name, j = self.names[k], self.order[k]
+            v = self.indices if self.keys[j] == "params" else values[j]
+            # a number, bool or None (a learning rate): its own node, its text made here
+            number = scalar_json(v) if type(v) in _SCALARS else None
+            if number is not None:
+                self.items[k] = [name, v]
+                self.texts[k] = "[" + key_json(name) + "," + number + "]"
+                self.kept[k] = True
+                continue
+            item = [name, enc.value(v, (*path, name), 6)]
+            self.items[k] = item
+            self.texts[k] = _item_json(item)
+            self.kept[k] = v is self.indices or _stable(v)
+        self.values = values
+
+    def text(self) -> str:
+        return '{"dict":[' + ",".join(self.texts) + "]}"
 
 
 def _same_groups(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> bool:
