@@ -39,7 +39,13 @@ snapshot every step, no persist), in ABBA order; each iteration is timed from th
 to the end of ``maybe_save``. A fourth block copies the same tensors after each
 iteration with nothing else (`loop_floor`: ``_foreach_copy_`` into memory allocated
 once, on the copy threads from 32 MiB as a snapshot copies): the copy floor where the
-snapshot runs, with the caches as an iteration leaves them. Reported: medians of both,
+snapshot runs, with the caches as an iteration leaves them. A fifth block takes, after
+each iteration, the least any snapshot of this state does (`least_snapshot`: the version
+tags of the dicts the state's structure lies in compared with the last ones, the same
+``_foreach_copy_`` into a shared-memory mapping, Python's, NumPy's and torch's random
+streams read, the step, learning rates and streams' positions written beside it as a
+JSON record): what a snapshot path fused into one call would cost where this one runs.
+Reported: medians of both,
 their ratio and difference, the median of ``maybe_save`` alone, that floor, and the same
 parts as above on the model's state.
 """
@@ -55,6 +61,7 @@ import random
 import shutil
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -75,7 +82,7 @@ from small_report import DOCS, GOAL_FIXED_US, GOAL_PER_TENSOR_US, render, write_
 
 import resumable  # noqa: E402
 from resumable import capture as capture_mod  # noqa: E402
-from resumable._capture_plan import CapturePlan, NumpyState  # noqa: E402
+from resumable._capture_plan import CapturePlan, NumpyState, PythonState  # noqa: E402
 from resumable._shm import encode_meta  # noqa: E402
 from resumable.pipeline.memory import TreeJSON  # noqa: E402
 from resumable.snapshot import CopyPlan, copy_threads  # noqa: E402
@@ -409,11 +416,19 @@ def model_overhead(
         nanogpt.step(model, optim, spec.batch, it=it)  # creates AdamW's moments
     captured = capture_mod.capture(state)
     tensors = list(captured.tensors.values())
-    iters: dict[str, list[float]] = {"off": [], "on": [], "overlap": [], "floor": []}
+    iters: dict[str, list[float]] = {
+        "off": [],
+        "on": [],
+        "overlap": [],
+        "floor": [],
+        "least": [],
+    }
     saves: list[float] = []
     saves_overlap: list[float] = []
     floor_copy, floor_threads, close_floor = loop_floor(tensors)
     floors: list[float] = []
+    least, tagged, close_least = least_snapshot(model, optim, tensors, shm)
+    leasts: list[float] = []
     with (
         snapshotter(work / spec.name, state, shm) as ck,
         snapshotter(work / f"{spec.name}-overlap", state, shm, overlap=True) as ck_overlap,
@@ -429,7 +444,7 @@ def model_overhead(
         pairs_overlap: list[float] = []
         for rnd in range(rounds):
             start = {m: len(v) for m, v in iters.items()}
-            order = ("off", "on", "overlap", "floor")
+            order = ("off", "on", "overlap", "floor", "least")
             for mode in order if rnd % 2 == 0 else order[::-1]:
                 for _ in range(block):
                     step += 1
@@ -445,6 +460,9 @@ def model_overhead(
                     elif mode == "floor":
                         floor_copy()
                         floors.append(time.perf_counter() - t1)
+                    elif mode == "least":
+                        least(step)
+                        leasts.append(time.perf_counter() - t1)
                     iters[mode].append(time.perf_counter() - t0)
                 if mode == "overlap":  # the last copy, which the next step would wait for
                     t0 = time.perf_counter()
@@ -467,6 +485,7 @@ def model_overhead(
         reps = min(settings.reps, max(10, settings.reps // 4)) if big else settings.reps
         samples = round_robin(methods, reps, settings.warmup)
     close_floor()
+    close_least()
     off, on = statistics.median(iters["off"]), statistics.median(iters["on"])
     floor = statistics.median(floors)
     ov = statistics.median(iters["overlap"])
@@ -506,6 +525,10 @@ def model_overhead(
         "median_loop_floor_us": round(floor * 1e6, 1),
         "loop_floor_pct": round(floor / off * 100, 2),
         "loop_floor_threads": floor_threads,
+        "least_us": _us(leasts),
+        "median_least_us": round(statistics.median(leasts) * 1e6, 1),
+        "least_pct": round(statistics.median(leasts) / off * 100, 2),
+        "least_dicts": tagged,
         "reps": reps,
         "methods": {k: _stats(v) for k, v in samples.items()},
         "parts_us": parts(med),
@@ -555,6 +578,75 @@ def loop_floor(tensors: list[torch.Tensor]) -> tuple[Callable[[], None], int, Ca
             f.result()
 
     return many, threads, pool.shutdown
+
+
+def least_snapshot(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, tensors: list[torch.Tensor], shm: Path
+) -> tuple[Callable[[int], None], int, Callable[[], None]]:
+    """The least any snapshot of ``model`` and ``optim`` does, in one call: compare the
+    version tags of the dicts the state's structure lies in (each module's ``__dict__``,
+    parameters, buffers, submodules and state-dict hooks; the optimizer's state and
+    each parameter's) with the last ones (CPython 3.11-3.13 through torch's
+    ``dict_version``; skipped where there is none), copy ``tensors`` with one
+    ``_foreach_copy_`` into a shared-memory mapping made once, read Python's, NumPy's
+    and torch's random streams, and write the step, learning rates, the streams'
+    positions and torch's stream (its 5 KB) beside the tensors, then a header with the
+    record's length. No class, shape or dtype checks, no slot choice, no digest: a bound
+    below what `resumable` does, not a snapshot it could take. Returns the call, the
+    number of dicts it compares and a closer."""
+    import mmap
+
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except ImportError:
+        dict_version = None
+    dicts: list[Any] = []
+    for m in model.modules():
+        d = vars(m)
+        dicts += [d, d["_parameters"], d["_buffers"], d["_modules"]]
+        dicts += [d["_state_dict_hooks"], d["_state_dict_pre_hooks"]]
+    dicts += [optim.state, *optim.state.values()]
+    if dict_version is None:
+        dicts = []
+    tags = [list(map(dict_version, dicts))] if dicts else [[]]
+    total = captured_bytes(tensors)
+    head = 1 << 16  # the record's room, then the tensors
+    path = Path(tempfile.mkstemp(prefix="least-", dir=shm)[1])
+    with path.open("r+b") as f:
+        f.truncate(head + total)
+        mm = mmap.mmap(f.fileno(), head + total)
+    data = torch.frombuffer(mm, dtype=torch.uint8, offset=head, count=total)
+    places = data.split([t.nbytes for t in tensors])
+    views = [v.view(t.dtype).view(t.shape) for v, t in zip(places, tensors)]
+    groups = optim.param_groups
+    python_state, numpy_state = PythonState(), NumpyState()  # read anew only when changed
+
+    @torch.no_grad()
+    def run(step: int) -> None:
+        if dicts:
+            now = list(map(dict_version, dicts))
+            if now != tags[0]:  # a structure change: a real snapshot would walk again
+                tags[0] = now
+        torch._foreach_copy_(views, tensors)
+        py, npy, th = python_state.get(), numpy_state.get(), torch.get_rng_state()
+        record = b'{"step":%d,"lr":%b,"python":%d,"numpy":%d,"created":%r}' % (
+            step,
+            repr([g["lr"] for g in groups]).encode(),
+            py[1][-1],
+            npy["state"]["pos"],
+            time.time(),
+        )
+        mm[16 : 16 + len(record)] = record
+        mm[16 + len(record) : 16 + len(record) + th.numel()] = th.numpy().tobytes()
+        mm[:16] = struct.pack("<QQ", step, len(record))
+
+    def close() -> None:
+        views.clear()  # the last views of the mapping: it can close
+        mm.close()
+        path.unlink(missing_ok=True)
+
+    del data, places
+    return run, len(dicts), close
 
 
 def captured_bytes(tensors: list[torch.Tensor]) -> int:

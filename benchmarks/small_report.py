@@ -349,6 +349,15 @@ def _verdict(out: dict[str, Any]) -> list[str]:
                 f"of the median iteration: `maybe_save` took "
                 f"{e['median_maybe_save_us'] / e['median_loop_floor_us']:.1f}x that."
             )
+        if kind == "models" and "median_least_us" in e:
+            loop += (
+                " The least any snapshot of it does, fused into one call (`least_snapshot`: "
+                f"its {e['least_dicts']} dicts' version tags compared, the same copy into "
+                "shared memory, the random streams read, a record written), took "
+                f"{e['median_least_us']:,.0f} µs in the loop, {e['least_pct']:.2f} % of the "
+                f"median iteration: `maybe_save` took "
+                f"{e['median_maybe_save_us'] / e['median_least_us']:.1f}x that."
+            )
         lines.append(
             f"- Not met, {what}: the snapshot's {p['total']:,.0f} µs are, largest first, "
             f"{parts_txt} µs; the `_foreach_copy_` floor of the same tensors alone is "

@@ -69,6 +69,11 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     # thread under 32 MiB
     assert len(tiny["loop_floor_us"]) == 1 and tiny["loop_floor_threads"] == 1
     assert tiny["median_loop_floor_us"] > 0 and tiny["loop_floor_pct"] > 0
+    # the least snapshot, timed in the loop the same way; its dicts compared by tag
+    # where this Python has tags (every module's six, the optimizer's state and each
+    # parameter's)
+    assert len(tiny["least_us"]) == 1 and tiny["median_least_us"] > 0
+    assert tiny["least_dicts"] == 0 or tiny["least_dicts"] > 6 * 10
     goals = {g["goal"]: g for g in small_result["goals"]}
     assert len(goals) == 5  # two sizes, two models, tiny with overlap=True
     assert goals["the same with `overlap=True`, tiny nanoGPT"]["met"] is not None
