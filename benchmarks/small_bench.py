@@ -42,7 +42,7 @@ once, on the copy threads from 32 MiB as a snapshot copies): the copy floor wher
 snapshot runs, with the caches as an iteration leaves them. A fifth block takes, after
 each iteration, the least any snapshot of this state does (`least_snapshot`: the version
 tags of the dicts the state's structure lies in compared with the last ones, the same
-``_foreach_copy_`` into a shared-memory mapping, Python's, NumPy's and torch's random
+copy into a shared-memory mapping, Python's, NumPy's and torch's random
 streams read, the step, learning rates and streams' positions written beside it as a
 JSON record): what a snapshot path fused into one call would cost where this one runs.
 Reported: medians of both,
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -535,15 +536,19 @@ def model_overhead(
     }
 
 
-def loop_floor(tensors: list[torch.Tensor]) -> tuple[Callable[[], None], int, Callable[[], None]]:
+def loop_floor(
+    tensors: list[torch.Tensor], into: torch.Tensor | None = None
+) -> tuple[Callable[[], None], int, Callable[[], None]]:
     """The copy floor timed inside the training loop: the same tensors copied by
     ``_foreach_copy_`` into views of one buffer allocated once, with nothing else (no
     capture, no metadata, no slot). From 32 MiB on, as a snapshot copies such a state
     (`resumable.snapshot.copy_into`), the copies are cut into pieces of 16 MiB at most
     and shared out by bytes over `copy_threads` threads, each running one
-    ``_foreach_copy_``. Returns the copy, its thread count and a closer."""
+    ``_foreach_copy_``. ``into``: the uint8 buffer to copy into (else one allocated
+    here). Returns the copy, its thread count and a closer."""
     total = captured_bytes(tensors)
-    views = list(torch.empty(total, dtype=torch.uint8).split([t.nbytes for t in tensors]))
+    buf = torch.empty(total, dtype=torch.uint8) if into is None else into
+    views = list(buf.split([t.nbytes for t in tensors]))
     pairs = [(v.view(t.dtype).view(t.shape), t) for v, t in zip(views, tensors)]
     threads = copy_threads() if total >= 32 << 20 else 1
     groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [pairs]
@@ -587,8 +592,8 @@ def least_snapshot(
     version tags of the dicts the state's structure lies in (each module's ``__dict__``,
     parameters, buffers, submodules and state-dict hooks; the optimizer's state and
     each parameter's) with the last ones (CPython 3.11-3.13 through torch's
-    ``dict_version``; skipped where there is none), copy ``tensors`` with one
-    ``_foreach_copy_`` into a shared-memory mapping made once, read Python's, NumPy's
+    ``dict_version``; skipped where there is none), copy ``tensors`` into a
+    shared-memory mapping made once, as `loop_floor` copies them, read Python's, NumPy's
     and torch's random streams, and write the step, learning rates, the streams'
     positions and torch's stream (its 5 KB) beside the tensors, then a header with the
     record's length. No class, shape or dtype checks, no slot choice, no digest: a bound
@@ -616,8 +621,7 @@ def least_snapshot(
         f.truncate(head + total)
         mm = mmap.mmap(f.fileno(), head + total)
     data = torch.frombuffer(mm, dtype=torch.uint8, offset=head, count=total)
-    places = data.split([t.nbytes for t in tensors])
-    views = [v.view(t.dtype).view(t.shape) for v, t in zip(places, tensors)]
+    copy, _, close_copy = loop_floor(tensors, data)  # the floor's copy, into the mapping
     groups = optim.param_groups
     python_state, numpy_state = PythonState(), NumpyState()  # read anew only when changed
 
@@ -627,7 +631,7 @@ def least_snapshot(
             now = list(map(dict_version, dicts))
             if now != tags[0]:  # a structure change: a real snapshot would walk again
                 tags[0] = now
-        torch._foreach_copy_(views, tensors)
+        copy()
         py, npy, th = python_state.get(), numpy_state.get(), torch.get_rng_state()
         record = b'{"step":%d,"lr":%b,"python":%d,"numpy":%d,"created":%r}' % (
             step,
@@ -641,11 +645,15 @@ def least_snapshot(
         mm[:16] = struct.pack("<QQ", step, len(record))
 
     def close() -> None:
-        views.clear()  # the last views of the mapping: it can close
-        mm.close()
+        nonlocal copy
+        close_copy()
+        del copy  # its views are the last of the mapping: it can close
+        gc.collect()
         path.unlink(missing_ok=True)
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped at exit
+            mm.close()
 
-    del data, places
+    del data
     return run, len(dicts), close
 
 

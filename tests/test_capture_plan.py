@@ -687,3 +687,34 @@ def test_a_learning_rate_set_at_every_step_is_encoded_as_a_walk_would() -> None:
         group["lr"] = lr
         got = capture(state, plan=plan)
         assert_equivalent(got, capture(state), f"step {step} lr {lr!r}", tree_json)
+
+
+def test_an_ordered_dict_reordered_in_place_is_seen_without_a_tag_change() -> None:
+    """``OrderedDict.move_to_end`` reorders without a change to the dict's version tag:
+    a module whose parameters lie in an ``OrderedDict`` (and an optimizer state of
+    ``OrderedDict`` entries) is checked whole every time, and the reordered names come
+    out in a full walk's order."""
+    from collections import OrderedDict
+
+    state = make_state()
+    train(state)
+    model, optim = state["model"], state["optim"]
+    head = model.head
+    head._parameters = OrderedDict(head._parameters)
+    first = next(iter(optim.state))
+    optim.state[first] = OrderedDict(optim.state[first])
+    plan = CapturePlan()
+    tree_json = TreeJSON()
+    for step, change in enumerate(
+        [
+            lambda: None,
+            lambda: head._parameters.move_to_end("weight"),
+            lambda: optim.state[first].move_to_end("exp_avg"),
+            lambda: train(state),
+        ]
+    ):
+        change()
+        got = capture(state, plan=plan)
+        assert_equivalent(got, capture(state), f"step {step}", tree_json)
+    names = [n for n in got.tensors if n.startswith("model/head.")]
+    assert names == ["model/head.bias", "model/head.weight"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import operator
+from collections import defaultdict
 from collections.abc import Iterable
 from itertools import chain, compress, islice
 from typing import Any
@@ -83,6 +84,12 @@ def dict_tags(dicts: list[Any]) -> list[int] | None:
     if _DICT_VERSION is None:
         return None
     return list(map(_DICT_VERSION, dicts))
+
+
+def _orders_in_place(dicts: Iterable[Any]) -> bool:
+    """Whether any of ``dicts`` can change its order without a change its tag sees (an
+    ``OrderedDict``'s ``move_to_end``): such dicts are checked whole every time."""
+    return not all(type(d) is dict or type(d) is defaultdict for d in dicts)
 
 
 _LOCAL = operator.attrgetter("_local_tensor")
@@ -311,8 +318,10 @@ class ModuleEntry:
         self.names_rep = list(_SAVE_METHODS) * len(kinds)
         self.torch_rep = list(_TORCH_SAVE) * len(kinds)
         # every dict the whole check reads, and their tags as the walk left them
+        # (the hooks' OrderedDicts: none after, FSDP2's run first, their order moot)
         self._tagged = [*self.own, *self.dicts, *self.post_hooks, *self.pre_hooks]
-        self._tags = dict_tags(self._tagged)
+        in_place = _orders_in_place(chain(self.own, self.dicts))
+        self._tags = None if in_place else dict_tags(self._tagged)
 
     @classmethod
     def make(
@@ -362,7 +371,7 @@ class ModuleEntry:
         if self._tags is not None and dict_tags(self._tagged) == self._tags:
             return True  # none of the dicts changed: what follows holds as it did
         same = self._same_dicts()
-        if same:
+        if same and self._tags is not None:
             self._tags = dict_tags(self._tagged)
         return same
 
@@ -522,7 +531,10 @@ class OptimizerEntry:
         self._group_items: list[_GroupItems | None] = []  # groups_node's, per group
         # what `direct` reads of the optimizer's state: its dict and the per-parameter ones
         self._tagged = [obj.state, *self._inner]
-        self._tags = dict_tags(self._tagged) if self._same_state(obj.state) else None
+        self._taggable = not _orders_in_place(self._tagged)
+        self._tags = None
+        if self._taggable and self._same_state(obj.state):
+            self._tags = dict_tags(self._tagged)
         self.can_pack = (
             self.cls.state_dict is _OPTIMIZER_STATE_DICT
             and all(type(k) in PLAIN_TENSORS or is_dtensor(k) for k in self._params)
@@ -598,7 +610,7 @@ class OptimizerEntry:
             if dict_tags(self._tagged) == self._tags:
                 return True  # neither the state nor a parameter's dict changed
         same = self._same_state(st)
-        if same:
+        if same and self._taggable and not _orders_in_place((st,)):
             self._tagged[0] = st
             self._tags = dict_tags(self._tagged)
         return same
