@@ -11,6 +11,7 @@ also stored in the results JSON by `run.py`.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -1154,9 +1155,13 @@ def newest(results_dir: Path) -> Path:
 
 
 def newest_small(results_dir: Path) -> Path | None:
-    """The newest standalone small-tensor result (``small-<date>.json``: the date sorts)."""
-    files = sorted(results_dir.glob("small-*.json"))
+    """The newest standalone small-tensor result (``small-<date>.json``: the date sorts;
+    other ``small-`` files, an experiment's, are not one)."""
+    files = sorted(p for p in results_dir.glob("small-*.json") if _DATED.fullmatch(p.stem))
     return files[-1] if files else None
+
+
+_DATED = re.compile(r"[a-z-]+-\d{8}T\d{6}Z")
 
 
 def main(argv: list[str]) -> int:

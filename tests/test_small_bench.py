@@ -127,3 +127,17 @@ def test_report_renders_the_run_block_or_the_standalone_one(
     report.write_report(run, page)
     text = page.read_text()
     assert f"`benchmarks/results/{run.name}`" in text and text.count(small_report.BEGIN) == 1
+
+
+def test_the_newest_standalone_file_is_the_newest_dated_one(tmp_path: Path) -> None:
+    """An experiment's ``small-`` file (no date in its name) sorts after the dated ones
+    but is not a standalone run: the report takes the newest dated file."""
+    for name in (
+        "small-20261127T130813Z.json",
+        "small-20261205T230949Z.json",
+        "small-6layer-share-out-old-2.json",
+    ):
+        (tmp_path / name).write_text("{}")
+    found = report.newest_small(tmp_path)
+    assert found is not None and found.name == "small-20261205T230949Z.json"
+    assert report.newest_small(tmp_path / "none") is None
