@@ -682,10 +682,10 @@ class _GroupItems:
 
     def __init__(self, keys: list[str], indices: list[int]) -> None:
         self.keys, self.indices = keys, indices
-        at = keys.index("params") if "params" in keys else -1
-        # where each packed item's value lies among the group's values
-        self.order = [j for j in range(len(keys)) if j != at] + ([at] if at >= 0 else [])
-        self.names = [keys[j] for j in self.order]
+        # where each packed item's value lies among the group's values; the last item,
+        # "params", is the indices (-1: they are this object's, whatever the group holds)
+        self.order = [j for j, k in enumerate(keys) if k != "params"] + [-1]
+        self.names = [keys[j] for j in self.order[:-1]] + ["params"]
         self.values: list[Any] = []  # the group's values at the last update, in its order
         self.items: list[list[Any]] = []
         self.texts: list[str] = []
@@ -695,7 +695,9 @@ class _GroupItems:
         """Make the items for the group's ``values`` (its keys are this one's)."""
         if self.values:
             same = list(map(operator.is_, values, self.values))
-            redo = [k for k, j in enumerate(self.order) if not (same[j] and self.kept[k])]
+            redo = [
+                k for k, j in enumerate(self.order) if not (self.kept[k] and (j < 0 or same[j]))
+            ]
         else:
             redo = list(range(len(self.order)))
             self.items = [[]] * len(self.order)
@@ -703,7 +705,7 @@ class _GroupItems:
             self.kept = [False] * len(self.order)
         for k in redo:
             name, j = self.names[k], self.order[k]
-            v = self.indices if self.keys[j] == "params" else values[j]
+            v = self.indices if j < 0 else values[j]
             # a number, bool or None (a learning rate): its own node, its text made here
             number = scalar_json(v) if type(v) in _SCALARS else None
             if number is not None:
