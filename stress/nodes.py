@@ -47,5 +47,9 @@ def kill_node(proc: subprocess.Popen[str]) -> str:
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
+    try:
+        out, _ = proc.communicate()
+    except ValueError:  # its output was read already (it had ended): nothing left to read
+        proc.wait()
+        return ""
     return out or ""

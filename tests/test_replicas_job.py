@@ -148,9 +148,18 @@ class StoppedRuns:
         name = f"{nodes}x{per_node}-{parallel}"
         work, template = self.base / name, self.base / f"{name}.stopped"
         if (nodes, per_node, parallel) not in self.made:
-            work.mkdir()
-            root, shm, out = setup(work, nodes)
-            run_until_stopped(nodes, per_node, root, shm, out, parallel)
+            for attempt in range(2):
+                work.mkdir()
+                root, shm, out = setup(work, nodes)
+                try:
+                    run_until_stopped(nodes, per_node, root, shm, out, parallel)
+                    break
+                except pytest.fail.Exception as exc:
+                    # the rendezvous port, free when picked, taken by another test's
+                    # process before the launcher listened: once more, on another port
+                    if attempt or "EADDRINUSE" not in str(exc):
+                        raise
+                    shutil.rmtree(work)
             shutil.copytree(work, template, symlinks=True)
             self.made.add((nodes, per_node, parallel))
         else:
