@@ -550,7 +550,13 @@ def _hf_short(out: Result) -> list[dict[str, Any] | None]:
             None,
             f"medians of {rounds} launches each, a fresh process per launch: "
             f"`ResumableTrainer` {_f(_num(med.get('resumable')), 's')}, the plain Trainer "
-            f"{_f(_num(med.get('plain')), 's')}" + (f"; {first_fig}" if first_fig else ""),
+            f"{_f(_num(med.get('plain')), 's')}"
+            + (
+                f"; the persist worker used {_f(cpu, 's')} of CPU per launch (median)"
+                if (cpu := _num(_get(hf, "median_worker_cpu_s", "resumable"))) is not None
+                else ""
+            )
+            + (f"; {first_fig}" if first_fig else ""),
         )
     ]
     after = saves.get("after_first") or {}

@@ -50,6 +50,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -177,7 +178,16 @@ def one_launch(variant: str, out: Path, *, steps: int, save_steps: int, layers: 
             undo()
     saved = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     params = sum(p.numel() for p in trainer.model.parameters())
-    got: dict[str, Any] = {"train_s": train_s, "bytes_saved": saved, "parameters": params}
+    # The CPU seconds of this launch's child processes that ended by now: the persist
+    # worker, which `ResumableTrainer` stops at the end of ``train()`` (its imports and
+    # its persists: time the trainer's threads could not use on the cores they share).
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    got: dict[str, Any] = {
+        "train_s": train_s,
+        "bytes_saved": saved,
+        "parameters": params,
+        "worker_cpu_s": children.ru_utime + children.ru_stime,
+    }
     if variant != "plain":
         got["saves"] = saves
     return got
@@ -309,7 +319,8 @@ def run(
                     f"(snapshot {(s['snapshot_s'] or 0) * 1000:.1f} ms)"
                     for s in got.get("saves") or []
                 )
-                log(f"  round {r} {variant}: train {got['train_s']:.2f} s{saves}")
+                cpu = f"; persist worker CPU {got['worker_cpu_s']:.3f} s" if saves else ""
+                log(f"  round {r} {variant}: train {got['train_s']:.2f} s{cpu}{saves}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = {v: statistics.median(g["train_s"] for g in launches[v]) for v in variants}
@@ -326,6 +337,9 @@ def run(
             "parameters": launches["plain"][0]["parameters"],
         },
         "median_train_s": medians,
+        "median_worker_cpu_s": {
+            v: _median([g.get("worker_cpu_s") for g in launches[v]]) for v in variants
+        },
         "ratio": medians["resumable"] / medians["plain"],
         "launches": launches,
         "saves": {v: summarise_saves(launches[v]) for v in variants if v != "plain"},

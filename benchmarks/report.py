@@ -821,9 +821,14 @@ def hf_short_section(out: Result) -> list[str]:
         "other round (load average "
         f"{hf.get('loadavg_start', '?')} → {hf.get('loadavg_end', '?')}, "
         f"{hf.get('wall_s', '?')} s for the phase). *Train time*: `trainer.train()` from its "
-        "call to its return, every save and the flush at the end included; medians.",
+        "call to its return, every save and the flush at the end included; medians. "
+        "*Persist worker CPU*: the CPU seconds of the launch's child processes ended by "
+        "then (the persist worker, which `ResumableTrainer` stops at the end of `train()`: "
+        "its start and its persists, taken from the cores the trainer's threads use); "
+        "medians.",
         "",
     ]
+    cpu = hf.get("median_worker_cpu_s") or {}
     rows = []
     for name in med:
         ratio = 1.0 if name == "plain" else _ratio(med[name], med.get("plain"))
@@ -832,10 +837,14 @@ def hf_short_section(out: Result) -> list[str]:
                 f"`{name}`",
                 _f(med[name], "{:.2f}"),
                 _f(ratio, "{:.3f}"),
+                "—" if name == "plain" else _f(cpu.get(name), "{:.3f}"),
                 str(len(launches.get(name) or [])),
             ]
         )
-    lines += _table(["variant", "median train s", "÷ the plain Trainer's", "launches"], rows)
+    lines += _table(
+        ["variant", "median train s", "÷ the plain Trainer's", "persist worker CPU s", "launches"],
+        rows,
+    )
     saves = _get(hf, "saves", "resumable")
     if not isinstance(saves, dict) or not saves.get("by_index"):
         return lines

@@ -633,7 +633,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--hf-rounds",
         type=int,
         default=None,
-        help="rounds of launches in the short HF Trainer runs phase (6; --quick: 2)",
+        help="rounds of launches in the short HF Trainer runs phase (10; --quick: 2)",
     )
     ap.add_argument("--no-data", action="store_true", help="skip the data position phase")
     ap.add_argument(
@@ -669,7 +669,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mcore_reps is None:
         args.mcore_reps = 2 if args.quick else 5
     if args.hf_rounds is None:
-        args.hf_rounds = 2 if args.quick else 6
+        args.hf_rounds = 2 if args.quick else 10
     if args.dist_size_mb is None:
         args.dist_size_mb = 32 if args.quick else 128
     if args.reps < 1:

@@ -243,6 +243,12 @@ def test_short_runs_are_judged_on_the_train_time_and_every_save_after_the_first(
     text = report.render(out)
     assert "## Short runs: Hugging Face Trainer" in text
     assert "| save | step | median blocking ms |" in text
+    assert "persist worker CPU s" in text
+    # the persist worker's CPU per launch, beside the train time (results from then on)
+    assert "persist worker used" not in _row(out, "short runs (HF Trainer")["why"]
+    slow["hf_short"]["median_worker_cpu_s"] = {"plain": 0.001, "resumable": 0.135}
+    assert "the persist worker used 0.135 s of CPU" in _row(slow, "short runs (HF")["why"]
+    assert "| `resumable` | " in report.render(slow)
     assert any("short runs: the longest" in line for line in goals.goals_section(out))
 
 

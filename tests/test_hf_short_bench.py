@@ -36,6 +36,10 @@ def test_both_variants_train_save_and_report() -> None:
     assert out["ratio"] == out["median_train_s"]["resumable"] / out["median_train_s"]["plain"]
     assert "ratio_torch_worker" not in out
     assert "saves" not in out["launches"]["plain"][0]
+    # the persist worker ended with train(): its CPU is the launch's children's; the
+    # plain Trainer starts none
+    cpu = out["median_worker_cpu_s"]
+    assert cpu["resumable"] > 0.01 and cpu["plain"] < cpu["resumable"] / 10, cpu
     # Every save the Trainer asked for, one Checkpointer.save each: the last step's save
     # is one of them (the Trainer saves at max_steps, which is a multiple here), and
     # nothing is saved again at the end (ResumableTrainer closes with save_on_close off).
@@ -95,7 +99,7 @@ def test_saves_are_summarised_per_index_and_the_goal_leaves_out_each_launchs_fir
 def test_make_bench_runs_the_phase_after_megatron_core() -> None:
     import run
 
-    assert run.parse_args([]).hf_rounds == 6 and not run.parse_args([]).no_hf
+    assert run.parse_args([]).hf_rounds == 10 and not run.parse_args([]).no_hf
     assert run.parse_args(["--quick"]).hf_rounds == 2
     assert run.parse_args(["--no-hf", "--hf-rounds", "3"]).hf_rounds == 3
     assert run.parse_args(["--no-hf"]).no_hf

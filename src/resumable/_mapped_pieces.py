@@ -19,15 +19,16 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
-from resumable._lazy import torch_module
+from resumable._lazy import numpy_module, torch_module
 from resumable.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 else:
+    np = numpy_module()
     torch = torch_module()
 
 SPLIT = 64 << 10  # bytes of a piece from which `MappedPieces` copies it on several threads

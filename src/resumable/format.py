@@ -26,10 +26,9 @@ import contextlib
 import ctypes
 import functools
 import gc
-import importlib.metadata
 import itertools
 import json
-import platform
+import math
 import re
 import socket
 import sys
@@ -38,17 +37,20 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from resumable._dtypes import ARRAY_LIMIT, ITEMSIZE, MAX_NDIM, dtype_name, numel, shape_ok
+from resumable._lazy import numpy_module
 from resumable._version import __version__
 from resumable.errors import CorruptCheckpointError, NewerFormatError, UnsupportedStateError
 from resumable.pieces import check_pieces, global_tensors
 from resumable.tree import check_tree, has_repeats
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+else:
+    np = numpy_module()  # loaded at its first use: a persist worker may need none
 
 FORMAT_NAME = "resumable-checkpoint"
 FORMAT_VERSION = 7  # the highest this reads; one process writes 1, or 3 if it refers,
@@ -311,27 +313,53 @@ def _entry(name: str) -> str:
 # --------------------------------------------------------------------------- manifest
 
 
+_TOLD_VERSIONS: dict[str, str] = {}
+"""Versions of torch and NumPy a persist worker was told by its trainer (`tell_versions`)."""
+
+
 def versions() -> dict[str, str]:
-    """The versions a manifest records. Torch's is the loaded module's; the persist
-    worker, which does not import torch, reads the installed distribution's."""
+    """The versions a manifest records: each library's loaded module's; in a persist
+    worker, which loads neither torch nor NumPy to write, those its trainer had loaded
+    (`tell_versions`), else the installed distribution's."""
     return {
         "resumable": __version__,
-        "torch": _torch_version(),
-        "numpy": np.__version__,
-        "python": platform.python_version(),
+        "torch": _library_version("torch"),
+        "numpy": _library_version("numpy"),
+        "python": sys.version.split()[0],  # what platform.python_version() reads
     }
 
 
-def _torch_version() -> str:
+def loaded_versions() -> dict[str, str]:
+    """The versions of torch and NumPy loaded in this process (a trainer's), for its
+    persist worker (`tell_versions`)."""
+    out = {}
+    for name in ("torch", "numpy"):
+        version = getattr(sys.modules.get(name), "__version__", None)
+        if version is not None:
+            out[name] = str(version)
+    return out
+
+
+def tell_versions(told: Mapping[str, str]) -> None:
+    """Record the versions of torch and NumPy the trainer loaded (`loaded_versions`), in
+    its persist worker, for the manifests it writes."""
+    _TOLD_VERSIONS.update({k: str(v) for k, v in told.items() if k in ("torch", "numpy")})
+
+
+def _library_version(name: str) -> str:
     # getattr: a module another thread is still importing has no __version__ yet
-    version = getattr(sys.modules.get("torch"), "__version__", None)
-    return str(version) if version is not None else _installed_torch_version()
+    version = getattr(sys.modules.get(name), "__version__", None)
+    if version is not None:
+        return str(version)
+    return _TOLD_VERSIONS.get(name) or _installed_version(name)
 
 
 @functools.cache
-def _installed_torch_version() -> str:
+def _installed_version(name: str) -> str:
+    import importlib.metadata  # 20 ms: only where no trainer told the version
+
     try:
-        return importlib.metadata.version("torch")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
@@ -395,13 +423,15 @@ def json_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
         tensor = getattr(sys.modules.get("torch"), "Tensor", None)
         if tensor is not None and isinstance(v, tensor) and v.numel() == 1:
             v = v.item()
-        if isinstance(v, np.generic):
+        # a NumPy scalar means NumPy is loaded (or being loaded, by another thread)
+        generic = getattr(sys.modules.get("numpy"), "generic", None)
+        if generic is not None and isinstance(v, generic):
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float, str)) or v is None:
             raise UnsupportedStateError(
                 f"metric {k!r} must be a number or string, found {type(v).__name__}"
             )
-        if isinstance(v, float) and not np.isfinite(v):
+        if isinstance(v, float) and not math.isfinite(v):
             v = repr(v)
         out[str(k)] = v
     return out
@@ -967,8 +997,10 @@ def _check_disjoint(
 ) -> None:
     """No two tensors (or chunks) share a byte of a file, this checkpoint's or one it
     refers to, so all tensors together hold at most the files' bytes. Sort and sweep,
-    O(n log n), in NumPy: a version 3 entry may have thousands of extents (``arrays``:
-    those already made into arrays, by tensor name)."""
+    O(n log n): in NumPy where a version 3 entry has a long extents list (thousands of
+    extents; ``arrays``: those already made into arrays, by tensor name), else in
+    Python, as fast at a few thousand ranges and without loading NumPy (a persist
+    worker checks every manifest it writes, `retention._files_valid`)."""
     arrays = arrays or {}
     keys: dict[tuple[int, str], int] = {}  # (step, or -1 for this checkpoint; file) -> id
     names = list(tensors)
@@ -991,18 +1023,29 @@ def _check_disjoint(
         for step, fname, begin, end in tensor_ranges(info):
             key = (-1 if step is None else step, fname)
             small.append((keys.setdefault(key, len(keys)), begin, end, i))
-    rows = np.concatenate([np.array(small, dtype=np.int64).reshape(-1, 4), *parts])
-    rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
     # Sorted by file and begin, ranges are disjoint iff each begins at or after the
     # end of the one before it in the same file.
-    clash = (rows[1:, 0] == rows[:-1, 0]) & (rows[1:, 1] < rows[:-1, 2])
-    if clash.any():
-        j = int(np.argmax(clash))
-        step, fname = next(k for k, v in keys.items() if v == rows[j, 0])
+    clash: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None
+    if parts:
+        rows = np.concatenate([np.array(small, dtype=np.int64).reshape(-1, 4), *parts])
+        rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+        clashes = (rows[1:, 0] == rows[:-1, 0]) & (rows[1:, 1] < rows[:-1, 2])
+        if clashes.any():
+            j = int(np.argmax(clashes))
+            clash = tuple(rows[j].tolist()), tuple(rows[j + 1].tolist())
+    else:
+        small.sort()  # by file, begin, end, then tensor: the order lexsort gives
+        clash = next(
+            ((a, b) for a, b in itertools.pairwise(small) if a[0] == b[0] and b[1] < a[2]),
+            None,
+        )
+    if clash is not None:
+        (fid, _, _, t1), (_, at, _, t2) = clash
+        step, fname = next(k for k, v in keys.items() if v == fid)
         in_file = fname if step < 0 else f"{fname} of step {step}"
-        first, second = names[rows[j, 3]], names[rows[j + 1, 3]]
+        first, second = names[t1], names[t2]
         raise CorruptCheckpointError(
             f"{where}: tensors {first[:100]!r} and {second[:100]!r} overlap in "
-            f"{in_file} at byte {rows[j + 1, 1]}; each byte of a data file belongs to at "
+            f"{in_file} at byte {at}; each byte of a data file belongs to at "
             "most one tensor"
         )

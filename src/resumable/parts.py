@@ -21,10 +21,9 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from resumable._lazy import numpy_module
 from resumable.errors import CorruptCheckpointError
 from resumable.format import (
     ALIAS_VERSION,
@@ -41,6 +40,11 @@ from resumable.format import (
     no_gc,
 )
 from resumable.tree import has_repeats
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = numpy_module()  # loaded at its first use: a persist worker may need none
 
 PART_FORMAT = "resumable-checkpoint-part"
 MAX_PART_BYTES = MAX_MANIFEST_BYTES

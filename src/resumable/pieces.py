@@ -16,14 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from resumable._lazy import torch_module
+from resumable._lazy import numpy_module, torch_module
 from resumable.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 else:
+    np = numpy_module()
     torch = torch_module()
 
 

@@ -23,10 +23,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from resumable._dtypes import dtype_from_name
-from resumable._lazy import torch_module
+from resumable._lazy import numpy_module, torch_module
 from resumable._mapped_pieces import MappedPieces
 from resumable.commit import step_dir
 from resumable.errors import CorruptCheckpointError, NewerFormatError
@@ -49,8 +47,10 @@ from resumable.parts import check_parts, read_merged, top_sizes
 from resumable.storage.base import Storage
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 else:
+    np = numpy_module()
     torch = torch_module()
 
 
@@ -245,7 +245,7 @@ class CheckpointReader:
         m = self.manifest
         self._sizes_listed(self, {f: info["size"] for f, info in m["files"].items()})
         wanted: dict[int, dict[str, int]] = defaultdict(dict)
-        for (step, fname), (_, hi) in sorted(self._file_plan().bounds.items()):
+        for (step, fname), (_, hi) in sorted(self._referred_bounds().items()):
             holder = self._holder(step)
             hkey = self._holder_file(holder, fname)
             size = holder.manifest["files"][hkey]["size"]
@@ -257,6 +257,33 @@ class CheckpointReader:
             wanted[step][hkey] = size
         for step, sizes in wanted.items():
             self._sizes_listed(self._holder(step), sizes)
+
+    def _referred_bounds(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """Per file of another checkpoint, the lowest begin and the highest end of the
+        pieces this one reads there (`_FilePlan.bounds`). Found in Python where every
+        extents list is short, without loading NumPy: a persist worker checks so each
+        checkpoint it writes (`check_sizes`); else from `_file_plan`."""
+        if self._file_plan_cache is not None:
+            return self._file_plan_cache.bounds
+        bounds: dict[tuple[int, str], tuple[int, int]] = {}
+
+        def reads(step: int | None, fname: str, begin: int, end: int) -> None:
+            if step is not None:
+                lo, hi = bounds.get((step, fname), (begin, end))
+                bounds[(step, fname)] = (min(lo, begin), max(hi, end))
+
+        for info in self.manifest["tensors"].values():
+            if "extents" in info:
+                ext, sources = info["extents"], info["sources"]
+                if len(ext) >= _SHORT:
+                    return self._file_plan().bounds
+                for j in range(0, len(ext), 3):
+                    src = sources[ext[j]]
+                    reads(src.get("step"), src["file"], ext[j + 1], ext[j + 2])
+            elif "chunks" in info:
+                for step, fname, begin, end in tensor_ranges(info):
+                    reads(step, fname, begin, end)
+        return bounds
 
     def _sizes_listed(self, reader: CheckpointReader, sizes: Mapping[str, int]) -> None:
         """Each file of ``sizes`` is listed in ``reader``'s directory with its size."""

@@ -31,6 +31,7 @@ from collections import deque
 from typing import Any
 
 from resumable.errors import CheckpointError, PersistError
+from resumable.format import loaded_versions, tell_versions
 from resumable.incremental import Incremental
 from resumable.lock import LeaseFence
 from resumable.pipeline._worker_jobs import JobRunner, TrainerGone, keep_from_json, keep_to_json
@@ -102,6 +103,8 @@ def worker_main(argv: list[str] | None = None) -> int:
             return 0
         if not isinstance(config, WorkerConfig):
             raise CheckpointError(f"expected the worker's configuration, found {config!r}")
+        if isinstance(config.versions, dict):
+            tell_versions(config.versions)
         watch = TrainerWatch(config.parent_pid)
         send_lock = threading.Lock()
 
@@ -196,6 +199,7 @@ class PersistWorker:
             incremental=incremental.to_json() if incremental is not None else None,
             nice=worker_nice() if mode == "process" else 0,  # a bad value: refused here
             world_size=world_size,
+            versions=loaded_versions(),
         )
         self.pid = os.getpid()
         if mode == "process":

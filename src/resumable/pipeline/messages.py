@@ -35,6 +35,8 @@ class WorkerConfig:
     incremental: dict[str, Any] | None = None  # `Incremental.to_json`; None: whole
     nice: int = 0  # added to the worker's niceness once it is ready (`_worker.worker_nice`)
     world_size: int = 1  # the job's ranks: with several, the worker loads torch early
+    # torch's and NumPy's versions in the trainer, for the manifests (`format.tell_versions`)
+    versions: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

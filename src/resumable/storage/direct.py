@@ -33,8 +33,6 @@ import os
 import threading
 from collections.abc import Iterable
 
-import numpy as np
-
 from resumable.storage.base import Buffer
 
 ALIGN = 4096
@@ -63,6 +61,8 @@ def available() -> bool:
 
 def address(view: memoryview) -> int:
     """The memory address of ``view``'s first byte (read-only buffers too)."""
+    import numpy as np  # loaded at the first use, not by every importer (a persist worker)
+
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
