@@ -29,7 +29,6 @@ skipped: the thread holds the mapping object, and a failed call ends that file.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
@@ -73,10 +72,13 @@ os.register_at_fork(after_in_child=_fresh_turns)
 def _madvise() -> Any:
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
+    # The C library this process has loaded already (``dlopen(NULL)``): looking it up
+    # by name (``ctypes.util.find_library``) ran ``ldconfig -p`` in a subprocess at
+    # every import, a persist worker's start included.
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
         return None
-    fn = ctypes.CDLL(name, use_errno=True).madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
