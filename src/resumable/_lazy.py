@@ -9,10 +9,10 @@ stand-in that imports torch at its first attribute, so a path that needs a tenso
 gets one. ``tests/test_worker_imports.py`` checks that a worker persists, mirrors and
 exits without loading torch.
 
-NumPy likewise (`numpy_module`): about 50 ms of the worker's start-up CPU, and more
-with the BLAS threads it starts, taken from training on the cores they share; the
-worker uses it only to check a manifest with long extents lists or to write with
-``O_DIRECT``.
+NumPy likewise (`numpy_module`): its import, and the BLAS threads it starts, were the
+largest part of the worker's start-up CPU once torch was gone, taken from training on
+the cores they share; the worker uses it only to check a manifest with long extents
+lists or to write with ``O_DIRECT``.
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ def _library_version(name: str) -> str:
 
 @functools.cache
 def _installed_version(name: str) -> str:
-    import importlib.metadata  # 20 ms: only where no trainer told the version
+    import importlib.metadata  # slow to import: only where no trainer told the version
 
     try:
         return importlib.metadata.version(name)
@@ -999,8 +999,8 @@ def _check_disjoint(
     refers to, so all tensors together hold at most the files' bytes. Sort and sweep,
     O(n log n): in NumPy where a version 3 entry has a long extents list (thousands of
     extents; ``arrays``: those already made into arrays, by tensor name), else in
-    Python, as fast at a few thousand ranges and without loading NumPy (a persist
-    worker checks every manifest it writes, `retention._files_valid`)."""
+    Python, without loading NumPy (a persist worker checks every manifest it
+    writes, `retention._files_valid`)."""
     arrays = arrays or {}
     keys: dict[tuple[int, str], int] = {}  # (step, or -1 for this checkpoint; file) -> id
     names = list(tensors)

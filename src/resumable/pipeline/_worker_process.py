@@ -206,8 +206,8 @@ def worker_command(fd: int, lifeline: int, fence: int = -1) -> tuple[list[str], 
     that is the main thread."""
     env = dict(os.environ)
     # The worker does no linear algebra: a NumPy it loads (to check a long extents list,
-    # to write with O_DIRECT) starts no BLAS threads, which took about 80 ms of CPU at
-    # the import, on the cores the trainer uses.
+    # to write with O_DIRECT) starts no BLAS threads, whose start costs CPU on the cores
+    # the trainer uses.
     env["OPENBLAS_NUM_THREADS"] = "1"
     flags = ["-I"]
     if env.get("PYTHONHOME"):
