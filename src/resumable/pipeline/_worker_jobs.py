@@ -41,6 +41,7 @@ from resumable.pipeline.messages import (
 )
 from resumable.pipeline.write import (
     Coordination,
+    LateRequest,
     PersistResult,
     WriteRequest,
     rank_share,
@@ -94,6 +95,23 @@ def _bytes_of(slot: ShmSlot, content: SlotContent) -> Snapshot:
     """The snapshot of ``content`` as the bytes of its slot, without a copy (and without
     torch: `resumable._lazy`)."""
     return Snapshot(content.slots, slot.data_view(content.slots[-1].end if content.slots else 0))
+
+
+def _content(slot: ShmSlot, job: PersistJob) -> SlotContent:
+    """The content of ``job``'s snapshot in ``slot``; raises if it was overwritten."""
+    content = slot.read()
+    if content is None or content.seq != job.seq or content.step != job.step:
+        raise _overwritten(job)
+    return content
+
+
+def _overwritten(job: PersistJob) -> CheckpointError:
+    return CheckpointError(f"snapshot of step {job.step} was overwritten before it was persisted")
+
+
+def _unchanged(slot: ShmSlot, job: PersistJob) -> None:
+    if not slot.still(job.seq):
+        raise CheckpointError("snapshot slot was rewritten while being persisted")
 
 
 def _request(content: SlotContent, snapshot: Snapshot) -> WriteRequest:
@@ -224,13 +242,11 @@ class JobRunner:
 
     def _persist(self, job: PersistJob) -> Committed:
         slot = self._slot(job.slot)
-        content = slot.read()
-        if content is None or content.seq != job.seq or content.step != job.step:
-            raise CheckpointError(
-                f"snapshot of step {job.step} was overwritten before it was persisted"
-            )
         if job.group:
-            return self._persist_coordinated(slot, content, job.group)
+            if not slot.still(job.seq) or slot.control().step != job.step:
+                raise _overwritten(job)
+            return self._persist_coordinated(slot, job)
+        content = _content(slot, job)
         reply, sums = self.persist_snapshot(_request(content, _bytes_of(slot, content)))
         if not slot.still(content.seq):
             raise CheckpointError("snapshot slot was rewritten while being persisted")
@@ -266,64 +282,69 @@ class JobRunner:
         sums = [manifest["tensors"][s.name]["xxh3_64"] for s in request.snapshot.slots]
         return reply, sums
 
-    def _persist_coordinated(
-        self, slot: ShmSlot, content: SlotContent, where: dict[str, Any]
-    ) -> Committed:
+    def _persist_coordinated(self, slot: ShmSlot, job: PersistJob) -> Committed:
         """This rank's share of a coordinated persist, from its shared-memory snapshot,
         then the exchanges of `write_distributed` through the coordination store.
+
+        No rank's worker does more than check its slot's control block before every
+        rank's worker holds its job (`StoreCoordinator.all_ready`), its trainer's
+        snapshot taken; the snapshot's metadata is read and this rank's share found
+        once the attempt is open (a `LateRequest`): reading the metadata (a JSON object
+        naming every tensor and its piece) took CPU the ranks still taking their
+        snapshots need (4 ranks on 2 cores; ``docs/decisions.md``, "Ranks write once
+        every snapshot is taken").
 
         The share is the tensors of the snapshot but the replicated ones another rank
         writes, which the trainer lays out last (`resumable.format.plan_layout`): the
         share is then the slot's first bytes, written from shared memory as a single
         process's persist writes (the trainer keeps the slot locked until this job's
         reply), and the slot is checked unchanged before this rank reports its part
-        written. A share laid out otherwise is copied out first. That copy, of 32 MiB
-        a rank at 4 ranks, ran while the ranks that handed their persist off later
-        were still taking their snapshots, and stretched their `save()` on 4 ranks
-        sharing 2 cores (``docs/decisions.md``, "A rank's share written from shared
-        memory"). For the same reason no rank writes before every rank's worker holds
-        its job (`StoreCoordinator.all_ready`)."""
+        written. A share laid out otherwise is copied out first (``docs/decisions.md``,
+        "A rank's share written from shared memory")."""
         from resumable.coordination import StoreCoordinator
 
-        coordinator = StoreCoordinator.connect(where, self._stores)
-        holders = replicated_holders(
-            {t.name: t.nbytes for t in content.slots},
-            content.meta.replicated,
-            coordinator.rank,
-            coordinator.world_size,
-        )
-        whole = _bytes_of(slot, content)
-        prefix = share_prefix(content.slots, holders)
+        assert job.group is not None
+        coordinator = StoreCoordinator.connect(job.group, self._stores)
+        coordinator.all_ready()  # no work while another rank still takes its snapshot
+        in_place = False
 
-        def unchanged() -> None:
-            if not slot.still(content.seq):
-                raise CheckpointError("snapshot slot was rewritten while being persisted")
-
-        if prefix is not None:
-            snap = Snapshot(prefix, whole.buffer)
-
-            def check() -> None:
-                self._check_parent()
-                unchanged()
-
-        else:
-            snap = rank_share(
-                self._arena,
-                whole,
+        def make() -> WriteRequest:
+            nonlocal in_place
+            content = _content(slot, job)
+            holders = replicated_holders(
+                {t.name: t.nbytes for t in content.slots},
                 content.meta.replicated,
                 coordinator.rank,
                 coordinator.world_size,
             )
-            unchanged()
-            check = self._check_parent
-        request = dataclasses.replace(_request(content, snap), holders=holders)
-        coordinator.all_ready()  # no write while another rank still takes its snapshot
+            whole = _bytes_of(slot, content)
+            prefix = share_prefix(content.slots, holders)
+            if prefix is not None:
+                snap = Snapshot(prefix, whole.buffer)
+                in_place = True
+            else:
+                snap = rank_share(
+                    self._arena,
+                    whole,
+                    content.meta.replicated,
+                    coordinator.rank,
+                    coordinator.world_size,
+                )
+                _unchanged(slot, job)
+            return dataclasses.replace(_request(content, snap), holders=holders)
+
+        def check() -> None:
+            self._check_parent()
+            if in_place:
+                _unchanged(slot, job)
+
+        request = LateRequest(job.step, make)
         return self.persist_group(coordinator, request, nodes=coordinator.nodes, check=check)
 
     def persist_group(
         self,
         group: Coordination,
-        request: WriteRequest,
+        request: WriteRequest | LateRequest,
         *,
         nodes: NodeObjects | None = None,
         check: Callable[[], None] | None = None,

@@ -67,6 +67,17 @@ class WriteRequest:
     holders: Mapping[str, int] | None = None
 
 
+@dataclass(frozen=True)
+class LateRequest:
+    """A `WriteRequest` of ``step`` made by ``make`` only once rank 0 opened the attempt,
+    as the write begins: a persist worker reads its snapshot's metadata then, not
+    while the other ranks still take their snapshots (`write_distributed`). An error
+    ``make`` raises is this rank's report, as a failed write's is."""
+
+    step: int
+    make: Callable[[], WriteRequest]
+
+
 def rank_share(
     arena: Arena, snapshot: Snapshot, replicated: Collection[str], rank: int, world_size: int
 ) -> Snapshot:
@@ -623,7 +634,7 @@ def write_distributed(
     group: Coordination,
     storage: Storage,
     committer: Committer,
-    request: WriteRequest,
+    request: WriteRequest | LateRequest,
     *,
     check: Callable[[], None] | None = None,
     base: DeltaBase | None = None,
@@ -645,6 +656,7 @@ def write_distributed(
     reports success and on rank 0 before it commits (a worker whose trainer died
     reports an error instead). With ``nodes``, the ranks of each node share one object
     (`resumable.nodes`, format version 6; every checkpoint whole, ``base`` unused).
+    A `LateRequest` is made as this rank's write begins.
     """
     t0 = time.perf_counter()
     step = request.step
@@ -663,7 +675,11 @@ def write_distributed(
         base = None
     report: dict[str, Any]
     plan: Plan | None = None
+    metrics = request.metrics if isinstance(request, WriteRequest) else None
     try:
+        if isinstance(request, LateRequest):
+            request = request.make()  # of ``step``: the caller's make checks
+            metrics = request.metrics
         if staging is None:
             file = _DataFile.of(storage, attempt, group.rank)
         else:  # the staging files are written like a root's, without fsync
@@ -678,7 +694,7 @@ def write_distributed(
     try:
         if nodes is not None and staging is not None:
             report = _node_object(group, storage, attempt, nodes, staging, report)
-        outcome, manifest = _commit_reports(group, committer, attempt, request, report, check)
+        outcome, manifest = _commit_reports(group, committer, attempt, step, metrics, report, check)
     finally:
         if staging is not None:
             staging.remove([rank_file(group.rank), part_file(group.rank)])
@@ -700,13 +716,14 @@ def _commit_reports(
     group: Coordination,
     committer: Committer,
     attempt: Attempt,
-    request: WriteRequest,
+    step: int,
+    metrics: Mapping[str, Any] | None,
     report: dict[str, Any],
     check: Callable[[], None] | None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Every rank's ``report`` to rank 0, rank 0's commit of them, and the outcome on
-    every rank (with the manifest on rank 0, None elsewhere)."""
-    step = request.step
+    """Every rank's ``report`` to rank 0, rank 0's commit of them (with ``metrics``, its
+    own request's), and the outcome on every rank (with the manifest on rank 0, None
+    elsewhere)."""
     try:
         reports = group.gather(report, "reports")
     except PersistError as exc:  # a rank died or hung: nobody will commit
@@ -725,7 +742,7 @@ def _commit_reports(
             try:
                 manifest, blob = build_top(
                     step=step,
-                    metrics=request.metrics,
+                    metrics=metrics,
                     files={
                         r["file"]: {"size": r["size"], "rank": i} for i, r in enumerate(reports)
                     },
