@@ -30,6 +30,26 @@ import small_report  # noqa: E402
 Result = dict[str, Any]
 
 
+def _loop_floor_rows(e2e: dict[str, Any]) -> list[list[str]]:
+    """The copy floor timed in the loop (`training._floor`), where the run has it."""
+    copies = e2e.get("floor_copy_s")
+    if not isinstance(copies, dict):
+        return []
+    fastest, median = copies.get("min"), copies.get("median")
+    return [
+        [
+            "copy floor in the loop (the same tensors, one `_foreach_copy_` into memory "
+            "allocated once, after each step of segments of its own): fastest, median",
+            f"{_f(None if fastest is None else fastest * 1000, '{:.2f} ms')}, "
+            f"{_f(None if median is None else median * 1000, '{:.2f} ms')}",
+        ],
+        [
+            "throughput ratio of those segments (median baseline ÷ median floor segment)",
+            _f(e2e.get("floor_throughput_ratio"), "{:.3f}"),
+        ],
+    ]
+
+
 def _median(entry: Any, key: str = "median") -> float | None:
     """``entry[key]`` ("median" or "min") of a samples dict, computed from its samples
     when the key is missing."""
@@ -635,6 +655,7 @@ def render(out: Result) -> str:
                     _f(e2e.get("throughput_ratio"), "{:.3f}"),
                 ],
                 ["median of per-pair ratios", _f(e2e.get("median_pair_ratio"), "{:.3f}")],
+                *_loop_floor_rows(e2e),
             ],
         )
     else:

@@ -12,6 +12,12 @@ happen in a warm-up save before any timing.
 
 Throughput ratio = median baseline segment time / median checkpointed segment time;
 the median of the per-pair ratios is recorded too.
+
+The floor, timed in the same loop (without overlap): a third kind of segment copies,
+after each step, the tensors a snapshot takes (`small_bench.loop_floor`: one
+``_foreach_copy_`` into memory allocated once, nothing else), in the rotation of the
+other two. Its fastest copy is what no snapshot of this state in this loop can beat;
+``floor_throughput_ratio`` is what a snapshot made of that copy alone would keep.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from typing import Any
 
 import torch
 from resumable_bench import api_info
+from small_bench import loop_floor
 from torch import nn
 
 import resumable
+from resumable import capture as capture_mod
 
 
 def build_mlp(width: int, depth: int, d_in: int = 256, d_out: int = 10) -> nn.Module:
@@ -120,7 +128,13 @@ def _run(
     base_s: list[float] = []
     ckpt_s: list[float] = []
     snapshot_s: list[float] = []
+    floor_seg_s: list[float] = []
+    floor_copy_s: list[float] = []
     persists = 0
+    # the tensors a snapshot takes (the random streams' too), as the loop floor copies them
+    copy_floor, _, close_floor = loop_floor(
+        list(capture_mod.capture({"model": model, "optim": opt}).tensors.values())
+    )
 
     def baseline() -> None:
         t0 = time.perf_counter()
@@ -142,13 +156,23 @@ def _run(
         ck.wait()
         ckpt_s.append(time.perf_counter() - t0)
 
+    def floor() -> None:
+        t0 = time.perf_counter()
+        for k in range(steps):
+            step_once(k)
+            t1 = time.perf_counter()
+            copy_floor()
+            floor_copy_s.append(time.perf_counter() - t1)
+        floor_seg_s.append(time.perf_counter() - t0)
+
+    kinds = (baseline, checkpointed) if overlap else (baseline, checkpointed, floor)
     try:
         for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
-            order = (baseline, checkpointed) if r % 2 == 0 else (checkpointed, baseline)
-            for segment in order:
+            for segment in kinds if r % 2 == 0 else kinds[::-1]:
                 segment()
     finally:
         ck.close()
+        close_floor()
     state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
     b, c = statistics.median(base_s), statistics.median(ckpt_s)
     return {
@@ -180,4 +204,19 @@ def _run(
         "throughput_ratio": b / c,
         "pair_ratios": [x / y for x, y in zip(base_s, ckpt_s)],
         "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
+        **(_floor(b, floor_seg_s, floor_copy_s) if floor_seg_s else {}),
+    }
+
+
+def _floor(base: float, segments: list[float], copies: list[float]) -> dict[str, Any]:
+    """The loop floor's segments and copies: the copy's fastest sample is the floor."""
+    f = statistics.median(segments)
+    return {
+        "floor_segment_s": {"samples": segments, "median": f},
+        "floor_copy_s": {
+            "samples": copies,
+            "median": statistics.median(copies),
+            "min": min(copies),
+        },
+        "floor_throughput_ratio": base / f,
     }

@@ -67,6 +67,26 @@ def test_the_loop_is_bound_by_the_floor_only_where_copying_the_state_alone_misse
     assert _row(fast, "training loop")["result"] == "met"
 
 
+def test_the_loop_takes_the_copy_timed_in_the_loop_as_its_floor_where_the_run_has_it() -> None:
+    out = _run()
+    step = out["e2e"]["step_ms_baseline"]
+    out["e2e"]["floor_copy_s"] = {"samples": [0.0012, 0.001], "median": 0.0011, "min": 0.001}
+    row = _row(out, "training loop")
+    assert row["bound"] == pytest.approx(step / (step + 1.0))
+    assert "timed in the loop" in row["why"] and "fastest 1.00 ms" in row["why"]
+    slow = copy.deepcopy(out)  # the copy alone takes more than the goal leaves
+    slow["e2e"]["floor_copy_s"]["min"] = step * 0.05 / 1000
+    slow["e2e"]["throughput_ratio"] = 0.9
+    assert _row(slow, "training loop")["result"] == "bound by the floor"
+    fast = copy.deepcopy(out)
+    fast["e2e"]["floor_copy_s"]["min"] = step * 0.01 / 1000
+    fast["e2e"]["throughput_ratio"] = 0.9
+    assert _row(fast, "training loop")["result"] == "not met"
+    out["e2e"]["floor_throughput_ratio"] = 0.99
+    text = report.render(out)
+    assert "copy floor in the loop" in text and "1.00 ms, 1.10 ms" in text
+
+
 def test_nanogpt_rows_take_the_fastest_copy_as_their_floor() -> None:
     out = _run()
     m = out["small"]["models"]["6-layer"]
