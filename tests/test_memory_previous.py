@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from launch import environment, kill_session, run, torchrun_cmd
 from memory_previous_job import checkpointer
@@ -95,6 +97,60 @@ def test_the_third_slot_is_made_only_while_a_persist_holds_one(shm_dir: Path) ->
         five = next(sn for sn, _ in arena.complete() if sn.step == 5)
         arena.forget_after(5, five)
         assert [sn.step for sn, _ in arena.complete()] == [5]
+    finally:
+        arena.close(unlink=True)
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("snapshot"), st.integers(-2, 3)),  # the step after the newest, + k
+        st.tuples(st.just("lock"), st.integers(0, 3)),
+        st.tuples(st.just("unlock"), st.integers(0, 3)),
+        st.tuples(st.just("keep"), st.integers(1, 2)),
+        st.tuples(st.just("forget"), st.integers(0, 3)),
+    ),
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_OPS)
+def test_the_usual_slot_choice_is_the_one_every_case_makes(shm_dir: Path, ops: list) -> None:
+    """`ShmArena._choose`'s shortcut (no slot locked, one kept, two slots made) picks the
+    slot its every-case rule (`_choose_any`) picks, after any sequence of snapshots,
+    persists taking and releasing slots, replicas' keep and restores going back."""
+    arena = ShmArena("choice", shm_dir=shm_dir)
+    t = {"w": torch.zeros(16)}
+    step = 0
+    try:
+        for op, k in ops:
+            for s in (step - 1, step, step + 1):
+                try:
+                    want = arena._choose_any(s)
+                except Exception as exc:
+                    want = repr(exc)
+                try:
+                    got = arena._choose(s)
+                except Exception as exc:
+                    got = repr(exc)
+                assert got == want, (op, k, s, arena.locked, arena.keep, arena.newest)
+            if op == "snapshot":
+                step = max(0, step + k)
+                try:
+                    arena.snapshot(step, t, SlotMeta(tree={}))
+                except Exception:
+                    pass  # every slot locked
+            elif op == "lock" and arena.slots[k] is not None:
+                arena.locked.add(k)
+            elif op == "unlock":
+                arena.locked.discard(k)
+            elif op == "keep":
+                arena.keep = k
+            elif op == "forget":
+                done = [sn for sn, _ in arena.complete() if sn.step <= step - k]
+                arena.forget_after(step - k, done[0] if done else None)
     finally:
         arena.close(unlink=True)
 

@@ -183,6 +183,45 @@ def test_a_slot_keeps_its_layout_head_and_every_snapshot_reads_back_whole(shm_di
     arena.close(unlink=True)
 
 
+def test_a_write_changes_only_its_own_fields_of_the_control_block(shm_dir: Path) -> None:
+    """`ShmSlot.begin_write` and `finish_write` write the fields they change in place: the
+    ones another process writes (the worker's pid, the checksums' seq between writes)
+    and the capacities are left as they were, and the block reads back as the write
+    says (state, seq, step, lengths, the metadata's hash)."""
+    from dataclasses import asdict
+
+    import xxhash
+
+    arena = ShmArena("k-fields", shm_dir=shm_dir)
+    t = {"w": torch.arange(8, dtype=torch.float32)}
+    snap = arena.snapshot(3, t, SlotMeta(tree={}))
+    assert isinstance(snap, MemorySnapshot)
+    slot = arena.slots[snap.index]
+    assert slot is not None
+    slot.set_worker(4242)
+    before = asdict(slot.control())
+    seq = slot.begin_write()
+    mid = asdict(slot.control())
+    assert mid["state"] == shm.WRITING and mid["seq"] == seq - 1 == before["seq"] + 1
+    assert {k: v for k, v in mid.items() if k not in ("state", "seq", "updated")} == {
+        k: v for k, v in before.items() if k not in ("state", "seq", "updated")
+    }
+    blob = b'"x":1}'
+    head = b'{"layout":[],'
+    assert slot.finish_write(step=9, blob=blob, data_len=32, head=head) == seq
+    after = asdict(slot.control())
+    changed = {"state", "seq", "step", "meta_len", "meta_xxh", "data_len", "sums_seq", "updated"}
+    assert {k: v for k, v in after.items() if k not in changed} == {
+        k: v for k, v in before.items() if k not in changed
+    }
+    assert after["worker_pid"] == 4242
+    assert (after["state"], after["seq"], after["step"]) == (shm.COMPLETE, seq, 9)
+    assert after["meta_len"] == len(head + blob) and after["data_len"] == 32
+    assert after["meta_xxh"] == xxhash.xxh3_64_intdigest(head + blob) and after["sums_seq"] == 0
+    assert after["updated"] >= mid["updated"] >= before["updated"]
+    arena.close(unlink=True)
+
+
 def test_half_written_and_damaged_slots_are_never_used(shm_dir: Path) -> None:
     arena = ShmArena("k1", shm_dir=shm_dir)
     t = {"w": torch.arange(1000, dtype=torch.float32)}

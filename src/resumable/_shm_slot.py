@@ -67,6 +67,12 @@ SHM_REMEDY = (
 _FMT = "<8sIIQQQQQQQQQIId d"
 _FMT = _FMT.replace(" ", "")
 _SIZE = struct.calcsize(_FMT)
+# The fields a snapshot's write changes, written in place (`ShmSlot.begin_write`,
+# `finish_write`): each one's offset in `_FMT`, and the run of fields from there.
+_STATE_AT, _STEP_AT = struct.calcsize("<8sI"), struct.calcsize("<8sIIQ")
+_DATA_LEN_AT, _UPDATED_AT = struct.calcsize("<8sIIQQQQQQ"), struct.calcsize("<8sIIQQQQQQQQQIId")
+_STATE_SEQ, _STEP_LEN = struct.Struct("<IQ"), struct.Struct("<QQ")
+_DATA_XXH_SUMS, _UPDATED = struct.Struct("<QQQ"), struct.Struct("<d")
 
 
 def unusable(path: Path, exc: Exception) -> str:
@@ -359,9 +365,11 @@ class ShmSlot:
 
     def begin_write(self) -> int:
         """Mark the slot WRITING (odd seq); returns the seq the completed write will have."""
-        c = self.control()
-        seq = c.seq + 1 if c.seq % 2 == 0 else c.seq + 2
-        self._update(state=WRITING, seq=seq)
+        mm = self.mm
+        seq = _STATE_SEQ.unpack_from(mm, _STATE_AT)[1]
+        seq = seq + 1 if seq % 2 == 0 else seq + 2
+        _STATE_SEQ.pack_into(mm, _STATE_AT, WRITING, seq)
+        _UPDATED.pack_into(mm, _UPDATED_AT, time.time())
         return seq + 1
 
     def finish_write(self, *, step: int, blob: bytes, data_len: int, head: bytes = b"") -> int:
@@ -384,15 +392,13 @@ class ShmSlot:
         digest = self._head_hash.copy()
         digest.update(blob)
         seq = c.seq + 1
-        self._update(
-            state=COMPLETE,
-            seq=seq,
-            step=step,
-            meta_len=total,
-            meta_xxh=digest.intdigest(),
-            data_len=data_len,
-            sums_seq=0,
-        )
+        # The fields it changes, in place, state and seq last: a reader that finds the
+        # slot COMPLETE at ``seq`` finds the rest written (it checks seq again after).
+        mm = self.mm
+        _STEP_LEN.pack_into(mm, _STEP_AT, step, total)
+        _DATA_XXH_SUMS.pack_into(mm, _DATA_LEN_AT, data_len, digest.intdigest(), 0)
+        _STATE_SEQ.pack_into(mm, _STATE_AT, COMPLETE, seq)
+        _UPDATED.pack_into(mm, _UPDATED_AT, time.time())
         return seq
 
     def write_checksums(self, seq: int, sums: list[str]) -> bool:

@@ -155,10 +155,14 @@ class Checkpointer:
         self._report(step, metrics, "snapshot")
         self._collect_and_snapshot(step, metrics)
 
-    def _collect_and_snapshot(self, step: int, metrics: Mapping[str, Any] | None) -> None:
-        """`snapshot` once the step is reported (`_report`)."""
+    def _collect_and_snapshot(
+        self, step: int, metrics: Mapping[str, Any] | None, *, collected: bool = False
+    ) -> None:
+        """`snapshot` once the step is reported (`_report`); ``collected``: the caller
+        has just taken in finished persists (`_collect`)."""
         try:
-            self._collect()
+            if not collected:
+                self._collect()
             self._checks.before_save(step)
             self._parts.saver.snapshot(self.state, step, metrics)
         except BaseException:
@@ -221,7 +225,7 @@ class Checkpointer:
                 self._parts.schedule.observe_cost(time.perf_counter() - t0)
             return started
         if self._parts.schedule.memory_due(step):
-            self._collect_and_snapshot(step, metrics)  # reported above
+            self._collect_and_snapshot(step, metrics, collected=True)  # reported above
         return False
 
     def _preempted(self, step: int, metrics: Mapping[str, Any] | None) -> None:

@@ -638,6 +638,19 @@ class ShmArena:
         a timeline a restore went back from). A slot beyond the first two is made only
         when those are taken (a persist holds one, the other is kept); a kept snapshot
         is overwritten only when there is no room for another slot."""
+        newest = self.newest
+        if (
+            not self.locked
+            and self.keep == 1
+            and newest is not None
+            and newest.index < 2
+            and all(s is None for s in self.slots[2:])
+        ):  # the usual case: of the first two slots, the one not holding the newest
+            return 1 - newest.index
+        return self._choose_any(step)
+
+    def _choose_any(self, step: int) -> int:
+        """`_choose` in every case (its usual one included)."""
         free = [i for i in range(SLOTS) if i not in self.locked]
         if not free:
             raise CheckpointError("every snapshot slot is being persisted")
