@@ -718,3 +718,45 @@ def test_an_ordered_dict_reordered_in_place_is_seen_without_a_tag_change() -> No
         assert_equivalent(got, capture(state), f"step {step}", tree_json)
     names = [n for n in got.tensors if n.startswith("model/head.")]
     assert names == ["model/head.bias", "model/head.weight"]
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_the_random_streams_of_a_rank_of_several_are_made_as_a_walk_makes_them(
+    rank: int,
+) -> None:
+    """At several ranks the streams are per-rank state: their tensors are named under the
+    rank's prefix. Through the plan, with every stream moving (a draw, a Gaussian kept,
+    a reseed, nothing) and a user's tensor taking NumPy's name, the capture and its
+    JSON through `TreeJSON` are exactly a full walk's at that rank."""
+    state = {"extra": {"w": torch.zeros(2)}}
+    plan = CapturePlan()
+    tree_json = TreeJSON()
+    random.seed(4)
+    np.random.seed(4)
+    moves = [
+        lambda: None,
+        random.random,
+        np.random.random,
+        lambda: torch.rand(1),
+        np.random.randn,  # one Gaussian kept
+        lambda: None,
+        lambda: random.gauss(0, 1),
+        lambda: np.random.seed(9),
+        lambda: [random.random() for _ in range(700)],
+    ]
+    for i, move in enumerate(moves * 2):
+        move()
+        got = capture(state, plan=plan, rank=rank, world_size=4)
+        want = capture(state, rank=rank, world_size=4)
+        assert f"rank{rank}/__rng__/numpy/state/key" in got.tensors, list(got.tensors)
+        assert_equivalent(got, want, f"move {i}", tree_json)
+    taken = {**state, "__rng__/numpy/state": {"key": torch.ones(2)}}  # NumPy's name first
+    np.random.random()
+    got = capture(taken, plan=plan, rank=rank, world_size=4)
+    assert f"rank{rank}/__rng__/numpy/state/key#2" in got.tensors, list(got.tensors)
+    assert_equivalent(
+        capture(taken, plan=plan, rank=rank, world_size=4),
+        capture(taken, rank=rank, world_size=4),
+        "taken",
+        tree_json,
+    )

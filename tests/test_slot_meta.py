@@ -4,6 +4,7 @@ what no writer writes. Keys it does not know are ignored, as they always were.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -155,3 +156,61 @@ def test_a_one_process_snapshot_is_written_as_the_general_encoder_writes_it(
         obj["root"] = arena_root or root
     assert meta.encode(12, root=arena_root) == encode_meta(obj)
     assert json.loads(meta.encode(12, root=arena_root)) == {**obj, "tree": json.loads(tree)}
+
+
+@pytest.mark.parametrize("metrics", [{}, {"loss": 0.25, "tag": "ü"}])
+@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("pieces", [{}, {"w": Piece("m.w", (8, 2), (2, 0))}])
+@pytest.mark.parametrize("replicated", [(), ("opt/step", "b")])
+@pytest.mark.parametrize("arena_root", [None, "s3://b/p"])
+def test_every_memory_tier_snapshot_is_written_as_the_general_encoder_writes_it(
+    metrics: dict[str, Any],
+    world_size: int,
+    pieces: dict[str, Piece],
+    replicated: tuple[str, ...],
+    arena_root: str | None,
+) -> None:
+    """With metrics, several ranks, pieces and replicated names, `SlotMeta.encode` still
+    writes from its parts exactly what `encode_meta` writes for the whole object."""
+    from resumable.pieces import pieces_to_json
+
+    tree = RawJSON('{"dict":[["w",{"global":"w"}]]}')
+    meta = SlotMeta(
+        tree=tree,
+        metrics=metrics,
+        created=1764745200.5,
+        run_id="r1",
+        world_size=world_size,
+        pieces=pieces,
+        replicated=replicated,
+        root="file:///ck",
+    )
+    obj: dict[str, Any] = {"step": 5, "tree": tree, "metrics": dict(metrics)}
+    obj["created"], obj["run_id"] = 1764745200.5, "r1"
+    sharded = bool(pieces) or world_size != 1
+    if sharded:
+        obj["world_size"], obj["pieces"] = world_size, pieces_to_json(pieces)
+    if sharded or replicated:
+        obj["replicated"] = list(replicated)
+    obj["root"] = arena_root or "file:///ck"
+    for _ in range(2):  # the second time with the pieces' JSON kept
+        assert meta.encode(5, root=arena_root) == encode_meta(obj)
+
+
+def test_the_pieces_json_is_kept_only_for_the_very_same_pieces() -> None:
+    """A piece that is another object (a reshard: other offsets) or under another name
+    is written anew, never from the JSON kept for the last pieces."""
+    a = {"w": Piece("m.w", (8, 2), (0, 0)), "v": Piece("m.v", (4,), (0,))}
+    meta = dataclasses.replace(SHARDED, pieces=a, metrics={})
+    first = json.loads(meta.encode(1))["pieces"]
+    assert first == {"w": ["m.w", [8, 2], [0, 0]], "v": ["m.v", [4], [0]]}
+    renamed = {"x": a["w"], "v": a["v"]}  # the same objects under another name
+    got = json.loads(dataclasses.replace(meta, pieces=renamed).encode(2))["pieces"]
+    assert list(got) == ["x", "v"]
+    moved = {"x": Piece("m.w", (8, 2), (4, 0)), "v": a["v"]}
+    got = json.loads(dataclasses.replace(meta, pieces=moved).encode(3))["pieces"]
+    assert got["x"] == ["m.w", [8, 2], [4, 0]]
+    fewer = {"w": a["w"]}
+    got = json.loads(dataclasses.replace(meta, pieces=fewer).encode(4))["pieces"]
+    assert list(got) == ["w"]
+    assert json.loads(meta.encode(5))["pieces"] == first

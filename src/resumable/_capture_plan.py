@@ -15,6 +15,7 @@ Longer notes: ``docs/decisions.md``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -91,7 +92,7 @@ class CapturePlan:
         Twister, NumPy's MT19937, torch's CPU state), the node is a `KnownJSON`: its
         text made from the few numbers that change, not encoded again."""
         streams = rng_state(self._numpy.get, self._pystate.get)
-        if enc.world_size != 1 or enc.rank != 0:
+        if enc.world_size == 1 and enc.rank != 0:
             return enc.streams(streams)
         items = []
         texts: list[str | None] = []
@@ -123,16 +124,17 @@ class CapturePlan:
         """NumPy's node (the last one while its state is the same object) and its
         ``["numpy", node]`` JSON, made from the position and Gaussian where the state
         is MT19937's usual dict; else walked (text None)."""
+        name, head = _numpy_names(enc.rank if enc.world_size > 1 else None)
         kept = self._numpy_node
-        if kept is not None and v is kept[0] and _free(enc, kept[2]):
+        if kept is not None and v is kept[0] and name in kept[2] and _free(enc, kept[2]):
             enc.tensors.update(kept[2])
             return kept[1], kept[3]
         usual = _numpy_usual(v)
-        if usual is not None and _NUMPY_KEY not in enc.tensors:
+        if usual is not None and name not in enc.tensors:
             key, pos, has_gauss, gauss = usual
-            made = {_NUMPY_KEY: torch.from_numpy(key)}
+            made = {name: torch.from_numpy(key)}
             enc.tensors.update(made)
-            state = {"dict": [["key", {"ndarray": _NUMPY_KEY}], ["pos", pos]]}
+            state = {"dict": [["key", {"ndarray": name}], ["pos", pos]]}
             node: Any = {
                 "dict": [
                     ["bit_generator", "MT19937"],
@@ -142,7 +144,7 @@ class CapturePlan:
                 ]
             }
             text: str | None = (
-                _NUMPY_HEAD
+                head
                 + int.__repr__(pos)
                 + ']]}],["has_gauss",'
                 + int.__repr__(has_gauss)
@@ -386,11 +388,20 @@ def _python_text(node: Any, words_text: str | None) -> str | None:
 
 
 _NUMPY_KEY = f"{RNG_KEY}/numpy/state/key"  # the name a walk gives NumPy's words
-_NUMPY_HEAD = (
-    '["numpy",{"dict":[["bit_generator","MT19937"],["state",{"dict":[["key",'
-    + _dumps({"ndarray": _NUMPY_KEY})
-    + '],["pos",'
-)
+
+
+@functools.lru_cache(maxsize=8)
+def _numpy_names(rank: int | None) -> tuple[str, str]:
+    """The name a walk gives NumPy's words (at several ranks, under this ``rank``'s
+    prefix, as every per-rank tensor: `Encoder.tensor`) and the start of the stream's
+    JSON up to its position."""
+    name = _NUMPY_KEY if rank is None else f"rank{rank}/{_NUMPY_KEY}"
+    head = (
+        '["numpy",{"dict":[["bit_generator","MT19937"],["state",{"dict":[["key",'
+        + _dumps({"ndarray": name})
+        + '],["pos",'
+    )
+    return name, head
 
 
 def _numpy_usual(v: Any) -> tuple[np.ndarray, int, int, float] | None:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,32 +52,39 @@ class SlotMeta:
         what earlier versions wrote; a `RawJSON` tree is spliced in as it is. ``root``:
         recorded instead of `root` (the arena's), if given.
 
-        The common snapshot (a `RawJSON` tree, one process, no metrics) is written from
-        its parts without building the object: the memory tier writes one per step."""
+        A snapshot of the memory tier (a `RawJSON` tree, an int step, a finite or no
+        creation time) is written from its parts without building the object: one is
+        written per step. A sharded snapshot's pieces, the same objects from step to
+        step, keep their JSON (`_pieces_json`)."""
         if root is None:
             root = self.root
         if (
             type(self.tree) is RawJSON
             and type(step) is int
-            and not self.metrics
-            and not self.pieces
-            and not self.replicated
-            and self.world_size == 1
             and (self.created is None or type(self.created) is float)
         ):
             created = "" if self.created is None else _created_json(self.created)
             if created is not None:
-                text = (
-                    '{"step":'
-                    + int.__repr__(step)
-                    + ',"metrics":{}'
-                    + created
-                    + _names_json(self.run_id, root)
-                    + ',"tree":'
-                    + self.tree
-                    + "}"
-                )
-                return text.encode()
+                sharded = bool(self.pieces) or self.world_size != 1
+                parts = [
+                    '{"step":',
+                    int.__repr__(step),
+                    ',"metrics":',
+                    _dumps(dict(self.metrics)) if self.metrics else "{}",
+                    created,
+                    _names_json(self.run_id, None),
+                ]
+                if sharded:
+                    parts += [
+                        ',"world_size":',
+                        _dumps(self.world_size),
+                        ',"pieces":',
+                        _pieces_json(self.pieces),
+                    ]
+                if sharded or self.replicated:
+                    parts += [',"replicated":', _dumps(list(self.replicated))]
+                parts += [_names_json(None, root), ',"tree":', self.tree, "}"]
+                return "".join(parts).encode()
         if root != self.root:
             return dataclasses.replace(self, root=root).encode(step)
         obj: dict[str, Any] = {"step": step, "tree": self.tree, "metrics": dict(self.metrics)}
@@ -253,6 +261,27 @@ def _dumps(value: Any) -> str:
 def _created_json(created: float) -> str | None:
     """``,"created":<created>`` as `encode_meta` writes it; None if not finite."""
     return ',"created":' + float.__repr__(created) if math.isfinite(created) else None
+
+
+# The last pieces written: their names, their `Piece` objects and their JSON.
+_last_pieces: tuple[list[str], list[Piece], str] = ([], [], "{}")
+
+
+def _pieces_json(pieces: Mapping[str, Piece]) -> str:
+    """``pieces``' JSON (`pieces_to_json`), kept while the pieces are the very objects
+    of the last call under the same names (a capture hands the same `Piece` objects
+    out at every step; they are frozen)."""
+    global _last_pieces
+    names, values, text = _last_pieces
+    if (
+        len(pieces) == len(values)
+        and all(map(operator.is_, pieces.values(), values))
+        and list(pieces) == names
+    ):
+        return text
+    text = _dumps(pieces_to_json(pieces))
+    _last_pieces = (list(pieces), list(pieces.values()), text)
+    return text
 
 
 @functools.lru_cache(maxsize=16)
