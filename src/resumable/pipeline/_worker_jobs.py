@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from resumable._shm import ShmSlot, SlotContent
+from resumable._shm import COMPLETE, ShmSlot, SlotContent
 from resumable.audit import AuditLog
 from resumable.commit import Quarantined, committer_for, list_committed
 from resumable.errors import CheckpointError, RootInUseError, StorageError
@@ -243,13 +243,13 @@ class JobRunner:
     def _persist(self, job: PersistJob) -> Committed:
         slot = self._slot(job.slot)
         if job.group:
-            if not slot.still(job.seq) or slot.control().step != job.step:
+            c = slot.control()
+            if c.seq != job.seq or c.state != COMPLETE or c.step != job.step:
                 raise _overwritten(job)
             return self._persist_coordinated(slot, job)
         content = _content(slot, job)
         reply, sums = self.persist_snapshot(_request(content, _bytes_of(slot, content)))
-        if not slot.still(content.seq):
-            raise CheckpointError("snapshot slot was rewritten while being persisted")
+        _unchanged(slot, job)
         slot.write_checksums(content.seq, sums)
         return reply
 
