@@ -211,8 +211,8 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
         f"keeps at best {_f(bound, '')}"
     )
     # The bound, where the run timed it: the same copy in the loop, after each step of a
-    # segment of its own (`training._floor`), its fastest sample. The 1 GiB copy floor's
-    # bandwidth is not this loop's: the step leaves the state's tensors out of the caches.
+    # segment of its own (`training._floor`), its fastest sample: where a snapshot runs,
+    # right after a step, rather than the 1 GiB copy floor's bandwidth scaled.
     in_loop = _num(_get(e2e, "floor_copy_s", "min"))
     if step is not None and in_loop is not None:
         loop_ms = in_loop * 1000
