@@ -187,6 +187,9 @@ class PersistWorker:
         self.outstanding: deque[Job] = deque()
         self._next_id = 0
         self._stopped = False
+        # Without a mirror the worker only ever answers a job (and says Ready once):
+        # with nothing outstanding, `poll` has nothing to look for.
+        self._answers_only = mirror is None and mirror_storage is None
         config = WorkerConfig(
             url=url,
             keep=keep_to_json(keep),
@@ -280,6 +283,8 @@ class PersistWorker:
     def poll(self, timeout: float = 0.0) -> list[Reply | Report]:
         """Replies and reports that arrived (waiting up to ``timeout`` seconds for the
         first one)."""
+        if not self.outstanding and self._ready and self._answers_only and not timeout:
+            return []  # nothing can have arrived (a dead worker: `submit` says so)
         replies: list[Reply | Report] = []
         deadline = time.monotonic() + timeout
         while True:
