@@ -1,7 +1,7 @@
 """`maybe_save` takes in the persist worker's replies at every call. With no job
 outstanding and no mirror, the worker has nothing to send, so the socket is not
-polled (a syscall per training step); a worker that died meanwhile is found by the
-next persist, which starts another one. With a mirror, reports arrive after the
+polled (a syscall per training step); a worker that died meanwhile is still said at
+once, and the next persist starts another one. With a mirror, reports arrive after the
 commit they follow, and are still taken in while no job is outstanding."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from resumable import Checkpointer, Every
 from resumable.commit import list_committed
+from resumable.errors import PersistError
 from resumable.pipeline import _worker
 from resumable.storage.local import LocalStorage
 from state_checks import shm_dir
@@ -70,7 +71,8 @@ def test_an_idle_worker_is_not_polled_and_a_dead_one_is_replaced(
             time.sleep(0.05)
         assert not worker.alive
         state["w"] += 1
-        assert ck.maybe_save(6) is False  # nothing was outstanding: nothing lost
+        with pytest.raises(PersistError, match="persist process"):
+            ck.maybe_save(6)  # its death is said at once, though nothing was lost
         ck.save(7)  # a new worker takes it
         ck.wait()
         assert _worker_of(ck).pid != worker.pid

@@ -73,6 +73,7 @@ _STATE_AT, _STEP_AT = struct.calcsize("<8sI"), struct.calcsize("<8sIIQ")
 _DATA_LEN_AT, _UPDATED_AT = struct.calcsize("<8sIIQQQQQQ"), struct.calcsize("<8sIIQQQQQQQQQIId")
 _STATE_SEQ, _STEP_LEN = struct.Struct("<IQ"), struct.Struct("<QQ")
 _DATA_XXH_SUMS, _UPDATED = struct.Struct("<QQQ"), struct.Struct("<d")
+_CAPS_AT, _CAPS = struct.calcsize("<8sIIQQQ"), struct.Struct("<QQQ")  # meta, sums, data
 
 
 def unusable(path: Path, exc: Exception) -> str:
@@ -145,6 +146,7 @@ class ShmSlot:
         self._fd = own_fd(fd)
         self._mm: mmap.mmap | None = mm
         self._data: torch.Tensor | None = None
+        self._caps: tuple[int, int, int] | None = None  # see `capacities`
         # The metadata head this object last wrote (see `finish_write`), and its hash state.
         self._head: bytes | None = None
         self._head_hash: Any = None
@@ -340,19 +342,29 @@ class ShmSlot:
         """Record this process as the owner, with no worker (when a launch adopts it)."""
         self._update(owner_pid=os.getpid(), worker_pid=0)
 
+    def capacities(self) -> tuple[int, int, int]:
+        """The metadata, checksum and data capacities: set when the slot is created
+        (`attach` checks them against the file's size) and never changed, so read once."""
+        caps = self._caps
+        if caps is None:
+            caps = self._caps = _CAPS.unpack_from(self.mm, _CAPS_AT)
+        return caps
+
     def fits(self, meta_len: int, n_tensors: int, data_len: int) -> bool:
-        c = self.control()
-        return meta_len <= c.meta_cap and 16 * n_tensors <= c.sums_cap and data_len <= c.data_cap
+        meta_cap, sums_cap, data_cap = self.capacities()
+        return meta_len <= meta_cap and 16 * n_tensors <= sums_cap and data_len <= data_cap
 
     # ---------------------------------------------------------------- data
 
     def data_tensor(self) -> torch.Tensor:
         """The data region as a uint8 tensor sharing the mapping."""
         if self._data is None:
-            c = self.control()
-            start = CONTROL + c.meta_cap + c.sums_cap
+            meta_cap, sums_cap, data_cap = self.capacities()
             self._data = torch.frombuffer(
-                self.mm, dtype=torch.uint8, offset=start, count=max(c.data_cap, 1)
+                self.mm,
+                dtype=torch.uint8,
+                offset=CONTROL + meta_cap + sums_cap,
+                count=max(data_cap, 1),
             )
         return self._data
 
@@ -380,21 +392,20 @@ class ShmSlot:
         written and hashed only when this slot does not already hold it from its last
         write: a snapshot of 10,000 tensors rewrites a few hundred bytes of metadata,
         not the 700 KB of its layout."""
-        c = self.control()
         total = len(head) + len(blob)
-        if total > c.meta_cap:
+        if total > self.capacities()[0]:
             raise CheckpointError("snapshot metadata outgrew its slot; the arena is re-created")
+        mm = self.mm
         if head is not self._head:
             self._head = None
-            self.mm[CONTROL : CONTROL + len(head)] = head
+            mm[CONTROL : CONTROL + len(head)] = head
             self._head, self._head_hash = head, xxhash.xxh3_64(head)
-        self.mm[CONTROL + len(head) : CONTROL + total] = blob
+        mm[CONTROL + len(head) : CONTROL + total] = blob
         digest = self._head_hash.copy()
         digest.update(blob)
-        seq = c.seq + 1
+        seq = _STATE_SEQ.unpack_from(mm, _STATE_AT)[1] + 1  # odd: `begin_write` marked it
         # The fields it changes, in place, state and seq last: a reader that finds the
         # slot COMPLETE at ``seq`` finds the rest written (it checks seq again after).
-        mm = self.mm
         _STEP_LEN.pack_into(mm, _STEP_AT, step, total)
         _DATA_XXH_SUMS.pack_into(mm, _DATA_LEN_AT, data_len, digest.intdigest(), 0)
         _STATE_SEQ.pack_into(mm, _STATE_AT, COMPLETE, seq)

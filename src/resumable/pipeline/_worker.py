@@ -155,6 +155,10 @@ def worker_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_WAITID = getattr(os, "waitid", None)
+_RUNNING = getattr(os, "WEXITED", 0) | getattr(os, "WNOHANG", 0) | getattr(os, "WNOWAIT", 0)
+
+
 class PersistWorker:
     """The trainer's handle on its worker. Called from the training thread only.
 
@@ -284,7 +288,8 @@ class PersistWorker:
         """Replies and reports that arrived (waiting up to ``timeout`` seconds for the
         first one)."""
         if not self.outstanding and self._ready and self._answers_only and not timeout:
-            return []  # nothing can have arrived (a dead worker: `submit` says so)
+            self._check_alive()  # nothing can have arrived, but it may have died
+            return []
         replies: list[Reply | Report] = []
         deadline = time.monotonic() + timeout
         while True:
@@ -337,8 +342,21 @@ class PersistWorker:
             replies.extend(self.poll(timeout=left))
         return replies
 
+    def _exited(self) -> bool:
+        """Whether the worker process exited: asked without reaping it (``WNOWAIT``, one
+        syscall), and through `subprocess.Popen.poll` (which reaps it) once it has."""
+        proc = self._proc
+        assert proc is not None
+        if proc.returncode is None and _WAITID is not None:
+            try:
+                if _WAITID(os.P_PID, proc.pid, _RUNNING) is None:
+                    return False
+            except ChildProcessError:  # reaped already (by `Popen.poll`, or SIG_IGN)
+                pass
+        return proc.poll() is not None
+
     def _check_alive(self) -> None:
-        if self._proc is not None and self._proc.poll() is not None and not self._stopped:
+        if self._proc is not None and not self._stopped and self._exited():
             code = self._proc.returncode
             release_lifeline(self._proc.pid)
             lost = [j.step for j in self.outstanding if isinstance(j, PersistJob)]
@@ -358,7 +376,7 @@ class PersistWorker:
         if self._stopped:
             return False
         if self._proc is not None:
-            return self._proc.poll() is None
+            return not self._exited()
         return self._thread.is_alive()
 
     def stop(self, timeout: float = 30.0) -> None:
