@@ -24,7 +24,7 @@ from torch import nn
 import resumable
 from resumable import _shm as shm
 from resumable._shm import SlotMeta
-from resumable.errors import PersistError, StorageError
+from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.snapshot import MemorySnapshot, ShmArena
 from resumable.storage.memory import MemoryStorage
 
@@ -219,6 +219,16 @@ def test_a_write_changes_only_its_own_fields_of_the_control_block(shm_dir: Path)
     assert after["meta_len"] == len(head + blob) and after["data_len"] == 32
     assert after["meta_xxh"] == xxhash.xxh3_64_intdigest(head + blob) and after["sums_seq"] == 0
     assert after["updated"] >= mid["updated"] >= before["updated"]
+    # The capacities, read once, are the control block's; metadata over them is refused
+    # before a byte of the slot is written.
+    caps = (after["meta_cap"], after["sums_cap"], after["data_cap"])
+    assert slot.capacities() == caps
+    assert slot.fits(caps[0], caps[1] // 16, caps[2])
+    assert not slot.fits(caps[0] + 1, 1, 1) and not slot.fits(1, 1, caps[2] + 1)
+    slot.begin_write()
+    with pytest.raises(CheckpointError, match="outgrew"):
+        slot.finish_write(step=10, blob=b"x" * caps[0], data_len=32, head=head)
+    assert slot.mm[shm.CONTROL : shm.CONTROL + len(head + blob)] == head + blob
     arena.close(unlink=True)
 
 
