@@ -427,6 +427,35 @@ def test_an_unchanged_structure_is_reused_with_the_live_tensors() -> None:
     assert again.reused and any(n.startswith("model/head.b") for n in again.tensors)
 
 
+def classes_of(c: Captured) -> Any:
+    return next(node for key, node in c.tree["dict"] if key == CLASSES_KEY)
+
+
+def test_the_classes_node_is_the_last_ones_while_the_entries_are_reused() -> None:
+    """Reused entries hand out their own class tuples, so the ``__classes__`` node is the
+    very object of the last capture (the memory tier's `TreeJSON` then reuses its text
+    without comparing bytes); a stateful object added or taken away makes a new node,
+    the same as a walk's."""
+    state = make_state()
+    train(state)
+    plan = CapturePlan()
+    capture(state, plan=plan)
+    first = capture(state, plan=plan)
+    train(state)
+    second = capture(state, plan=plan)
+    assert second.reused and classes_of(second) is classes_of(first)
+    assert classes_of(second) == classes_of(capture(state))
+    state["sched"] = torch.optim.lr_scheduler.StepLR(state["optim"], step_size=2)
+    added = capture(state, plan=plan)
+    assert classes_of(added) is not classes_of(second)
+    assert_equivalent(added, capture(state), "a scheduler added")
+    assert "torch.optim.lr_scheduler:StepLR" in text(added)
+    del state["sched"]
+    taken = capture(state, plan=plan)
+    assert_equivalent(taken, capture(state), "the scheduler taken away")
+    assert classes_of(taken) == classes_of(second) and "StepLR" not in text(taken)
+
+
 def test_a_copy_plan_sees_what_the_capture_check_leaves_to_it() -> None:
     """A tensor resized or retyped in place keeps its object: the capture plan reuses
     the entry, and the copy plan's structure check is what refuses it (the memory tier

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import math
+import operator
 from collections.abc import Callable
 from itertools import islice
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from resumable._encode import Encoder, KnownJSON, scalar_json, unwrap
+from resumable._encode import Encoder, KnownJSON, classes_node, scalar_json, unwrap
 from resumable._plan_entries import (
     ContainerEntry,
     Globals,
@@ -69,6 +70,8 @@ class CapturePlan:
         # NumPy's last state, its node, tensors and JSON
         self._numpy_node: tuple[Any, Any, dict[str, torch.Tensor], str | None] | None = None
         self._texts: dict[str, tuple[Any, str]] = {}  # a tensor stream's node and JSON
+        # the classes of the last capture (the entries' own tuples) and their node
+        self._classes: tuple[list[tuple[tuple[Any, ...], str]], Any] | None = None
 
     def entry(self, key: str, obj: Any, enc: Encoder) -> Any | None:
         """The tree node of the top-level entry ``state[key] = obj``, its tensors and
@@ -84,6 +87,22 @@ class CapturePlan:
         if isinstance(module, torch.nn.Module) and torch_saves_modules():
             return self._module(key, obj, module, enc)
         return None
+
+    def classes(self, classes: list[tuple[tuple[Any, ...], str]]) -> Any:
+        """The ``"__classes__"`` node (`resumable._encode.classes_node`): the last one
+        while ``classes`` are the very tuples of the last capture (reused entries hand
+        out their own), so the memory tier finds the node it encoded
+        (`resumable.pipeline.memory.TreeJSON`) instead of comparing a new one's bytes."""
+        last = self._classes
+        if (
+            last is not None
+            and len(last[0]) == len(classes)
+            and all(map(operator.is_, classes, last[0]))
+        ):
+            return last[1]
+        node = classes_node(classes)
+        self._classes = (list(classes), node)
+        return node
 
     def streams(self, enc: Encoder) -> Any:
         """The node of the random streams, as ``enc.streams(rng_state())`` makes it;

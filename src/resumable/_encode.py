@@ -465,6 +465,12 @@ def class_name(obj: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def classes_node(classes: list[tuple[tuple[Any, ...], str]]) -> Any:
+    """The ``"__classes__"`` node of the stateful objects a capture met (each one's path
+    and class name)."""
+    return {"list": [{"list": [{"list": list(p)}, name]} for p, name in classes]}
+
+
 def is_global_object(v: Any) -> bool:
     """Top-level objects whose tensors are global: modules and optimizers."""
     return isinstance(v, (torch.nn.Module, torch.optim.Optimizer))

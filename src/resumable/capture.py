@@ -30,6 +30,7 @@ from resumable._encode import (
     JSONValue,
     Tree,
     class_name,
+    classes_node,
     is_global_object,
     unwrap,
 )
@@ -182,7 +183,7 @@ def capture(
     tensors of those entries are not detached: they are for copying under
     ``torch.no_grad()``.
     """
-    if not isinstance(state, Mapping):
+    if type(state) is not dict and not isinstance(state, Mapping):  # an ABC's check is slow
         raise UnsupportedStateError(
             f"state must be a dict of named objects, found {type(state).__name__}; "
             'pass state={"model": model, "optim": optimizer, ...}'
@@ -202,8 +203,8 @@ def capture(
         top.append([key, enc.value(obj, (key,), 2) if node is None else node])
         enc.in_global = False
     if enc.classes:
-        entries = [{"list": [{"list": list(p)}, name]} for p, name in enc.classes]
-        top.append([CLASSES_KEY, {"list": entries}])
+        node = plan.classes(enc.classes) if plan is not None else None
+        top.append([CLASSES_KEY, classes_node(enc.classes) if node is None else node])
     if include_rng:
         node = plan.streams(enc) if plan is not None else None
         top.append([RNG_KEY, enc.streams(rng_state()) if node is None else node])
@@ -219,11 +220,14 @@ def capture(
 
 class Planner(Protocol):
     """What `capture` asks of a plan (`resumable._capture_plan.CapturePlan`), in this
-    order: `entry` for each top-level entry, `streams` for the random streams (if they
-    are captured), then `reused`."""
+    order: `entry` for each top-level entry, `classes` if any stateful object was met,
+    `streams` for the random streams (if they are captured), then `reused`."""
 
     def entry(self, key: str, obj: Any, enc: Encoder) -> Any | None:
         """The node of ``obj`` (its tensors and classes added to ``enc``), or None."""
+
+    def classes(self, classes: list[tuple[tuple[Any, ...], str]]) -> Any:
+        """The `classes_node` of ``classes``, or None (the caller makes it)."""
 
     def streams(self, enc: Encoder) -> Any:
         """The node of `rng_state`'s streams, as `Encoder.streams` makes it."""

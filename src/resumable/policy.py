@@ -94,6 +94,7 @@ class CostEstimate:
             raise ValueError(f"CostEstimate(window=...) must be a positive integer, got {window!r}")
         self._recent: deque[float] = deque(maxlen=window)
         self._count = 0
+        self._median: float | None = None  # of ``_recent``, taken once per observation
 
     @property
     def window(self) -> int:
@@ -109,6 +110,7 @@ class CostEstimate:
             )
         self._recent.append(float(seconds))
         self._count += 1
+        self._median = statistics.median(self._recent)
 
     @property
     def count(self) -> int:
@@ -117,8 +119,9 @@ class CostEstimate:
 
     @property
     def value(self) -> float | None:
-        """Median of the last ``window`` observations; None before the first."""
-        return statistics.median(self._recent) if self._recent else None
+        """Median of the last ``window`` observations; None before the first. Read at
+        every `maybe_save`, so taken once per observation, not at every read."""
+        return self._median
 
     def __repr__(self) -> str:
         return f"CostEstimate(window={self.window}, recent={list(self._recent)!r})"
