@@ -330,7 +330,20 @@ def _least(m: Mapping[str, Any], off_ms: float | None) -> str:
         "memory, the random streams read, a record of the step written), timed in the loop "
         f"after each iteration of a block of its own: fastest {_f(fastest, 'µs')}, "
         f"{_f(fastest / (off_ms * 1000) * 100, '%')} (median {_f(median, 'µs')}, "
-        f"{_f(_num(m.get('least_pct')), '%')})"
+        f"{_f(_num(m.get('least_pct')), '%')})" + _fused(m)
+    )
+
+
+def _fused(m: Mapping[str, Any]) -> str:
+    """The library's own snapshot with its layers fused into one call, timed in the loop
+    (`small_bench.fused_snapshot`): what fusing them would give, where a run has it."""
+    median = _num(m.get("median_fused_us"))
+    if median is None:
+        return ""
+    return (
+        "; the library's own snapshot with its layers fused into one call (the same checks, "
+        "streams, metadata and slot; no facade, schedule, poll or fallback): median "
+        f"{_f(median, 'µs')}, {_f(_num(m.get('fused_pct')), '%')}"
     )
 
 

@@ -45,7 +45,11 @@ tags of the dicts the state's structure lies in compared with the last ones, the
 copy into a shared-memory mapping, Python's, NumPy's and torch's random
 streams read, the step, learning rates and streams' positions written beside it as a
 JSON record): what a snapshot path fused into one call would cost where this one runs.
-Reported: medians of both,
+A sixth takes `resumable`'s own snapshot with its layers fused into one call
+(`fused_snapshot`: the same checks of the same planned structure, random streams,
+metadata and slot as ``maybe_save`` makes on this state, without the facade, the
+schedule, the worker's poll or any fallback): what fusing the library's layers would
+save, where the fifth is what no snapshot can go below. Reported: medians of both,
 their ratio and difference, the median of ``maybe_save`` alone, that floor, and the same
 parts as above on the model's state.
 """
@@ -423,6 +427,7 @@ def model_overhead(
         "overlap": [],
         "floor": [],
         "least": [],
+        "fused": [],
     }
     saves: list[float] = []
     saves_overlap: list[float] = []
@@ -430,10 +435,12 @@ def model_overhead(
     floors: list[float] = []
     least, tagged, close_least = least_snapshot(model, optim, tensors, shm)
     leasts: list[float] = []
+    fuseds: list[float] = []
     with (
         snapshotter(work / spec.name, state, shm) as ck,
         snapshotter(work / f"{spec.name}-overlap", state, shm, overlap=True) as ck_overlap,
         snapshotter(work / f"{spec.name}-no-rng", state, shm, rng=False) as ck_no_rng,
+        snapshotter(work / f"{spec.name}-fused", state, shm) as ck_fused,
     ):
         step = 0
         for _ in range(3):
@@ -441,11 +448,13 @@ def model_overhead(
             ck.maybe_save(step)
             ck_overlap.maybe_save(step)
             ck_overlap.wait()
+            ck_fused.maybe_save(step)  # plans the structure the fused call checks
+        fused = fused_snapshot(ck_fused, state)
         pairs: list[float] = []
         pairs_overlap: list[float] = []
         for rnd in range(rounds):
             start = {m: len(v) for m, v in iters.items()}
-            order = ("off", "on", "overlap", "floor", "least")
+            order = ("off", "on", "overlap", "floor", "least", "fused")
             for mode in order if rnd % 2 == 0 else order[::-1]:
                 for _ in range(block):
                     step += 1
@@ -464,6 +473,9 @@ def model_overhead(
                     elif mode == "least":
                         least(step)
                         leasts.append(time.perf_counter() - t1)
+                    elif mode == "fused":
+                        fused(step)
+                        fuseds.append(time.perf_counter() - t1)
                     iters[mode].append(time.perf_counter() - t0)
                 if mode == "overlap":  # the last copy, which the next step would wait for
                     t0 = time.perf_counter()
@@ -530,6 +542,9 @@ def model_overhead(
         "median_least_us": round(statistics.median(leasts) * 1e6, 1),
         "least_pct": round(statistics.median(leasts) / off * 100, 2),
         "least_dicts": tagged,
+        "fused_us": _us(fuseds),
+        "median_fused_us": round(statistics.median(fuseds) * 1e6, 1),
+        "fused_pct": round(statistics.median(fuseds) / off * 100, 2),
         "reps": reps,
         "methods": {k: _stats(v) for k, v in samples.items()},
         "parts_us": parts(med),
@@ -655,6 +670,63 @@ def least_snapshot(
 
     del data
     return run, len(dicts), close
+
+
+def fused_snapshot(ck: resumable.Checkpointer, state: Mapping[str, Any]) -> Callable[[int], None]:
+    """``ck``'s own memory snapshot of ``state`` (a module, then an optimizer, whose
+    structure ``ck`` has planned) with the library's layers fused into one call: the
+    capture plan's checks of both entries, the optimizer's groups and the random
+    streams as the plan makes them, the copy plan's tensor check, the tree's JSON and
+    the slot's metadata, the copy into the slot and its publication, as ``maybe_save``
+    does them. Without the facade, the schedule, the persist worker's poll, the
+    monitor, a metadata capacity check or any fallback: it raises where a check fails
+    (the library walks the state again there). A bound on what fusing the layers would
+    save, not a snapshot path; it reads private parts of the library."""
+    from resumable._encode import CLASSES_KEY, Encoder
+    from resumable._shm_meta import SlotMeta
+    from resumable.snapshot import MemorySnapshot
+    from resumable.tree import RNG_KEY
+
+    tier = ck._parts.saver._memory
+    assert tier is not None, "needs the memory tier"
+    plan, arena, tree_json = tier._plan, tier.arena, tier._tree_json
+    (mkey, model), (okey, optim) = state.items()
+    me, oe = plan._entries[mkey], plan._entries[okey]
+
+    def run(step: int) -> None:
+        if not (me.valid(model, model) and oe.direct(optim)):
+            raise RuntimeError("the state's structure changed: fused_snapshot has no fallback")
+        enc = Encoder()
+        enc.tensors.update(me.tensors)
+        enc.classes.append(me.classes)
+        enc.tensors.update(oe.tensors)
+        enc.classes.append(oe.classes)
+        groups = oe.groups_node(optim, enc, okey)
+        streams = plan.streams(enc)
+        copy_plan = arena._plan
+        if copy_plan is None or not copy_plan.matches(enc.tensors):
+            raise RuntimeError("a tensor changed: fused_snapshot has no fallback")
+        optim_node = {"stateful": {"dict": [["state", oe.node], ["param_groups", groups]]}}
+        tree = {
+            "dict": [
+                [mkey, me.node],
+                [okey, optim_node],
+                [CLASSES_KEY, plan.classes(enc.classes)],
+                [RNG_KEY, streams],
+            ]
+        }
+        meta = SlotMeta(tree=tree_json.encode(tree), created=time.time(), run_id=tier.run_id)
+        blob = meta.encode(step, root=arena.root)[1:]
+        index = arena._choose(step)
+        slot = arena.slots[index]
+        slot.begin_write()
+        copy_plan.copy(slot.data_tensor(), enc.tensors, arena._pool)
+        seq = slot.finish_write(
+            step=step, blob=blob, data_len=copy_plan.nbytes, head=copy_plan.meta_head
+        )
+        arena.newest = MemorySnapshot(index, seq, step, copy_plan.nbytes)
+
+    return run
 
 
 def captured_bytes(tensors: list[torch.Tensor]) -> int:

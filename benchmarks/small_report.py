@@ -358,6 +358,16 @@ def _verdict(out: dict[str, Any]) -> list[str]:
                 f"median iteration: `maybe_save` took "
                 f"{e['median_maybe_save_us'] / e['median_least_us']:.1f}x that."
             )
+        if kind == "models" and "median_fused_us" in e:
+            loop += (
+                " The library's own snapshot with its layers fused into one call "
+                "(`fused_snapshot`: the same checks, streams, metadata and slot, without "
+                "the facade, the schedule, the worker's poll or a fallback) took "
+                f"{e['median_fused_us']:,.0f} µs, {e['fused_pct']:.2f} % of the median "
+                "iteration: fusing the layers would save at most "
+                f"{e['median_maybe_save_us'] - e['median_fused_us']:,.0f} µs of "
+                f"`maybe_save`'s {e['median_maybe_save_us']:,.0f}."
+            )
         lines.append(
             f"- Not met, {what}: the snapshot's {p['total']:,.0f} µs are, largest first, "
             f"{parts_txt} µs; the `_foreach_copy_` floor of the same tensors alone is "

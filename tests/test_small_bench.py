@@ -12,12 +12,16 @@ from typing import Any
 
 import pytest
 
+from state_checks import shm_dir
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import report  # noqa: E402
 import small_bench  # noqa: E402
 import small_report  # noqa: E402
+
+__all__ = ["shm_dir"]  # a fixture
 
 METHODS = {
     "snapshot",
@@ -74,11 +78,57 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     # parameter's)
     assert len(tiny["least_us"]) == 1 and tiny["median_least_us"] > 0
     assert tiny["least_dicts"] == 0 or tiny["least_dicts"] > 6 * 10
+    # the library's snapshot with its layers fused, timed in the loop the same way
+    assert len(tiny["fused_us"]) == 1 and tiny["median_fused_us"] > 0 and tiny["fused_pct"] > 0
     goals = {g["goal"]: g for g in small_result["goals"]}
     assert len(goals) == 5  # two sizes, two models, tiny with overlap=True
     assert goals["the same with `overlap=True`, tiny nanoGPT"]["met"] is not None
     assert [g["met"] for g in goals.values()][-1] is None  # 6-layer not run
     assert json.loads(json.dumps(small_result)) == small_result
+
+
+def test_the_fused_bound_writes_the_snapshot_maybe_save_writes(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """`fused_snapshot` is a bound on the library's own snapshot only if it does the
+    same work: its slot holds the metadata tree, layout and bytes that ``maybe_save``
+    writes for the same state at the same step, and it refuses a changed structure
+    rather than writing a wrong snapshot."""
+    import nanogpt
+    import torch
+
+    torch.manual_seed(0)
+    model = nanogpt.GPT(nanogpt.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+    optim = model.configure_optimizers()
+    state = {"model": model, "optim": optim}
+    got = {}
+    with (
+        small_bench.snapshotter(tmp_path / "a", state, shm_dir) as ck,
+        small_bench.snapshotter(tmp_path / "b", state, shm_dir) as ck_fused,
+    ):
+        for step in range(1, 4):
+            nanogpt.step(model, optim, 2, it=step)
+            ck.maybe_save(step)
+            ck_fused.maybe_save(step)
+        fused = small_bench.fused_snapshot(ck_fused, state)
+        nanogpt.step(model, optim, 2, it=4)
+        for name, c in (("lib", ck), ("fused", ck_fused)):
+            rng = torch.get_rng_state()
+            if name == "lib":
+                c.maybe_save(4)
+            else:
+                fused(4)
+            torch.set_rng_state(rng)  # both read the same streams
+            arena = c._parts.saver._memory.arena
+            content = arena.slots[arena.newest.index].read()
+            assert content is not None and content.step == 4
+            data = arena.slots[arena.newest.index].data_tensor()
+            nbytes = content.slots[-1].end
+            got[name] = (content.meta.tree, content.slots, bytes(data[:nbytes].numpy()))
+        assert got["fused"] == got["lib"]
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+        with pytest.raises(RuntimeError, match="no fallback"):
+            fused(5)
 
 
 def test_block_renders_the_tables(small_result: dict[str, Any]) -> None:
