@@ -234,11 +234,25 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
             0.97,
             bound,
             why + "; the snapshot blocked "
-            f"{_f(_ms(_med(e2e.get('snapshot_blocking_s'))), 'ms')} in the loop",
+            f"{_f(_ms(_med(e2e.get('snapshot_blocking_s'))), 'ms')} in the loop" + _fused_e2e(e2e),
             "overlap mode: " + _f(_num(_get(out, "e2e_overlap", "throughput_ratio")), ""),
         )
     )
     return rows
+
+
+def _fused_e2e(e2e: Mapping[str, Any]) -> str:
+    """``maybe_save`` in the MLP loop against the library's own snapshot with its layers
+    fused into one call (`small_bench.fused_snapshot`), where the run timed both."""
+    fused = _num(_get(e2e, "fused_call_s", "median"))
+    calls = _num(_get(e2e, "maybe_save_s", "median"))
+    if fused is None or calls is None:
+        return ""
+    return (
+        f"; `maybe_save` took {_f(_ms(calls), 'ms')} (median), the same snapshot with the "
+        f"library's layers fused into one call {_f(_ms(fused), 'ms')} (segments of it kept "
+        f"{_f(_num(e2e.get('fused_throughput_ratio')), '')})"
+    )
 
 
 def _small(out: Result) -> list[dict[str, Any] | None]:

@@ -18,6 +18,12 @@ after each step, the tensors a snapshot takes (`small_bench.loop_floor`: one
 ``_foreach_copy_`` into memory allocated once, nothing else), in the rotation of the
 other two. Its fastest copy is what no snapshot of this state in this loop can beat;
 ``floor_throughput_ratio`` is what a snapshot made of that copy alone would keep.
+
+Without overlap, a fourth kind of segment takes, after each step, the library's own
+memory snapshot with its layers fused into one call (`small_bench.fused_snapshot`: the
+same checks, random streams, metadata and slot as ``maybe_save``, no facade, schedule,
+worker poll or fallback; a checkpointer of its own that never persists): its call's
+median against ``maybe_save``'s is what fusing the layers would save in this loop.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 import torch
 from resumable_bench import api_info
-from small_bench import loop_floor
+from small_bench import fused_snapshot, loop_floor
 from torch import nn
 
 import resumable
@@ -124,12 +130,29 @@ def _run(
     ck.save(offset)  # warm-up: starts the worker, allocates the snapshot memory
     ck.wait()
     gid = offset
+    # the fused bound's own checkpointer: memory snapshots only, never a persist
+    ck_fused = None
+    if api["tiers"] and not overlap:
+        ck_fused = resumable.Checkpointer(
+            str(root / "e2e-fused"),
+            state={"model": model, "optim": opt},
+            memory_every=resumable.Every(steps=1),
+            persist_every=resumable.Every(steps=10**9),
+            keep=None,
+        )
+        for k in range(1, 4):
+            ck_fused.maybe_save(k)  # plans the structure the fused call checks
+    fused = fused_snapshot(ck_fused, {"model": model, "optim": opt}) if ck_fused else None
+    fused_seg_s: list[float] = []
+    fused_call_s: list[float] = []
+    fused_step = 3
 
     base_s: list[float] = []
     ckpt_s: list[float] = []
     snapshot_s: list[float] = []
     floor_seg_s: list[float] = []
     floor_copy_s: list[float] = []
+    maybe_save_s: list[float] = []
     persists = 0
     # the tensors a snapshot takes (the random streams' too), as the loop floor copies them
     copy_floor, _, close_floor = loop_floor(
@@ -148,8 +171,10 @@ def _run(
         for k in range(steps):
             step_once(k)
             gid += 1
+            t1 = time.perf_counter()
             if ck.maybe_save(gid):
                 persists += 1
+            maybe_save_s.append(time.perf_counter() - t1)
             snap = getattr(ck, "last_snapshot_s", None)
             if api["tiers"] and isinstance(snap, (int, float)):
                 snapshot_s.append(snap)
@@ -165,7 +190,21 @@ def _run(
             floor_copy_s.append(time.perf_counter() - t1)
         floor_seg_s.append(time.perf_counter() - t0)
 
+    def fused_segment() -> None:
+        nonlocal fused_step
+        assert fused is not None
+        t0 = time.perf_counter()
+        for k in range(steps):
+            step_once(k)
+            fused_step += 1
+            t1 = time.perf_counter()
+            fused(fused_step)
+            fused_call_s.append(time.perf_counter() - t1)
+        fused_seg_s.append(time.perf_counter() - t0)
+
     kinds = (baseline, checkpointed) if overlap else (baseline, checkpointed, floor)
+    if fused is not None:
+        kinds = (*kinds, fused_segment)
     try:
         for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
             for segment in kinds if r % 2 == 0 else kinds[::-1]:
@@ -173,6 +212,9 @@ def _run(
     finally:
         ck.close()
         close_floor()
+        if ck_fused is not None:
+            ck_fused.save_on_close = False
+            ck_fused.close()
     state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
     b, c = statistics.median(base_s), statistics.median(ckpt_s)
     return {
@@ -201,10 +243,25 @@ def _run(
         "snapshot_blocking_s": (
             {"samples": snapshot_s, "median": statistics.median(snapshot_s)} if snapshot_s else None
         ),
+        "maybe_save_s": {"samples": maybe_save_s, "median": statistics.median(maybe_save_s)},
         "throughput_ratio": b / c,
         "pair_ratios": [x / y for x, y in zip(base_s, ckpt_s)],
         "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
         **(_floor(b, floor_seg_s, floor_copy_s) if floor_seg_s else {}),
+        **(_fused(b, fused_seg_s, fused_call_s) if fused_seg_s else {}),
+    }
+
+
+def _fused(base: float, segments: list[float], calls: list[float]) -> dict[str, Any]:
+    """The fused snapshot's segments and calls (`small_bench.fused_snapshot`)."""
+    return {
+        "fused_segment_s": {"samples": segments, "median": statistics.median(segments)},
+        "fused_call_s": {
+            "samples": calls,
+            "median": statistics.median(calls),
+            "min": min(calls),
+        },
+        "fused_throughput_ratio": base / statistics.median(segments),
     }
 
 
