@@ -285,10 +285,8 @@ def _pieces_json(pieces: Mapping[str, Piece]) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-@functools.lru_cache(maxsize=16)
 def _names_json(run_id: str | None, root: str | None) -> str:
-    """``,"run_id":...,"root":...`` (each where given) as `encode_meta` writes them (the
-    same two strings at every snapshot of a run: made once)."""
+    """``,"run_id":...,"root":...`` (each where given) as `encode_meta` writes them."""
     out = ""
     if run_id is not None:
         out += ',"run_id":' + _dumps(run_id)
