@@ -90,7 +90,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/mypy
 	$(PY) docs/build_api.py --out build/api
-	$(PY) -m pytest -q -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=60
+	$(PY) -m pytest -q -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=60 --junitxml=build/test-report.xml
 
 campaign: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -48,6 +48,40 @@ DATA_FILE = "rank-00000.safetensors"
 MANIFEST_FILE = "manifest.json"
 
 
+# --------------------------------------------------------------------------- test order
+
+# The files that start DeepSpeed wait at first for its op, compiled beside the checks
+# `make test` runs before pytest (`deepspeed_shm_op_built`): a fresh machine's compile
+# takes a minute or two. They take no worker before this many longer files have.
+_DEEPSPEED_AFTER = 6
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The test files longest first (`file_seconds.json`, written by `file_seconds.py`
+    from a whole run's report), each file's tests in their own order. pytest-xdist hands a
+    worker a whole file at a time (``--dist loadfile``) in this order
+    (``--no-loadscope-reorder``; by default it orders by count of tests): a long file
+    started last would keep one worker busy after the others are done. A file the table
+    does not know goes after those it does."""
+    import json
+
+    table = Path(__file__).with_name("file_seconds.json")
+    seconds: dict[str, float] = json.loads(table.read_text()) if table.exists() else {}
+    first: dict[str, int] = {}
+    deepspeed: set[str] = set()
+    for i, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        first.setdefault(path, i)
+        if "deepspeed_shm_op_built" in getattr(item, "fixturenames", ()):
+            deepspeed.add(path)
+    order = sorted(first, key=lambda p: (-seconds.get(p, 0.0), first[p]))
+    for path in [p for p in order[:_DEEPSPEED_AFTER] if p in deepspeed]:
+        order.remove(path)
+        order.insert(_DEEPSPEED_AFTER, path)
+    rank = {p: r for r, p in enumerate(order)}
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
+
+
 # --------------------------------------------------------------------------- training state
 
 
