@@ -15,6 +15,7 @@ from torch import nn
 
 import resumable
 from resumable._shm_meta import SlotMeta
+from resumable._shm_slot import ShmSlot
 from resumable.errors import StorageError
 from resumable.snapshot import ShmArena
 from resumable.storage.memory import MemoryStorage
@@ -157,17 +158,22 @@ def test_a_third_save_waits_for_the_oldest_persist_only(shm_dir: Path) -> None:
         ck.close()
 
 
+def _beyond_two(path: Path) -> bool:
+    """Whether ``path`` names a slot beyond the first two (`slot_paths`: ``...-s<i>``)."""
+    return int(path.name.rsplit("-s", 1)[1]) >= 2
+
+
 def test_without_room_for_a_spare_slot_the_save_waits(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made = ShmArena._create
+    room = ShmSlot.check_room
 
-    def no_third(self: ShmArena, index: int, caps: dict[str, int]) -> Any:
-        if index >= 2:
+    def no_third(path: Path, **caps: int) -> int:
+        if _beyond_two(path):
             raise StorageError(28, "No space left on device (injected)")
-        return made(self, index, caps)
+        return room(path, **caps)
 
-    monkeypatch.setattr(ShmArena, "_create", no_third)
+    monkeypatch.setattr(ShmSlot, "check_room", staticmethod(no_third))
     storage = Gated()
     ck = _checkpointer(storage, shm_dir)
     try:
@@ -176,6 +182,101 @@ def test_without_room_for_a_spare_slot_the_save_waits(
         assert not _save_returns_before_the_gate(ck, storage, 2), "save(2) queued anyway"
         ck.wait()
         assert ck.steps() == [1, 2]
+    finally:
+        storage.open()
+        ck.close()
+
+
+def _memory_checkpointer(storage: Gated, shm_dir: Path) -> resumable.Checkpointer:
+    """`_checkpointer` with a memory snapshot at every `maybe_save` and persists only
+    when `save` is called."""
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    return resumable.Checkpointer(
+        storage,
+        {"model": model, "optim": torch.optim.AdamW(model.parameters())},
+        persist="thread",
+        on_busy="wait",
+        shm_dir=shm_dir,
+        memory_every=resumable.Every(steps=1),
+        persist_every=resumable.Every(steps=10**9),
+    )
+
+
+def test_the_spare_slot_is_made_while_the_save_that_queued_returns(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reserving and touching a spare slot's pages takes as long as a copy of the state:
+    the save whose persist queues does not wait for it; the next snapshot takes it."""
+    create = ShmSlot.create.__func__  # type: ignore[attr-defined]
+    release = threading.Event()
+    makers: list[str] = []
+
+    def slow(cls: type[ShmSlot], path: Path, **caps: int) -> ShmSlot:
+        if _beyond_two(path):
+            makers.append(threading.current_thread().name)
+            assert release.wait(GATE_S), "never released"
+        return create(cls, path, **caps)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(ShmSlot, "create", classmethod(slow))
+    storage = Gated()
+    ck = _memory_checkpointer(storage, shm_dir)
+    try:
+        ck.save(1)
+        assert storage.writing.wait(GATE_S)
+        returned = threading.Event()
+        saver = threading.Thread(target=lambda: (ck.save(2), returned.set()))
+        saver.start()
+        assert returned.wait(GATE_S), "save(2) waited for the spare slot to be made"
+        assert makers and all(m.startswith("resumable-slot") for m in makers), makers
+        release.set()
+        saver.join(GATE_S)
+        ck.maybe_save(3)  # goes to the spare: steps 1 and 2 are held by their persists
+        arena = ck._parts.memory.arena  # type: ignore[union-attr]
+        assert arena.newest is not None and arena.newest.index >= 2 and arena.newest.step == 3
+        storage.open()
+        ck.wait()
+        assert ck.steps() == [1, 2]
+    finally:
+        release.set()
+        storage.open()
+        ck.close()
+
+
+def test_a_spare_slot_made_in_vain_makes_the_next_snapshot_wait_for_a_persist(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shared memory fills up between the room check and the spare slot's reservation:
+    the queued persist keeps its slot, and the next snapshot waits for the running
+    persist to end instead of failing or overwriting a slot being persisted."""
+    create = ShmSlot.create.__func__  # type: ignore[attr-defined]
+
+    def filled(cls: type[ShmSlot], path: Path, **caps: int) -> ShmSlot:
+        if _beyond_two(path):
+            raise StorageError(28, "No space left on device (injected)")
+        return create(cls, path, **caps)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(ShmSlot, "create", classmethod(filled))
+    storage = Gated()
+    ck = _memory_checkpointer(storage, shm_dir)
+    try:
+        ck.save(1)
+        assert storage.writing.wait(GATE_S)
+        queued, returned = threading.Event(), threading.Event()
+        saver = threading.Thread(
+            target=lambda: (ck.save(2), queued.set(), ck.maybe_save(3), returned.set())
+        )
+        saver.start()
+        assert queued.wait(GATE_S), "save(2) did not queue: shared memory had room"
+        assert not returned.wait(1.0), "snapshot 3 did not wait for a persist to end"
+        storage.open()
+        assert returned.wait(GATE_S), "snapshot 3 never came"
+        saver.join(GATE_S)
+        ck.wait()
+        assert ck.steps() == [1, 2]
+        arena = ck._parts.memory.arena  # type: ignore[union-attr]
+        assert arena.newest is not None and arena.newest.step == 3
+        assert all(s is None for s in arena.slots[2:]), "a slot beyond two was made"
     finally:
         storage.open()
         ck.close()
@@ -190,6 +291,7 @@ def test_reserve_spare_makes_a_slot_as_large_as_the_taken_one(shm_dir: Path) -> 
         arena.locked.add(first.index)  # step 1 persisting
         second = arena.snapshot(2, t, SlotMeta(tree={}))
         assert arena.reserve_spare(second.index)
+        arena.settle_spare()  # made on the slot maker's thread
         spare = [i for i, s in enumerate(arena.slots) if s is not None][-1]
         assert spare not in (first.index, second.index)
         assert arena.slots[spare].fits(1, 1, 4 * 4096)  # type: ignore[union-attr]

@@ -155,18 +155,18 @@ class ShmSlot:
 
     # ---------------------------------------------------------------- lifecycle
 
-    @classmethod
-    def create(cls, path: Path, *, meta_cap: int, sums_cap: int, data_cap: int) -> ShmSlot:
-        """Create (or replace) a slot file sized for the given capacities; pages are
-        touched now so the first snapshot does not pay the page faults. The new file
-        is private (mode 0600) and locked before it appears under ``path``.
-
-        Raises `StorageError` if shared memory is too small, and `CheckpointError` if
-        no file can be made at ``path`` (its directory is gone, or a directory sits at
-        the name): the caller may try another directory."""
-        meta_cap = _round_up(meta_cap, ALIGN)
-        sums_cap = _round_up(sums_cap, ALIGN)
-        total = CONTROL + meta_cap + sums_cap + _round_up(max(data_cap, 1), ALIGN)
+    @staticmethod
+    def check_room(path: Path, *, meta_cap: int, sums_cap: int, data_cap: int) -> int:
+        """The bytes of a slot file at ``path`` with these capacities, once shared memory
+        is found to have room for it (a file it replaces counted as free). Raises
+        `StorageError` if it has not, `CheckpointError` if ``path``'s directory cannot be
+        looked at: as `create` does, before it makes anything."""
+        total = (
+            CONTROL
+            + _round_up(meta_cap, ALIGN)
+            + _round_up(sums_cap, ALIGN)
+            + _round_up(max(data_cap, 1), ALIGN)
+        )
         try:
             free = shm_free_bytes(path.parent)
         except OSError as exc:
@@ -179,6 +179,20 @@ class ShmSlot:
                 f"shared memory {path.parent} has {free / 2**20:.0f} MiB free, the snapshot "
                 f"arena needs {total / 2**20:.0f} MiB per slot (two slots); {SHM_REMEDY}",
             )
+        return total
+
+    @classmethod
+    def create(cls, path: Path, *, meta_cap: int, sums_cap: int, data_cap: int) -> ShmSlot:
+        """Create (or replace) a slot file sized for the given capacities; pages are
+        touched now so the first snapshot does not pay the page faults. The new file
+        is private (mode 0600) and locked before it appears under ``path``.
+
+        Raises `StorageError` if shared memory is too small, and `CheckpointError` if
+        no file can be made at ``path`` (its directory is gone, or a directory sits at
+        the name): the caller may try another directory."""
+        meta_cap = _round_up(meta_cap, ALIGN)
+        sums_cap = _round_up(sums_cap, ALIGN)
+        total = cls.check_room(path, meta_cap=meta_cap, sums_cap=sums_cap, data_cap=data_cap)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

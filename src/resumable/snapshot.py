@@ -451,7 +451,10 @@ class ShmArena:
     persist holds one of the two slots, the third is made (one more snapshot's worth of
     shared memory, kept until `close`); if shared memory cannot hold it, the newest
     snapshot is overwritten after all, with a WARNING, and a kill during that copy goes
-    back to the step being persisted. Used from the training thread only.
+    back to the step being persisted. Used from the training thread only, but for the
+    slot maker's thread, which makes a slot beyond the first two ahead of the snapshot
+    that needs it (`_make_spare`); the training thread takes it in (`settle_spare`)
+    before it looks at the slots.
 
     The slots live in this user's `own_dir` of ``shm_dir`` (``directory``), or in a
     fresh `fallback_dir` if that cannot be trusted; a slot that cannot be created where
@@ -487,6 +490,10 @@ class ShmArena:
         )
         self.allocations = 0
         self._plan: CopyPlan | None = None
+        # A slot beyond the first two being made on `_maker`'s thread: its index, its
+        # capacities and the future of the slot (`_make_spare`, `settle_spare`).
+        self._spare: tuple[int, dict[str, int], Future[ShmSlot]] | None = None
+        self._maker: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- adoption
 
@@ -500,6 +507,7 @@ class ShmArena:
         holds it). A slot this process already maps elsewhere is shared, as before. A
         file at a slot name that is not a private slot of this user is ignored with a
         WARNING and replaced by the next snapshot."""
+        self.settle_spare()
         found = []
         for i, path in enumerate(self.paths):
             if self.slots[i] is not None or not os.path.lexists(path):
@@ -548,6 +556,7 @@ class ShmArena:
         snapshot is returned: the caller must not change those tensors until it is
         resolved, and must resolve it before the next call. Raises `CheckpointError` if
         both slots are locked by the persist worker."""
+        self.settle_spare()
         if plan is None:
             plan = self.plan(tensors)[0]
         layout, nbytes = plan.slots, plan.nbytes
@@ -580,6 +589,7 @@ class ShmArena:
             copy_into(data, [s for s in layout if s.name not in deferred], tensors, self._pool)
         else:
             plan.copy(data, tensors, self._pool)
+        self._ahead(index)
 
         def publish() -> MemorySnapshot:
             if later:
@@ -604,6 +614,7 @@ class ShmArena:
             layout = decode_meta(meta, nbytes)[1]
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"a received snapshot is refused: {exc}") from None
+        self.settle_spare()
         index = self._choose(step)
         slot = self.slots[index]
         if slot is None or not slot.fits(len(meta), len(layout), nbytes):
@@ -691,6 +702,7 @@ class ShmArena:
 
     def complete(self) -> list[tuple[MemorySnapshot, SlotContent]]:
         """Every complete snapshot in the slots (with its slot's content), newest first."""
+        self.settle_spare()
         out = []
         for i, slot in enumerate(self.slots):
             content = slot.read() if slot is not None else None
@@ -706,6 +718,7 @@ class ShmArena:
         the newest): snapshots of later steps, of a timeline this launch left, are
         marked incomplete, so no restore finds them and the next snapshots overwrite
         them first."""
+        self.settle_spare()
         for i, slot in enumerate(self.slots):
             if slot is None or i in self.locked or (keep is not None and i == keep.index):
                 continue
@@ -720,30 +733,94 @@ class ShmArena:
     def reserve_spare(self, taken: int) -> bool:
         """Whether the next snapshot still finds a slot once slot ``taken`` is handed to a
         persist while the locked ones still are (a persist queued behind a running one).
-        A slot other than those is made now if there is none, as large as ``taken``.
+        A slot other than those is made if there is none, as large as ``taken``: on the
+        slot maker's thread (`_make_spare`), so that the save asking does not wait for its
+        pages to be reserved and touched; the next snapshot takes it (`settle_spare`).
         False, and nothing is made, if shared memory has no room for it, or if replicas
         need the two newest snapshots kept (`keep` > 1): then the caller waits instead."""
         busy = self.locked | {taken}
         free = [i for i in range(SLOTS) if i not in busy]
         if self.keep > 1 or not free:
             return False
+        if self._spare is not None and self._spare[0] in free:
+            return True  # being made (`_ahead`)
+        self.settle_spare()
         if any(self.slots[i] is not None for i in free):
             return True
-        index = free[0]
         like = self.slots[taken]
-        if like is None or (index >= 2 and not self._third):
+        if like is None or (free[0] >= 2 and not self._third):
             return False
+        return self._make_spare(free[0], like)
+
+    def _ahead(self, index: int) -> None:
+        """After a snapshot into slot ``index``, while a persist holds the other slots:
+        make the slot the next snapshot will need (it may not overwrite ``index``, the
+        newest) now, on the slot maker's thread, rather than in that snapshot's own time.
+        Only with one snapshot kept (`keep`) and room for a slot beyond the first two."""
+        if self.keep > 1 or not self.locked or not self._third or self._spare is not None:
+            return
+        free = [i for i in range(SLOTS) if i not in self.locked and i != index]
+        if not free or any(i < 2 or self.slots[i] is not None for i in free):
+            return
+        like = self.slots[index]
+        if like is not None:
+            self._make_spare(free[0], like)
+
+    def _make_spare(self, index: int, like: ShmSlot) -> bool:
+        """Start making slot ``index`` as large as ``like`` on the slot maker's thread,
+        once shared memory is found to have room for it (else False: no room for a slot
+        beyond the first two from now on)."""
         c = like.control()
+        caps = {"meta_cap": c.meta_cap, "sums_cap": c.sums_cap, "data_cap": c.data_cap}
         try:
-            self._create(
-                index, {"meta_cap": c.meta_cap, "sums_cap": c.sums_cap, "data_cap": c.data_cap}
-            )
-        except StorageError as exc:
-            if index >= 2:
+            ShmSlot.check_room(self.paths[index], **caps)
+        except (StorageError, CheckpointError) as exc:
+            if isinstance(exc, StorageError) and index >= 2:
                 self._third = False
             log.info("no room for a spare snapshot slot (%s): the persist waits its turn", exc)
             return False
+        if self._maker is None:
+            self._maker = ThreadPoolExecutor(1, thread_name_prefix="resumable-slot")
+        path = self.paths[index]
+        self._spare = (index, caps, self._maker.submit(lambda: ShmSlot.create(path, **caps)))
         return True
+
+    def settle_spare(self, *, quiet: bool = False) -> None:
+        """Take in the slot being made on the slot maker's thread, waiting for it if it
+        is not made yet. Made in vain (shared memory filled up meanwhile): no slot beyond
+        the first two from now on, as if there had never been room; a snapshot then
+        finds every slot locked (`full`), and its caller waits for a persist to end. A
+        slot file that could not be made where it should is made in a fallback
+        directory, here (`_create`)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        index, caps, made = spare
+        try:
+            slot = made.result()
+        except StorageError as exc:
+            if index >= 2:
+                self._third = False
+            if not quiet:
+                log.warning("no room for a spare snapshot slot after all (%s)", exc)
+            return
+        except CheckpointError:
+            if quiet:
+                return
+            self._create(index, caps)
+            return
+        self._register(index, slot)
+
+    def full(self) -> bool:
+        """Whether the next snapshot would find no slot: every one made (and each of the
+        first two) is locked by a persist, and no other may be made (a spare slot was made
+        in vain, `settle_spare`). The caller must wait for a persist to end first."""
+        if self._spare is not None:
+            self.settle_spare()
+        if self._third or not self.locked:
+            return False
+        usable = [i for i in range(SLOTS) if i < 2 or self.slots[i] is not None]
+        return all(i in self.locked for i in usable)
 
     def _allocate(self, index: int, meta_len: int, n_tensors: int, nbytes: int) -> ShmSlot:
         old = self.slots[index]
@@ -772,6 +849,10 @@ class ShmArena:
             log.warning("%s; putting this snapshot slot in %s instead", exc, elsewhere)
             self.paths[index] = slot_paths(self._key, self._rank, elsewhere)[index]
             slot = ShmSlot.create(self.paths[index], **caps)
+        return self._register(index, slot)
+
+    def _register(self, index: int, slot: ShmSlot) -> ShmSlot:
+        """Put ``slot``, just made, at ``index``."""
         self.slots[index] = slot
         if self.newest is not None and self.newest.index == index:
             self.newest = None
@@ -785,6 +866,7 @@ class ShmArena:
 
     def existing_bytes(self) -> int:
         """Bytes of the slot files now at this arena's slot names (freed when replaced)."""
+        self.settle_spare()
         return sum(replaced_size(p) for p in self.paths)
 
     def still(self, index: int, seq: int) -> bool:
@@ -869,6 +951,10 @@ class ShmArena:
         return {s.name: tensor_view(data, s) for s in content.slots}
 
     def close(self, *, unlink: bool) -> None:
+        self.settle_spare(quiet=True)
+        if self._maker is not None:
+            self._maker.shutdown(wait=True)
+            self._maker = None
         if self._plan is not None:
             self._plan.forget()
         for i, slot in enumerate(self.slots):

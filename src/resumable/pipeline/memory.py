@@ -355,6 +355,10 @@ class MemoryTier:
         left (or made now) for the snapshots taken meanwhile (`ShmArena.reserve_spare`)."""
         return self.arena.reserve_spare(snap.index)
 
+    def full(self) -> bool:
+        """Whether every slot a snapshot may use is held by a persist (`ShmArena.full`)."""
+        return self.arena.full()
+
     def unlock(self, index: int | None = None) -> None:
         """Release one slot (``index``), or all of them."""
         if index is None:

@@ -86,6 +86,8 @@ class Saver:
                 "memory snapshots need the memory tier; create the Checkpointer with "
                 "memory_every=... or a persist mode other than 'sync'"
             )
+        if self._memory.full():  # the spare slot a queued persist counted on was not made
+            self._persister.wait_for_turn(QUEUE)
         seconds, overlapped = self._memory.take(state, step, metrics, rng=self._rng)
         self.last_snapshot_s = seconds
         self._monitor.snapshot(seconds, overlapped)
