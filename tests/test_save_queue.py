@@ -6,6 +6,7 @@ memory has no slot left for the snapshots taken meanwhile."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ class Gated(MemoryStorage):
         self.gate.set()
 
 
-def _checkpointer(storage: Gated, shm_dir: Path) -> resumable.Checkpointer:
+def _checkpointer(storage: Gated, shm_dir: Path, **options: Any) -> resumable.Checkpointer:
     torch.manual_seed(0)
     model = nn.Linear(32, 32)
     return resumable.Checkpointer(
@@ -56,6 +57,7 @@ def _checkpointer(storage: Gated, shm_dir: Path) -> resumable.Checkpointer:
         persist="thread",
         on_busy="wait",
         shm_dir=shm_dir,
+        **options,
     )
 
 
@@ -190,17 +192,25 @@ def test_without_room_for_a_spare_slot_the_save_waits(
 def _memory_checkpointer(storage: Gated, shm_dir: Path) -> resumable.Checkpointer:
     """`_checkpointer` with a memory snapshot at every `maybe_save` and persists only
     when `save` is called."""
-    torch.manual_seed(0)
-    model = nn.Linear(32, 32)
-    return resumable.Checkpointer(
+    return _checkpointer(
         storage,
-        {"model": model, "optim": torch.optim.AdamW(model.parameters())},
-        persist="thread",
-        on_busy="wait",
-        shm_dir=shm_dir,
+        shm_dir,
         memory_every=resumable.Every(steps=1),
         persist_every=resumable.Every(steps=10**9),
     )
+
+
+def _before_a_spare_is_made(monkeypatch: pytest.MonkeyPatch, hook: Callable[[], None]) -> None:
+    """Call ``hook`` (which may wait or raise) before a slot beyond the first two is made,
+    on the thread making it."""
+    create = ShmSlot.create.__func__  # type: ignore[attr-defined]
+
+    def made(cls: type[ShmSlot], path: Path, **caps: int) -> ShmSlot:
+        if _beyond_two(path):
+            hook()
+        return create(cls, path, **caps)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(ShmSlot, "create", classmethod(made))
 
 
 def test_the_spare_slot_is_made_while_the_save_that_queued_returns(
@@ -208,17 +218,14 @@ def test_the_spare_slot_is_made_while_the_save_that_queued_returns(
 ) -> None:
     """Reserving and touching a spare slot's pages takes as long as a copy of the state:
     the save whose persist queues does not wait for it; the next snapshot takes it."""
-    create = ShmSlot.create.__func__  # type: ignore[attr-defined]
     release = threading.Event()
     makers: list[str] = []
 
-    def slow(cls: type[ShmSlot], path: Path, **caps: int) -> ShmSlot:
-        if _beyond_two(path):
-            makers.append(threading.current_thread().name)
-            assert release.wait(GATE_S), "never released"
-        return create(cls, path, **caps)  # type: ignore[no-any-return]
+    def slow() -> None:
+        makers.append(threading.current_thread().name)
+        assert release.wait(GATE_S), "never released"
 
-    monkeypatch.setattr(ShmSlot, "create", classmethod(slow))
+    _before_a_spare_is_made(monkeypatch, slow)
     storage = Gated()
     ck = _memory_checkpointer(storage, shm_dir)
     try:
@@ -249,14 +256,11 @@ def test_a_spare_slot_made_in_vain_makes_the_next_snapshot_wait_for_a_persist(
     """Shared memory fills up between the room check and the spare slot's reservation:
     the queued persist keeps its slot, and the next snapshot waits for the running
     persist to end instead of failing or overwriting a slot being persisted."""
-    create = ShmSlot.create.__func__  # type: ignore[attr-defined]
 
-    def filled(cls: type[ShmSlot], path: Path, **caps: int) -> ShmSlot:
-        if _beyond_two(path):
-            raise StorageError(28, "No space left on device (injected)")
-        return create(cls, path, **caps)  # type: ignore[no-any-return]
+    def filled() -> None:
+        raise StorageError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(ShmSlot, "create", classmethod(filled))
+    _before_a_spare_is_made(monkeypatch, filled)
     storage = Gated()
     ck = _memory_checkpointer(storage, shm_dir)
     try:
