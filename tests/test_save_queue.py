@@ -17,7 +17,7 @@ from torch import nn
 import resumable
 from resumable._shm_meta import SlotMeta
 from resumable._shm_slot import ShmSlot
-from resumable.errors import StorageError
+from resumable.errors import CheckpointError, StorageError
 from resumable.snapshot import ShmArena
 from resumable.storage.memory import MemoryStorage
 from state_checks import shm_dir
@@ -320,3 +320,36 @@ def test_a_queued_persist_survives_the_trainer_closing(shm_dir: Path) -> None:
     threading.Timer(0.2, storage.open).start()
     ck.close()  # waits for both
     assert ck.steps() == [1, 2]
+
+
+def test_a_spare_slot_with_no_place_at_all_is_given_up_without_an_error(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spare slot's file cannot be made where it should (its directory went away),
+    and the fallback directory has no room: the spare is given up, no error reaches the
+    snapshot, and with both slots held by persists the arena says it is full."""
+    calls: list[str] = []
+
+    def nowhere() -> None:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise CheckpointError("cannot create a snapshot slot here (injected)")
+        raise StorageError(28, "No space left on device (injected)")
+
+    _before_a_spare_is_made(monkeypatch, nowhere)
+    arena = ShmArena("nowhere", shm_dir=shm_dir)
+    t = {"w": torch.zeros(4096)}
+    try:
+        first = arena.snapshot(1, t, SlotMeta(tree={}))
+        arena.locked.add(first.index)  # type: ignore[union-attr]
+        second = arena.snapshot(2, t, SlotMeta(tree={}))
+        assert arena.reserve_spare(second.index)  # type: ignore[union-attr]
+        arena.locked.add(second.index)  # type: ignore[union-attr]
+        assert arena.full(), "no slot is left and none may be made"
+        assert len(calls) == 2 and calls[0].startswith("resumable-slot"), calls
+        assert all(s is None for s in arena.slots[2:])
+        arena.locked.discard(first.index)  # type: ignore[union-attr]
+        assert not arena.full()
+        assert arena.snapshot(3, t, SlotMeta(tree={})).index == first.index  # type: ignore[union-attr]
+    finally:
+        arena.close(unlink=True)

@@ -777,7 +777,7 @@ class ShmArena:
         except (StorageError, CheckpointError) as exc:
             if isinstance(exc, StorageError) and index >= 2:
                 self._third = False
-            log.info("no room for a spare snapshot slot (%s): the persist waits its turn", exc)
+            log.info("no spare snapshot slot can be made (%s): the persist waits its turn", exc)
             return False
         if self._maker is None:
             self._maker = ThreadPoolExecutor(1, thread_name_prefix="resumable-slot")
@@ -797,17 +797,18 @@ class ShmArena:
             return
         index, caps, made = spare
         try:
-            slot = made.result()
+            try:
+                slot = made.result()
+            except CheckpointError:
+                if quiet:
+                    return
+                self._create(index, caps)  # in a fallback directory
+                return
         except StorageError as exc:
             if index >= 2:
                 self._third = False
             if not quiet:
                 log.warning("no room for a spare snapshot slot after all (%s)", exc)
-            return
-        except CheckpointError:
-            if quiet:
-                return
-            self._create(index, caps)
             return
         self._register(index, slot)
 
