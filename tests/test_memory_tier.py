@@ -24,6 +24,7 @@ from torch import nn
 import resumable
 from resumable import _shm as shm
 from resumable._shm import SlotMeta
+from resumable.audit import read_audit
 from resumable.errors import CheckpointError, PersistError, StorageError
 from resumable.snapshot import MemorySnapshot, ShmArena
 from resumable.storage.memory import MemoryStorage
@@ -153,6 +154,33 @@ def test_mutate_after_snapshot_does_not_change_it(tmp_path: Path, shm_dir: Path)
     after = params(state)
     ck.snapshot(2)
     assert_same(params(state), after)
+    ck.close()
+
+
+def test_a_memory_restore_persists_only_what_this_process_has_not_committed(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """restore(tier="memory") lists no checkpoint. The snapshot it restores is persisted
+    right after it only if it is newer than this process's last commit: the step just
+    saved is not written a second time, a snapshot taken since is."""
+    state = make_state()
+    train_step(state)
+    ck = resumable.Checkpointer(tmp_path / "ck", state, persist="thread", shm_dir=shm_dir)
+    ck.save(1)
+    ck.wait()
+
+    def commits() -> list[int]:
+        return [e["step"] for e in read_audit(ck.storage) if e["event"] == "commit"]
+
+    assert ck.restore(tier="memory", quiet=True) == 1
+    ck.wait()
+    assert commits() == [1]
+    train_step(state)
+    ck.snapshot(2)
+    assert ck.restore(tier="memory", quiet=True) == 2
+    ck.wait()
+    assert commits() == [1, 2]
+    assert ck.steps() == [1, 2]
     ck.close()
 
 

@@ -211,23 +211,36 @@ def iter_tensor_refs(
 
 def iter_refs(tree: Tree, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], str, str]]:
     """Yield ``(path, tag, name)`` for every tensor reference in a tree, in order; the
-    name of a ``global`` reference is its fqn."""
-    if isinstance(tree, dict):
-        for tag in ("tensor", "ndarray", "torch_generator", "global"):
-            if tag in tree and isinstance(tree[tag], str):
-                yield path, tag, tree[tag]
-                return
-        if "dict" in tree and isinstance(tree["dict"], list):
-            for pair in tree["dict"]:
-                if isinstance(pair, list) and len(pair) == 2:
-                    yield from iter_refs(pair[1], (*path, pair[0]))
-        for tag in ("list", "tuple"):
-            if tag in tree and isinstance(tree[tag], list):
-                for i, x in enumerate(tree[tag]):
-                    yield from iter_refs(x, (*path, i))
-        for tag in ("stateful", "np_generator"):
-            if tag in tree:
-                yield from iter_refs(tree[tag], path)
+    name of a ``global`` reference is its fqn. Iterative (a walk at every restore: nested
+    generators cost a frame per level for every reference)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(tree, path)]
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for tag in _REF_TAGS:
+            name = node.get(tag)
+            if isinstance(name, str):
+                yield at, tag, name
+                break
+        else:
+            children: list[tuple[Any, tuple[Any, ...]]] = []
+            pairs = node.get("dict")
+            if isinstance(pairs, list):
+                for pair in pairs:
+                    if isinstance(pair, list) and len(pair) == 2:
+                        children.append((pair[1], (*at, pair[0])))
+            for tag in ("list", "tuple"):
+                items = node.get(tag)
+                if isinstance(items, list):
+                    children.extend((x, (*at, i)) for i, x in enumerate(items))
+            for tag in ("stateful", "np_generator"):
+                if tag in node:
+                    children.append((node[tag], at))
+            stack.extend(reversed(children))
+
+
+_REF_TAGS = ("tensor", "ndarray", "torch_generator", "global")
 
 
 def subtree(tree: Tree, key: str) -> Tree:

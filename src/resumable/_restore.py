@@ -109,7 +109,7 @@ def restore(
         if new is not obj and isinstance(state, dict):
             state[key] = new
     if RNG_KEY in values:
-        set_rng_state(values[RNG_KEY])
+        set_rng_state(values[RNG_KEY], checked=True)
     return notes
 
 
@@ -281,6 +281,8 @@ def _restore_into(
             obj.bit_generator.state = _generator_payload(value, "__np_generator_state__", path)
             return obj
         if isinstance(obj, torch.Tensor):
+            if value is obj:
+                return obj  # filled in place already (a fused restore's ``prepare``)
             if not isinstance(value, torch.Tensor):
                 raise StateMismatchError(f"{path_str(path)}: expected a tensor in the checkpoint")
             if obj.shape == value.shape and obj.dtype == value.dtype:

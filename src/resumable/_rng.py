@@ -72,10 +72,12 @@ def check_rng_state(rng: Any) -> None:
         raise CorruptCheckpointError(f"malformed RNG state in checkpoint: {exc}") from exc
 
 
-def set_rng_state(rng: Any) -> None:
-    """Put back the process-wide random streams recorded by `rng_state` (checked by
-    `check_rng_state` first, as `restore` does)."""
-    check_rng_state(rng)
+def set_rng_state(rng: Any, *, checked: bool = False) -> None:
+    """Put back the process-wide random streams recorded by `rng_state`, checked by
+    `check_rng_state` first (``checked``: the caller did that already, as `restore`
+    does before it touches any live object)."""
+    if not checked:
+        check_rng_state(rng)
     if "python" in rng:
         random.setstate(_python_state(rng["python"]))
     if "numpy" in rng:

@@ -405,7 +405,10 @@ class Checkpointer:
             raise ValueError(f"tier must be 'auto', 'memory' or 'storage', got {tier!r}")
         self._collect()
         self._checks.restored()
-        self._parts.saver.before_restore(self.state, self.storage, rank=self.rank)
+        restorer = self._parts.restorer
+        # one walk of the state for the memory tier's room check and the restore
+        live = restorer.hold_live() if restorer.memory is not None else None
+        self._parts.saver.before_restore(self.state, self.storage, rank=self.rank, live=live)
         t0 = time.perf_counter()
         done = self._parts.restorer.restore(
             step,

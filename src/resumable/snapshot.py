@@ -944,12 +944,15 @@ class ShmArena:
                 f.result()  # waited for even when this thread failed: nothing copies after
         return sums
 
-    def tensors(self, index: int, content: SlotContent) -> dict[str, torch.Tensor]:
-        """Views of a slot's tensors (valid until the slot is rewritten: clone them)."""
+    def tensors(
+        self, index: int, content: SlotContent, *, skip: Collection[str] = ()
+    ) -> dict[str, torch.Tensor]:
+        """Views of a slot's tensors (valid until the slot is rewritten: clone them),
+        but those named in ``skip``."""
         slot = self.slots[index]
         assert slot is not None
         data = slot.data_tensor()
-        return {s.name: tensor_view(data, s) for s in content.slots}
+        return {s.name: tensor_view(data, s) for s in content.slots if s.name not in skip}
 
     def close(self, *, unlink: bool) -> None:
         self.settle_spare(quiet=True)

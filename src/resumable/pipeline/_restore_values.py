@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from resumable import capture as capture_mod
+from resumable._dtypes import dtype_from_name
 from resumable._shm import SlotContent
 from resumable.errors import (
     CorruptCheckpointError,
@@ -45,6 +46,7 @@ class RestoreValues:
     reset_per_rank: bool
     strict: bool
     partial: list[str]
+    _held: capture_mod.Captured | None
 
     def _decode_memory(
         self, snap: MemorySnapshot, content: SlotContent | None, loc: Any, *, fuse: bool
@@ -91,42 +93,46 @@ class RestoreValues:
         tree = content.meta.tree
         if not on_cpu(tree):
             return None  # tensors restored to a GPU are checked first, then moved there
-        views = self.memory.arena.tensors(snap.index, content)
+        slots = {sl.name: sl for sl in content.slots}
         refs = list(capture_mod.iter_refs(tree))
         uses = Counter(name for _, _, name in refs)
-        live = destinations(self.state, self._live(), tree, containers=True)
+        live = destinations(self.state, self._live(), tree, containers=True, refs=refs)
         dests: dict[str, torch.Tensor] = {}
         for path, tag, name in refs:
-            view = views.get(name)
+            sl = slots.get(name)
             if (
                 tag != "tensor"
                 or uses[name] != 1
                 or not path
                 or path[0] in capture_mod.RESERVED_KEYS
-                or view is None
+                or sl is None
             ):
                 continue
+            dtype, shape = dtype_from_name(sl.dtype), tuple(sl.shape)
             dest = live.get(name)
             dests[name] = (
                 dest
-                if dest is not None and _fits(dest, view)
-                else torch.empty(view.shape, dtype=view.dtype)
+                if dest is not None and _fits(dest, dtype, shape)
+                else torch.empty(shape, dtype=dtype)
             )
+        # views only of what is decoded from the slot itself (the random streams, a
+        # tensor named twice): the others are filled by ``prepare``
+        views = self.memory.arena.tensors(snap.index, content, skip=dests)
         values = capture_mod.decode(tree, {**views, **dests}, None)
         for path, _, name in refs:
             if name in dests and _at(values, path) is not dests[name]:
                 return None  # a value moved off the CPU: the snapshot is checked first
-        try:
-            flat = {n: t.detach().view(-1).view(torch.uint8) for n, t in dests.items()}
-        except RuntimeError:  # a dtype without a byte view
-            return None
-        return values, Fused(self.memory, snap, content, flat, frozenset(map(id, dests.values())))
+        return values, Fused(self.memory, snap, content, dests, frozenset(map(id, dests.values())))
 
     # ------------------------------------------------------------ storage
 
     def _live(self) -> capture_mod.Captured:
         """The live state's tensors; a fresh optimizer of DTensors gets its state first,
-        so that a restore has targets to shard into."""
+        so that a restore has targets to shard into. The capture `Restorer.hold_live`
+        made for this restore is taken instead, once."""
+        held, self._held = self._held, None
+        if held is not None:
+            return held
         live = capture_mod.capture(
             self.state, include_rng=False, rank=self.rank, world_size=self.world_size
         )
@@ -284,7 +290,12 @@ class RestoreValues:
 
 
 def destinations(
-    state: Mapping[str, Any], live: capture_mod.Captured, saved: Any, *, containers: bool = False
+    state: Mapping[str, Any],
+    live: capture_mod.Captured,
+    saved: Any,
+    *,
+    containers: bool = False,
+    refs: list[tuple[tuple[Any, ...], str, str]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The live tensors a restore copies the checkpoint's tensors into, by the
     checkpoint's names: where the saved tree and the live one hold a tensor at the same
@@ -293,10 +304,11 @@ def destinations(
     with ``containers``, under plain dicts and lists all the way down (restored in place,
     a tensor of the same shape and dtype copied into). `CheckpointReader.tensors`
     assembles a tensor stored in chunks straight into its destination instead of a
-    buffer of its own."""
+    buffer of its own. ``refs``: ``saved``'s references (`capture.iter_refs`), where the
+    caller listed them already."""
     at = {path: name for path, tag, name in capture_mod.iter_refs(live.tree) if tag == "tensor"}
     out: dict[str, torch.Tensor] = {}
-    for path, tag, name in capture_mod.iter_refs(saved):
+    for path, tag, name in capture_mod.iter_refs(saved) if refs is None else refs:
         mine = at.get(path)
         if tag != "tensor" or mine is None or not path:
             continue
@@ -344,20 +356,24 @@ def _at(values: Any, path: tuple[Any, ...]) -> Any:
     return values
 
 
-def _fits(dest: Any, view: torch.Tensor) -> bool:
-    """Whether ``dest`` is a plain contiguous CPU tensor of ``view``'s dtype and shape."""
+def _fits(dest: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether ``dest`` is a plain contiguous CPU tensor of ``dtype`` and ``shape`` whose
+    memory holds its values as they are (no lazy conjugate or negation bit): its bytes
+    can be written straight from a snapshot's."""
     return (
         type(dest) in (torch.Tensor, torch.nn.Parameter)
         and dest.device.type == "cpu"
         and dest.is_contiguous()
-        and dest.dtype == view.dtype
-        and dest.shape == view.shape
+        and dest.dtype == dtype
+        and dest.shape == shape
+        and not dest.is_conj()
+        and not dest.is_neg()
     )
 
 
 class Fused:
     """A restore's ``prepare`` for a shared-memory snapshot: its tensors copied into the
-    values' tensors (``dests``, flat bytes by name) while all are checked against the
+    values' tensors (``dests``, contiguous CPU tensors by name) while all are checked against the
     checksums (`MemoryTier.copy_verified`). ``owned``: the ids of those tensors."""
 
     def __init__(

@@ -270,13 +270,22 @@ class MemoryTier:
         self.adopt()
         self.arena.forget_after(step, snap)
 
-    def preflight(self, state: Mapping[str, Any], *, rng: bool) -> None:
+    def preflight(
+        self, state: Mapping[str, Any], *, rng: bool, live: capture_mod.Captured | None = None
+    ) -> None:
         """Fail before training starts if shared memory cannot hold two snapshots (three
         with replicas; one more, made while a persist holds one of them, is used only
         where it fits) and, with replicas, the peers' snapshots this rank keeps
-        (`Replication.check_room`)."""
-        captured = capture_mod.capture(state, include_rng=rng)
-        size = sum(t.numel() * t.element_size() for t in captured.tensors.values())
+        (`Replication.check_room`). ``live``: a capture of ``state`` without the random
+        streams, made just before (`Restorer.hold_live`), instead of walking it here."""
+        if live is None:
+            captured = capture_mod.capture(state, include_rng=rng)
+            tensors = list(captured.tensors.values())
+        else:
+            tensors = list(live.tensors.values())
+            if rng:
+                tensors += capture_mod.capture({}, include_rng=True).tensors.values()
+        size = sum(t.numel() * t.element_size() for t in tensors)
         count = self.arena.keep + 1  # those kept, and the one being copied
         need = count * size
         have = shm_free_bytes(self.arena.directory) + self.arena.existing_bytes()

@@ -37,7 +37,7 @@ from resumable.errors import (
     StateMismatchError,
 )
 from resumable.group import Group
-from resumable.pieces import Piece
+from resumable.pieces import Piece, is_dtensor
 from resumable.pipeline._restore_values import Fused, RestoreValues
 from resumable.pipeline.memory import MemoryTier
 from resumable.reader import CheckpointReader
@@ -120,6 +120,21 @@ class Restorer(RestoreValues):
         self.reset_per_rank = False
         self.strict = True
         self.partial: list[str] = []
+        self._held: capture_mod.Captured | None = None  # `hold_live`'s, used once
+
+    def hold_live(self) -> capture_mod.Captured | None:
+        """One process: a capture of the live state (without the random streams) for
+        the caller's own use (the memory tier's room check), which the next `restore`
+        takes instead of walking the state again (a large state's walk costs
+        milliseconds); else None. Taken once: after a restore wrote into the state, a
+        capture made before it may name tensors an object has since replaced."""
+        if self.world_size != 1:
+            return None
+        live = capture_mod.capture(self.state, include_rng=False)
+        if any(is_dtensor(t) for t in live.live.values()):
+            return None  # `_live` prepares an optimizer of DTensors first
+        self._held = live
+        return live
 
     def roots_by_step(self) -> dict[int, list[Storage]]:
         """For each committed step, the roots holding it (the local one first)."""
@@ -140,9 +155,12 @@ class Restorer(RestoreValues):
         strict: bool = True,
     ) -> Restored:
         self.strict, self.partial = strict, []
-        done = self._restore(
-            step, map_location=map_location, tier=tier, reset_per_rank=reset_per_rank
-        )
+        try:
+            done = self._restore(
+                step, map_location=map_location, tier=tier, reset_per_rank=reset_per_rank
+            )
+        finally:
+            self._held = None
         done.partial = self.partial
         return done
 

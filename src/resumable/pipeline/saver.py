@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from resumable.audit import AuditLog, ProgressNotes
+from resumable.capture import Captured
 from resumable.commit import warn_uncommitted
 from resumable.coordination import Agreement, Pending
 from resumable.errors import CheckpointError
@@ -227,15 +228,23 @@ class Saver:
         elif left > 0:  # within the grace period, best effort
             self._persister.flush_mirror(left, strict=False)
 
-    def before_restore(self, state: Mapping[str, Any], storage: Storage, *, rank: int) -> None:
+    def before_restore(
+        self,
+        state: Mapping[str, Any],
+        storage: Storage,
+        *,
+        rank: int,
+        live: Captured | None = None,
+    ) -> None:
         """Before a restore: note uncommitted leftovers (rank 0), check that the state
-        fits the memory tier, and start the persister (a recovered snapshot is persisted
-        right after the restore)."""
+        fits the memory tier (``live``: a capture of it made just before, see
+        `MemoryTier.preflight`), and start the persister (a recovered snapshot is
+        persisted right after the restore)."""
         if rank == 0:
             for name in warn_uncommitted(storage):
                 self._audit.record("uncommitted", name=name)
         if self._memory is not None:
-            self._memory.preflight(state, rng=self._rng)
+            self._memory.preflight(state, rng=self._rng, live=live)
         self._persister.start()
 
     def preempted(
@@ -265,6 +274,11 @@ class Saver:
         committed = done.newest_committed
         if committed is not None:
             self._persister.committed = max(committed, self._persister.committed or 0)
+        elif self._group.world_size == 1:
+            # restore(tier="memory") lists no checkpoint: what this process committed
+            # itself is known (one process: with several, each rank takes its persists'
+            # replies in its own time, and they must not decide apart)
+            committed = self._persister.committed
         if done.step:
             self._schedule.restored(done.step)
         log.info("%s", done.describe(url))
