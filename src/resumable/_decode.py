@@ -19,6 +19,8 @@ from resumable._encode import Tree
 from resumable.errors import CorruptCheckpointError
 from resumable.tree import RNG_KEY
 
+_CPU = torch.device("cpu")
+
 
 class _Decoder:
     """Builds plain values from a tree; every malformed node is a `CorruptCheckpointError`."""
@@ -53,6 +55,8 @@ class _Decoder:
         return self.tensors[name]
 
     def _device(self, recorded: Any) -> torch.device:
+        if recorded == "cpu" and self.map_location is None:
+            return _CPU  # the common case, once per tensor
         if self.map_location is not None:
             if callable(self.map_location):
                 return torch.device(self.map_location(recorded))

@@ -272,6 +272,8 @@ def _restore_into(
     ``own``: the values are borrowed, and this copies what is kept. ``partial``: not
     strict; what modules left or ignored is appended to it."""
     try:
+        if value is obj:
+            return obj  # a tensor filled in place already (a fused restore's ``prepare``)
         if isinstance(obj, torch.Generator):
             # A fresh tensor: set_state crashes on views with a storage offset.
             payload = _generator_payload(value, "__torch_generator_state__", path)
@@ -281,8 +283,6 @@ def _restore_into(
             obj.bit_generator.state = _generator_payload(value, "__np_generator_state__", path)
             return obj
         if isinstance(obj, torch.Tensor):
-            if value is obj:
-                return obj  # filled in place already (a fused restore's ``prepare``)
             if not isinstance(value, torch.Tensor):
                 raise StateMismatchError(f"{path_str(path)}: expected a tensor in the checkpoint")
             if obj.shape == value.shape and obj.dtype == value.dtype:

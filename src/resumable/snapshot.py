@@ -913,9 +913,7 @@ class ShmArena:
             n = s.end - s.begin
             if s.begin < 0 or n < 0 or s.end > data.numel():
                 raise CorruptCheckpointError(f"tensor {s.name!r} lies outside its slot")
-            if d is not None and (
-                d.device.type != "cpu" or not d.is_contiguous() or d.numel() * d.element_size() != n
-            ):
+            if d is not None and (not d.is_cpu or d.nbytes != n or not d.is_contiguous()):
                 raise CheckpointError(f"no contiguous CPU destination of {n} bytes for {s.name!r}")
             jobs.append((i, base + s.begin, 0 if d is None else d.data_ptr(), n))
         mem = data.numpy().data

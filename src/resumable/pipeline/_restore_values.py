@@ -362,7 +362,7 @@ def _fits(dest: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     can be written straight from a snapshot's."""
     return (
         type(dest) in (torch.Tensor, torch.nn.Parameter)
-        and dest.device.type == "cpu"
+        and dest.is_cpu
         and dest.is_contiguous()
         and dest.dtype == dtype
         and dest.shape == shape
