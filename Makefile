@@ -86,8 +86,8 @@ BUILD_DS_OP := import importlib.util as u; u.find_spec('deepspeed') is None or _
 # leave idle; the fixture then finds it built, or waits on torch's build lock.
 # The project's own modules are compiled to bytecode before the tests: with
 # PYTHONDONTWRITEBYTECODE set (as on these machines) nothing compiled at import is kept,
-# and each of the thousands of interpreters the tests start (torchrun ranks, persist
-# workers, campaign launches) would compile src/ again, ~0.15 s of CPU each.
+# and each interpreter the tests start (torchrun ranks, persist workers, campaign
+# launches) would compile src/ again, ~0.15 s of CPU each here.
 test: $(STAMP)
 	mkdir -p build && (OMP_NUM_THREADS=1 MAX_JOBS=1 $(PY) -c "$(BUILD_DS_OP)" > build/deepspeed-op.log 2>&1 &)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs/build_api.py stress
