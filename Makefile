@@ -94,7 +94,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/build_api.py stress
 	$(VENV)/bin/mypy
 	$(PY) docs/build_api.py --out build/api
-	$(PY) -m compileall -q src tests stress examples benchmarks > /dev/null
+	$(PY) -m compileall -q src tests stress examples benchmarks
 	$(PY) -m pytest -q -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=60 --junitxml=build/test-report.xml
 
