@@ -74,7 +74,7 @@ def resumed_from(output: str) -> dict[int, set[int]]:
     return seen
 
 
-# `make test` runs one of the cases (about 40 s of CPU here): ZeRO-3 in bf16, the
+# `make test` runs one of the cases (about 30 s here, alone): ZeRO-3 in bf16, the
 # partitioned parameters and the low-precision masters at once; stage 2 in fp32 is the
 # memory-tier and export tests' below. The others are in `make campaign` with the random
 # kills below.
