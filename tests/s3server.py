@@ -220,13 +220,23 @@ class SeaweedUnavailable(RuntimeError):
     its log)."""
 
 
+# How many times `run_seaweedfs` starts ``weed`` on new ports when another process took one
+# of the free ports between `free_ports` and weed's bind (a race on a busy test machine).
+START_ATTEMPTS = 3
+PORT_TAKEN = "address already in use"
+
+
 @contextlib.contextmanager
 def run_seaweedfs(
     workdir: Path, *, volume_size_mb: int = 64, start_timeout_s: float = START_TIMEOUT_S
 ) -> Iterator[S3Server]:
     """Start ``weed server -s3`` on free loopback ports under ``workdir``, wait until a
     put lands, yield the `S3Server`; kill its process group on exit. Used by the
-    ``seaweedfs`` fixture and by ``make bench`` (benchmarks/s3_bench.py)."""
+    ``seaweedfs`` fixture and by ``make bench`` (benchmarks/s3_bench.py).
+
+    The ports are free when chosen, but another process can bind one before ``weed`` does;
+    weed then exits saying so, and it is started again on new ports, up to
+    `START_ATTEMPTS` times. Any other failure is raised at once."""
     weed = find_weed()
     if weed is None:
         raise SeaweedUnavailable(
@@ -236,7 +246,35 @@ def run_seaweedfs(
     data_dir.mkdir(parents=True, exist_ok=True)
     (workdir / "master.toml").write_text(MASTER_TOML)
     log_path = workdir / "weed.log"
-    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
+    for attempt in range(1, START_ATTEMPTS + 1):
+        ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
+        proc, server, offset = _start_weed(weed, workdir, data_dir, log_path, ports, volume_size_mb)
+        try:
+            failure = _wait_ready(proc, server, ports["s3.port"], start_timeout_s)
+            if failure is None:
+                yield server
+                return
+            taken = proc.poll() is not None and PORT_TAKEN in _log_since(log_path, offset)
+            if not (taken and attempt < START_ATTEMPTS):
+                raise SeaweedUnavailable(
+                    f"SeaweedFS S3 server {failure} (start {attempt} of at most "
+                    f"{START_ATTEMPTS}); log {log_path}:\n{log_tail(log_path)}"
+                )
+        finally:
+            kill_group(proc)
+            remove_sockets(list(ports.values()))
+
+
+def _start_weed(
+    weed: Path,
+    workdir: Path,
+    data_dir: Path,
+    log_path: Path,
+    ports: dict[str, int],
+    volume_size_mb: int,
+) -> tuple[subprocess.Popen[bytes], S3Server, int]:
+    """Launch ``weed server -s3`` on ``ports``, appending to ``log_path``; the process, the
+    server it will be, and the log's size before this start."""
     cmd = [
         str(weed),
         "server",
@@ -260,7 +298,8 @@ def run_seaweedfs(
         log_path=log_path,
         data_dir=data_dir,
     )
-    with log_path.open("wb") as log:
+    with log_path.open("ab") as log:
+        offset = log.tell()
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
         try:
@@ -274,26 +313,30 @@ def run_seaweedfs(
             )
         except OSError as exc:
             raise SeaweedUnavailable(f"cannot run {weed}: {exc}") from exc
+    return proc, server, offset
+
+
+def _wait_ready(
+    proc: subprocess.Popen[bytes], server: S3Server, s3_port: int, timeout_s: float
+) -> str | None:
+    """None once a put lands; else why not (the process exited, or the time ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if s3_answers(s3_port) and accepts_writes(server):
+            return None
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        return f"exited with status {proc.returncode}"
+    return f"not ready after {timeout_s:.0f} s"
+
+
+def _log_since(path: Path, offset: int) -> str:
     try:
-        deadline = time.monotonic() + start_timeout_s
-        ready = False
-        while not ready and proc.poll() is None and time.monotonic() < deadline:
-            ready = s3_answers(ports["s3.port"]) and accepts_writes(server)
-            if not ready:
-                time.sleep(0.2)
-        if not ready:
-            state = (
-                f"exited with status {proc.returncode}"
-                if proc.poll() is not None
-                else f"not ready after {start_timeout_s:.0f} s"
-            )
-            raise SeaweedUnavailable(
-                f"SeaweedFS S3 server {state}; log {log_path}:\n{log_tail(log_path)}"
-            )
-        yield server
-    finally:
-        kill_group(proc)
-        remove_sockets(list(ports.values()))
+        with path.open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace").lower()
+    except OSError:
+        return ""
 
 
 @pytest.fixture(scope="session")
