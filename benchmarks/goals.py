@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from small_report import loop_sentence
+
 Result = dict[str, Any]
 
 
@@ -321,7 +323,8 @@ def _small(out: Result) -> list[dict[str, Any] | None]:
                     if alone is not None and median_pct
                     else ""
                 )
-                + _profile(m, limit, off_ms),
+                + _profile(m, limit, off_ms)
+                + _in_loop(m),
                 "overlap mode: " + _f(_num(m.get("overlap_overhead_pct")), "%"),
             )
         )
@@ -388,6 +391,13 @@ def _profile(m: Mapping[str, Any], limit: float, off_ms: float | None) -> str:
         + f"; the Python work beside the copy, {_f(beside, 'µs')}, against the "
         f"{_f(room, 'µs')} the goal leaves beside the copy's median in the loop"
     )
+
+
+def _in_loop(m: Mapping[str, Any]) -> str:
+    """`small_bench.loop_parts`' words, as a clause: the copy inside `maybe_save` against
+    the copy floor in the loop, and the work beside it against its time in a row."""
+    words = loop_sentence(dict(m)).strip().rstrip(".")
+    return f"; {words[:1].lower()}{words[1:]}" if words else ""
 
 
 def _dist(out: Result) -> list[dict[str, Any] | None]:

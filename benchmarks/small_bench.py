@@ -49,7 +49,13 @@ A sixth takes `resumable`'s own snapshot with its layers fused into one call
 (`fused_snapshot`: the same checks of the same planned structure, random streams,
 metadata and slot as ``maybe_save`` makes on this state, without the facade, the
 schedule, the worker's poll or any fallback): what fusing the library's layers would
-save, where the fifth is what no snapshot can go below. Reported: medians of both,
+save, where the fifth is what no snapshot can go below. Last, `loop_parts` times the
+layers ``maybe_save`` runs through (the copy, the capture with its random streams, the
+copy plan's tensor check, the tree's JSON), each by a timer around its method, in a block
+of iterations with ``maybe_save`` after each, then in as many ``maybe_save`` calls in a
+row with what an iteration changes between them (the learning rates set, a draw from
+each random stream) and nothing else: the same code on the same state, after an
+iteration and not. Reported: medians of both,
 their ratio and difference, the median of ``maybe_save`` alone, that floor, and the same
 parts as above on the model's state.
 """
@@ -89,7 +95,7 @@ import resumable  # noqa: E402
 from resumable import capture as capture_mod  # noqa: E402
 from resumable._capture_plan import CapturePlan, NumpyState, PythonState  # noqa: E402
 from resumable._shm import encode_meta  # noqa: E402
-from resumable.pipeline.memory import TreeJSON  # noqa: E402
+from resumable.pipeline.memory import MemoryTier, TreeJSON  # noqa: E402
 from resumable.snapshot import CopyPlan, copy_threads  # noqa: E402
 
 __all__ = ["MODELS", "ModelSpec", "Settings", "main", "render", "run_phase", "write_docs"]
@@ -492,6 +498,13 @@ def model_overhead(
                 f"{statistics.median(iters['overlap']) * 1e3:.1f} ms overlap; "
                 f"copy floor in the loop {this_floor * 1e6:,.0f} µs"
             )
+        in_loop, step = loop_parts(
+            ck,
+            lambda it: nanogpt.step(model, optim, spec.batch, it=it),
+            optim,
+            step,
+            max(10, block * rounds // 2),
+        )
         parts_ = snapshot_parts(state, ck, ck_no_rng, step + 1, pool)
         methods = {**parts_, **copy_floors(tensors)}
         big = captured_bytes(tensors) > 2**25
@@ -548,6 +561,7 @@ def model_overhead(
         "reps": reps,
         "methods": {k: _stats(v) for k, v in samples.items()},
         "parts_us": parts(med),
+        "loop_parts": in_loop,
     }
 
 
@@ -598,6 +612,86 @@ def loop_floor(
             f.result()
 
     return many, threads, pool.shutdown
+
+
+# The layers `loop_parts` times inside `maybe_save`: (name, class, method). The capture
+# (`MemoryTier._capture`) includes the random streams (`CapturePlan.streams`).
+LOOP_PARTS: tuple[tuple[str, type, str], ...] = (
+    ("copy", CopyPlan, "copy"),
+    ("capture", MemoryTier, "_capture"),
+    ("streams", CapturePlan, "streams"),
+    ("structure_check", CopyPlan, "matches"),
+    ("tree_json", TreeJSON, "encode"),
+)
+
+
+@contextlib.contextmanager
+def timing_parts(into: dict[str, list[float]]) -> Iterator[None]:
+    """Each method of `LOOP_PARTS` wrapped, on its class, by a timer that appends its
+    seconds to ``into[name]``; put back on exit."""
+    saved: list[tuple[type, str, Any]] = []
+
+    def timed(fn: Callable[..., Any], samples: list[float]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                samples.append(time.perf_counter() - t0)
+
+        return run
+
+    try:
+        for name, cls, attr in LOOP_PARTS:
+            fn = cls.__dict__[attr]
+            saved.append((cls, attr, fn))
+            setattr(cls, attr, timed(fn, into.setdefault(name, [])))
+        yield
+    finally:
+        for cls, attr, fn in reversed(saved):
+            setattr(cls, attr, fn)
+
+
+def loop_parts(
+    ck: resumable.Checkpointer,
+    iterate: Callable[[int], None],
+    optim: torch.optim.Optimizer,
+    step: int,
+    n: int,
+) -> tuple[dict[str, Any], int]:
+    """``maybe_save``'s parts (`LOOP_PARTS`) timed after each of ``n`` iterations
+    (``iterate(step)``), then in ``n`` calls in a row, each after what an iteration
+    changes in the state and nothing else: the learning rates set as nanoGPT's schedule
+    sets them and one draw from each random stream (untimed). The same calls on the
+    same state, with the caches as an iteration leaves them and as the last snapshot
+    left them. Returns each part's samples and medians (µs) both ways, and the step
+    reached."""
+    runs: dict[str, dict[str, list[float]]] = {"after_iteration": {}, "in_a_row": {}}
+    for way, samples in runs.items():
+        calls = samples.setdefault("maybe_save", [])
+        with timing_parts(samples):
+            for _ in range(n):
+                step += 1
+                if way == "after_iteration":
+                    iterate(step)
+                else:
+                    for group in optim.param_groups:
+                        group["lr"] = nanogpt.get_lr(step)
+                    _advance_rng()
+                t0 = time.perf_counter()
+                ck.maybe_save(step)
+                calls.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"calls": n}
+    for way, samples in runs.items():
+        med = {k: statistics.median(v) * 1e6 for k, v in samples.items() if v}
+        med["rest"] = med["maybe_save"] - sum(
+            med.get(k, 0.0) for k in ("copy", "capture", "structure_check", "tree_json")
+        )
+        out[way] = {
+            "median_us": {k: round(v, 1) for k, v in med.items()},
+            "samples_us": {k: _us(v) for k, v in samples.items()},
+        }
+    return out, step
 
 
 def least_snapshot(

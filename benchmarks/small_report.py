@@ -244,6 +244,7 @@ def render(out: dict[str, Any], source: str) -> str:
             "",
         ]
         lines += _parts_table("model", list(models.items()), floor=True)
+        lines += _loop_parts(models)
     lines += [
         "",
         "The goals for snapshots of many small tensors. *measured* decides the result: "
@@ -302,6 +303,82 @@ def _parts_table(
     if floor:
         header.append("floor")
     return _table([*header, "metadata", "other", "`snapshot()`"], rows)
+
+
+LOOP_PART_LABELS = {
+    "maybe_save": "`maybe_save`",
+    "copy": "the copy (`CopyPlan.copy`)",
+    "capture": "the capture (`MemoryTier._capture`)",
+    "streams": "of which the random streams (`CapturePlan.streams`)",
+    "structure_check": "the tensors' check (`CopyPlan.matches`)",
+    "tree_json": "the tree's JSON (`TreeJSON.encode`)",
+    "rest": "the rest (facade, schedule, metadata, slot)",
+}
+
+
+def _loop_parts(models: dict[str, Any]) -> list[str]:
+    """Where `maybe_save`'s time goes after an iteration and in a row (`loop_parts`),
+    with the copy floor timed both ways beside it."""
+    rows = []
+    for name, m in models.items():
+        lp = m.get("loop_parts")
+        if not isinstance(lp, dict):
+            continue
+        after, row = lp["after_iteration"]["median_us"], lp["in_a_row"]["median_us"]
+        for key, label in LOOP_PART_LABELS.items():
+            if key in after and key in row:
+                ratio = f"{after[key] / row[key]:.1f}x" if row[key] > 0 else "—"
+                rows.append([name, label, f"{after[key]:,.0f}", f"{row[key]:,.0f}", ratio])
+        floor_loop = m.get("median_loop_floor_us")
+        floor_row = m["methods"].get("foreach_copy", {}).get("median_us")
+        if floor_loop is not None and floor_row:
+            rows.append(
+                [
+                    name,
+                    "beside it: the copy floor (`_foreach_copy_` into memory allocated once)",
+                    f"{floor_loop:,.0f}",
+                    f"{floor_row:,.0f}",
+                    f"{floor_loop / floor_row:.1f}x",
+                ]
+            )
+    if not rows:
+        return []
+    calls = {m["loop_parts"]["calls"] for m in models.values() if "loop_parts" in m}
+    return [
+        "",
+        "Where `maybe_save`'s time goes in the loop (`loop_parts`: µs, medians of "
+        f"{' and '.join(str(c) for c in sorted(calls))} calls each way; each layer timed by a "
+        "timer around its method, inside `maybe_save`): *after each iteration*, as the "
+        "training loop runs it; *in a row*, the same calls on the same state with only "
+        "what an iteration changes between them (the learning rates set, a draw from each "
+        "random stream). The copy floor's row is the loop's copy block and the copy timed "
+        "alone, above:",
+        "",
+        *_table(["model", "part", "after each iteration", "in a row", "ratio"], rows),
+    ]
+
+
+def loop_sentence(e: dict[str, Any]) -> str:
+    """The words on `loop_parts` (a sentence, with a leading space; empty for a run
+    without it): the copy against its floor in the loop, and the work beside it against
+    its time in a row. Also in `goals.py`'s rows for the models."""
+    lp = e.get("loop_parts")
+    if not isinstance(lp, dict):
+        return ""
+    after, row = lp["after_iteration"]["median_us"], lp["in_a_row"]["median_us"]
+    beside = [k for k in ("capture", "structure_check", "tree_json", "rest") if k in after]
+    work_after = sum(after[k] for k in beside)
+    work_row = sum(row.get(k, 0.0) for k in beside)
+    text = (
+        " Timed inside `maybe_save` after each iteration (`loop_parts`), the copy took "
+        f"{after['copy']:,.0f} µs"
+    )
+    if e.get("median_loop_floor_us"):
+        text += f" ({after['copy'] / e['median_loop_floor_us']:.2f}x the copy floor in the loop)"
+    text += f" and the work beside it (capture, checks, metadata, facade) {work_after:,.0f} µs"
+    if work_row > 0:
+        text += f", {work_after / work_row:.1f}x the {work_row:,.0f} µs it took in a row"
+    return text + "."
 
 
 def _verdict(out: dict[str, Any]) -> list[str]:
@@ -368,6 +445,8 @@ def _verdict(out: dict[str, Any]) -> list[str]:
                 f"{e['median_maybe_save_us'] - e['median_fused_us']:,.0f} µs of "
                 f"`maybe_save`'s {e['median_maybe_save_us']:,.0f}."
             )
+        if kind == "models":
+            loop += loop_sentence(e)
         lines.append(
             f"- Not met, {what}: the snapshot's {p['total']:,.0f} µs are, largest first, "
             f"{parts_txt} µs; the `_foreach_copy_` floor of the same tensors alone is "

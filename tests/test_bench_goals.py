@@ -373,3 +373,50 @@ def test_a_small_models_miss_carries_its_profile_against_the_room_the_goal_leave
     assert f"the {0.01 * off_us:,.0f} µs the goal leaves" in why
     tiny.update(median_loop_floor_us=0.04 * off_us, loop_floor_pct=4.0)
     assert "timed apart" not in _row(out, "nanoGPT tiny")["why"]
+
+
+def test_a_small_models_row_says_what_the_copy_and_the_work_beside_it_took_in_the_loop() -> None:
+    """A run with `small_bench.loop_parts` adds, to each model's row and to the block's
+    verdict, the copy inside `maybe_save` against the copy floor in the loop, and the
+    work beside the copy after an iteration against the same work in a row; a run
+    without it adds nothing."""
+    import small_report
+
+    out = _run()
+    tiny = out["small"]["models"]["tiny"]
+    assert "loop_parts" not in tiny and "timed inside" not in _row(out, "nanoGPT tiny")["why"]
+    tiny["median_loop_floor_us"] = 200.0
+    tiny["loop_parts"] = {
+        "calls": 100,
+        "after_iteration": {
+            "median_us": {
+                "maybe_save": 700.0,
+                "copy": 220.0,
+                "capture": 250.0,
+                "streams": 90.0,
+                "structure_check": 40.0,
+                "tree_json": 30.0,
+                "rest": 160.0,
+            }
+        },
+        "in_a_row": {
+            "median_us": {
+                "maybe_save": 300.0,
+                "copy": 150.0,
+                "capture": 80.0,
+                "streams": 25.0,
+                "structure_check": 15.0,
+                "tree_json": 8.0,
+                "rest": 47.0,
+            }
+        },
+    }
+    why = _row(out, "nanoGPT tiny")["why"]
+    words = (
+        "; timed inside `maybe_save` after each iteration (`loop_parts`), the copy took "
+        "220 µs (1.10x the copy floor in the loop) and the work beside it (capture, checks, "
+        "metadata, facade) 480 µs, 3.2x the 150 µs it took in a row"
+    )
+    assert words in why
+    assert small_report.loop_sentence(tiny).startswith(" Timed inside `maybe_save`")
+    assert small_report.loop_sentence({}) == ""

@@ -80,6 +80,23 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     assert tiny["least_dicts"] == 0 or tiny["least_dicts"] > 6 * 10
     # the library's snapshot with its layers fused, timed in the loop the same way
     assert len(tiny["fused_us"]) == 1 and tiny["median_fused_us"] > 0 and tiny["fused_pct"] > 0
+    # maybe_save's layers timed inside it, after each iteration and in a row: one sample
+    # of each layer per call (the capture's random streams inside it)
+    lp = tiny["loop_parts"]
+    for way in ("after_iteration", "in_a_row"):
+        samples, med = lp[way]["samples_us"], lp[way]["median_us"]
+        for part in ("maybe_save", "copy", "capture", "streams", "structure_check", "tree_json"):
+            assert len(samples[part]) == lp["calls"] == 10, (way, part)
+            assert med[part] > 0
+        assert med["maybe_save"] > med["copy"] and med["capture"] > med["streams"]
+        assert med["rest"] == pytest.approx(
+            med["maybe_save"]
+            - med["copy"]
+            - med["capture"]
+            - med["structure_check"]
+            - med["tree_json"],
+            abs=0.2,
+        )
     goals = {g["goal"]: g for g in small_result["goals"]}
     assert len(goals) == 5  # two sizes, two models, tiny with overlap=True
     assert goals["the same with `overlap=True`, tiny nanoGPT"]["met"] is not None
@@ -131,6 +148,31 @@ def test_the_fused_bound_writes_the_snapshot_maybe_save_writes(
             fused(5)
 
 
+def test_timing_parts_times_each_layer_and_puts_the_methods_back(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """The timers wrap each layer on its class only inside the block, also when the
+    block raises, and time the calls a real snapshot makes."""
+    import torch
+
+    from resumable.snapshot import CopyPlan
+
+    originals = {(cls, attr): cls.__dict__[attr] for _, cls, attr in small_bench.LOOP_PARTS}
+    state = {"t": {"a": torch.zeros(4), "b": torch.ones(3)}}
+    samples: dict[str, list[float]] = {}
+    with small_bench.snapshotter(tmp_path / "ck", state, shm_dir) as ck:
+        ck.maybe_save(1)
+        with pytest.raises(KeyError), small_bench.timing_parts(samples):
+            assert CopyPlan.__dict__["copy"] is not originals[(CopyPlan, "copy")]
+            ck.maybe_save(2)
+            raise KeyError("out of the block")
+        assert all(cls.__dict__[attr] is f for (cls, attr), f in originals.items())
+        ck.maybe_save(3)  # not timed
+    assert {k: len(v) for k, v in samples.items()} == {
+        "copy": 1, "capture": 1, "streams": 1, "structure_check": 1, "tree_json": 1
+    }  # fmt: skip
+
+
 def test_block_renders_the_tables(small_result: dict[str, Any]) -> None:
     text = small_bench.render(small_result, "benchmarks/results/small-x.json")
     assert text.startswith(small_report.BEGIN) and text.endswith(small_report.END)
@@ -138,6 +180,9 @@ def test_block_renders_the_tables(small_result: dict[str, Any]) -> None:
     assert "| tensors | `snapshot()` | `capture_rng=False` |" in text
     assert "| tiny (2 layers" in text
     assert "| goal | measured | limit | result | cross-check |" in text
+    assert "Where `maybe_save`'s time goes in the loop" in text
+    assert "| model | part | after each iteration | in a row | ratio |" in text
+    assert "| tiny | `maybe_save` |" in text and "| tiny | beside it: the copy floor" in text
     assert "not measured" in text  # the 6-layer goal
     assert "Not measured: skipped." in small_bench.render({"error": "skipped"}, "x")
 
