@@ -351,8 +351,9 @@ def _loop_parts(models: dict[str, Any]) -> list[str]:
         "timer around its method, inside `maybe_save`): *after each iteration*, as the "
         "training loop runs it; *in a row*, the same calls on the same state with only "
         "what an iteration changes between them (the learning rates set, a draw from each "
-        "random stream). The copy floor's row is the loop's copy block and the copy timed "
-        "alone, above:",
+        "random stream: nanoGPT's iteration draws from torch's alone, so the streams can "
+        "take longer in a row than after it). The copy floor's row is the loop's copy block "
+        "and the copy timed alone, above:",
         "",
         *_table(["model", "part", "after each iteration", "in a row", "ratio"], rows),
     ]
