@@ -129,6 +129,8 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         if "snapshot" in m:  # the background save's own snapshot time (slowest rank)
             methods[name]["snapshot"] = _stat(m["snapshot"], warmup)
             methods[name]["per_rank_snapshot"] = m["per_rank_snapshot"]
+        if m.get("layers"):  # rounds after the timed ones, the save's layers timed
+            methods[name]["layers"] = layers(m["layers"])
 
     def ratio(a: str, b: str, key: str) -> float | None:
         x, y = methods.get(a, {}).get(key, {}), methods.get(b, {}).get(key, {})
@@ -157,6 +159,25 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         },
         "loop": raw.get("loop"),
     }
+
+
+LAYERS = ("copy", "capture", "ask", "answer", "hand_off")  # `dist_worker.save_layers`
+
+
+def layers(rounds: list[list[dict[str, float]]]) -> dict[str, Any]:
+    """The background save's layers (`dist_worker.layers`: per round, every rank's
+    milliseconds): each round's *rest* added (its blocking less every layer timed), and
+    per rank the median of each over the rounds; ``slowest``: the rank whose median
+    blocking is the largest."""
+    for rnd in rounds:
+        for row in rnd:
+            row["rest"] = round(row["blocking"] - sum(row.get(k, 0.0) for k in LAYERS), 4)
+    per_rank = [
+        {k: round(statistics.median(rnd[r][k] for rnd in rounds), 4) for k in rounds[0][r]}
+        for r in range(len(rounds[0]))
+    ]
+    slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["blocking"])
+    return {"rounds": rounds, "per_rank_ms": per_rank, "slowest": slowest}
 
 
 def run_phase(

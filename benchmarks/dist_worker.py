@@ -37,6 +37,13 @@ than cores the slowest rank's own time is a lottery: a rank the scheduler runs a
 copies in 5.5 ms, one that shares a core in 11 (the copy floor at 4 ranks on 2 cores
 took either in the run of 2026-12-05T05); the span is not.
 
+After the timed rounds, `LAYER_ROUNDS` more rounds of the copy floor then the
+background save (+ ``wait()``) time the layers of that save where they run
+(`timed_parts`, `save_layers`): the copy into shared memory, the capture, asking and
+waiting for the other ranks' decision whether the persist starts, and the hand-off to the
+persist worker; the rest of its blocking is the slot, its metadata and the bookkeeping.
+The timers stay out of the timed rounds.
+
 The ``get_state_dict`` call is inside DCP's timings, as resumable's own capture is inside
 ``save()``. DCP's directories are removed after each round, outside the timings.
 
@@ -68,6 +75,23 @@ from torch import nn
 
 DEPTH = 8
 BATCH = 16
+LAYER_ROUNDS = 10  # rounds after the timed ones with the background save's layers timed
+
+
+def save_layers() -> tuple[tuple[str, type, str], ...]:
+    """The layers of a background ``save()`` timed by `layers` (`timed_parts`)."""
+    from resumable.coordination import Agreement, Pending
+    from resumable.pipeline.memory import MemoryTier
+    from resumable.pipeline.persister import BackgroundPersister
+    from resumable.snapshot import CopyPlan
+
+    return (
+        ("copy", CopyPlan, "copy"),  # into the shared-memory slot
+        ("capture", MemoryTier, "_capture"),  # the walk of the state, the random streams
+        ("ask", Agreement, "decide_later"),  # whether the persist starts: asked
+        ("answer", Pending, "result"),  # ... and waited for, after the copy
+        ("hand_off", BackgroundPersister, "persist"),  # the job to the persist worker
+    )
 
 
 def build(size_mb: float, world: int) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
@@ -258,6 +282,7 @@ def main() -> None:
                 shutil.rmtree(dcp_dir(sub, i), ignore_errors=True)
         dist.barrier()
 
+    layered = layers(bg, copy_floor, args.warmup + args.reps) if bg is not None else None
     ours.close()
     if bg is not None:
         bg.close()
@@ -292,6 +317,8 @@ def main() -> None:
             bgm = out["methods"]["resumable_process"]
             bgm["snapshot"] = [max(rep) for rep in snap_times]
             bgm["per_rank_snapshot"] = [[round(x, 6) for x in rep] for rep in snap_times]
+        if layered is not None:
+            out["methods"]["resumable_process"]["layers"] = layered
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -301,6 +328,38 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def layers(
+    bg: Any, copy_floor: Callable[[int], tuple[float, float]], after: int
+) -> list[list[dict[str, float]]]:
+    """`LAYER_ROUNDS` rounds of the copy floor, then the background save of step
+    ``after + 1 + i`` with its layers timed (`save_layers`), then ``wait()``; per round,
+    every rank's milliseconds: ``floor``, ``blocking`` and each layer's (summed over its
+    calls in the save)."""
+    from timed_parts import timing_parts
+
+    parts = save_layers()
+    keys = ["floor", "blocking", *(name for name, _, _ in parts)]
+    mine = torch.zeros(LAYER_ROUNDS, len(keys), dtype=torch.float64)
+    for i in range(LAYER_ROUNDS):
+        dist.barrier()
+        floor, _ = copy_floor(i)
+        dist.barrier()
+        samples: dict[str, list[float]] = {}
+        with timing_parts(samples, parts):
+            t0 = time.perf_counter()
+            bg.save(after + 1 + i)
+            blocking = time.perf_counter() - t0
+        bg.wait()
+        took = [floor, blocking, *(sum(samples.get(name, ())) for name, _, _ in parts)]
+        mine[i] = torch.tensor(took, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [
+        [{k: round(float(v) * 1e3, 4) for k, v in zip(keys, e[i])} for e in every]
+        for i in range(LAYER_ROUNDS)
+    ]
 
 
 def _span(starts: list[float], took: list[float]) -> float:

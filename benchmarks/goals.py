@@ -460,10 +460,38 @@ def _dist(out: Result) -> list[dict[str, Any] | None]:
                 spans + f"of which the snapshot {_f(ratio(w, 'snapshot'), 'x')}; at one rank "
                 f"{_f(ratio(one, 'blocking'), 'x')} (snapshot {_f(ratio(one, 'snapshot'), 'x')})"
                 f"; {size} ranks share the machine's {out.get('machine', {}).get('cpu_count', '?')}"
-                " cores, each rank's fixed work taking turns with the others'" + turns,
+                " cores, each rank's fixed work taking turns with the others'"
+                + turns
+                + _layers(_get(w, "methods", "resumable_process", "layers")),
             )
         )
     return rows
+
+
+def _layers(layers: Any) -> str:
+    """`dist_bench.layers` in words, as a clause: the slowest rank's background save in
+    the rounds with its layers timed, against its copy floor in the same rounds."""
+    if not isinstance(layers, dict):  # runs before 2026-12-07
+        return ""
+    per_rank, slowest = layers.get("per_rank_ms"), layers.get("slowest")
+    if not isinstance(per_rank, list) or not isinstance(slowest, int):
+        return ""
+    m = per_rank[slowest]
+    floor, blocking, copy = (_num(m.get(k)) for k in ("floor", "blocking", "copy"))
+    if floor is None or blocking is None or copy is None:
+        return ""
+    agree = (_num(m.get("ask")) or 0.0) + (_num(m.get("answer")) or 0.0)
+    n = len(layers.get("rounds") or ())
+    return (
+        f"; in {n} more rounds with the save's layers timed, the slowest rank (rank "
+        f"{slowest}, medians): `save()` {_f(blocking, 'ms')} against its copy floor "
+        f"{_f(floor, 'ms')} ({_f(_div(blocking, floor), 'x')}); the copy inside it "
+        f"{_f(copy, 'ms')} ({_f(_div(copy, floor), 'x')} the floor); the work beside the "
+        f"copy {_f(blocking - copy, 'ms')}: the capture {_f(_num(m.get('capture')), 'ms')}, "
+        f"the other ranks' decision whether the persist starts {_f(agree, 'ms')}, the "
+        f"hand-off to the persist worker {_f(_num(m.get('hand_off')), 'ms')}, the rest (the "
+        f"slot, its metadata, the bookkeeping) {_f(_num(m.get('rest')), 'ms')}"
+    )
 
 
 def _method_ms(w: Any, method: str, key: str) -> float | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -1132,7 +1132,70 @@ def dist_section(out: Result) -> list[str]:
         ],
         rows,
     )
-    return lines
+    return lines + _dist_layers(worlds)
+
+
+def _dist_layers(worlds: Mapping[str, Any]) -> list[str]:
+    """Where the background save's blocking goes (`dist_bench.layers`), per world size:
+    the slowest rank's medians over the rounds with its layers timed."""
+    rows = []
+    for w, e in sorted(worlds.items(), key=lambda kv: int(kv[0])):
+        lay = _get(e, "methods", "resumable_process", "layers")
+        if not isinstance(lay, dict) or not isinstance(lay.get("per_rank_ms"), list):
+            continue
+        m = lay["per_rank_ms"][lay["slowest"]]
+        floor, blocking, copy = m["floor"], m["blocking"], m["copy"]
+        rows.append(
+            [
+                w,
+                str(len(lay.get("rounds") or ())),
+                str(lay["slowest"]),
+                _f(floor, "{:.2f}"),
+                _f(blocking, "{:.2f}"),
+                _x(_ratio(blocking, floor)),
+                _f(copy, "{:.2f}"),
+                _x(_ratio(copy, floor)),
+                _f(blocking - copy, "{:.2f}"),
+                _f(m.get("capture"), "{:.2f}"),
+                _f(m.get("ask", 0.0) + m.get("answer", 0.0), "{:.2f}"),
+                _f(m.get("hand_off"), "{:.2f}"),
+                _f(m.get("rest"), "{:.2f}"),
+            ]
+        )
+    if not rows:  # runs before 2026-12-07
+        return []
+    return [
+        "",
+        "Where the background `save()`'s blocking goes: after the timed rounds, more rounds "
+        "of the copy floor then the background save (+ `wait()`) with the layers of the "
+        "save timed where they run (`benchmarks/timed_parts.py`; the timers stay out of the "
+        "timed rounds). Medians of the rank whose median `save()` is the longest, in "
+        "milliseconds. *Copy*: into the shared-memory slot; *capture*: the walk of the "
+        "state and the random streams; *decision*: asking the other ranks whether the "
+        "persist starts (through the coordination store, on a thread, before the copy) "
+        "and waiting for the answer after it; *hand-off*: the job to the persist worker "
+        "(rank 0 also appends its `save_start` entry to the audit log); *rest*: the slot, "
+        "its metadata and the bookkeeping (the blocking less every layer timed).",
+        "",
+        *_table(
+            [
+                "ranks",
+                "rounds",
+                "rank",
+                "copy floor ms",
+                "`save()` ms",
+                "÷ floor",
+                "copy ms",
+                "copy ÷ floor",
+                "beside the copy ms",
+                "capture ms",
+                "decision ms",
+                "hand-off ms",
+                "rest ms",
+            ],
+            rows,
+        ),
+    ]
 
 
 def write_report(results: Path, docs: Path) -> None:

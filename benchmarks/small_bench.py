@@ -89,6 +89,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import nanogpt  # noqa: E402
+import timed_parts  # noqa: E402
 from small_report import DOCS, GOAL_FIXED_US, GOAL_PER_TENSOR_US, render, write_docs  # noqa: E402
 
 import resumable  # noqa: E402
@@ -625,31 +626,10 @@ LOOP_PARTS: tuple[tuple[str, type, str], ...] = (
 )
 
 
-@contextlib.contextmanager
-def timing_parts(into: dict[str, list[float]]) -> Iterator[None]:
+def timing_parts(into: dict[str, list[float]]) -> contextlib.AbstractContextManager[None]:
     """Each method of `LOOP_PARTS` wrapped, on its class, by a timer that appends its
-    seconds to ``into[name]``; put back on exit."""
-    saved: list[tuple[type, str, Any]] = []
-
-    def timed(fn: Callable[..., Any], samples: list[float]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                samples.append(time.perf_counter() - t0)
-
-        return run
-
-    try:
-        for name, cls, attr in LOOP_PARTS:
-            fn = cls.__dict__[attr]
-            saved.append((cls, attr, fn))
-            setattr(cls, attr, timed(fn, into.setdefault(name, [])))
-        yield
-    finally:
-        for cls, attr, fn in reversed(saved):
-            setattr(cls, attr, fn)
+    seconds to ``into[name]``; put back on exit (`timed_parts.timing_parts`)."""
+    return timed_parts.timing_parts(into, LOOP_PARTS)
 
 
 def loop_parts(
