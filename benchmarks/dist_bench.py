@@ -161,17 +161,20 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-LAYERS = ("copy", "capture", "ask", "answer", "hand_off")  # `dist_worker.save_layers`
+LAYERS = ("copy", "capture", "take", "ask", "answer", "hand_off")  # `dist_worker.save_layers`
 
 
 def layers(rounds: list[list[dict[str, float]]]) -> dict[str, Any]:
     """The background save's layers (`dist_worker.layers`: per round, every rank's
-    milliseconds): each round's *rest* added (its blocking less every layer timed), and
-    per rank the median of each over the rounds; ``slowest``: the rank whose median
-    blocking is the largest."""
+    milliseconds): each round's *slot* added (the snapshot less its capture and copy: the
+    slot, its metadata) and *rest* (the blocking less the snapshot, the decision and the
+    hand-off), and per rank the median of each over the rounds; ``slowest``: the rank
+    whose median blocking is the largest."""
     for rnd in rounds:
         for row in rnd:
-            row["rest"] = round(row["blocking"] - sum(row.get(k, 0.0) for k in LAYERS), 4)
+            row["slot"] = round(row["take"] - row["copy"] - row["capture"], 4)
+            outside = row["take"] + row["ask"] + row["answer"] + row["hand_off"]
+            row["rest"] = round(row["blocking"] - outside, 4)
     per_rank = [
         {k: round(statistics.median(rnd[r][k] for rnd in rounds), 4) for k in rounds[0][r]}
         for r in range(len(rounds[0]))

@@ -39,9 +39,10 @@ took either in the run of 2026-12-05T05); the span is not.
 
 After the timed rounds, `LAYER_ROUNDS` more rounds of the copy floor then the
 background save (+ ``wait()``) time the layers of that save where they run
-(`timed_parts`, `save_layers`): the copy into shared memory, the capture, asking and
-waiting for the other ranks' decision whether the persist starts, and the hand-off to the
-persist worker; the rest of its blocking is the slot, its metadata and the bookkeeping.
+(`timed_parts`, `save_layers`): the snapshot (the capture, the copy into shared memory,
+and between them the slot and its metadata), asking and waiting for the other ranks'
+decision whether the persist starts, and the hand-off to the persist worker; the rest of
+its blocking is the bookkeeping of ``save()``.
 The timers stay out of the timed rounds.
 
 The ``get_state_dict`` call is inside DCP's timings, as resumable's own capture is inside
@@ -88,6 +89,7 @@ def save_layers() -> tuple[tuple[str, type, str], ...]:
     return (
         ("copy", CopyPlan, "copy"),  # into the shared-memory slot
         ("capture", MemoryTier, "_capture"),  # the walk of the state, the random streams
+        ("take", MemoryTier, "take"),  # the snapshot: the capture, the slot, the copy
         ("ask", Agreement, "decide_later"),  # whether the persist starts: asked
         ("answer", Pending, "result"),  # ... and waited for, after the copy
         ("hand_off", BackgroundPersister, "persist"),  # the job to the persist worker

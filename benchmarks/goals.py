@@ -488,9 +488,10 @@ def _layers(layers: Any) -> str:
         f"{_f(floor, 'ms')} ({_f(_div(blocking, floor), 'x')}); the copy inside it "
         f"{_f(copy, 'ms')} ({_f(_div(copy, floor), 'x')} the floor); the work beside the "
         f"copy {_f(blocking - copy, 'ms')}: the capture {_f(_num(m.get('capture')), 'ms')}, "
-        f"the other ranks' decision whether the persist starts {_f(agree, 'ms')}, the "
-        f"hand-off to the persist worker {_f(_num(m.get('hand_off')), 'ms')}, the rest (the "
-        f"slot, its metadata, the bookkeeping) {_f(_num(m.get('rest')), 'ms')}"
+        f"the slot and its metadata {_f(_num(m.get('slot')), 'ms')}, the other ranks' "
+        f"decision whether the persist starts {_f(agree, 'ms')}, the hand-off to the "
+        f"persist worker {_f(_num(m.get('hand_off')), 'ms')}, the rest of `save()`'s "
+        f"bookkeeping {_f(_num(m.get('rest')), 'ms')}"
     )
 
 

@@ -1157,6 +1157,7 @@ def _dist_layers(worlds: Mapping[str, Any]) -> list[str]:
                 _x(_ratio(copy, floor)),
                 _f(blocking - copy, "{:.2f}"),
                 _f(m.get("capture"), "{:.2f}"),
+                _f(m.get("slot"), "{:.2f}"),
                 _f(m.get("ask", 0.0) + m.get("answer", 0.0), "{:.2f}"),
                 _f(m.get("hand_off"), "{:.2f}"),
                 _f(m.get("rest"), "{:.2f}"),
@@ -1171,11 +1172,13 @@ def _dist_layers(worlds: Mapping[str, Any]) -> list[str]:
         "save timed where they run (`benchmarks/timed_parts.py`; the timers stay out of the "
         "timed rounds). Medians of the rank whose median `save()` is the longest, in "
         "milliseconds. *Copy*: into the shared-memory slot; *capture*: the walk of the "
-        "state and the random streams; *decision*: asking the other ranks whether the "
-        "persist starts (through the coordination store, on a thread, before the copy) "
-        "and waiting for the answer after it; *hand-off*: the job to the persist worker "
-        "(rank 0 also appends its `save_start` entry to the audit log); *rest*: the slot, "
-        "its metadata and the bookkeeping (the blocking less every layer timed).",
+        "state and the random streams; *slot*: the rest of the snapshot (the copy plan's "
+        "check, choosing and marking the slot, its metadata); *decision*: asking the "
+        "other ranks whether the persist starts (through the coordination store, on a "
+        "thread, before the copy) and waiting for the answer after it; *hand-off*: the "
+        "job to the persist worker (rank 0 also appends its `save_start` entry to the "
+        "audit log); *rest*: the bookkeeping of `save()` (the blocking less the snapshot, "
+        "the decision and the hand-off).",
         "",
         *_table(
             [
@@ -1189,6 +1192,7 @@ def _dist_layers(worlds: Mapping[str, Any]) -> list[str]:
                 "copy ÷ floor",
                 "beside the copy ms",
                 "capture ms",
+                "slot ms",
                 "decision ms",
                 "hand-off ms",
                 "rest ms",

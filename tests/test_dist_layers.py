@@ -20,7 +20,7 @@ import dist_worker  # noqa: E402
 import goals  # noqa: E402
 import report  # noqa: E402
 
-LAYER_KEYS = {"floor", "blocking", "rest", *dist_bench.LAYERS}
+LAYER_KEYS = {"floor", "blocking", "slot", "rest", *dist_bench.LAYERS}
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,12 @@ def test_every_layer_is_timed_inside_the_save_of_every_rank(two_ranks: dict[str,
         assert len(rnd) == 2  # both ranks
         for row in rnd:
             assert set(row) == LAYER_KEYS
-            for k in ("floor", "copy", "capture", "ask", "hand_off"):
+            for k in ("floor", "copy", "capture", "take", "ask", "hand_off"):
                 assert row[k] > 0, (k, row)  # each found and called in every save
             assert row["answer"] >= 0
-            # the layers run inside save(), one after another: they fit in its time
-            assert row["rest"] >= 0, row
+            # the capture and the copy run inside the snapshot, and it, the decision and
+            # the hand-off inside save(), one after another: each fits in its time
+            assert row["slot"] >= 0 and row["rest"] >= 0, row
     per_rank = lay["per_rank_ms"]
     assert lay["slowest"] == max((0, 1), key=lambda r: per_rank[r]["blocking"])
 
@@ -58,7 +59,7 @@ def test_the_report_and_the_goal_row_give_the_slowest_ranks_layers(
     assert cells[2] == str(lay["slowest"])
     assert cells[3] == f"{m['floor']:.2f}" and cells[6] == f"{m['copy']:.2f}"
     assert cells[8] == f"{m['blocking'] - m['copy']:.2f}"
-    assert cells[10] == f"{m['ask'] + m['answer']:.2f}"
+    assert cells[10] == f"{m['slot']:.2f}" and cells[11] == f"{m['ask'] + m['answer']:.2f}"
     (goal,) = [r for r in goals._dist(out) if r is not None]
     assert f"the slowest rank (rank {lay['slowest']}, medians)" in goal["why"]
     assert f"the hand-off to the persist worker {m['hand_off']:.2f} ms" in goal["why"]
@@ -66,12 +67,22 @@ def test_the_report_and_the_goal_row_give_the_slowest_ranks_layers(
 
 def test_the_summary_adds_each_rounds_rest_and_finds_the_slowest_rank() -> None:
     def row(blocking: float, copy: float) -> dict[str, float]:
-        return {"floor": 1.0, "blocking": blocking, "copy": copy, "capture": 0.25}
+        take = copy + 0.5
+        rest = dict(ask=0.125, answer=0.0, hand_off=0.125)
+        return {
+            "floor": 1.0,
+            "blocking": blocking,
+            "copy": copy,
+            "capture": 0.25,
+            "take": take,
+            **rest,
+        }
 
     rounds = [[row(2.0, 1.0), row(3.0, 1.5)], [row(4.0, 1.0), row(3.5, 2.0)]]
     got = dist_bench.layers(rounds)
-    assert [[r["rest"] for r in rnd] for rnd in got["rounds"]] == [[0.75, 1.25], [2.75, 1.25]]
-    assert got["per_rank_ms"][0]["blocking"] == 3.0 and got["per_rank_ms"][1]["rest"] == 1.25
+    assert all(r["slot"] == 0.25 for rnd in got["rounds"] for r in rnd)
+    assert [[r["rest"] for r in rnd] for rnd in got["rounds"]] == [[0.25, 0.75], [2.25, 0.75]]
+    assert got["per_rank_ms"][0]["blocking"] == 3.0 and got["per_rank_ms"][1]["rest"] == 0.75
     assert got["slowest"] == 1  # medians 3.0 and 3.25
 
 
