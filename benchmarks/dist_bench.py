@@ -168,15 +168,18 @@ def layers(rounds: list[list[dict[str, float]]]) -> dict[str, Any]:
     """The background save's layers (`dist_worker.layers`: per round, every rank's
     milliseconds): each round's *slot* added (the snapshot less its capture and copy: the
     slot, its metadata) and *rest* (the blocking less the snapshot, the decision and the
-    hand-off), and per rank the median of each over the rounds; ``slowest``: the rank
-    whose median blocking is the largest."""
+    hand-off), and per rank the mean of each over the rounds (means, so that the layers'
+    add up to the blocking's, as each round's do: a rank that lost its core for a while
+    lost it inside one layer or another, a different one from round to round, which the
+    layers' medians would each leave out); ``slowest``: the rank whose mean blocking is
+    the largest."""
     for rnd in rounds:
         for row in rnd:
             row["slot"] = round(row["take"] - row["copy"] - row["capture"], 4)
             outside = row["take"] + row["ask"] + row["answer"] + row["hand_off"]
             row["rest"] = round(row["blocking"] - outside, 4)
     per_rank = [
-        {k: round(statistics.median(rnd[r][k] for rnd in rounds), 4) for k in rounds[0][r]}
+        {k: round(statistics.fmean(rnd[r][k] for rnd in rounds), 4) for k in rounds[0][r]}
         for r in range(len(rounds[0]))
     ]
     slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["blocking"])

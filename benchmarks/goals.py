@@ -484,7 +484,7 @@ def _layers(layers: Any) -> str:
     n = len(layers.get("rounds") or ())
     return (
         f"; in {n} more rounds with the save's layers timed, the slowest rank (rank "
-        f"{slowest}, medians): `save()` {_f(blocking, 'ms')} against its copy floor "
+        f"{slowest}, means): `save()` {_f(blocking, 'ms')} against its copy floor "
         f"{_f(floor, 'ms')} ({_f(_div(blocking, floor), 'x')}); the copy inside it "
         f"{_f(copy, 'ms')} ({_f(_div(copy, floor), 'x')} the floor); the work beside the "
         f"copy {_f(blocking - copy, 'ms')}: the capture {_f(_num(m.get('capture')), 'ms')}, "

@@ -61,7 +61,7 @@ def test_the_report_and_the_goal_row_give_the_slowest_ranks_layers(
     assert cells[8] == f"{m['blocking'] - m['copy']:.2f}"
     assert cells[10] == f"{m['slot']:.2f}" and cells[11] == f"{m['ask'] + m['answer']:.2f}"
     (goal,) = [r for r in goals._dist(out) if r is not None]
-    assert f"the slowest rank (rank {lay['slowest']}, medians)" in goal["why"]
+    assert f"the slowest rank (rank {lay['slowest']}, means)" in goal["why"]
     assert f"the hand-off to the persist worker {m['hand_off']:.2f} ms" in goal["why"]
 
 
@@ -83,7 +83,11 @@ def test_the_summary_adds_each_rounds_rest_and_finds_the_slowest_rank() -> None:
     assert all(r["slot"] == 0.25 for rnd in got["rounds"] for r in rnd)
     assert [[r["rest"] for r in rnd] for rnd in got["rounds"]] == [[0.25, 0.75], [2.25, 0.75]]
     assert got["per_rank_ms"][0]["blocking"] == 3.0 and got["per_rank_ms"][1]["rest"] == 0.75
-    assert got["slowest"] == 1  # medians 3.0 and 3.25
+    assert got["slowest"] == 1  # means 3.0 and 3.25
+    for m in got["per_rank_ms"]:  # the means add up as each round does
+        layers = m["take"] + m["ask"] + m["answer"] + m["hand_off"] + m["rest"]
+        assert abs(layers - m["blocking"]) < 1e-9
+        assert abs(m["copy"] + m["capture"] + m["slot"] - m["take"]) < 1e-9
 
 
 def test_a_run_from_before_the_layers_renders_without_them() -> None:
