@@ -168,11 +168,11 @@ def layers(rounds: list[list[dict[str, float]]]) -> dict[str, Any]:
     """The background save's layers (`dist_worker.layers`: per round, every rank's
     milliseconds): each round's *slot* added (the snapshot less its capture and copy: the
     slot, its metadata) and *rest* (the blocking less the snapshot, the decision and the
-    hand-off), and per rank the mean of each over the rounds (means, so that the layers'
-    add up to the blocking's, as each round's do: a rank that lost its core for a while
-    lost it inside one layer or another, a different one from round to round, which the
-    layers' medians would each leave out); ``slowest``: the rank whose mean blocking is
-    the largest."""
+    hand-off), and per rank the mean of each over the rounds. Means, so that the layers
+    add up to the blocking as they do in each round: a rank that loses its core for a
+    while loses it inside one layer or another, a different one from round to round,
+    which each layer's median would leave out. ``slowest``: the rank whose mean blocking
+    is the largest."""
     for rnd in rounds:
         for row in rnd:
             row["slot"] = round(row["take"] - row["copy"] - row["capture"], 4)
