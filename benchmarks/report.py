@@ -1137,7 +1137,7 @@ def dist_section(out: Result) -> list[str]:
 
 def _dist_layers(worlds: Mapping[str, Any]) -> list[str]:
     """Where the background save's blocking goes (`dist_bench.layers`), per world size:
-    the slowest rank's medians over the rounds with its layers timed."""
+    the slowest rank's means over the rounds with its layers timed."""
     rows = []
     for w, e in sorted(worlds.items(), key=lambda kv: int(kv[0])):
         lay = _get(e, "methods", "resumable_process", "layers")
