@@ -271,8 +271,9 @@ def _small(out: Result) -> list[dict[str, Any] | None]:
         floor_us = min((c for c in copies if c is not None), default=None)
         share = None if off_ms is None or floor_us is None else floor_us / (off_ms * 1000) * 100
         # The bound: the same copy timed where the snapshot runs, after each iteration of
-        # a block of its own (`small_bench.loop_floor`: on the copy threads from 32 MiB,
-        # as a snapshot copies). A run without it: the copies timed in a row, on one
+        # a block of its own (`small_bench.loop_floor`: on the copy threads from 8 MiB,
+        # 32 MiB in runs before 2026-12-07, as a snapshot copies). A run without it (all
+        # from before that day): the copies timed in a row, on one
         # thread, which bound nothing from 32 MiB (the snapshot copies on the threads).
         # Its fastest sample, as every floor here (other jobs only ever add time); a run
         # without the samples: the median it recorded.

@@ -38,7 +38,7 @@ without checkpoints and ``block`` with ``ck.maybe_save(step)`` after each (a mem
 snapshot every step, no persist), in ABBA order; each iteration is timed from the batch
 to the end of ``maybe_save``. A fourth block copies the same tensors after each
 iteration with nothing else (`loop_floor`: ``_foreach_copy_`` into memory allocated
-once, on the copy threads from 32 MiB as a snapshot copies): the copy floor where the
+once, on the copy threads from 8 MiB as a snapshot copies): the copy floor where the
 snapshot runs, with the caches as an iteration leaves them. A fifth block takes, after
 each iteration, the least any snapshot of this state does (`least_snapshot`: the version
 tags of the dicts the state's structure lies in compared with the last ones, the same
@@ -97,7 +97,7 @@ from resumable import capture as capture_mod  # noqa: E402
 from resumable._capture_plan import CapturePlan, NumpyState, PythonState  # noqa: E402
 from resumable._shm import encode_meta  # noqa: E402
 from resumable.pipeline.memory import MemoryTier, TreeJSON  # noqa: E402
-from resumable.snapshot import CopyPlan, copy_threads  # noqa: E402
+from resumable.snapshot import SHARED_COPY_MIN_BYTES, CopyPlan, copy_threads  # noqa: E402
 
 __all__ = ["MODELS", "ModelSpec", "Settings", "main", "render", "run_phase", "write_docs"]
 
@@ -242,7 +242,7 @@ def snapshot_parts(
 ) -> dict[str, Timed]:
     """Timed calls of a whole snapshot (with and without RNG), from step ``first_step``
     on, and of each of its parts; ``pool`` is the copy threads' (as the memory tier has,
-    used for states over 32 MiB when torch has one intra-op thread)."""
+    used for states from 8 MiB when torch has one intra-op thread)."""
     step = [first_step]
 
     def snap(c: resumable.Checkpointer) -> Timed:
@@ -571,22 +571,24 @@ def loop_floor(
 ) -> tuple[Callable[[], None], int, Callable[[], None]]:
     """The copy floor timed inside the training loop: the same tensors copied by
     ``_foreach_copy_`` into views of one buffer allocated once, with nothing else (no
-    capture, no metadata, no slot). From 32 MiB on, as a snapshot copies such a state
-    (`resumable.snapshot.copy_into`), the copies are cut into pieces of 16 MiB at most
-    and shared out by bytes over `copy_threads` threads, each running one
-    ``_foreach_copy_``. ``into``: the uint8 buffer to copy into (else one allocated
-    here). Returns the copy, its thread count and a closer."""
+    capture, no metadata, no slot). From `SHARED_COPY_MIN_BYTES` (8 MiB) on, as a
+    snapshot copies such a state (`resumable.snapshot.CopyPlan.copy`), the copies are
+    cut into pieces (the state over twice the threads, between 1 and 16 MiB) and shared
+    out by bytes over `copy_threads` threads, each running one ``_foreach_copy_``.
+    ``into``: the uint8 buffer to copy into (else one allocated here). Returns the copy,
+    its thread count and a closer."""
     total = captured_bytes(tensors)
     buf = torch.empty(total, dtype=torch.uint8) if into is None else into
     views = list(buf.split([t.nbytes for t in tensors]))
     pairs = [(v.view(t.dtype).view(t.shape), t) for v, t in zip(views, tensors)]
-    threads = copy_threads() if total >= 32 << 20 else 1
+    threads = copy_threads() if total >= SHARED_COPY_MIN_BYTES else 1
     groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [pairs]
     if threads > 1:
+        piece = min(16 << 20, max(1 << 20, total // (2 * threads)))
         chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
         for d, s in pairs:
             fd, fs = d.view(-1), s.reshape(-1)
-            step = max(1, (16 << 20) // s.element_size())
+            step = max(1, piece // s.element_size())
             chunks.extend((fd[i : i + step], fs[i : i + step]) for i in range(0, fs.numel(), step))
         groups = [[] for _ in range(threads)]
         loads = [0] * threads

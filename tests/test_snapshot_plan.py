@@ -344,6 +344,7 @@ def test_a_large_state_is_copied_by_threads_from_a_share_out_planned_once(
     from resumable import snapshot as snap_mod
 
     monkeypatch.setattr(snap_mod, "_PARALLEL_MIN_BYTES", 1 << 10)
+    monkeypatch.setattr(snap_mod, "SHARED_COPY_MIN_BYTES", 1 << 10)
     monkeypatch.setattr(snap_mod, "_CHUNK_BYTES", 1 << 10)
     torch.manual_seed(5)
     big = torch.randn(40, 50)  # 8,000 bytes: 8 pieces
@@ -386,6 +387,67 @@ def test_a_large_state_is_copied_by_threads_from_a_share_out_planned_once(
             plan.copy(buf, odd, pool)
             snap_mod.copy_into(want, plan.slots, odd, None)
             assert torch.equal(buf, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_middle_sized_state_is_shared_with_one_thread_and_copied_at_once_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between `SHARED_COPY_MIN_BYTES` and `_PARALLEL_MIN_BYTES`: with torch on one
+    intra-op thread the copy is shared among the pool's threads, in pieces small enough
+    that a state mostly made of one tensor is shared evenly; with more intra-op threads,
+    or a tensor to split that is not contiguous, it is one ``_foreach_copy_`` on the
+    calling thread (never `copy_into`'s tensor-by-tensor loop). Exact every way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from resumable import snapshot as snap_mod
+
+    monkeypatch.setattr(snap_mod, "SHARED_COPY_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(snap_mod, "_PARALLEL_MIN_BYTES", 1 << 30)
+    calls: list[str] = []
+    shared = snap_mod.CopyPlan._copy_shared
+
+    def spy_shared(self: Any, *args: Any) -> bool:
+        done = shared(self, *args)
+        calls.append(f"shared:{done}")
+        return done
+
+    def no_copy_into(*args: Any) -> None:
+        raise AssertionError("copy_into under _PARALLEL_MIN_BYTES")
+
+    monkeypatch.setattr(snap_mod.CopyPlan, "_copy_shared", spy_shared)
+    monkeypatch.setattr(snap_mod, "copy_into", no_copy_into)
+    torch.manual_seed(6)
+    tensors = {"big": torch.randn(600, 1000), "small": torch.randn(64), "step": torch.tensor(3.0)}
+    plan = snap_mod.CopyPlan(tensors)
+    assert plan.nbytes >= 64 << 10
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+
+    def want(ts: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros_like(buf)
+        for slot in plan.slots:
+            snap_mod.tensor_view(out, slot).copy_(ts[slot.name])
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            torch.set_num_threads(1)
+            buf.zero_()
+            plan.copy(buf, tensors, pool)
+            assert calls == ["shared:True"] and torch.equal(buf, want(tensors))
+            loads = [sum(v.numel() * v.element_size() for v in s[0]) for s in plan._shares(buf, 2)]
+            assert len(loads) == 2 and max(loads) <= 0.6 * sum(loads)  # "big" in pieces
+            odd = {**tensors, "big": torch.randn(1000, 600).t()}
+            buf.zero_()
+            plan.copy(buf, odd, pool)
+            assert calls[-1] == "shared:False" and torch.equal(buf, want(odd))
+            torch.set_num_threads(2)
+            calls.clear()
+            buf.zero_()
+            plan.copy(buf, tensors, pool)
+            assert calls == [] and torch.equal(buf, want(tensors))
     finally:
         torch.set_num_threads(threads)
 

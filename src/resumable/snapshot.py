@@ -154,14 +154,21 @@ class CopyPlan:
         tensors: Mapping[str, torch.Tensor],
         pool: ThreadPoolExecutor | None = None,
     ) -> None:
-        """Copy ``tensors`` (of this plan's structure) into ``buf``; done on return."""
+        """Copy ``tensors`` (of this plan's structure) into ``buf``; done on return.
+
+        On the CPU: from `SHARED_COPY_MIN_BYTES`, with torch on one intra-op thread and
+        a ``pool``, shared among the pool's threads (`_copy_shared`); from
+        `_PARALLEL_MIN_BYTES` otherwise by `copy_into` (torch's threads, or chunks);
+        else one ``torch._foreach_copy_`` on this thread."""
         if self.on_cuda:
             copy_into(buf, self.slots, tensors, pool)  # side streams
             return
-        if pool is not None and self.nbytes >= _PARALLEL_MIN_BYTES:
-            if torch.get_num_threads() > 1 or not self._copy_shared(buf, tensors, pool):
+        if pool is not None and self.nbytes >= SHARED_COPY_MIN_BYTES:
+            if torch.get_num_threads() == 1 and self._copy_shared(buf, tensors, pool):
+                return
+            if self.nbytes >= _PARALLEL_MIN_BYTES:
                 copy_into(buf, self.slots, tensors, pool)  # torch's threads, or chunks
-            return
+                return
         if not self.names:
             return  # torch._foreach_copy_ refuses empty lists
         with torch.no_grad():
@@ -217,18 +224,21 @@ class CopyPlan:
     ) -> list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]]:
         """Per thread (at most ``n``, each non-empty): destination views in ``buf`` and,
         for each, the source's name and the element range copied (``hi`` -1: all of
-        it); tensors over `_CHUNK_BYTES` in pieces of about that size, the largest
-        pieces first to the least loaded thread, as `copy_into` shares them."""
+        it); tensors larger than a piece in pieces of about that size, the largest
+        pieces first to the least loaded thread, as `copy_into` shares them. A piece is
+        `_CHUNK_BYTES`, or less in a state under ``2 * n`` of them, down to 1 MiB: a
+        state of 10 MiB whose largest tensor holds 8 is still shared evenly."""
         key = (id(buf), n)
         hit = self._share_cache.get(key)
         if hit is not None and hit[0] is buf:
             return hit[1]
+        piece_bytes = min(_CHUNK_BYTES, max(1 << 20, self.nbytes // (2 * max(1, n))))
         jobs: list[tuple[torch.Tensor, tuple[str, int, int]]] = []
         for slot in self.slots:
             dst = tensor_view(buf, slot)
-            if slot.nbytes > _CHUNK_BYTES and dst.dim() > 0:
+            if slot.nbytes > piece_bytes and dst.dim() > 0:
                 flat = dst.view(-1)
-                step = max(1, _CHUNK_BYTES // max(1, dst.element_size()))
+                step = max(1, piece_bytes // max(1, dst.element_size()))
                 for i in range(0, flat.numel(), step):
                     piece = flat[i : i + step]
                     jobs.append((piece, (slot.name, i, i + piece.numel())))
@@ -354,6 +364,11 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 # --------------------------------------------------------------------------- memory tier
 
 _PARALLEL_MIN_BYTES = 32 << 20
+# From this size, with one intra-op thread, a snapshot's copy is shared among the copy
+# threads (`CopyPlan.copy`); below it, one `_foreach_copy_` on the calling thread costs
+# less than handing a share to another thread (``docs/decisions.md``, "Copy threads
+# from 8 MiB").
+SHARED_COPY_MIN_BYTES = 8 << 20
 _CHUNK_BYTES = 16 << 20
 _HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy thread
 
