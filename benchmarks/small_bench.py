@@ -97,7 +97,12 @@ from resumable import capture as capture_mod  # noqa: E402
 from resumable._capture_plan import CapturePlan, NumpyState, PythonState  # noqa: E402
 from resumable._shm import encode_meta  # noqa: E402
 from resumable.pipeline.memory import MemoryTier, TreeJSON  # noqa: E402
-from resumable.snapshot import SHARED_COPY_MIN_BYTES, CopyPlan, copy_threads  # noqa: E402
+from resumable.snapshot import (  # noqa: E402
+    SHARED_COPY_MIN_BYTES,
+    CopyPlan,
+    copy_threads,
+    share_piece_bytes,
+)
 
 __all__ = ["MODELS", "ModelSpec", "Settings", "main", "render", "run_phase", "write_docs"]
 
@@ -573,8 +578,8 @@ def loop_floor(
     ``_foreach_copy_`` into views of one buffer allocated once, with nothing else (no
     capture, no metadata, no slot). From `SHARED_COPY_MIN_BYTES` (8 MiB) on, as a
     snapshot copies such a state (`resumable.snapshot.CopyPlan.copy`), the copies are
-    cut into pieces (the state over twice the threads, between 1 and 16 MiB) and shared
-    out by bytes over `copy_threads` threads, each running one ``_foreach_copy_``.
+    cut into pieces (`share_piece_bytes`) and shared out by bytes over `copy_threads`
+    threads, each running one ``_foreach_copy_``.
     ``into``: the uint8 buffer to copy into (else one allocated here). Returns the copy,
     its thread count and a closer."""
     total = captured_bytes(tensors)
@@ -584,7 +589,7 @@ def loop_floor(
     threads = copy_threads() if total >= SHARED_COPY_MIN_BYTES else 1
     groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [pairs]
     if threads > 1:
-        piece = min(16 << 20, max(1 << 20, total // (2 * threads)))
+        piece = share_piece_bytes(total, threads)
         chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
         for d, s in pairs:
             fd, fs = d.view(-1), s.reshape(-1)

@@ -391,6 +391,17 @@ def test_a_large_state_is_copied_by_threads_from_a_share_out_planned_once(
         torch.set_num_threads(threads)
 
 
+def test_a_shared_copy_cuts_pieces_to_the_state_between_1_and_16_mib() -> None:
+    from resumable.snapshot import share_piece_bytes
+
+    mib = 1 << 20
+    assert share_piece_bytes(1 << 30, 2) == 16 * mib  # large states: as before
+    assert share_piece_bytes(64 * mib, 2) == 16 * mib
+    assert share_piece_bytes(10 * mib, 2) == 10 * mib // 4  # two pieces a thread at least
+    assert share_piece_bytes(3 * mib, 2) == mib  # never under 1 MiB
+    assert share_piece_bytes(10 * mib, 0) == 5 * mib  # no threads counts as one
+
+
 def test_a_middle_sized_state_is_shared_with_one_thread_and_copied_at_once_else(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -224,15 +224,13 @@ class CopyPlan:
     ) -> list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]]:
         """Per thread (at most ``n``, each non-empty): destination views in ``buf`` and,
         for each, the source's name and the element range copied (``hi`` -1: all of
-        it); tensors larger than a piece in pieces of about that size, the largest
-        pieces first to the least loaded thread, as `copy_into` shares them. A piece is
-        `_CHUNK_BYTES`, or less in a state under ``2 * n`` of them, down to 1 MiB: a
-        state of 10 MiB whose largest tensor holds 8 is still shared evenly."""
+        it); tensors larger than a piece (`share_piece_bytes`) in pieces of about that
+        size, the largest pieces first to the least loaded thread."""
         key = (id(buf), n)
         hit = self._share_cache.get(key)
         if hit is not None and hit[0] is buf:
             return hit[1]
-        piece_bytes = min(_CHUNK_BYTES, max(1 << 20, self.nbytes // (2 * max(1, n))))
+        piece_bytes = share_piece_bytes(self.nbytes, n)
         jobs: list[tuple[torch.Tensor, tuple[str, int, int]]] = []
         for slot in self.slots:
             dst = tensor_view(buf, slot)
@@ -371,6 +369,13 @@ _PARALLEL_MIN_BYTES = 32 << 20
 SHARED_COPY_MIN_BYTES = 8 << 20
 _CHUNK_BYTES = 16 << 20
 _HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy thread
+
+
+def share_piece_bytes(nbytes: int, threads: int) -> int:
+    """The size of the pieces a copy of ``nbytes`` shared among ``threads`` cuts its
+    tensors into: `_CHUNK_BYTES`, or less in a state under ``2 * threads`` of them, down
+    to 1 MiB (a state of 10 MiB whose largest tensor holds 8 is still shared evenly)."""
+    return min(_CHUNK_BYTES, max(1 << 20, nbytes // (2 * max(1, threads))))
 
 
 def copy_threads() -> int:
