@@ -285,7 +285,8 @@ def _small(out: Result) -> list[dict[str, Any] | None]:
             loop = fastest_us / (off_ms * 1000) * 100
         threads = m.get("loop_floor_threads")
         threaded = (_num(m.get("bytes")) or 0) >= 32 << 20
-        overhead = _num(m.get("overhead_pct"))
+        # the median of the rounds' ratios (runs from 2026-12-07 on), else the ratio of medians
+        overhead = _num(m.get("paired_overhead_pct", m.get("overhead_pct")))
         alone = _num(m.get("maybe_save_pct"))
         measured = None if overhead is None else max(overhead, alone or overhead)
         if loop is not None:
@@ -326,10 +327,16 @@ def _small(out: Result) -> list[dict[str, Any] | None]:
                 )
                 + _profile(m, limit, off_ms)
                 + _in_loop(m),
-                "overlap mode: " + _f(_num(m.get("overlap_overhead_pct")), "%"),
+                "overlap mode: " + _f(_num(_overlap_pct(m)), "%"),
             )
         )
     return rows
+
+
+def _overlap_pct(m: Mapping[str, Any]) -> Any:
+    """The overlap mode's overhead: the median of the rounds' ratios (runs from
+    2026-12-07 on), else the ratio of medians."""
+    return m.get("paired_overlap_overhead_pct", m.get("overlap_overhead_pct"))
 
 
 def _least(m: Mapping[str, Any], off_ms: float | None) -> str:

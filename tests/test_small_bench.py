@@ -44,7 +44,7 @@ METHODS = {
 def small_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("small")
     settings = small_bench.Settings(
-        sizes=(3, 7), reps=2, warmup=1, models=("tiny",), rounds=1, block=1
+        sizes=(3, 7), reps=2, warmup=1, models=("tiny",), rounds=1, block=2
     )
     return small_bench.run_phase(base / "work", settings, log=lambda _: None, shm_dir=base / "shm")
 
@@ -64,22 +64,30 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
         for key in ("dcp_default_stager", "dcp_blocking_stager"):
             assert key in entry["methods"] or key in entry.get("errors", {})
     tiny = small_result["models"]["tiny"]
+    # blocks of two iterations: the first of each (after another kind's) not counted,
+    # every maybe_save timed
+    assert tiny["settle"] == 1
     assert len(tiny["iteration_off_ms"]) == len(tiny["iteration_on_ms"]) == 1
     assert len(tiny["iteration_overlap_ms"]) == 1
-    assert len(tiny["maybe_save_us"]) == len(tiny["maybe_save_overlap_us"]) == 1
+    assert len(tiny["maybe_save_us"]) == len(tiny["maybe_save_overlap_us"]) == 2
     assert tiny["tensors"] > 50 and {"ratio", "overhead_pct", "parts_us"} <= set(tiny)
     assert {"overlap_ratio", "overlap_overhead_pct"} <= set(tiny)
+    # the overhead from the one round's pair of blocks
+    assert tiny["paired_overhead_pct"] == pytest.approx((tiny["pair_ratios"][0] - 1) * 100)
+    assert tiny["paired_overlap_overhead_pct"] == pytest.approx(
+        (tiny["overlap_pair_ratios"][0] - 1) * 100
+    )
     # the copy floor timed in the loop: one sample per iteration of its block, one
     # thread under 32 MiB
-    assert len(tiny["loop_floor_us"]) == 1 and tiny["loop_floor_threads"] == 1
+    assert len(tiny["loop_floor_us"]) == 2 and tiny["loop_floor_threads"] == 1
     assert tiny["median_loop_floor_us"] > 0 and tiny["loop_floor_pct"] > 0
     # the least snapshot, timed in the loop the same way; its dicts compared by tag
     # where this Python has tags (every module's six, the optimizer's state and each
     # parameter's)
-    assert len(tiny["least_us"]) == 1 and tiny["median_least_us"] > 0
+    assert len(tiny["least_us"]) == 2 and tiny["median_least_us"] > 0
     assert tiny["least_dicts"] == 0 or tiny["least_dicts"] > 6 * 10
     # the library's snapshot with its layers fused, timed in the loop the same way
-    assert len(tiny["fused_us"]) == 1 and tiny["median_fused_us"] > 0 and tiny["fused_pct"] > 0
+    assert len(tiny["fused_us"]) == 2 and tiny["median_fused_us"] > 0 and tiny["fused_pct"] > 0
     # maybe_save's layers timed inside it, after each iteration and in a row: one sample
     # of each layer per call (the capture's random streams inside it)
     lp = tiny["loop_parts"]
@@ -100,6 +108,9 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     goals = {g["goal"]: g for g in small_result["goals"]}
     assert len(goals) == 5  # two sizes, two models, tiny with overlap=True
     assert goals["the same with `overlap=True`, tiny nanoGPT"]["met"] is not None
+    tiny_goal = goals["snapshot every step ≤ 3% of the iteration, tiny nanoGPT"]
+    assert tiny_goal["measured"] == max(tiny["paired_overhead_pct"], tiny["maybe_save_pct"])
+    assert tiny_goal["cross_check"] == tiny["overhead_pct"]
     assert [g["met"] for g in goals.values()][-1] is None  # 6-layer not run
     assert json.loads(json.dumps(small_result)) == small_result
 
