@@ -587,7 +587,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cold-ab-pairs",
         type=int,
         default=None,
-        help="cold restores of resumable and the fastest peer timed again in pairs (10; "
+        help="cold restores of resumable and the fastest peer timed again in rounds (30; "
         "--quick: 2; 0: none)",
     )
     ap.add_argument("--persist", default=None, help="resumable persist mode (library default)")
@@ -665,7 +665,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.ds_reps is None:
         args.ds_reps = 2 if args.quick else 5
     if args.cold_ab_pairs is None:
-        args.cold_ab_pairs = 2 if args.quick else 10
+        args.cold_ab_pairs = 2 if args.quick else 30
     if args.mcore_reps is None:
         args.mcore_reps = 2 if args.quick else 5
     if args.hf_rounds is None:

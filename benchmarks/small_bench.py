@@ -61,7 +61,10 @@ its random streams, the copy plan's tensor check, the tree's JSON), each by a ti
 around its method, in a block of iterations with ``maybe_save`` after each, then in as
 many ``maybe_save`` calls in a row with what an iteration changes between them (the
 learning rates set, a draw from each random stream) and nothing else: the same code on
-the same state, after an iteration and not. Reported: medians of both, their ratio and
+the same state, after an iteration and not; then as many again, each after a busy wait
+in a Python loop as long as the median iteration, touching nothing of the state: what
+the time between two snapshots costs them on this machine, apart from what an
+iteration does to the caches. Reported: medians of both, their ratio and
 difference, the median of ``maybe_save`` alone, that floor, and the same parts as above
 on the model's state.
 """
@@ -518,6 +521,7 @@ def model_overhead(
             optim,
             step,
             max(10, block * rounds // 2),
+            statistics.median(iters["off"]),
         )
         parts_ = snapshot_parts(state, ck, ck_no_rng, step + 1, pool)
         methods = {**parts_, **copy_floors(tensors)}
@@ -656,15 +660,21 @@ def loop_parts(
     optim: torch.optim.Optimizer,
     step: int,
     n: int,
+    wait_s: float = 0.0,
 ) -> tuple[dict[str, Any], int]:
     """``maybe_save``'s parts (`LOOP_PARTS`) timed after each of ``n`` iterations
     (``iterate(step)``), then in ``n`` calls in a row, each after what an iteration
     changes in the state and nothing else: the learning rates set as nanoGPT's schedule
     sets them and one draw from each random stream (untimed). The same calls on the
     same state, with the caches as an iteration leaves them and as the last snapshot
-    left them. Returns each part's samples and medians (µs) both ways, and the step
-    reached."""
+    left them. With ``wait_s``, a third way: the same as in a row, each call after a busy
+    wait of ``wait_s`` (an iteration's length) in a Python loop that touches nothing of
+    the state (`busy_wait`): what the time between two snapshots costs them, apart from
+    what the iteration does in it. Returns each part's samples and medians (µs) each
+    way, and the step reached."""
     runs: dict[str, dict[str, list[float]]] = {"after_iteration": {}, "in_a_row": {}}
+    if wait_s > 0:
+        runs["after_wait"] = {}
     for way, samples in runs.items():
         calls = samples.setdefault("maybe_save", [])
         with timing_parts(samples):
@@ -676,10 +686,14 @@ def loop_parts(
                     for group in optim.param_groups:
                         group["lr"] = nanogpt.get_lr(step)
                     _advance_rng()
+                    if way == "after_wait":
+                        busy_wait(wait_s)
                 t0 = time.perf_counter()
                 ck.maybe_save(step)
                 calls.append(time.perf_counter() - t0)
     out: dict[str, Any] = {"calls": n}
+    if wait_s > 0:
+        out["wait_ms"] = round(wait_s * 1e3, 3)
     for way, samples in runs.items():
         med = {k: statistics.median(v) * 1e6 for k, v in samples.items() if v}
         med["rest"] = med["maybe_save"] - sum(
@@ -690,6 +704,13 @@ def loop_parts(
             "samples_us": {k: _us(v) for k, v in samples.items()},
         }
     return out, step
+
+
+def busy_wait(seconds: float) -> None:
+    """Spin in a Python loop for ``seconds``, touching no tensor and no state."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def least_snapshot(

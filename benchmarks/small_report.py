@@ -319,17 +319,21 @@ LOOP_PART_LABELS = {
 
 def _loop_parts(models: dict[str, Any]) -> list[str]:
     """Where `maybe_save`'s time goes after an iteration and in a row (`loop_parts`),
-    with the copy floor timed both ways beside it."""
-    rows = []
+    with the copy floor timed both ways beside it, and after a wait where the run has it."""
+    rows: list[list[str]] = []
+    waits = False
     for name, m in models.items():
         lp = m.get("loop_parts")
         if not isinstance(lp, dict):
             continue
         after, row = lp["after_iteration"]["median_us"], lp["in_a_row"]["median_us"]
+        wait = lp.get("after_wait", {}).get("median_us")
+        waits = waits or wait is not None
         for key, label in LOOP_PART_LABELS.items():
             if key in after and key in row:
                 ratio = f"{after[key] / row[key]:.1f}x" if row[key] > 0 else "—"
-                rows.append([name, label, f"{after[key]:,.0f}", f"{row[key]:,.0f}", ratio])
+                cells = [name, label, f"{after[key]:,.0f}", f"{row[key]:,.0f}", ratio]
+                rows.append(cells + _wait_cells(wait, key, row[key]))
         floor_loop = m.get("median_loop_floor_us")
         floor_row = m["methods"].get("foreach_copy", {}).get("median_us")
         if floor_loop is not None and floor_row:
@@ -340,11 +344,16 @@ def _loop_parts(models: dict[str, Any]) -> list[str]:
                     f"{floor_loop:,.0f}",
                     f"{floor_row:,.0f}",
                     f"{floor_loop / floor_row:.1f}x",
+                    *(["", ""] if wait is not None else []),
                 ]
             )
     if not rows:
         return []
     calls = {m["loop_parts"]["calls"] for m in models.values() if "loop_parts" in m}
+    head = ["model", "part", "after each iteration", "in a row", "ratio"]
+    if waits:  # runs before 2026-12-07 have no third way; a model without it gets blanks
+        head += ["after a wait", "ratio to in a row"]
+        rows = [r + ["", ""] * (len(r) < len(head)) for r in rows]
     return [
         "",
         "Where `maybe_save`'s time goes in the loop (`loop_parts`: µs, medians of "
@@ -353,11 +362,27 @@ def _loop_parts(models: dict[str, Any]) -> list[str]:
         "training loop runs it; *in a row*, the same calls on the same state with only "
         "what an iteration changes between them (the learning rates set, a draw from each "
         "random stream: nanoGPT's iteration draws from torch's alone, so the streams can "
-        "take longer in a row than after it). The copy floor's row is the loop's copy block "
-        "and the copy timed alone, above:",
+        "take longer in a row than after it)"
+        + (
+            "; *after a wait*, the same as in a row, each call after a busy wait in a Python "
+            "loop as long as the median iteration that touches nothing of the state"
+            if waits
+            else ""
+        )
+        + ". The copy floor's row is the loop's copy block and the copy timed alone, above:",
         "",
-        *_table(["model", "part", "after each iteration", "in a row", "ratio"], rows),
+        *_table(head, rows),
     ]
+
+
+def _wait_cells(wait: dict[str, float] | None, key: str, row: float) -> list[str]:
+    """The after-a-wait cells of a `_loop_parts` row: the median and its ratio to the
+    same part in a row; none for a run without that way."""
+    if wait is None:
+        return []
+    if key not in wait:
+        return ["—", "—"]
+    return [f"{wait[key]:,.0f}", f"{wait[key] / row:.1f}x" if row > 0 else "—"]
 
 
 def loop_sentence(e: dict[str, Any]) -> str:
@@ -380,6 +405,22 @@ def loop_sentence(e: dict[str, Any]) -> str:
     text += f" and the work beside it (capture, checks, metadata, facade) {work_after:,.0f} µs"
     if work_row > 0:
         text += f", {work_after / work_row:.1f}x the {work_row:,.0f} µs it took in a row"
+    wait = lp.get("after_wait", {}).get("median_us")
+    if isinstance(wait, dict) and "maybe_save" in wait and row.get("maybe_save"):
+        text += (
+            f"; after a busy wait as long as an iteration ({lp.get('wait_ms', 0):,.1f} ms of "
+            f"a Python loop touching nothing of the state), `maybe_save` took "
+            f"{wait['maybe_save']:,.0f} µs, {wait['maybe_save'] / row['maybe_save']:.1f}x "
+            f"its {row['maybe_save']:,.0f} µs in a row (after each iteration "
+            f"{after['maybe_save']:,.0f} µs)"
+        )
+        if wait["maybe_save"] >= 0.8 * after["maybe_save"]:
+            text += (
+                ": the time between two snapshots, not what the iteration does in it, "
+                "sets most of what the same work costs on this machine"
+            )
+        else:
+            text += ": the iteration's own work, beyond the time it takes, slows it"
     return text + "."
 
 

@@ -421,3 +421,22 @@ def test_a_small_models_row_says_what_the_copy_and_the_work_beside_it_took_in_th
     assert words in why
     assert small_report.loop_sentence(tiny).startswith(" Timed inside `maybe_save`")
     assert small_report.loop_sentence({}) == ""
+    assert "busy wait" not in why and "after a wait" not in "\n".join(
+        small_report._loop_parts(out["small"]["models"])
+    )
+    # a run with the third way (after a busy wait as long as an iteration) says what
+    # `maybe_save` took then, and which of the two the time sets
+    wait = dict(tiny["loop_parts"]["in_a_row"]["median_us"], maybe_save=900.0)
+    tiny["loop_parts"].update(wait_ms=16.0, after_wait={"median_us": wait})
+    why = _row(out, "nanoGPT tiny")["why"]
+    assert (
+        "; after a busy wait as long as an iteration (16.0 ms of a Python loop touching "
+        "nothing of the state), `maybe_save` took 900 µs, 3.0x its 300 µs in a row (after "
+        "each iteration 700 µs): the time between two snapshots, not what the iteration "
+        "does in it, sets most of what the same work costs on this machine"
+    ) in why
+    table = "\n".join(small_report._loop_parts(out["small"]["models"]))
+    assert "| after a wait | ratio to in a row |" in table
+    assert "| tiny | `maybe_save` | 700 | 300 | 2.3x | 900 | 3.0x |" in table
+    wait["maybe_save"] = 400.0
+    assert "beyond the time it takes, slows it" in _row(out, "nanoGPT tiny")["why"]

@@ -91,7 +91,9 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     # maybe_save's layers timed inside it, after each iteration and in a row: one sample
     # of each layer per call (the capture's random streams inside it)
     lp = tiny["loop_parts"]
-    for way in ("after_iteration", "in_a_row"):
+    # the third way waits as long as the median iteration without snapshots
+    assert lp["wait_ms"] == pytest.approx(tiny["median_off_ms"], abs=1e-3)
+    for way in ("after_iteration", "in_a_row", "after_wait"):
         samples, med = lp[way]["samples_us"], lp[way]["median_us"]
         for part in ("maybe_save", "copy", "capture", "streams", "structure_check", "tree_json"):
             assert len(samples[part]) == lp["calls"] == 10, (way, part)
