@@ -344,7 +344,6 @@ def _loop_parts(models: dict[str, Any]) -> list[str]:
                     f"{floor_loop:,.0f}",
                     f"{floor_row:,.0f}",
                     f"{floor_loop / floor_row:.1f}x",
-                    *(["", ""] if wait is not None else []),
                 ]
             )
     if not rows:
@@ -353,7 +352,7 @@ def _loop_parts(models: dict[str, Any]) -> list[str]:
     head = ["model", "part", "after each iteration", "in a row", "ratio"]
     if waits:  # runs before 2026-12-07 have no third way; a model without it gets blanks
         head += ["after a wait", "ratio to in a row"]
-        rows = [r + ["", ""] * (len(r) < len(head)) for r in rows]
+        rows = [r + [""] * (len(head) - len(r)) for r in rows]
     return [
         "",
         "Where `maybe_save`'s time goes in the loop (`loop_parts`: µs, medians of "
