@@ -176,13 +176,21 @@ class PythonState:
         where = _python_offset()
         if where is None or not isinstance(inst, random.Random):
             return
-        address, size = id(inst) + where, self._BYTES
+        words = _memory_at(id(inst) + where, self._BYTES)
 
         def read() -> bytes:
-            return ctypes.string_at(address, size)
+            return words.raw
 
         if read() == _python_expected(random.getstate()):
             self._read = read
+
+
+def _memory_at(address: int, size: int) -> Any:
+    """The ``size`` bytes at ``address`` as a ctypes array that owns nothing: its ``raw``
+    copies them out in C, without the foreign-function call a ``ctypes.string_at`` makes
+    at every read (what a snapshot after a wait pays most for). It reads memory the
+    caller keeps alive."""
+    return (ctypes.c_char * size).from_address(address)
 
 
 def _python_expected(state: Any) -> bytes:
@@ -279,10 +287,10 @@ class NumpyState:
         bit_off, gauss_off = where
         if _word(base + bit_off) != address or _word(base + gauss_off - 8) != base + bit_off:
             return
-        size = self._STATE_BYTES
+        words, gauss = _memory_at(address, self._STATE_BYTES), _memory_at(base + gauss_off, 16)
 
         def read() -> bytes:
-            return ctypes.string_at(address, size) + ctypes.string_at(base + gauss_off, 16)
+            return words.raw + gauss.raw
 
         state = np.random.get_state(legacy=False)
         raw = read()
