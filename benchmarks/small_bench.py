@@ -51,7 +51,14 @@ of this state does (`least_snapshot`: the version tags of the dicts the state's
 structure lies in compared with the last ones, the same copy into a shared-memory
 mapping, Python's, NumPy's and torch's random streams read, the step, learning rates and
 streams' positions written beside it as a JSON record): what a snapshot path fused into
-one call would cost where this one runs. A sixth takes `resumable`'s own snapshot with
+one call would cost where this one runs. Another takes the least a snapshot that keeps
+`resumable`'s guarantees does (`guarded_snapshot`: the fifth block's call, plus at every
+call each module's class, non-persistent buffer set and state-dict methods compared,
+every tensor's dtype, shape, strides and device checked by torch's ``TensorGuards``, two
+slots taken in turn with a sequence odd while one is written, every group's values in
+the record and the record's xxh3 digest): the floor of the nanoGPT rows in
+``docs/performance.md``, as no snapshot that is neither wrong nor torn goes below it.
+Another takes `resumable`'s own snapshot with
 its layers fused into one call (`fused_snapshot`: the same checks of the same planned
 structure, random streams, metadata and slot as ``maybe_save`` makes on this state,
 without the facade, the schedule, the worker's poll or any fallback): what fusing the
@@ -449,6 +456,7 @@ def model_overhead(
         "overlap": [],
         "floor": [],
         "least": [],
+        "guarded": [],
         "fused": [],
     }
     saves: list[float] = []
@@ -457,6 +465,8 @@ def model_overhead(
     floors: list[float] = []
     least, tagged, close_least = least_snapshot(model, optim, tensors, shm)
     leasts: list[float] = []
+    guarded, _, close_guarded = guarded_snapshot(model, optim, tensors, shm)
+    guardeds: list[float] = []
     fuseds: list[float] = []
     with (
         snapshotter(work / spec.name, state, shm) as ck,
@@ -476,7 +486,7 @@ def model_overhead(
         pairs_overlap: list[float] = []
         for rnd in range(rounds):
             start = {m: len(v) for m, v in iters.items()}
-            order = ("off", "on", "overlap", "floor", "least", "fused")
+            order = ("off", "on", "overlap", "floor", "least", "guarded", "fused")
             for mode in order if rnd % 2 == 0 else order[::-1]:
                 for k in range(block):
                     step += 1
@@ -495,6 +505,9 @@ def model_overhead(
                     elif mode == "least":
                         least(step)
                         leasts.append(time.perf_counter() - t1)
+                    elif mode == "guarded":
+                        guarded(step)
+                        guardeds.append(time.perf_counter() - t1)
                     elif mode == "fused":
                         fused(step)
                         fuseds.append(time.perf_counter() - t1)
@@ -530,6 +543,7 @@ def model_overhead(
         samples = round_robin(methods, reps, settings.warmup)
     close_floor()
     close_least()
+    close_guarded()
     off, on = statistics.median(iters["off"]), statistics.median(iters["on"])
     floor = statistics.median(floors)
     ov = statistics.median(iters["overlap"])
@@ -576,6 +590,9 @@ def model_overhead(
         "median_least_us": round(statistics.median(leasts) * 1e6, 1),
         "least_pct": round(statistics.median(leasts) / off * 100, 2),
         "least_dicts": tagged,
+        "guarded_us": _us(guardeds),
+        "median_guarded_us": round(statistics.median(guardeds) * 1e6, 1),
+        "guarded_pct": round(statistics.median(guardeds) / off * 100, 2),
         "fused_us": _us(fuseds),
         "median_fused_us": round(statistics.median(fuseds) * 1e6, 1),
         "fused_pct": round(statistics.median(fuseds) / off * 100, 2),
@@ -713,50 +730,80 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
-def least_snapshot(
-    model: torch.nn.Module, optim: torch.optim.Optimizer, tensors: list[torch.Tensor], shm: Path
-) -> tuple[Callable[[int], None], int, Callable[[], None]]:
-    """The least any snapshot of ``model`` and ``optim`` does, in one call: compare the
-    version tags of the dicts the state's structure lies in (each module's ``__dict__``,
-    parameters, buffers, submodules and state-dict hooks; the optimizer's state and
-    each parameter's) with the last ones (CPython 3.11-3.13 through torch's
-    ``dict_version``; skipped where there is none), copy ``tensors`` into a
-    shared-memory mapping made once, as `loop_floor` copies them, read Python's, NumPy's
-    and torch's random streams, and write the step, learning rates, the streams'
-    positions and torch's stream (its 5 KB) beside the tensors, then a header with the
-    record's length. No class, shape or dtype checks, no slot choice, no digest: a bound
-    below what `resumable` does, not a snapshot it could take. Returns the call, the
-    number of dicts it compares and a closer."""
-    import mmap
-
-    try:
-        from torch._C._dynamo.guards import dict_version
-    except ImportError:
-        dict_version = None
+def _structure_dicts(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[Any]:
+    """The dicts the structure of ``model`` and ``optim`` lies in, whose version tags a
+    snapshot compares: each module's ``__dict__``, parameters, buffers, submodules and
+    state-dict hooks; the optimizer's state and each parameter's. Empty where this
+    Python has no tags to read (CPython 3.11-3.13 through torch's ``dict_version``)."""
+    if _dict_version() is None:
+        return []
     dicts: list[Any] = []
     for m in model.modules():
         d = vars(m)
         dicts += [d, d["_parameters"], d["_buffers"], d["_modules"]]
         dicts += [d["_state_dict_hooks"], d["_state_dict_pre_hooks"]]
-    dicts += [optim.state, *optim.state.values()]
-    if dict_version is None:
-        dicts = []
-    tags = [list(map(dict_version, dicts))] if dicts else [[]]
-    total = captured_bytes(tensors)
-    head = 1 << 16  # the record's room, then the tensors
-    path = Path(tempfile.mkstemp(prefix="least-", dir=shm)[1])
-    with path.open("r+b") as f:
-        f.truncate(head + total)
-        mm = mmap.mmap(f.fileno(), head + total)
-    data = torch.frombuffer(mm, dtype=torch.uint8, offset=head, count=total)
-    copy, _, close_copy = loop_floor(tensors, data)  # the floor's copy, into the mapping
+    return [*dicts, optim.state, *optim.state.values()]
+
+
+def _dict_version() -> Callable[[Any], int] | None:
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except ImportError:
+        return None
+    return dict_version  # type: ignore[no-any-return]
+
+
+class _ShmMap:
+    """A shared-memory file of ``head`` bytes of record, then ``tensors``' bytes, mapped
+    once, and `loop_floor`'s copy into it."""
+
+    def __init__(self, tensors: list[torch.Tensor], shm: Path, head: int) -> None:
+        import mmap
+
+        total = captured_bytes(tensors)
+        self.path = Path(tempfile.mkstemp(prefix="least-", dir=shm)[1])
+        with self.path.open("r+b") as f:
+            f.truncate(head + total)
+            self.mm = mmap.mmap(f.fileno(), head + total)
+        data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=head, count=total)
+        copy, _, self._close_copy = loop_floor(tensors, data)  # the floor's copy
+        self.copy: Callable[[], None] | None = copy
+        del data
+
+    def close(self) -> None:
+        self._close_copy()
+        self.copy = None  # its views are the last of the mapping: it can close
+        gc.collect()
+        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped at exit
+            self.mm.close()
+
+
+def least_snapshot(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, tensors: list[torch.Tensor], shm: Path
+) -> tuple[Callable[[int], None], int, Callable[[], None]]:
+    """The least any snapshot of ``model`` and ``optim`` does, in one call: compare the
+    version tags of the dicts the state's structure lies in (`_structure_dicts`) with
+    the last ones, copy ``tensors`` into a shared-memory mapping made once, as
+    `loop_floor` copies them, read Python's, NumPy's and torch's random streams, and
+    write the step, learning rates, the streams' positions and torch's stream (its
+    5 KB) beside the tensors, then a header with the record's length. No class, shape
+    or dtype checks, no slot choice, no digest: a bound below what `resumable` does, not
+    a snapshot it could take. Returns the call, the number of dicts it compares and a
+    closer."""
+    dicts = _structure_dicts(model, optim)
+    version = _dict_version()
+    tags = [list(map(version, dicts))] if dicts and version else [[]]
+    shared = _ShmMap(tensors, shm, 1 << 16)
+    mm, copy = shared.mm, shared.copy
+    assert copy is not None
     groups = optim.param_groups
     python_state, numpy_state = PythonState(), NumpyState()  # read anew only when changed
 
     @torch.no_grad()
     def run(step: int) -> None:
-        if dicts:
-            now = list(map(dict_version, dicts))
+        if dicts and version:
+            now = list(map(version, dicts))
             if now != tags[0]:  # a structure change: a real snapshot would walk again
                 tags[0] = now
         copy()
@@ -774,15 +821,112 @@ def least_snapshot(
 
     def close() -> None:
         nonlocal copy
-        close_copy()
-        del copy  # its views are the last of the mapping: it can close
-        gc.collect()
-        path.unlink(missing_ok=True)
-        with contextlib.suppress(BufferError):  # a view still alive: unmapped at exit
-            mm.close()
+        del copy
+        shared.close()
 
-    del data
     return run, len(dicts), close
+
+
+_GUARDED_HEAD = struct.Struct("<QQQQ")  # seq (odd while written), step, record length, digest
+
+
+def guarded_snapshot(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, tensors: list[torch.Tensor], shm: Path
+) -> tuple[Callable[[int], None], Callable[[int], tuple[int, bytes, bytes]], Callable[[], None]]:
+    """The least a snapshot that keeps `resumable`'s guarantees does, in one call:
+    `least_snapshot`, plus what a snapshot needs to be neither wrong nor torn.
+
+    - The structure, at every call: each module's class, its non-persistent buffer
+      set, its classes' state-dict methods (none of which a dict's tag sees change),
+      then the dicts' tags (`_structure_dicts`); it raises where any changed (a real
+      snapshot walks the state again there).
+    - Each tensor's dtype, shape, strides and device (torch's ``TensorGuards``, the
+      check `resumable.snapshot.CopyPlan` makes); it raises where one changed.
+    - Two slots taken in turn, so the last snapshot stays whole while the next is
+      copied: the slot's sequence made odd before the copy, even after it.
+    - The record holds every optimizer group's values (not only the learning rate),
+      and its xxh3 digest is written with it, so a reader trusts no torn record.
+
+    Not a snapshot `resumable` could take either: no tree of the state, no layout, no
+    fallback, no schedule. Returns the call, a reader of a slot (its sequence, its
+    record and the tensors' bytes) and a closer."""
+    import xxhash
+
+    from resumable._plan_entries import _SAVE_METHODS
+    from resumable.snapshot import _tensor_guard
+
+    mods = list(model.modules())
+    types = list(map(type, mods))
+    kinds = list(dict.fromkeys(types))
+    cls_rep = [c for c in kinds for _ in _SAVE_METHODS]
+    names_rep = list(_SAVE_METHODS) * len(kinds)
+    methods = list(map(getattr, cls_rep, names_rep))
+    sets = [m._non_persistent_buffers_set for m in mods]
+    set_copies = list(map(frozenset, sets))
+    dicts = _structure_dicts(model, optim)
+    version = _dict_version()
+    tags = [list(map(version, dicts))] if dicts and version else [[]]
+    guard = _tensor_guard(tensors)
+    if guard is None:
+        raise RuntimeError("torch's TensorGuards are not available here")
+    head = 1 << 16
+    slots = [_ShmMap(tensors, shm, head) for _ in range(2)]
+    copies = [s.copy for s in slots]
+    seqs = [0, 0]
+    groups = optim.param_groups
+    keys = [[k for k in g if k != "params"] for g in groups]
+    python_state, numpy_state = PythonState(), NumpyState()
+    at = _GUARDED_HEAD.size
+
+    @torch.no_grad()
+    def run(step: int) -> None:
+        if not (
+            list(map(type, mods)) == types
+            and sets == set_copies
+            and list(map(getattr, cls_rep, names_rep)) == methods
+        ):
+            raise RuntimeError("the state's structure changed: guarded_snapshot has no walk")
+        if dicts and version:
+            now = list(map(version, dicts))
+            if now != tags[0]:
+                raise RuntimeError("the state's dicts changed: guarded_snapshot has no walk")
+        if not guard.check(tensors):
+            raise RuntimeError("a tensor changed: guarded_snapshot has no fallback")
+        i = step % 2
+        mm, copy = slots[i].mm, copies[i]
+        assert copy is not None
+        seqs[i] += 1
+        _GUARDED_HEAD.pack_into(mm, 0, seqs[i], 0, 0, 0)  # odd: being written
+        copy()
+        py, npy, th = python_state.get(), numpy_state.get(), torch.get_rng_state()
+        record = b'{"step":%d,"groups":%b,"python":%d,"numpy":%d,"created":%r}' % (
+            step,
+            json.dumps([[g[k] for k in ks] for g, ks in zip(groups, keys)]).encode(),
+            py[1][-1],
+            npy["state"]["pos"],
+            time.time(),
+        )
+        end = at + len(record) + th.numel()
+        mm[at : at + len(record)] = record
+        mm[at + len(record) : end] = th.numpy().tobytes()
+        digest = xxhash.xxh3_64_intdigest(memoryview(mm)[at:end])
+        seqs[i] += 1
+        _GUARDED_HEAD.pack_into(mm, 0, seqs[i], step, len(record), digest)
+
+    def read(index: int) -> tuple[int, bytes, bytes]:
+        mm = slots[index].mm
+        seq, _, n, digest = _GUARDED_HEAD.unpack_from(mm, 0)
+        rng = torch.get_rng_state().numel()
+        if xxhash.xxh3_64_intdigest(memoryview(mm)[at : at + n + rng]) != digest:
+            raise RuntimeError(f"slot {index}: its record does not match its digest")
+        return seq, bytes(mm[at : at + n]), bytes(mm[head:])
+
+    def close() -> None:
+        copies.clear()
+        for s in slots:
+            s.close()
+
+    return run, read, close
 
 
 def fused_snapshot(ck: resumable.Checkpointer, state: Mapping[str, Any]) -> Callable[[int], None]:

@@ -477,6 +477,17 @@ def _verdict(out: dict[str, Any]) -> list[str]:
                 f"median iteration: `maybe_save` took "
                 f"{e['median_maybe_save_us'] / e['median_least_us']:.1f}x that."
             )
+        if kind == "models" and "median_guarded_us" in e:
+            loop += (
+                " The least a snapshot that keeps the library's guarantees does "
+                "(`guarded_snapshot`: that call, plus each module's class, non-persistent "
+                "buffers and state-dict methods compared, every tensor checked by torch's "
+                "`TensorGuards`, two slots taken in turn, every group's values recorded and "
+                f"the record's digest) took {e['median_guarded_us']:,.0f} µs, "
+                f"{e['guarded_pct']:.2f} % of the median iteration (fastest "
+                f"{min(e['guarded_us']):,.0f} µs): `maybe_save` took "
+                f"{e['median_maybe_save_us'] / e['median_guarded_us']:.1f}x that."
+            )
         if kind == "models" and "median_fused_us" in e:
             loop += (
                 " The library's own snapshot with its layers fused into one call "

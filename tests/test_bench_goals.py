@@ -135,6 +135,31 @@ def test_nanogpt_rows_take_the_copy_timed_in_the_loop_as_their_floor_where_measu
     assert "fastest" in row["why"] and "median 300 µs" in row["why"]
 
 
+def test_nanogpt_rows_take_the_guarded_snapshot_as_their_floor_where_measured() -> None:
+    """The least a whole, untorn snapshot does (`small_bench.guarded_snapshot`), timed in
+    the loop, bounds the row where the run has it: its fastest sample, never below the
+    copy's."""
+    out = _run()
+    tiny = out["small"]["models"]["tiny"]
+    off_us = tiny["median_off_ms"] * 1000
+    tiny.update(loop_floor_us=[0.015 * off_us, 0.02 * off_us], loop_floor_pct=1.7)
+    tiny.update(loop_floor_threads=1, median_loop_floor_us=0.017 * off_us)
+    tiny.update(guarded_us=[0.031 * off_us, 0.035 * off_us, 0.04 * off_us])
+    tiny.update(median_guarded_us=0.035 * off_us, guarded_pct=3.5)
+    tiny["maybe_save_pct"] = tiny["overhead_pct"] = tiny["paired_overhead_pct"] = 5.0
+    row = _row(out, "nanoGPT tiny")
+    assert row["bound"] == pytest.approx(3.1) and row["result"] == "bound by the floor"
+    assert "keeps the library's guarantees" in row["why"] and "(median" in row["why"]
+    tiny["guarded_us"] = [0.029 * off_us, 0.035 * off_us]  # room above it: a miss
+    row = _row(out, "nanoGPT tiny")
+    assert row["bound"] == pytest.approx(2.9) and row["result"] == "not met"
+    tiny["guarded_us"] = [0.001 * off_us]  # never below the copy timed in the loop
+    assert _row(out, "nanoGPT tiny")["bound"] == pytest.approx(1.5)
+    del tiny["guarded_us"]  # a run without it: the copy's floor, and no clause
+    row = _row(out, "nanoGPT tiny")
+    assert row["bound"] == pytest.approx(1.5) and "guarantees" not in row["why"]
+
+
 def test_a_save_is_judged_against_the_snapshot_of_its_own_rounds() -> None:
     out = _run()
     res = out["methods"]["resumable"]

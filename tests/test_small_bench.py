@@ -86,6 +86,10 @@ def test_results_hold_every_method_and_the_goals(small_result: dict[str, Any]) -
     # parameter's)
     assert len(tiny["least_us"]) == 2 and tiny["median_least_us"] > 0
     assert tiny["least_dicts"] == 0 or tiny["least_dicts"] > 6 * 10
+    # the guarded floor (the least snapshot plus the checks and slots a whole one needs),
+    # timed in the loop the same way
+    assert len(tiny["guarded_us"]) == 2 and tiny["median_guarded_us"] > 0
+    assert tiny["guarded_pct"] > 0
     # the library's snapshot with its layers fused, timed in the loop the same way
     assert len(tiny["fused_us"]) == 2 and tiny["median_fused_us"] > 0 and tiny["fused_pct"] > 0
     # maybe_save's layers timed inside it, after each iteration and in a row: one sample
@@ -159,6 +163,56 @@ def test_the_fused_bound_writes_the_snapshot_maybe_save_writes(
         model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
         with pytest.raises(RuntimeError, match="no fallback"):
             fused(5)
+
+
+def test_the_guarded_floor_is_whole_untorn_and_refuses_changes(shm_dir: Path) -> None:
+    """`guarded_snapshot` bounds the nanoGPT rows only if it does what a snapshot must:
+    each call writes the tensors' exact bytes and a record its digest vouches for into
+    the other of two slots (the last snapshot left whole), its sequence even once
+    written; it refuses a tensor whose dtype changed in place, a parameter put in a new
+    one, and a module whose class changed, none of which the copy alone would notice."""
+    import nanogpt
+    import torch
+
+    torch.manual_seed(0)
+    model = nanogpt.GPT(nanogpt.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+    optim = model.configure_optimizers()
+    state = {"model": model, "optim": optim}
+    nanogpt.step(model, optim, 2, it=0)
+    tensors = list(small_bench.capture_mod.capture(state).tensors.values())
+    run, read, close = small_bench.guarded_snapshot(model, optim, tensors, shm_dir)
+    try:
+        run(1)
+        first = read(1)
+        nanogpt.step(model, optim, 2, it=1)
+        run(2)
+        seq, record, data = read(0)
+        assert seq % 2 == 0 and seq > 0
+        assert json.loads(record)["step"] == 2
+        values = [[v for k, v in g.items() if k != "params"] for g in optim.param_groups]
+        assert json.loads(record)["groups"] == json.loads(json.dumps(values))
+        flat = b"".join(
+            t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors
+        )
+        assert data == flat
+        assert read(1) == first  # the other slot: the step before, whole
+        assert json.loads(first[1])["step"] == 1
+        with torch.no_grad():
+            tensors[0].data = tensors[0].data.double()
+        with pytest.raises(RuntimeError, match="a tensor changed"):
+            run(3)
+        with torch.no_grad():
+            tensors[0].data = tensors[0].data.float()
+        run(3)
+        model.lm_head.__class__ = type("Head", (torch.nn.Linear,), {})
+        with pytest.raises(RuntimeError, match="structure changed"):
+            run(4)
+        model.lm_head.__class__ = torch.nn.Linear
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        with pytest.raises(RuntimeError, match="dicts changed"):
+            run(4)
+    finally:
+        close()
 
 
 def test_timing_parts_times_each_layer_and_puts_the_methods_back(

@@ -188,8 +188,8 @@ class PythonState:
 def _memory_at(address: int, size: int) -> Any:
     """The ``size`` bytes at ``address`` as a ctypes array that owns nothing: its ``raw``
     copies them out in C, without the foreign-function call a ``ctypes.string_at`` makes
-    at every read (what a snapshot after a wait pays most for). It reads memory the
-    caller keeps alive."""
+    at every read (a cost that grows the longer a snapshot comes after the last one).
+    It reads memory the caller keeps alive."""
     return (ctypes.c_char * size).from_address(address)
 
 
