@@ -611,7 +611,9 @@ def loop_floor(
     capture, no metadata, no slot). From `SHARED_COPY_MIN_BYTES` (8 MiB) on, as a
     snapshot copies such a state (`resumable.snapshot.CopyPlan.copy`), the copies are
     cut into pieces (`share_piece_bytes`) and shared out by bytes over `copy_threads`
-    threads, each running one ``_foreach_copy_``.
+    threads, each running one ``_foreach_copy_``. The copy runs once here, so the
+    buffer's pages are made before the first timed call, as a snapshot's arena makes
+    its slots' before the loop.
     ``into``: the uint8 buffer to copy into (else one allocated here). Returns the copy,
     its thread count and a closer."""
     total = captured_bytes(tensors)
@@ -642,7 +644,8 @@ def loop_floor(
         torch._foreach_copy_(*dst_src)
 
     if threads == 1:
-        return lambda: run(lists[0]), 1, lambda: None
+        run(lists[0])  # the buffer's pages made now, not at the first timed copy (a
+        return lambda: run(lists[0]), 1, lambda: None  # snapshot's arena makes its own)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="loop-floor")
 
     def many() -> None:
@@ -651,6 +654,7 @@ def loop_floor(
         for f in futures:
             f.result()
 
+    many()
     return many, threads, pool.shutdown
 
 
