@@ -111,6 +111,7 @@ from small_report import DOCS, GOAL_FIXED_US, GOAL_PER_TENSOR_US, render, write_
 import resumable  # noqa: E402
 from resumable import capture as capture_mod  # noqa: E402
 from resumable._capture_plan import CapturePlan, NumpyState, PythonState  # noqa: E402
+from resumable._plan_entries import dict_tags  # noqa: E402
 from resumable._shm import encode_meta  # noqa: E402
 from resumable.pipeline.memory import MemoryTier, TreeJSON  # noqa: E402
 from resumable.snapshot import (  # noqa: E402
@@ -738,8 +739,8 @@ def _structure_dicts(model: torch.nn.Module, optim: torch.optim.Optimizer) -> li
     """The dicts the structure of ``model`` and ``optim`` lies in, whose version tags a
     snapshot compares: each module's ``__dict__``, parameters, buffers, submodules and
     state-dict hooks; the optimizer's state and each parameter's. Empty where this
-    Python has no tags to read (CPython 3.11-3.13 through torch's ``dict_version``)."""
-    if _dict_version() is None:
+    Python has no tags to read (`resumable._plan_entries.dict_tags`, the capture plan's)."""
+    if dict_tags([]) is None:
         return []
     dicts: list[Any] = []
     for m in model.modules():
@@ -747,14 +748,6 @@ def _structure_dicts(model: torch.nn.Module, optim: torch.optim.Optimizer) -> li
         dicts += [d, d["_parameters"], d["_buffers"], d["_modules"]]
         dicts += [d["_state_dict_hooks"], d["_state_dict_pre_hooks"]]
     return [*dicts, optim.state, *optim.state.values()]
-
-
-def _dict_version() -> Callable[[Any], int] | None:
-    try:
-        from torch._C._dynamo.guards import dict_version
-    except ImportError:
-        return None
-    return dict_version  # type: ignore[no-any-return]
 
 
 class _ShmMap:
@@ -796,8 +789,7 @@ def least_snapshot(
     a snapshot it could take. Returns the call, the number of dicts it compares and a
     closer."""
     dicts = _structure_dicts(model, optim)
-    version = _dict_version()
-    tags = [list(map(version, dicts))] if dicts and version else [[]]
+    tags = [dict_tags(dicts) if dicts else []]
     shared = _ShmMap(tensors, shm, 1 << 16)
     mm, copy = shared.mm, shared.copy
     assert copy is not None
@@ -806,8 +798,8 @@ def least_snapshot(
 
     @torch.no_grad()
     def run(step: int) -> None:
-        if dicts and version:
-            now = list(map(version, dicts))
+        if dicts:
+            now = dict_tags(dicts)
             if now != tags[0]:  # a structure change: a real snapshot would walk again
                 tags[0] = now
         copy()
@@ -868,8 +860,7 @@ def guarded_snapshot(
     sets = [m._non_persistent_buffers_set for m in mods]
     set_copies = list(map(frozenset, sets))
     dicts = _structure_dicts(model, optim)
-    version = _dict_version()
-    tags = [list(map(version, dicts))] if dicts and version else [[]]
+    tags = [dict_tags(dicts) if dicts else []]
     guard = _tensor_guard(tensors)
     if guard is None:
         raise RuntimeError("torch's TensorGuards are not available here")
@@ -890,8 +881,8 @@ def guarded_snapshot(
             and list(map(getattr, cls_rep, names_rep)) == methods
         ):
             raise RuntimeError("the state's structure changed: guarded_snapshot has no walk")
-        if dicts and version:
-            now = list(map(version, dicts))
+        if dicts:
+            now = dict_tags(dicts)
             if now != tags[0]:
                 raise RuntimeError("the state's dicts changed: guarded_snapshot has no walk")
         if not guard.check(tensors):
