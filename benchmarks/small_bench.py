@@ -611,10 +611,10 @@ def loop_floor(
     ``_foreach_copy_`` into views of one buffer allocated once, with nothing else (no
     capture, no metadata, no slot). From `SHARED_COPY_MIN_BYTES` (8 MiB) on, as a
     snapshot copies such a state (`resumable.snapshot.CopyPlan.copy`), the copies are
-    cut into pieces (`share_piece_bytes`) and shared out by bytes over `copy_threads`
-    threads, each running one ``_foreach_copy_``. The copy runs once here, so the
-    buffer's pages are made before the first timed call, as a snapshot's arena makes
-    its slots' before the loop.
+    cut into pieces (`share_piece_bytes`), grouped into chunks of about a piece, which
+    `copy_threads` threads take in turn, one ``_foreach_copy_`` a chunk. The copy runs
+    once here, so the buffer's pages are made before the first timed call, as a
+    snapshot's arena makes its slots' before the loop.
     ``into``: the uint8 buffer to copy into (else one allocated here). Returns the copy,
     its thread count and a closer."""
     total = captured_bytes(tensors)
@@ -622,23 +622,29 @@ def loop_floor(
     views = list(buf.split([t.nbytes for t in tensors]))
     pairs = [(v.view(t.dtype).view(t.shape), t) for v, t in zip(views, tensors)]
     threads = copy_threads() if total >= SHARED_COPY_MIN_BYTES else 1
-    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [pairs]
+    # chunks of about a piece each, in order (`resumable.snapshot.CopyPlan._chunks`): each
+    # one's destinations and sources as the lists `_foreach_copy_` takes, made once, so
+    # the timed copy holds nothing else
+    lists: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [
+        ([d for d, _ in pairs], [s for _, s in pairs])
+    ]
     if threads > 1:
         piece = share_piece_bytes(total, threads)
-        chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        lists, dsts, srcs, held = [], [], [], 0
         for d, s in pairs:
-            fd, fs = d.view(-1), s.reshape(-1)
-            step = max(1, piece // s.element_size())
-            chunks.extend((fd[i : i + step], fs[i : i + step]) for i in range(0, fs.numel(), step))
-        groups = [[] for _ in range(threads)]
-        loads = [0] * threads
-        for d, s in sorted(chunks, key=lambda c: -c[1].nbytes):  # largest first, least loaded
-            k = loads.index(min(loads))
-            groups[k].append((d, s))
-            loads[k] += s.nbytes
-    # each group's destinations and sources as the lists `_foreach_copy_` takes, made once:
-    # the timed copy holds nothing else
-    lists = [([d for d, _ in g], [s for _, s in g]) for g in groups]
+            cut = [(d, s)]
+            if s.nbytes > piece and s.is_contiguous():
+                fd, fs, step = d.view(-1), s.view(-1), max(1, piece // s.element_size())
+                cut = [(fd[i : i + step], fs[i : i + step]) for i in range(0, fs.numel(), step)]
+            for dst, src in cut:
+                dsts.append(dst)
+                srcs.append(src)
+                held += src.nbytes
+                if held >= piece:
+                    lists.append((dsts, srcs))
+                    dsts, srcs, held = [], [], 0
+        if dsts:
+            lists.append((dsts, srcs))
 
     @torch.no_grad()
     def run(dst_src: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
@@ -650,8 +656,15 @@ def loop_floor(
     pool = ThreadPoolExecutor(threads, thread_name_prefix="loop-floor")
 
     def many() -> None:
-        futures = [pool.submit(run, g) for g in lists[1:]]
-        run(lists[0])
+        todo = iter(lists)  # each thread takes the next chunk until none is left
+
+        @torch.no_grad()
+        def take() -> None:
+            for dst_src in todo:
+                torch._foreach_copy_(*dst_src)
+
+        futures = [pool.submit(take) for _ in range(1, threads)]
+        take()
         for f in futures:
             f.result()
 

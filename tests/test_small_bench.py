@@ -303,3 +303,38 @@ def test_the_newest_standalone_file_is_the_newest_dated_one(tmp_path: Path) -> N
     found = report.newest_small(tmp_path)
     assert found is not None and found.name == "small-20261205T230949Z.json"
     assert report.newest_small(tmp_path / "none") is None
+
+
+def test_the_loop_floor_copies_every_byte_once_in_chunks_taken_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From `SHARED_COPY_MIN_BYTES` the loop floor copies in chunks that its threads take
+    in turn (`resumable.snapshot.CopyPlan._chunks`): the buffer holds every tensor's
+    bytes at its place, a tensor larger than a piece and one not contiguous included,
+    call after call."""
+    import torch
+
+    monkeypatch.setattr(small_bench, "SHARED_COPY_MIN_BYTES", 1 << 10)
+    monkeypatch.setattr(small_bench, "copy_threads", lambda: 2)
+    torch.manual_seed(3)
+    tensors = [
+        torch.arange(500, dtype=torch.int64),
+        torch.randn(700, 1000),  # 2.8 MB: cut into pieces of 1 MiB
+        torch.randn(64),
+        torch.randn(40, 30)[::2],  # not contiguous: copied whole
+        torch.tensor(7.0),
+    ]
+    buf = torch.zeros(sum(t.nbytes for t in tensors), dtype=torch.uint8)
+    run, threads, close = small_bench.loop_floor(tensors, into=buf)
+    try:
+        assert threads == 2
+        for _ in range(3):
+            for t in tensors:
+                if t.dtype.is_floating_point:
+                    t.mul_(-2.0)
+            buf.zero_()
+            run()
+            want = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+            assert torch.equal(buf, want)
+    finally:
+        close()

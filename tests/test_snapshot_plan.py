@@ -372,9 +372,15 @@ def test_a_large_state_is_copied_by_threads_from_a_share_out_planned_once(
                 for t in tensors.values():
                     if t.dtype.is_floating_point and t.numel():
                         t.mul_(-1.5)
-            shares = plan._shares(buf, 2)
-            assert len(shares) == 2 and plan._shares(buf, 2) is shares  # planned once
-            pieces = [w for s in shares for w in s[1] if w[0] == "big"]
+            chunks = plan._chunks(buf, 2)
+            assert plan._chunks(buf, 2) is chunks  # planned once
+            sizes = [sum(v.numel() * v.element_size() for v in c[0]) for c in chunks]
+            assert all(n >= 1 << 10 for n in sizes[:-1])  # each chunk about a piece
+            spans = [w for c in chunks for w in c[1]]  # in layout order, each range once
+            assert [w[0] for w in spans] == sorted(
+                (w[0] for w in spans), key=[s.name for s in plan.slots].index
+            )
+            pieces = [w for w in spans if w[0] == "big"]
             assert sorted((lo, hi) for _, lo, hi in pieces) == [
                 (i, min(i + 256, 2000)) for i in range(0, 2000, 256)
             ]
@@ -396,10 +402,11 @@ def test_a_shared_copy_cuts_pieces_to_the_state_between_1_and_16_mib() -> None:
 
     mib = 1 << 20
     assert share_piece_bytes(1 << 30, 2) == 16 * mib  # large states: as before
-    assert share_piece_bytes(64 * mib, 2) == 16 * mib
-    assert share_piece_bytes(10 * mib, 2) == 10 * mib // 4  # two pieces a thread at least
+    assert share_piece_bytes(128 * mib, 2) == 16 * mib
+    assert share_piece_bytes(64 * mib, 2) == 8 * mib
+    assert share_piece_bytes(10 * mib, 2) == mib + mib // 4  # four pieces a thread at least
     assert share_piece_bytes(3 * mib, 2) == mib  # never under 1 MiB
-    assert share_piece_bytes(10 * mib, 0) == 5 * mib  # no threads counts as one
+    assert share_piece_bytes(10 * mib, 0) == 10 * mib // 4  # no threads counts as one
 
 
 def test_a_middle_sized_state_is_shared_with_one_thread_and_copied_at_once_else(
@@ -448,8 +455,8 @@ def test_a_middle_sized_state_is_shared_with_one_thread_and_copied_at_once_else(
             buf.zero_()
             plan.copy(buf, tensors, pool)
             assert calls == ["shared:True"] and torch.equal(buf, want(tensors))
-            loads = [sum(v.numel() * v.element_size() for v in s[0]) for s in plan._shares(buf, 2)]
-            assert len(loads) == 2 and max(loads) <= 0.6 * sum(loads)  # "big" in pieces
+            loads = [sum(v.numel() * v.element_size() for v in c[0]) for c in plan._chunks(buf, 2)]
+            assert len(loads) >= 3 and max(loads) <= 0.45 * sum(loads)  # "big" in pieces
             odd = {**tensors, "big": torch.randn(1000, 600).t()}
             buf.zero_()
             plan.copy(buf, odd, pool)
@@ -461,6 +468,79 @@ def test_a_middle_sized_state_is_shared_with_one_thread_and_copied_at_once_else(
             assert calls == [] and torch.equal(buf, want(tensors))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_thread_that_starts_late_takes_fewer_chunks_and_the_copy_is_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chunks of a shared copy go to whichever thread asks next: a pool thread that
+    wakes only after the calling thread has copied everything takes none, one that is
+    there from the start takes its part, and either way every byte is copied once."""
+    import threading
+    from concurrent.futures import Future
+
+    from resumable import snapshot as snap_mod
+
+    torch.manual_seed(7)
+    tensors = {f"w{i}": torch.randn(300, 1000) for i in range(6)}  # 7.2 MB
+    tensors["step"] = torch.tensor(4.0)
+    plan = snap_mod.CopyPlan(tensors)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+    want = torch.zeros_like(buf)
+    for slot in plan.slots:
+        snap_mod.tensor_view(want, slot).copy_(tensors[slot.name])
+    by: list[int] = []
+    copy = torch._foreach_copy_
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        by.append(threading.get_ident())
+        copy(dsts, srcs)
+
+    class Pool:
+        """Runs each job on a thread of its own, after ``delay`` seconds."""
+
+        def __init__(self, delay: float) -> None:
+            self._max_workers, self.delay = 2, delay
+
+        def submit(self, fn: Any) -> Future[None]:
+            done: Future[None] = Future()
+
+            def later() -> None:
+                threading.Event().wait(self.delay)
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+            threading.Thread(target=later).start()
+            return done
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    chunks = plan._chunks(buf, 2)
+    assert len(chunks) >= 4
+    me = threading.get_ident()
+    for delay, late in ((0.5, True), (0.0, False)):
+        buf.zero_()
+        by.clear()
+        copied_first = threading.Event()
+        if not late:  # the calling thread waits at its first chunk until the pool's took one
+
+            def gate(
+                dsts: list[torch.Tensor],
+                srcs: list[torch.Tensor],
+                first: threading.Event = copied_first,
+            ) -> None:
+                if threading.get_ident() == me and not first.is_set():
+                    first.wait(5)
+                elif threading.get_ident() != me:
+                    first.set()
+                spy(dsts, srcs)
+
+            monkeypatch.setattr(torch, "_foreach_copy_", gate)
+        assert plan._copy_shared(buf, tensors, Pool(delay)) is True  # type: ignore[arg-type]
+        assert torch.equal(buf, want) and len(by) == len(chunks)
+        mine = by.count(me)
+        assert (mine == len(chunks)) if late else (0 < mine < len(chunks)), (late, mine)
 
 
 def test_a_state_over_the_threads_threshold_restores_from_shared_memory_exactly(

@@ -188,16 +188,17 @@ class CopyPlan:
         self, buf: torch.Tensor, tensors: Mapping[str, torch.Tensor], pool: ThreadPoolExecutor
     ) -> bool:
         """`copy_into`'s share-out among ``pool``'s threads (torch with one intra-op
-        thread), planned once per buffer: each thread's destination views and the
-        source pieces it copies, one ``torch._foreach_copy_`` a thread, the calling
-        thread taking the first share. `copy_into` made every view and the share-out
-        anew at each snapshot: about 1 ms of a 6-layer nanoGPT's 12 ms snapshot (306
-        tensors). False where a tensor to split is not contiguous (not copied)."""
-        shares = self._shares(buf, pool._max_workers)
-        srcs: list[list[torch.Tensor]] = []
-        for share in shares:
+        thread), planned once per buffer (`_chunks`): the copy in chunks of about a
+        piece each, one ``torch._foreach_copy_`` a chunk, which the calling thread and
+        the pool's threads take in turn from one iterator until none is left: a thread
+        that wakes late takes fewer chunks instead of finishing a fixed share late while
+        the calling thread waits for it (``docs/decisions.md``, "Copy chunks taken in
+        turn"). False where a tensor to split is not contiguous (nothing copied)."""
+        chunks = self._chunks(buf, pool._max_workers)
+        jobs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        for dsts, what in chunks:
             pieces: list[torch.Tensor] = []
-            for name, lo, hi in share[1]:
+            for name, lo, hi in what:
                 src = tensors[name]
                 if hi < 0:
                     pieces.append(src)
@@ -205,57 +206,63 @@ class CopyPlan:
                     pieces.append(src.view(-1)[lo:hi])
                 else:
                     return False
-            srcs.append(pieces)
+            jobs.append((dsts, pieces))
+        todo = iter(jobs)  # one chunk to each next(): a list iterator is atomic
 
-        def run(k: int) -> None:
+        def run() -> None:
             with torch.no_grad():
-                torch._foreach_copy_(shares[k][0], srcs[k])
+                for dsts, srcs in todo:
+                    torch._foreach_copy_(dsts, srcs)
 
-        futures = [pool.submit(run, k) for k in range(1, len(shares))]
+        futures = [pool.submit(run) for _ in range(1, min(pool._max_workers, len(jobs)))]
         try:
-            run(0)
+            run()
         finally:
             for f in futures:
                 f.result()  # waited for even when this thread failed: nothing copies after
         return True
 
-    def _shares(
+    def _chunks(
         self, buf: torch.Tensor, n: int
     ) -> list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]]:
-        """Per thread (at most ``n``, each non-empty): destination views in ``buf`` and,
-        for each, the source's name and the element range copied (``hi`` -1: all of
-        it); tensors larger than a piece (`share_piece_bytes`) in pieces of about that
-        size, the largest pieces first to the least loaded thread."""
+        """The chunks of a copy shared among ``n`` threads, in layout order: each one's
+        destination views in ``buf`` and, for each, the source's name and the element
+        range copied (``hi`` -1: all of it); tensors larger than a piece
+        (`share_piece_bytes`) in pieces of about that size, and consecutive pieces and
+        tensors together until a chunk holds a piece's bytes."""
         key = (id(buf), n)
         hit = self._share_cache.get(key)
         if hit is not None and hit[0] is buf:
             return hit[1]
         piece_bytes = share_piece_bytes(self.nbytes, n)
-        jobs: list[tuple[torch.Tensor, tuple[str, int, int]]] = []
+        chunks: list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]] = []
+        dsts: list[torch.Tensor] = []
+        what: list[tuple[str, int, int]] = []
+        held = 0
         for slot in self.slots:
             dst = tensor_view(buf, slot)
             if slot.nbytes > piece_bytes and dst.dim() > 0:
                 flat = dst.view(-1)
                 step = max(1, piece_bytes // max(1, dst.element_size()))
-                for i in range(0, flat.numel(), step):
-                    piece = flat[i : i + step]
-                    jobs.append((piece, (slot.name, i, i + piece.numel())))
+                parts = [
+                    (flat[i : i + step], (slot.name, i, min(i + step, flat.numel())))
+                    for i in range(0, flat.numel(), step)
+                ]
             else:
-                jobs.append((dst, (slot.name, 0, -1)))
-        buckets: list[tuple[list[torch.Tensor], list[tuple[str, int, int]]]] = [
-            ([], []) for _ in range(max(1, n))
-        ]
-        loads = [0] * len(buckets)
-        for dst, what in sorted(jobs, key=lambda j: -j[0].numel() * j[0].element_size()):
-            i = loads.index(min(loads))
-            buckets[i][0].append(dst)
-            buckets[i][1].append(what)
-            loads[i] += dst.numel() * dst.element_size()
-        shares = [b for b in buckets if b[0]]
+                parts = [(dst, (slot.name, 0, -1))]
+            for view, span in parts:
+                dsts.append(view)
+                what.append(span)
+                held += view.numel() * view.element_size()
+                if held >= piece_bytes:
+                    chunks.append((dsts, what))
+                    dsts, what, held = [], [], 0
+        if dsts:
+            chunks.append((dsts, what))
         if len(self._share_cache) >= SLOTS:
             self._share_cache.clear()
-        self._share_cache[key] = (buf, shares)
-        return shares
+        self._share_cache[key] = (buf, chunks)
+        return chunks
 
     def forget(self) -> None:
         """Drop the views (they keep a buffer, and a shared-memory mapping, alive)."""
@@ -372,10 +379,11 @@ _HASH_ALONE_BYTES = 1 << 20  # a restore hashes tensors from this size on a copy
 
 
 def share_piece_bytes(nbytes: int, threads: int) -> int:
-    """The size of the pieces a copy of ``nbytes`` shared among ``threads`` cuts its
-    tensors into: `_CHUNK_BYTES`, or less in a state under ``2 * threads`` of them, down
-    to 1 MiB (a state of 10 MiB whose largest tensor holds 8 is still shared evenly)."""
-    return min(_CHUNK_BYTES, max(1 << 20, nbytes // (2 * max(1, threads))))
+    """The size of the pieces (and chunks, `CopyPlan._chunks`) a copy of ``nbytes``
+    shared among ``threads`` cuts its tensors into: `_CHUNK_BYTES`, or less in a state
+    under ``4 * threads`` of them, down to 1 MiB (a state of 10 MiB whose largest tensor
+    holds 8 is still shared evenly, and a thread that starts late takes fewer chunks)."""
+    return min(_CHUNK_BYTES, max(1 << 20, nbytes // (4 * max(1, threads))))
 
 
 def copy_threads() -> int:
