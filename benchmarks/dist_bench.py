@@ -16,9 +16,11 @@ mesh at W=1), and interleaves ``warmup + reps`` rounds of: resumable ``save()``
 (``persist="sync"``: the save returns after the coordinated, durable commit),
 ``dcp.save`` and ``dcp.async_save`` (thread executor, gloo side group), the first method
 rotating each round; also resumable with its default background persist, and the copy
-floor. Each sample is the slowest rank's time after a barrier; round 0 is reported apart
-as *first*, and medians are of the rounds after the warm-up ones (3 by default: the first
-saves into a new directory ran slower here than the later ones). Bytes are the sizes
+floor, which then get ``pair_reps`` more rounds of the two alone (30 by default),
+alternating which goes first: the goal of several ranks reads their ratio. Each sample
+is the slowest rank's time after a barrier; round 0 is reported apart as *first*, and
+medians are of the rounds after the warm-up ones (3 by default: the first saves into a
+new directory ran slower here than the later ones). Bytes are the sizes
 of each rank's data file (``rank-RRRRR.safetensors``, ``__R_0.distcp``) and of the rest
 (manifest, ``.metadata``). ``OMP_NUM_THREADS`` is the machine's cores ÷ W, so the W
 ranks share the cores as W trainers would. The data directories live under the bench
@@ -46,6 +48,10 @@ WORKER = HERE / "dist_worker.py"
 WORLDS = (1, 2, 4)
 REPS = 10  # timed rounds: one round is about a second at 128 MiB (the loop takes minutes)
 WARMUP = 3  # rounds before them
+# Rounds after those of the background save and the copy floor alone, alternating which
+# goes first: the 4-rank ratio of the two moved by more than its goal's margin from run
+# to run on 10 samples; one such round is a fraction of a full one.
+PAIR_REPS = 30
 LABELS = {
     "resumable": 'resumable `save()`, `persist="sync"` (coordinated commit at W > 1)',
     "resumable_process": 'resumable `save()`, `persist="process"` (background), + `wait()`',
@@ -71,6 +77,7 @@ def launch(
     timeout_s: float,
     loop_steps: int = 0,
     warmup: int = 1,
+    pair_reps: int = 0,
 ) -> dict[str, Any]:
     """One torchrun launch of `dist_worker.py` with ``world`` ranks; its JSON, raw."""
     if workdir.exists():
@@ -95,6 +102,8 @@ def launch(
         cmd.append("--background")
     if loop_steps:
         cmd.append(f"--loop-steps={loop_steps}")
+    if pair_reps and background:
+        cmd.append(f"--pair-reps={pair_reps}")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
     rc, tail = run_logged(cmd, env, log_path, timeout_s)
     if rc != 0 or not out.exists():
@@ -197,6 +206,7 @@ def run_phase(
     timeout_s: float = 900.0,
     loop_steps: int = 300,
     warmup: int = WARMUP,
+    pair_reps: int = PAIR_REPS,
 ) -> dict[str, Any]:
     """Every world size in turn; a world size that fails is recorded with its error and
     the others still run. ``workdir`` is emptied and removed at the end."""
@@ -204,13 +214,17 @@ def run_phase(
         "size_mb": size_mb,
         "reps": reps,
         "warmup": warmup,
+        "pair_reps": pair_reps if background else 0,
         "cpu_count": os.cpu_count(),
         "how": "torchrun --standalone, gloo, FSDP2 fully_shard on a CPU mesh; rank-max times",
         "worlds": {},
     }
     try:
         for w in worlds:
-            log(f"distributed: {w} rank(s), {size_mb:g} MiB, {warmup} + {reps} rounds")
+            log(
+                f"distributed: {w} rank(s), {size_mb:g} MiB, {warmup} + {reps} rounds"
+                + (f", then {pair_reps} of the background save and the floor" if pair_reps else "")
+            )
             try:
                 raw = launch(
                     w,
@@ -221,6 +235,7 @@ def run_phase(
                     timeout_s=timeout_s,
                     loop_steps=loop_steps,
                     warmup=warmup,
+                    pair_reps=pair_reps,
                 )
                 out["worlds"][str(w)] = summarise(raw)
             except Exception as exc:
@@ -242,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warmup", type=int, default=WARMUP, help=f"rounds before the timed ones ({WARMUP})"
     )
+    ap.add_argument(
+        "--pair-reps",
+        type=int,
+        default=PAIR_REPS,
+        help=f"rounds after those of the background save and the copy floor alone ({PAIR_REPS})",
+    )
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="(1 2 4)")
     ap.add_argument("--no-background", action="store_true", help="skip persist='process'")
     ap.add_argument("--loop-steps", type=int, default=300, help="training loop steps (300)")
@@ -261,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout_s,
         loop_steps=args.loop_steps,
         warmup=max(1, args.warmup),
+        pair_reps=max(0, args.pair_reps),
     )
     print(json.dumps(out, indent=1))
     if args.docs:

@@ -472,7 +472,9 @@ def _dist(out: Result) -> list[dict[str, Any] | None]:
                 f"{size} ranks (FSDP2): `save()` blocking ÷ the copy floor, each from the "
                 "first rank's start to the last rank's return"
             )
+            n = len(_get(w, "methods", "resumable_process", "span_blocking", "samples") or ())
             spans = (
+                f"medians of {n} rounds each; "
                 f"the slowest rank's own time ÷ the floor's {_f(ratio(w, 'blocking'), 'x')} "
                 f"(the floor's median {_f(_method_ms(w, 'copy_floor', 'blocking'), 'ms')}, its "
                 f"span {_f(_method_ms(w, 'copy_floor', 'span_blocking'), 'ms')}; `save()` "

@@ -1002,7 +1002,15 @@ def dist_section(out: Result) -> list[str]:
         "at 1), one training step taken. Each world size is one `torchrun --standalone` "
         f"launch (gloo) with {d.get('reps')} timed rounds after {d.get('warmup', 1)} "
         "untimed ones (the first reported apart as *first*), the methods "
-        "interleaved and the first of them rotating each round; all ranks meet at a barrier "
+        "interleaved and the first of them rotating each round"
+        + (
+            f", then {d['pair_reps']} more rounds of resumable's background save and the "
+            "copy floor alone, alternating which goes first (their medians are over all "
+            "their rounds: the goal of several ranks reads their ratio)"
+            if d.get("pair_reps")
+            else ""
+        )
+        + "; all ranks meet at a barrier "
         "before each save, and each sample is the slowest rank's time. DCP's times "
         "include `get_state_dict`, as resumable's `save()` includes its own capture. "
         '*Blocking*: until the call returns; resumable with `persist="sync"` and '

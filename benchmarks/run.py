@@ -844,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.dist_size_mb,
                 args.reps if args.quick else max(args.reps, dist_bench.REPS),
                 log,
+                pair_reps=2 if args.quick else dist_bench.PAIR_REPS,
             ),
         )
         if got is not None:

@@ -26,7 +26,7 @@ LAYER_KEYS = {"floor", "blocking", "slot", "rest", *dist_bench.LAYERS}
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("dist") / "w2"
-    raw = dist_bench.launch(2, 2, 1, work, background=True, timeout_s=240, warmup=1)
+    raw = dist_bench.launch(2, 2, 1, work, background=True, timeout_s=240, warmup=1, pair_reps=3)
     return dist_bench.summarise(raw)
 
 
@@ -45,6 +45,20 @@ def test_every_layer_is_timed_inside_the_save_of_every_rank(two_ranks: dict[str,
             assert row["slot"] >= 0 and row["rest"] >= 0, row
     per_rank = lay["per_rank_ms"]
     assert lay["slowest"] == max((0, 1), key=lambda r: per_rank[r]["blocking"])
+
+
+def test_the_deciding_pair_gets_its_rounds_after_the_others(two_ranks: dict[str, Any]) -> None:
+    """With ``pair_reps``, the background save and the copy floor are timed that many
+    rounds more than the other methods (1 warm-up + 1 timed round + 3), each round's
+    sample from both ranks, and their medians are over all their timed rounds."""
+    methods = two_ranks["methods"]
+    for name in ("copy_floor", "resumable_process"):
+        assert len(methods[name]["per_rank_blocking"]) == 1 + 1 + 3, name
+        assert len(methods[name]["blocking"]["samples"]) == 1 + 3, name
+        assert all(len(rep) == 2 for rep in methods[name]["per_rank_blocking"])
+    for name in ("resumable", "dcp_save", "dcp_async"):
+        assert len(methods[name]["per_rank_blocking"]) == 1 + 1, name
+    assert len(methods["resumable_process"]["snapshot"]["samples"]) == 1 + 3
 
 
 def test_the_report_and_the_goal_row_give_the_slowest_ranks_layers(
