@@ -47,6 +47,29 @@ def _loop_floor_rows(e2e: dict[str, Any]) -> list[list[str]]:
             "throughput ratio of those segments (median baseline ÷ median floor segment)",
             _f(e2e.get("floor_throughput_ratio"), "{:.3f}"),
         ],
+        *_guarded_rows(e2e),
+    ]
+
+
+def _guarded_rows(e2e: dict[str, Any]) -> list[list[str]]:
+    """The least snapshot that keeps the guarantees, timed in the loop
+    (`training._guarded`), where the run has it."""
+    calls = e2e.get("guarded_call_s")
+    if not isinstance(calls, dict):
+        return []
+    fastest, median = calls.get("min"), calls.get("median")
+    return [
+        [
+            "guarded floor in the loop (`small_bench.guarded_snapshot`: the copy as the "
+            "floor makes it, with the structure and tensor checks, two slots taken in turn "
+            "and a record with its digest): fastest, median",
+            f"{_f(None if fastest is None else fastest * 1000, '{:.2f} ms')}, "
+            f"{_f(None if median is None else median * 1000, '{:.2f} ms')}",
+        ],
+        [
+            "throughput ratio of those segments (median baseline ÷ median guarded segment)",
+            _f(e2e.get("guarded_throughput_ratio"), "{:.3f}"),
+        ],
     ]
 
 

@@ -24,18 +24,27 @@ memory snapshot with its layers fused into one call (`small_bench.fused_snapshot
 same checks, random streams, metadata and slot as ``maybe_save``, no facade, schedule,
 worker poll or fallback; a checkpointer of its own that never persists): its call's
 median against ``maybe_save``'s is what fusing the layers would save in this loop.
+
+Without overlap, a fifth kind takes, after each step, the least snapshot that keeps the
+library's guarantees (`small_bench.guarded_snapshot`: the structure and tensor checks,
+two shared-memory slots taken in turn with an odd/even sequence, every optimizer
+group's values and the random streams in a record with its digest, the copy as the
+floor makes it): the floor a snapshot with those guarantees is bound by in this loop.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from resumable_bench import api_info
-from small_bench import fused_snapshot, loop_floor
+from small_bench import fused_snapshot, guarded_snapshot, loop_floor
 from torch import nn
 
 import resumable
@@ -146,6 +155,20 @@ def _run(
     fused_seg_s: list[float] = []
     fused_call_s: list[float] = []
     fused_step = 3
+    # the guarded floor's slots: a private directory in shared memory, removed at the end
+    guarded = close_guarded = None
+    guarded_dir: Path | None = None
+    if api["tiers"] and not overlap:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        guarded_dir = Path(tempfile.mkdtemp(prefix="resumable-e2e-", dir=shm))
+        guarded, _, close_guarded = guarded_snapshot(
+            model,
+            opt,
+            list(capture_mod.capture({"model": model, "optim": opt}).tensors.values()),
+            guarded_dir,
+        )
+    guarded_seg_s: list[float] = []
+    guarded_call_s: list[float] = []
 
     base_s: list[float] = []
     ckpt_s: list[float] = []
@@ -202,9 +225,23 @@ def _run(
             fused_call_s.append(time.perf_counter() - t1)
         fused_seg_s.append(time.perf_counter() - t0)
 
+    def guarded_segment() -> None:
+        nonlocal fused_step
+        assert guarded is not None
+        t0 = time.perf_counter()
+        for k in range(steps):
+            step_once(k)
+            fused_step += 1
+            t1 = time.perf_counter()
+            guarded(fused_step)
+            guarded_call_s.append(time.perf_counter() - t1)
+        guarded_seg_s.append(time.perf_counter() - t0)
+
     kinds = (baseline, checkpointed) if overlap else (baseline, checkpointed, floor)
     if fused is not None:
         kinds = (*kinds, fused_segment)
+    if guarded is not None:
+        kinds = (*kinds, guarded_segment)
     try:
         for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
             for segment in kinds if r % 2 == 0 else kinds[::-1]:
@@ -212,6 +249,10 @@ def _run(
     finally:
         ck.close()
         close_floor()
+        if close_guarded is not None:
+            close_guarded()
+        if guarded_dir is not None:
+            shutil.rmtree(guarded_dir, ignore_errors=True)
         if ck_fused is not None:
             ck_fused.save_on_close = False
             ck_fused.close()
@@ -249,6 +290,20 @@ def _run(
         "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
         **(_floor(b, floor_seg_s, floor_copy_s) if floor_seg_s else {}),
         **(_fused(b, fused_seg_s, fused_call_s) if fused_seg_s else {}),
+        **(_guarded(b, guarded_seg_s, guarded_call_s) if guarded_seg_s else {}),
+    }
+
+
+def _guarded(base: float, segments: list[float], calls: list[float]) -> dict[str, Any]:
+    """The guarded floor's segments and calls (`small_bench.guarded_snapshot`)."""
+    return {
+        "guarded_segment_s": {"samples": segments, "median": statistics.median(segments)},
+        "guarded_call_s": {
+            "samples": calls,
+            "median": statistics.median(calls),
+            "min": min(calls),
+        },
+        "guarded_throughput_ratio": base / statistics.median(segments),
     }
 
 

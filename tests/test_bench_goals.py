@@ -87,6 +87,23 @@ def test_the_loop_takes_the_copy_timed_in_the_loop_as_its_floor_where_the_run_ha
     assert "copy floor in the loop" in text and "1.00 ms, 1.10 ms" in text
 
 
+def test_the_loop_takes_the_guarded_snapshot_as_its_floor_where_it_is_past_the_copy() -> None:
+    out = _run()
+    step = out["e2e"]["step_ms_baseline"]
+    out["e2e"]["floor_copy_s"] = {"samples": [0.0012, 0.001], "median": 0.0011, "min": 0.001}
+    out["e2e"]["guarded_call_s"] = {"samples": [0.0016, 0.0015], "median": 0.00155, "min": 0.0015}
+    out["e2e"]["maybe_save_s"] = {"samples": [0.002], "median": 0.002}
+    row = _row(out, "training loop")
+    assert row["bound"] == pytest.approx(step / (step + 1.5))
+    assert "guarded_snapshot" in row["why"] and "fastest 1.50 ms" in row["why"]
+    out["e2e"]["guarded_call_s"]["min"] = 0.0005  # faster than the copy: the copy bounds
+    assert _row(out, "training loop")["bound"] == pytest.approx(step / (step + 1.0))
+    out["e2e"]["guarded_throughput_ratio"] = 0.985
+    text = report.render(out)
+    assert "guarded floor in the loop" in text and "0.50 ms, 1.55 ms" in text
+    assert "0.985" in text
+
+
 def test_nanogpt_rows_take_the_fastest_copy_as_their_floor() -> None:
     out = _run()
     m = out["small"]["models"]["6-layer"]

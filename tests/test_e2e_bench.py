@@ -1,5 +1,6 @@
-"""`benchmarks/training.py`: the training loop's three kinds of segments (no checkpoints,
-a snapshot every step, the copy floor timed in the loop), on a small MLP."""
+"""`benchmarks/training.py`: the training loop's kinds of segments (no checkpoints, a
+snapshot every step, the copy floor and the guarded floor timed in the loop), on a small
+MLP."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ def test_the_loop_times_its_copy_floor_after_each_step_of_segments_of_its_own(
     assert out["floor_throughput_ratio"] == base / out["floor_segment_s"]["median"]
     # the checkpointed segments took a snapshot at every step
     assert len(out["snapshot_blocking_s"]["samples"]) == 2 * 4
+    # ... and the guarded floor's segments took its snapshot after every step of theirs
+    guarded = out["guarded_call_s"]
+    assert len(guarded["samples"]) == 2 * 4 and guarded["min"] == min(guarded["samples"]) > 0
+    assert out["guarded_throughput_ratio"] == base / out["guarded_segment_s"]["median"]
+    assert not list(Path("/dev/shm").glob("resumable-e2e-*"))  # its slots removed
 
 
 def test_overlap_mode_has_no_floor_segments(tmp_path: Path) -> None:
     out = training.run_e2e(tmp_path, steps=3, rounds=1, width=32, depth=1, batch=8, overlap=True)
     assert "floor_copy_s" not in out and "floor_segment_s" not in out
+    assert "guarded_call_s" not in out
