@@ -242,15 +242,27 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
             f"{_f(_ms(_med(e2e.get('maybe_save_s'))), 'ms')}): a snapshot with those "
             f"guarantees keeps at best {_f(bound, '')}"
         )
+    # Two estimates of the same ratio: the segments' medians, and the median of the
+    # adjacent pairs' ratios (ABBA order, which cancels the machine's drift); the row
+    # takes the smaller, as the nanoGPT rows take the larger of their two overheads, so
+    # that no single estimate's lucky draw decides it.
+    medians, pairs = _num(e2e.get("throughput_ratio")), _num(e2e.get("median_pair_ratio"))
+    measured = medians if pairs is None or medians is None else min(medians, pairs)
+    estimates = (
+        ""
+        if pairs is None
+        else f"the smaller of the ratio of the segments' medians ({_f(medians, '')}) and the "
+        f"median of the adjacent pairs' ratios ({_f(pairs, '')}); "
+    )
     rows.append(
         _goal(
             "training loop, a snapshot every step, no overlap (MLP): throughput kept",
-            _num(e2e.get("throughput_ratio")),
+            measured,
             "",
             ">=",
             0.97,
             bound,
-            why + "; the snapshot blocked "
+            estimates + why + "; the snapshot blocked "
             f"{_f(_ms(_med(e2e.get('snapshot_blocking_s'))), 'ms')} in the loop" + _fused_e2e(e2e),
             "overlap mode: " + _f(_num(_get(out, "e2e_overlap", "throughput_ratio")), ""),
         )
