@@ -31,44 +31,39 @@ Result = dict[str, Any]
 
 
 def _loop_floor_rows(e2e: dict[str, Any]) -> list[list[str]]:
-    """The copy floor timed in the loop (`training._floor`), where the run has it."""
-    copies = e2e.get("floor_copy_s")
-    if not isinstance(copies, dict):
-        return []
-    fastest, median = copies.get("min"), copies.get("median")
-    return [
-        [
-            "copy floor in the loop (the same tensors, one `_foreach_copy_` into memory "
-            "allocated once, after each step of segments of its own): fastest, median",
-            f"{_f(None if fastest is None else fastest * 1000, '{:.2f} ms')}, "
-            f"{_f(None if median is None else median * 1000, '{:.2f} ms')}",
-        ],
-        [
-            "throughput ratio of those segments (median baseline ÷ median floor segment)",
-            _f(e2e.get("floor_throughput_ratio"), "{:.3f}"),
-        ],
-        *_guarded_rows(e2e),
-    ]
+    """The copy floor and the guarded floor timed in the loop (`training._floor`,
+    `training._guarded`), where the run has them."""
+    return _in_loop_rows(
+        e2e,
+        "floor",
+        "copy floor in the loop (the same tensors, one `_foreach_copy_` into memory "
+        "allocated once, after each step of segments of its own)",
+        "floor_copy_s",
+    ) + _in_loop_rows(
+        e2e,
+        "guarded",
+        "guarded floor in the loop (`small_bench.guarded_snapshot`: the copy as the "
+        "floor makes it, with the structure and tensor checks, two slots taken in turn "
+        "and a record with its digest)",
+        "guarded_call_s",
+    )
 
 
-def _guarded_rows(e2e: dict[str, Any]) -> list[list[str]]:
-    """The least snapshot that keeps the guarantees, timed in the loop
-    (`training._guarded`), where the run has it."""
-    calls = e2e.get("guarded_call_s")
+def _in_loop_rows(e2e: dict[str, Any], kind: str, what: str, key: str) -> list[list[str]]:
+    """A floor's fastest and median call in the loop, and its segments' throughput."""
+    calls = e2e.get(key)
     if not isinstance(calls, dict):
         return []
     fastest, median = calls.get("min"), calls.get("median")
     return [
         [
-            "guarded floor in the loop (`small_bench.guarded_snapshot`: the copy as the "
-            "floor makes it, with the structure and tensor checks, two slots taken in turn "
-            "and a record with its digest): fastest, median",
+            f"{what}: fastest, median",
             f"{_f(None if fastest is None else fastest * 1000, '{:.2f} ms')}, "
             f"{_f(None if median is None else median * 1000, '{:.2f} ms')}",
         ],
         [
-            "throughput ratio of those segments (median baseline ÷ median guarded segment)",
-            _f(e2e.get("guarded_throughput_ratio"), "{:.3f}"),
+            f"throughput ratio of those segments (median baseline ÷ median {kind} segment)",
+            _f(e2e.get(f"{kind}_throughput_ratio"), "{:.3f}"),
         ],
     ]
 

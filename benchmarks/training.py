@@ -34,11 +34,13 @@ floor makes it): the floor a snapshot with those guarantees is bound by in this 
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +156,6 @@ def _run(
     fused = fused_snapshot(ck_fused, {"model": model, "optim": opt}) if ck_fused else None
     fused_seg_s: list[float] = []
     fused_call_s: list[float] = []
-    fused_step = 3
     # the guarded floor's slots: a private directory in shared memory, removed at the end
     guarded = close_guarded = None
     guarded_dir: Path | None = None
@@ -204,44 +205,35 @@ def _run(
         ck.wait()
         ckpt_s.append(time.perf_counter() - t0)
 
-    def floor() -> None:
-        t0 = time.perf_counter()
-        for k in range(steps):
-            step_once(k)
-            t1 = time.perf_counter()
-            copy_floor()
-            floor_copy_s.append(time.perf_counter() - t1)
-        floor_seg_s.append(time.perf_counter() - t0)
+    def after_each_step(
+        call: Callable[[], Any], calls: list[float], segments: list[float]
+    ) -> Callable[[], None]:
+        """A segment that runs ``call`` after each step, timing it and the segment."""
 
-    def fused_segment() -> None:
-        nonlocal fused_step
-        assert fused is not None
-        t0 = time.perf_counter()
-        for k in range(steps):
-            step_once(k)
-            fused_step += 1
-            t1 = time.perf_counter()
-            fused(fused_step)
-            fused_call_s.append(time.perf_counter() - t1)
-        fused_seg_s.append(time.perf_counter() - t0)
+        def segment() -> None:
+            t0 = time.perf_counter()
+            for k in range(steps):
+                step_once(k)
+                t1 = time.perf_counter()
+                call()
+                calls.append(time.perf_counter() - t1)
+            segments.append(time.perf_counter() - t0)
 
-    def guarded_segment() -> None:
-        nonlocal fused_step
-        assert guarded is not None
-        t0 = time.perf_counter()
-        for k in range(steps):
-            step_once(k)
-            fused_step += 1
-            t1 = time.perf_counter()
-            guarded(fused_step)
-            guarded_call_s.append(time.perf_counter() - t1)
-        guarded_seg_s.append(time.perf_counter() - t0)
+        return segment
 
+    floor = after_each_step(copy_floor, floor_copy_s, floor_seg_s)
+    bound_steps = itertools.count(4)  # the fused bound's checkpointer planned steps 1 to 3
     kinds = (baseline, checkpointed) if overlap else (baseline, checkpointed, floor)
     if fused is not None:
-        kinds = (*kinds, fused_segment)
+        kinds = (
+            *kinds,
+            after_each_step(lambda: fused(next(bound_steps)), fused_call_s, fused_seg_s),
+        )
     if guarded is not None:
-        kinds = (*kinds, guarded_segment)
+        kinds = (
+            *kinds,
+            after_each_step(lambda: guarded(next(bound_steps)), guarded_call_s, guarded_seg_s),
+        )
     try:
         for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
             for segment in kinds if r % 2 == 0 else kinds[::-1]:
