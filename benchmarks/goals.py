@@ -213,7 +213,7 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
         f"keeps at best {_f(bound, '')}"
     )
     # The bound, where the run timed it: the same copy in the loop, after each step of a
-    # segment of its own (`training._floor`), its fastest sample: where a snapshot runs,
+    # segment of its own (`training._timed_kind`), its fastest sample: where a snapshot runs,
     # right after a step, rather than the 1 GiB copy floor's bandwidth scaled.
     in_loop = _num(_get(e2e, "floor_copy_s", "min"))
     if step is not None and in_loop is not None:
@@ -228,7 +228,7 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
             f"at the 1 GiB copy floor's bandwidth the copy would take {_f(copy_ms, 'ms')}"
         )
     # The least snapshot that keeps the guarantees, where the run timed it in the loop
-    # (`training._guarded`): its fastest call bounds the snapshot where it is past the copy.
+    # (`training._timed_kind`): its fastest call bounds the snapshot where it is past the copy.
     guarded = _num(_get(e2e, "guarded_call_s", "min"))
     if step is not None and guarded is not None:
         floor_ms = max(guarded * 1000, (in_loop or 0) * 1000)

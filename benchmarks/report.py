@@ -31,8 +31,8 @@ Result = dict[str, Any]
 
 
 def _loop_floor_rows(e2e: dict[str, Any]) -> list[list[str]]:
-    """The copy floor and the guarded floor timed in the loop (`training._floor`,
-    `training._guarded`), where the run has them."""
+    """The copy floor and the guarded floor timed in the loop (`training._timed_kind`),
+    where the run has them."""
     return _in_loop_rows(
         e2e,
         "floor",

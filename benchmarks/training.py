@@ -280,47 +280,33 @@ def _run(
         "throughput_ratio": b / c,
         "pair_ratios": [x / y for x, y in zip(base_s, ckpt_s)],
         "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
-        **(_floor(b, floor_seg_s, floor_copy_s) if floor_seg_s else {}),
-        **(_fused(b, fused_seg_s, fused_call_s) if fused_seg_s else {}),
-        **(_guarded(b, guarded_seg_s, guarded_call_s) if guarded_seg_s else {}),
+        **(
+            _timed_kind(b, "floor", "floor_copy_s", floor_seg_s, floor_copy_s)
+            if floor_seg_s
+            else {}
+        ),
+        **(
+            _timed_kind(b, "fused", "fused_call_s", fused_seg_s, fused_call_s)
+            if fused_seg_s
+            else {}
+        ),
+        **(
+            _timed_kind(b, "guarded", "guarded_call_s", guarded_seg_s, guarded_call_s)
+            if guarded_seg_s
+            else {}
+        ),
     }
 
 
-def _guarded(base: float, segments: list[float], calls: list[float]) -> dict[str, Any]:
-    """The guarded floor's segments and calls (`small_bench.guarded_snapshot`)."""
+def _timed_kind(
+    base: float, kind: str, call_key: str, segments: list[float], calls: list[float]
+) -> dict[str, Any]:
+    """One kind of segment that timed a call after each step (the loop floor's copy, the
+    fused snapshot, the guarded one): its segments, its calls (the fastest call is the
+    floor where it is one) and the segments' throughput ratio to the baseline's median."""
+    median = statistics.median(segments)
     return {
-        "guarded_segment_s": {"samples": segments, "median": statistics.median(segments)},
-        "guarded_call_s": {
-            "samples": calls,
-            "median": statistics.median(calls),
-            "min": min(calls),
-        },
-        "guarded_throughput_ratio": base / statistics.median(segments),
-    }
-
-
-def _fused(base: float, segments: list[float], calls: list[float]) -> dict[str, Any]:
-    """The fused snapshot's segments and calls (`small_bench.fused_snapshot`)."""
-    return {
-        "fused_segment_s": {"samples": segments, "median": statistics.median(segments)},
-        "fused_call_s": {
-            "samples": calls,
-            "median": statistics.median(calls),
-            "min": min(calls),
-        },
-        "fused_throughput_ratio": base / statistics.median(segments),
-    }
-
-
-def _floor(base: float, segments: list[float], copies: list[float]) -> dict[str, Any]:
-    """The loop floor's segments and copies: the copy's fastest sample is the floor."""
-    f = statistics.median(segments)
-    return {
-        "floor_segment_s": {"samples": segments, "median": f},
-        "floor_copy_s": {
-            "samples": copies,
-            "median": statistics.median(copies),
-            "min": min(copies),
-        },
-        "floor_throughput_ratio": base / f,
+        f"{kind}_segment_s": {"samples": segments, "median": median},
+        call_key: {"samples": calls, "median": statistics.median(calls), "min": min(calls)},
+        f"{kind}_throughput_ratio": base / median,
     }
