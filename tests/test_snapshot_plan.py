@@ -497,16 +497,20 @@ def test_a_thread_that_starts_late_takes_fewer_chunks_and_the_copy_is_whole(
         copy(dsts, srcs)
 
     class Pool:
-        """Runs each job on a thread of its own, after ``delay`` seconds."""
+        """Runs each job on a thread of its own, which first waits until ``late``
+        (the calling thread has copied every chunk) where asked to."""
 
-        def __init__(self, delay: float) -> None:
-            self._max_workers, self.delay = 2, delay
+        def __init__(self, late: bool) -> None:
+            self._max_workers, self.late = 2, late
 
         def submit(self, fn: Any) -> Future[None]:
             done: Future[None] = Future()
 
             def later() -> None:
-                threading.Event().wait(self.delay)
+                for _ in range(5000 if self.late else 0):
+                    if len(by) == len(chunks):
+                        break
+                    threading.Event().wait(0.001)
                 try:
                     done.set_result(fn())
                 except BaseException as exc:
@@ -519,25 +523,24 @@ def test_a_thread_that_starts_late_takes_fewer_chunks_and_the_copy_is_whole(
     chunks = plan._chunks(buf, 2)
     assert len(chunks) >= 4
     me = threading.get_ident()
-    for delay, late in ((0.5, True), (0.0, False)):
+    for late in (True, False):
         buf.zero_()
         by.clear()
-        copied_first = threading.Event()
-        if not late:  # the calling thread waits at its first chunk until the pool's took one
+        mine_began, pools_began = threading.Event(), threading.Event()
+        if not late:  # each thread waits at its first chunk until the other took one
 
             def gate(
                 dsts: list[torch.Tensor],
                 srcs: list[torch.Tensor],
-                first: threading.Event = copied_first,
+                events: tuple[threading.Event, threading.Event] = (mine_began, pools_began),
             ) -> None:
-                if threading.get_ident() == me and not first.is_set():
-                    first.wait(5)
-                elif threading.get_ident() != me:
-                    first.set()
+                own, other = events if threading.get_ident() == me else events[::-1]
+                own.set()
+                other.wait(5)
                 spy(dsts, srcs)
 
             monkeypatch.setattr(torch, "_foreach_copy_", gate)
-        assert plan._copy_shared(buf, tensors, Pool(delay)) is True  # type: ignore[arg-type]
+        assert plan._copy_shared(buf, tensors, Pool(late)) is True  # type: ignore[arg-type]
         assert torch.equal(buf, want) and len(by) == len(chunks)
         mine = by.count(me)
         assert (mine == len(chunks)) if late else (0 < mine < len(chunks)), (late, mine)
