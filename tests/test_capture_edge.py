@@ -138,3 +138,54 @@ def test_a_planned_capture_keeps_the_record_of_a_frozen_parameter() -> None:
         tree = capture(state, plan=plan).tree
         classes = [node for key, node in tree["dict"] if key == "__classes__"]
         assert classes and "Parameter(requires_grad=False)" in str(classes[0])
+
+
+def _framework_class(module: str, name: str, *, sharded: bool) -> type:
+    """A stateful class that says it comes from ``module`` (a framework's), as its
+    engines and modules do."""
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        return {"w": torch.zeros(2)}
+
+    body: dict[str, Any] = {
+        "__module__": module,
+        "state_dict": state_dict,
+        "load_state_dict": lambda self, sd: None,
+    }
+    if sharded:
+        body["sharded_state_dict"] = lambda self: {}
+    return type(name, (), body)
+
+
+def test_framework_objects_are_refused_at_every_capture_beside_plain_ones() -> None:
+    """A capture notes the classes neither refusal applies to and skips both checks for
+    them next time (`resumable.capture._PLAIN_TYPES`); a DeepSpeed engine or a raw
+    Megatron module is never noted, so it is refused at every capture, also after
+    plain objects of the same shape were captured, and a key that is not a string is
+    refused before any object is looked at."""
+    plain = _framework_class("my_trainer.engine", "DeepSpeedEngine", sharded=True)
+    engine = _framework_class("deepspeed.runtime.engine", "DeepSpeedEngine", sharded=False)
+    raw = _framework_class("megatron.core.models.gpt", "GPTModel", sharded=True)
+    for _ in range(3):
+        capture({"plain": plain()})
+        with pytest.raises(UnsupportedStateError, match=r"DeepSpeedState\(engine\)"):
+            capture({"plain": plain(), "engine": engine()})
+        with pytest.raises(UnsupportedStateError, match="tensor-parallel shards"):
+            capture({"model": raw()})
+    with pytest.raises(UnsupportedStateError, match="state keys must be strings"):
+        capture({3: engine()})  # type: ignore[dict-item]
+
+
+def test_a_patched_module_state_dict_turns_the_capture_plan_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``torch_saves_modules`` (whether a module's state dict can be planned) sees a
+    patched ``nn.Module`` method, and sees it restored."""
+    from resumable._plan_entries import torch_saves_modules
+
+    assert torch_saves_modules()
+    original = torch.nn.Module.state_dict
+    monkeypatch.setattr(torch.nn.Module, "state_dict", lambda self, *a, **k: original(self))
+    assert not torch_saves_modules()
+    monkeypatch.undo()
+    assert torch_saves_modules()

@@ -258,12 +258,17 @@ def _base_names(key: str, paths: Iterable[tuple[Any, ...]]) -> list[str]:
     return ["/".join(map(str, (key, *p))) for p in paths]
 
 
+# Whether the methods found at import are torch's own (none patched before this import)
+_TORCH_SAVE_IS_TORCHS = all(
+    getattr(f, "__module__", "") == "torch.nn.modules.module" for f in _TORCH_SAVE
+)
+_MODULE_REP = (_TORCH_MODULE,) * len(_SAVE_METHODS)
+
+
 def torch_saves_modules() -> bool:
-    """Whether ``nn.Module``'s own state-dict methods are torch's (not patched)."""
-    return all(
-        getattr(_TORCH_MODULE, m) is f and getattr(f, "__module__", "") == "torch.nn.modules.module"
-        for m, f in zip(_SAVE_METHODS, _TORCH_SAVE)
-    )
+    """Whether ``nn.Module``'s own state-dict methods are torch's (not patched): the
+    ones found at import, if those were torch's (one C-level pass at each capture)."""
+    return _TORCH_SAVE_IS_TORCHS and tuple(map(getattr, _MODULE_REP, _SAVE_METHODS)) == _TORCH_SAVE
 
 
 def _keeps_torch_state_dict(cls: type) -> bool:

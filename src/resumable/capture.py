@@ -164,6 +164,25 @@ def _refuse_raw_megatron(key: Any, obj: Any) -> None:
         )
 
 
+# Classes of top-level objects from neither DeepSpeed nor Megatron: neither refusal
+# applies to them, so a capture checks them no further (`_refuse_framework`). Bounded:
+# cleared when it grows past `_PLAIN_MAX` (classes made on the fly).
+_PLAIN_TYPES: set[type] = set()
+_PLAIN_MAX = 256
+
+
+def _refuse_framework(key: Any, obj: Any) -> None:
+    """`_refuse_raw_megatron` and `_refuse_framework_engine`; a class from neither
+    framework is noted in `_PLAIN_TYPES`."""
+    _refuse_raw_megatron(key, obj)
+    _refuse_framework_engine(key, obj)
+    cls = type(obj)
+    if not cls.__module__.startswith(("deepspeed.", "megatron.")):
+        if len(_PLAIN_TYPES) >= _PLAIN_MAX:
+            _PLAIN_TYPES.clear()
+        _PLAIN_TYPES.add(cls)
+
+
 def capture(
     state: Mapping[str, Any],
     *,
@@ -191,13 +210,13 @@ def capture(
     enc = Encoder(rank, world_size)
     top: list[list[Any]] = []
     for key, obj in state.items():
-        _refuse_raw_megatron(key, obj)
         if not isinstance(key, str) or key in RESERVED_KEYS:
             raise UnsupportedStateError(
                 f"state keys must be strings other than {RNG_KEY!r} and {CLASSES_KEY!r}, "
                 f"found {key!r}"
             )
-        _refuse_framework_engine(key, obj)
+        if type(obj) not in _PLAIN_TYPES:
+            _refuse_framework(key, obj)
         enc.in_global = is_global_object(obj)
         node = plan.entry(key, obj, enc) if plan is not None else None
         top.append([key, enc.value(obj, (key,), 2) if node is None else node])

@@ -78,24 +78,24 @@ class Schedule:
     def persist_due(self, step: int, *, worker_free: bool) -> bool:
         """Whether `maybe_save(step)` persists: a policy due, or an owed persist that the
         (now free) worker can take."""
-        now = time.monotonic()
         if self.owed:
             worker_free = self._agreement.decide("free", step, worker_free)  # all or none
         last = self.last_persist
         if self._last_absorbed >= 0:
             last = max(last or 0, self._last_absorbed)
-        policy_due = self.persist_every.due(
-            step,
-            last_step=last,
-            since_last_s=now - max(self._persist_clock, self._absorbed_clock),
-            cost_s=self.cost.value,
-        )
-        if _timed(self.persist_every):
+        policy = self.persist_every
+        if _timed(policy):
+            since = time.monotonic() - max(self._persist_clock, self._absorbed_clock)
+            policy_due = policy.due(
+                step, last_step=last, since_last_s=since, cost_s=self.cost.value
+            )
             policy_due = self._agreement.decide("due", step, policy_due)  # one rank's clock
+        else:  # steps only: neither the clock nor the cost is read
+            policy_due = policy.due(step, last_step=last, since_last_s=0.0)
         if not self.owed:
             return policy_due
         if not worker_free and policy_due:
-            self._last_absorbed, self._absorbed_clock = step, now
+            self._last_absorbed, self._absorbed_clock = step, time.monotonic()
             self.on_absorbed(step)
         return worker_free
 
