@@ -263,7 +263,9 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
             0.97,
             bound,
             estimates + why + "; the snapshot blocked "
-            f"{_f(_ms(_med(e2e.get('snapshot_blocking_s'))), 'ms')} in the loop" + _fused_e2e(e2e),
+            f"{_f(_ms(_med(e2e.get('snapshot_blocking_s'))), 'ms')} in the loop"
+            + _fused_e2e(e2e)
+            + _cold_warm(e2e),
             "overlap mode: " + _f(_num(_get(out, "e2e_overlap", "throughput_ratio")), ""),
         )
     )
@@ -282,6 +284,26 @@ def _fused_e2e(e2e: Mapping[str, Any]) -> str:
         f"library's layers fused into one call {_f(_ms(fused), 'ms')} (segments of it kept "
         f"{_f(_num(e2e.get('fused_throughput_ratio')), '')})"
     )
+
+
+def _cold_warm(e2e: Mapping[str, Any]) -> str:
+    """What the snapshot does beside its copy, right after a step and warm
+    (`training.cold_and_warm`), where the run timed both."""
+    cold, copy_cold, warm, copy_warm = (
+        _num(_get(e2e, "cold_warm", k, "median")) for k in _COLD_WARM
+    )
+    if cold is None or copy_cold is None or warm is None or copy_warm is None:
+        return ""
+    return (
+        f"; right after a step `maybe_save` took {_f(_ms(cold), 'ms')} and the copy "
+        f"alone {_f(_ms(copy_cold), 'ms')}, straight after another call "
+        f"{_f(_ms(warm), 'ms')} and {_f(_ms(copy_warm), 'ms')}: the snapshot's work "
+        f"beside the copy costs {_f(_ms(cold - copy_cold), 'ms')} where it runs and "
+        f"{_f(_ms(warm - copy_warm), 'ms')} with its data cached"
+    )
+
+
+_COLD_WARM = ("maybe_save_cold_s", "floor_cold_s", "maybe_save_warm_s", "floor_warm_s")
 
 
 def _small(out: Result) -> list[dict[str, Any] | None]:

@@ -592,7 +592,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--persist", default=None, help="resumable persist mode (library default)")
     ap.add_argument("--e2e-steps", type=int, default=50, help="steps per segment (50)")
-    ap.add_argument("--e2e-rounds", type=int, default=8, help="segment pairs (8)")
+    ap.add_argument("--e2e-rounds", type=int, default=16, help="segment pairs (16)")
     ap.add_argument("--e2e-width", type=int, default=512)
     ap.add_argument("--e2e-depth", type=int, default=4)
     ap.add_argument("--e2e-batch", type=int, default=512)

@@ -30,6 +30,11 @@ library's guarantees (`small_bench.guarded_snapshot`: the structure and tensor c
 two shared-memory slots taken in turn with an odd/even sequence, every optimizer
 group's values and the random streams in a record with its digest, the copy as the
 floor makes it): the floor a snapshot with those guarantees is bound by in this loop.
+
+Without overlap, after the rounds: ``maybe_save`` and the floor's copy, each timed right
+after a step and once more straight after (``cold_warm``): how much more the snapshot's
+own work (all but the copy) costs where it runs, after a step that left the caches to
+training's data, than with its own data still cached.
 """
 
 from __future__ import annotations
@@ -234,10 +239,43 @@ def _run(
             *kinds,
             after_each_step(lambda: guarded(next(bound_steps)), guarded_call_s, guarded_seg_s),
         )
+    cold_warm: dict[str, Any] = {}
+
+    def cold_and_warm(n: int) -> None:
+        """`maybe_save`, and the copy floor, right after a step (the step has left the
+        caches to training's data) and once more straight after (its own data still
+        there), alternating, ``n`` steps in all; a pair in which a persist started is
+        left out. What the snapshot does beside the copy costs the difference of the
+        two differences more after a step than it does warm."""
+        nonlocal gid
+        keys = ("maybe_save_cold_s", "maybe_save_warm_s", "floor_cold_s", "floor_warm_s")
+        got: dict[str, list[float]] = {k: [] for k in keys}
+        for k in range(n):
+            step_once(k)
+            pair: list[float] = []
+            persisted = False
+            for _ in range(2):
+                t1 = time.perf_counter()
+                if k % 2:
+                    copy_floor()
+                else:
+                    gid += 1
+                    persisted = ck.maybe_save(gid) or persisted
+                pair.append(time.perf_counter() - t1)
+            if not persisted:
+                for key, dt in zip(keys[2:] if k % 2 else keys[:2], pair):
+                    got[key].append(dt)
+        ck.wait()
+        cold_warm.update(
+            (k, {"samples": v, "median": statistics.median(v)}) for k, v in got.items() if v
+        )
+
     try:
         for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
             for segment in kinds if r % 2 == 0 else kinds[::-1]:
                 segment()
+        if api["tiers"] and not overlap:
+            cold_and_warm(2 * steps)
     finally:
         ck.close()
         close_floor()
@@ -280,6 +318,7 @@ def _run(
         "throughput_ratio": b / c,
         "pair_ratios": [x / y for x, y in zip(base_s, ckpt_s)],
         "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
+        **({"cold_warm": cold_warm} if cold_warm else {}),
         **(
             _timed_kind(b, "floor", "floor_copy_s", floor_seg_s, floor_copy_s)
             if floor_seg_s

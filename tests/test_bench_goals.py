@@ -120,6 +120,23 @@ def test_the_loop_takes_the_guarded_snapshot_as_its_floor_where_it_is_past_the_c
     assert "0.985" in text
 
 
+def test_the_loop_row_says_what_the_snapshot_costs_beside_its_copy_cold_and_warm() -> None:
+    out = _run()
+    assert "right after a step" not in _row(out, "training loop")["why"]  # older runs
+    out["e2e"]["cold_warm"] = {
+        "maybe_save_cold_s": {"samples": [0.0012], "median": 0.0012},
+        "maybe_save_warm_s": {"samples": [0.0009], "median": 0.0009},
+        "floor_cold_s": {"samples": [0.0008], "median": 0.0008},
+        "floor_warm_s": {"samples": [0.0007], "median": 0.0007},
+    }
+    why = _row(out, "training loop")["why"]
+    assert "`maybe_save` took 1.20 ms and the copy alone 0.80 ms" in why
+    assert "straight after another call 0.90 ms and 0.70 ms" in why
+    assert "costs 0.40 ms where it runs and 0.20 ms with its data cached" in why
+    del out["e2e"]["cold_warm"]["floor_warm_s"]  # a run that could not time one
+    assert "right after a step" not in _row(out, "training loop")["why"]
+
+
 def test_nanogpt_rows_take_the_fastest_copy_as_their_floor() -> None:
     out = _run()
     m = out["small"]["models"]["6-layer"]
