@@ -368,7 +368,7 @@ class ModuleEntry:
             hook(m, "", True)
         if not (
             list(map(type, self.mods)) == self.types
-            and list(map(frozenset, self.sets)) == self.set_copies
+            and self.sets == self.set_copies  # each set against its frozen copy, by content
             and list(map(getattr, self.cls_rep, self.names_rep)) == self.torch_rep
             and (self.glob is None or self.glob.valid())
         ):
