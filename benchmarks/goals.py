@@ -287,8 +287,8 @@ def _fused_e2e(e2e: Mapping[str, Any]) -> str:
 
 
 def _cold_warm(e2e: Mapping[str, Any]) -> str:
-    """What the snapshot does beside its copy, right after a step and warm
-    (`training.cold_and_warm`), where the run timed both."""
+    """What the snapshot does beside its copy, right after a step and right after
+    another snapshot (`training.cold_and_warm`), where the run timed both."""
     cold, copy_cold, warm, copy_warm = (
         _num(_get(e2e, "cold_warm", k, "median")) for k in _COLD_WARM
     )
@@ -298,8 +298,8 @@ def _cold_warm(e2e: Mapping[str, Any]) -> str:
         f"; right after a step `maybe_save` took {_f(_ms(cold), 'ms')} and the copy "
         f"alone {_f(_ms(copy_cold), 'ms')}, straight after another call "
         f"{_f(_ms(warm), 'ms')} and {_f(_ms(copy_warm), 'ms')}: the snapshot's work "
-        f"beside the copy costs {_f(_ms(cold - copy_cold), 'ms')} where it runs and "
-        f"{_f(_ms(warm - copy_warm), 'ms')} with its data cached"
+        f"beside the copy costs {_f(_ms(cold - copy_cold), 'ms')} after a step and "
+        f"{_f(_ms(warm - copy_warm), 'ms')} after another snapshot"
     )
 
 

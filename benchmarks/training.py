@@ -32,9 +32,9 @@ group's values and the random streams in a record with its digest, the copy as t
 floor makes it): the floor a snapshot with those guarantees is bound by in this loop.
 
 Without overlap, after the rounds: ``maybe_save`` and the floor's copy, each timed right
-after a step and once more straight after (``cold_warm``): how much more the snapshot's
-own work (all but the copy) costs where it runs, after a step that left the caches to
-training's data, than with its own data still cached.
+after a step and once more straight after the first call (``cold_warm``): whether the
+snapshot's own work (all but the copy) costs more after a training step than after
+another snapshot, whose copy also went through the caches.
 """
 
 from __future__ import annotations
@@ -242,11 +242,10 @@ def _run(
     cold_warm: dict[str, Any] = {}
 
     def cold_and_warm(n: int) -> None:
-        """`maybe_save`, and the copy floor, right after a step (the step has left the
-        caches to training's data) and once more straight after (its own data still
-        there), alternating, ``n`` steps in all; a pair in which a persist started is
-        left out. What the snapshot does beside the copy costs the difference of the
-        two differences more after a step than it does warm."""
+        """`maybe_save`, and the copy floor, right after a step and once more straight
+        after the first call, on alternate steps, ``n`` steps in all; a pair in which a
+        persist started is left out. Each call's time less the copy's, in each
+        position, is what the snapshot does beside its copy there."""
         nonlocal gid
         keys = ("maybe_save_cold_s", "maybe_save_warm_s", "floor_cold_s", "floor_warm_s")
         got: dict[str, list[float]] = {k: [] for k in keys}

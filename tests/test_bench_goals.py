@@ -120,7 +120,7 @@ def test_the_loop_takes_the_guarded_snapshot_as_its_floor_where_it_is_past_the_c
     assert "0.985" in text
 
 
-def test_the_loop_row_says_what_the_snapshot_costs_beside_its_copy_cold_and_warm() -> None:
+def test_the_loop_row_says_what_the_snapshot_costs_beside_its_copy_in_each_position() -> None:
     out = _run()
     assert "right after a step" not in _row(out, "training loop")["why"]  # older runs
     out["e2e"]["cold_warm"] = {
@@ -132,7 +132,7 @@ def test_the_loop_row_says_what_the_snapshot_costs_beside_its_copy_cold_and_warm
     why = _row(out, "training loop")["why"]
     assert "`maybe_save` took 1.20 ms and the copy alone 0.80 ms" in why
     assert "straight after another call 0.90 ms and 0.70 ms" in why
-    assert "costs 0.40 ms where it runs and 0.20 ms with its data cached" in why
+    assert "costs 0.40 ms after a step and 0.20 ms after another snapshot" in why
     del out["e2e"]["cold_warm"]["floor_warm_s"]  # a run that could not time one
     assert "right after a step" not in _row(out, "training loop")["why"]
 
