@@ -37,7 +37,7 @@ def _loop_floor_rows(e2e: dict[str, Any]) -> list[list[str]]:
         e2e,
         "floor",
         "copy floor in the loop (the same tensors, one `_foreach_copy_` into memory "
-        "allocated once, after each step of segments of its own)",
+        "allocated once, after each step of its kind)",
         "floor_copy_s",
     ) + _in_loop_rows(
         e2e,
@@ -47,6 +47,35 @@ def _loop_floor_rows(e2e: dict[str, Any]) -> list[list[str]]:
         "and a record with its digest)",
         "guarded_call_s",
     )
+
+
+def _interleaved_rows(e2e: dict[str, Any]) -> list[list[str]]:
+    """A run whose kinds took turns step by step: each kind's throughput from its total
+    time, and what the persists' background work cost the steps beside them."""
+    if e2e.get("interleaved") != "step":
+        return []
+    rows = [
+        [
+            f"throughput ratio of the totals (baseline ÷ {what})",
+            _f(e2e.get(key), "{:.3f}"),
+        ]
+        for key, what in (
+            ("total_ratio", "checkpointed"),
+            ("guarded_total_ratio", "the guarded floor"),
+            ("fused_total_ratio", "the fused snapshot"),
+            ("floor_total_ratio", "the copy alone"),
+        )
+        if e2e.get(key) is not None
+    ]
+    spill = _get(e2e, "persist_spill", "per_checkpointed_step_s")
+    if isinstance(spill, (int, float)):
+        rows.append(
+            [
+                "a persist's background work, charged to the checkpointed steps",
+                f"{spill * 1000:.2f} ms per step",
+            ]
+        )
+    return rows
 
 
 def _in_loop_rows(e2e: dict[str, Any], kind: str, what: str, key: str) -> list[list[str]]:
@@ -62,7 +91,7 @@ def _in_loop_rows(e2e: dict[str, Any], kind: str, what: str, key: str) -> list[l
             f"{_f(None if median is None else median * 1000, '{:.2f} ms')}",
         ],
         [
-            f"throughput ratio of those segments (median baseline ÷ median {kind} segment)",
+            f"throughput ratio of the rounds' medians (baseline ÷ {kind})",
             _f(e2e.get(f"{kind}_throughput_ratio"), "{:.3f}"),
         ],
     ]
@@ -644,6 +673,7 @@ def render(out: Result) -> str:
     e2e = out.get("e2e")
     lines += ["", "## End to end: training loop", ""]
     if isinstance(e2e, dict) and "throughput_ratio" in e2e:
+        interleaved = e2e.get("interleaved") == "step"
         model = e2e.get("model", {})
         snap = _median(e2e.get("snapshot_blocking_s"))
         lines += _table(
@@ -658,9 +688,10 @@ def render(out: Result) -> str:
                 ],
                 ["checkpointing", str(e2e.get("mode"))],
                 [
-                    "segments",
+                    "rounds" if interleaved else "segments",
                     f"{e2e.get('rounds')} x {e2e.get('steps_per_segment')} steps each "
-                    f"way, {e2e.get('persists')} persists",
+                    f"way, {e2e.get('persists')} persists"
+                    + (", the kinds taking turns step by step (ABBA)" if interleaved else ""),
                 ],
                 ["step time without checkpoints", _f(e2e.get("step_ms_baseline"), "{:.2f} ms")],
                 ["step time with checkpoints", _f(e2e.get("step_ms_checkpointed"), "{:.2f} ms")],
@@ -673,6 +704,7 @@ def render(out: Result) -> str:
                     _f(e2e.get("throughput_ratio"), "{:.3f}"),
                 ],
                 ["median of per-pair ratios", _f(e2e.get("median_pair_ratio"), "{:.3f}")],
+                *_interleaved_rows(e2e),
                 *_loop_floor_rows(e2e),
             ],
         )

@@ -1,29 +1,40 @@
 """End to end: what checkpointing costs a training loop.
 
-A deterministic MLP (fixed seed, synthetic data) trains in alternating segments of
-``steps`` steps, in ABBA order: one without checkpoints, one with ``maybe_save(step)``
-after every step under ``memory_every=Every(steps=1)`` and
+A deterministic MLP (fixed seed, synthetic data) trains in ``rounds`` rounds of
+``steps`` steps of each kind: without checkpoints (the baseline), and with
+``maybe_save(step)`` after every step under ``memory_every=Every(steps=1)`` and
 ``persist_every=Every(steps=50)`` (with the synchronous API, which has no memory tier,
-only the persist every 50 steps happens). Step numbers are offset so that persists
-start mid-segment (25 steps into a 50-step segment); each checkpointed segment ends
-with ``wait()`` inside its timing, so no background persist leaks into the next
-baseline segment. The worker start and the first allocation of the snapshot memory
-happen in a warm-up save before any timing.
+only the persist every 50 steps happens). Without overlap the kinds take turns step by
+step, in ABBA order, so that the other jobs of this shared machine, which come and go
+over seconds, slow every kind alike (runs before 2026-12-08: each kind ran its 50 steps
+in a row, a "segment", and the kinds' ratios differed by more than the snapshot costs).
+With ``overlap=True`` each kind still runs its steps in a row: the overlapped copy runs
+during the next step, which must be the checkpointed kind's own. A kind's steps of one
+round are its "segment" below. Step numbers are offset so that persists start in the
+middle of a round; each round ends with ``wait()``, timed in the checkpointed kind's,
+so no background persist leaks into the next round. The worker start and the first
+allocation of the snapshot memory happen in a warm-up save before any timing.
 
-Throughput ratio = median baseline segment time / median checkpointed segment time;
-the median of the per-pair ratios is recorded too.
+Throughput kept, three ways: the ratio of the baseline's and the checkpointed kind's
+total times (``total_ratio``: the same steps, so the ratio of their throughputs), of
+their rounds' medians (``throughput_ratio``), and the median of the rounds' ratios
+(``median_pair_ratio``). Every step's and call's time is recorded too (the steps'
+medians and means, the calls' medians and means). Without overlap a persist runs in
+another process during the steps after the one that started it, mostly other kinds':
+what those steps took beyond their kinds' mean step is charged to the checkpointed
+kind, moved from the other kinds' rounds to its own (``persist_spill``).
 
-The floor, timed in the same loop (without overlap): a third kind of segment copies,
-after each step, the tensors a snapshot takes (`small_bench.loop_floor`: one
-``_foreach_copy_`` into memory allocated once, nothing else), in the rotation of the
-other two. Its fastest copy is what no snapshot of this state in this loop can beat;
-``floor_throughput_ratio`` is what a snapshot made of that copy alone would keep.
+The floor, timed in the same loop (without overlap): a third kind copies, after each
+step, the tensors a snapshot takes (`small_bench.loop_floor`: one ``_foreach_copy_``
+into memory allocated once, nothing else). Its fastest copy is what no snapshot of this
+state in this loop can beat; its ratios are what a snapshot made of that copy alone
+would keep.
 
-Without overlap, a fourth kind of segment takes, after each step, the library's own
-memory snapshot with its layers fused into one call (`small_bench.fused_snapshot`: the
-same checks, random streams, metadata and slot as ``maybe_save``, no facade, schedule,
-worker poll or fallback; a checkpointer of its own that never persists): its call's
-median against ``maybe_save``'s is what fusing the layers would save in this loop.
+Without overlap, a fourth kind takes, after each step, the library's own memory
+snapshot with its layers fused into one call (`small_bench.fused_snapshot`: the same
+checks, random streams, metadata and slot as ``maybe_save``, no facade, schedule,
+worker poll or fallback; a checkpointer of its own that never persists): its call
+against ``maybe_save``'s is what fusing the layers would save in this loop.
 
 Without overlap, a fifth kind takes, after each step, the least snapshot that keeps the
 library's guarantees (`small_bench.guarded_snapshot`: the structure and tensor checks,
@@ -159,8 +170,6 @@ def _run(
         for k in range(1, 4):
             ck_fused.maybe_save(k)  # plans the structure the fused call checks
     fused = fused_snapshot(ck_fused, {"model": model, "optim": opt}) if ck_fused else None
-    fused_seg_s: list[float] = []
-    fused_call_s: list[float] = []
     # the guarded floor's slots: a private directory in shared memory, removed at the end
     guarded = close_guarded = None
     guarded_dir: Path | None = None
@@ -173,72 +182,35 @@ def _run(
             list(capture_mod.capture({"model": model, "optim": opt}).tensors.values()),
             guarded_dir,
         )
-    guarded_seg_s: list[float] = []
-    guarded_call_s: list[float] = []
 
-    base_s: list[float] = []
-    ckpt_s: list[float] = []
-    snapshot_s: list[float] = []
-    floor_seg_s: list[float] = []
-    floor_copy_s: list[float] = []
-    maybe_save_s: list[float] = []
     persists = 0
+    snapshot_s: list[float] = []
     # the tensors a snapshot takes (the random streams' too), as the loop floor copies them
     copy_floor, _, close_floor = loop_floor(
         list(capture_mod.capture({"model": model, "optim": opt}).tensors.values())
     )
 
-    def baseline() -> None:
-        t0 = time.perf_counter()
-        for k in range(steps):
-            step_once(k)
-        base_s.append(time.perf_counter() - t0)
+    def checkpoint() -> bool:
+        nonlocal gid
+        gid += 1
+        return ck.maybe_save(gid)
 
-    def checkpointed() -> None:
-        nonlocal gid, persists
-        t0 = time.perf_counter()
-        for k in range(steps):
-            step_once(k)
-            gid += 1
-            t1 = time.perf_counter()
-            if ck.maybe_save(gid):
-                persists += 1
-            maybe_save_s.append(time.perf_counter() - t1)
-            snap = getattr(ck, "last_snapshot_s", None)
-            if api["tiers"] and isinstance(snap, (int, float)):
-                snapshot_s.append(snap)
-        ck.wait()
-        ckpt_s.append(time.perf_counter() - t0)
+    def after_checkpoint(persisted: Any) -> None:
+        nonlocal persists
+        persists += bool(persisted)
+        snap = getattr(ck, "last_snapshot_s", None)
+        if api["tiers"] and isinstance(snap, (int, float)):
+            snapshot_s.append(snap)
 
-    def after_each_step(
-        call: Callable[[], Any], calls: list[float], segments: list[float]
-    ) -> Callable[[], None]:
-        """A segment that runs ``call`` after each step, timing it and the segment."""
-
-        def segment() -> None:
-            t0 = time.perf_counter()
-            for k in range(steps):
-                step_once(k)
-                t1 = time.perf_counter()
-                call()
-                calls.append(time.perf_counter() - t1)
-            segments.append(time.perf_counter() - t0)
-
-        return segment
-
-    floor = after_each_step(copy_floor, floor_copy_s, floor_seg_s)
+    base, ckpt = _Kind("baseline", None), _Kind("checkpointed", checkpoint, after_checkpoint)
+    kinds = [base, ckpt]
+    if not overlap:
+        kinds.append(_Kind("floor", copy_floor))
     bound_steps = itertools.count(4)  # the fused bound's checkpointer planned steps 1 to 3
-    kinds = (baseline, checkpointed) if overlap else (baseline, checkpointed, floor)
     if fused is not None:
-        kinds = (
-            *kinds,
-            after_each_step(lambda: fused(next(bound_steps)), fused_call_s, fused_seg_s),
-        )
+        kinds.append(_Kind("fused", lambda: fused(next(bound_steps))))
     if guarded is not None:
-        kinds = (
-            *kinds,
-            after_each_step(lambda: guarded(next(bound_steps)), guarded_call_s, guarded_seg_s),
-        )
+        kinds.append(_Kind("guarded", lambda: guarded(next(bound_steps))))
     cold_warm: dict[str, Any] = {}
 
     def cold_and_warm(n: int) -> None:
@@ -270,9 +242,7 @@ def _run(
         )
 
     try:
-        for r in range(rounds):  # ABBA order cancels a linear drift of the machine's speed
-            for segment in kinds if r % 2 == 0 else kinds[::-1]:
-                segment()
+        spill = _interleave(kinds, rounds, steps, step_once, ck, overlap)
         if api["tiers"] and not overlap:
             cold_and_warm(2 * steps)
     finally:
@@ -286,7 +256,8 @@ def _run(
             ck_fused.save_on_close = False
             ck_fused.close()
     state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
-    b, c = statistics.median(base_s), statistics.median(ckpt_s)
+    b, c = statistics.median(base.rounds), statistics.median(ckpt.rounds)
+    base_step = statistics.median(base.steps)
     return {
         "mode": (
             f"two-tier: maybe_save every step, memory_every=1, persist_every={persist_every}, "
@@ -305,46 +276,173 @@ def _run(
         "state_bytes": state_bytes,
         "steps_per_segment": steps,
         "rounds": rounds,
+        # "step": the kinds take turns step by step (ABBA), a round's steps of a kind are
+        # its "segment"; "segment": each kind runs its steps in a row (overlap mode, whose
+        # copy runs during the next step, which must be its own kind's)
+        "interleaved": "segment" if overlap else "step",
         "persists": persists,
-        "baseline_segment_s": {"samples": base_s, "median": b},
-        "checkpointed_segment_s": {"samples": ckpt_s, "median": c},
+        "baseline_segment_s": {"samples": base.rounds, "median": b},
+        "checkpointed_segment_s": {"samples": ckpt.rounds, "median": c},
         "step_ms_baseline": 1000 * b / steps,
         "step_ms_checkpointed": 1000 * c / steps,
+        "baseline_step_s": {"median": base_step, "mean": statistics.mean(base.steps)},
+        "checkpointed_step_s": {
+            "median": statistics.median(ckpt.steps),
+            "mean": statistics.mean(ckpt.steps),
+        },
         "snapshot_blocking_s": (
             {"samples": snapshot_s, "median": statistics.median(snapshot_s)} if snapshot_s else None
         ),
-        "maybe_save_s": {"samples": maybe_save_s, "median": statistics.median(maybe_save_s)},
+        "maybe_save_s": {
+            "samples": ckpt.calls,
+            "median": statistics.median(ckpt.calls),
+            "mean": statistics.mean(ckpt.calls),
+        },
+        "wait_s": ckpt.waits,
         "throughput_ratio": b / c,
-        "pair_ratios": [x / y for x, y in zip(base_s, ckpt_s)],
-        "median_pair_ratio": statistics.median(x / y for x, y in zip(base_s, ckpt_s)),
+        "total_ratio": sum(base.rounds) / sum(ckpt.rounds),
+        "pair_ratios": [x / y for x, y in zip(base.rounds, ckpt.rounds)],
+        "median_pair_ratio": statistics.median(x / y for x, y in zip(base.rounds, ckpt.rounds)),
+        **({"persist_spill": spill} if spill is not None else {}),
         **({"cold_warm": cold_warm} if cold_warm else {}),
-        **(
-            _timed_kind(b, "floor", "floor_copy_s", floor_seg_s, floor_copy_s)
-            if floor_seg_s
-            else {}
-        ),
-        **(
-            _timed_kind(b, "fused", "fused_call_s", fused_seg_s, fused_call_s)
-            if fused_seg_s
-            else {}
-        ),
-        **(
-            _timed_kind(b, "guarded", "guarded_call_s", guarded_seg_s, guarded_call_s)
-            if guarded_seg_s
-            else {}
-        ),
+        **{
+            k: v
+            for kind in kinds[2:]
+            for k, v in _timed_kind(base, kind, _CALL_KEYS[kind.name]).items()
+        },
     }
 
 
-def _timed_kind(
-    base: float, kind: str, call_key: str, segments: list[float], calls: list[float]
-) -> dict[str, Any]:
-    """One kind of segment that timed a call after each step (the loop floor's copy, the
-    fused snapshot, the guarded one): its segments, its calls (the fastest call is the
-    floor where it is one) and the segments' throughput ratio to the baseline's median."""
-    median = statistics.median(segments)
+_CALL_KEYS = {"floor": "floor_copy_s", "fused": "fused_call_s", "guarded": "guarded_call_s"}
+
+
+class _Kind:
+    """One kind of step in the loop: what runs after each step (nothing for the
+    baseline), each step's and call's time, each round's total."""
+
+    def __init__(
+        self,
+        name: str,
+        call: Callable[[], Any] | None,
+        after: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.name, self.call, self.after = name, call, after
+        self.steps: list[float] = []
+        self.calls: list[float] = []
+        self.rounds: list[float] = []
+        self.waits: list[float] = []
+
+
+def _interleave(
+    kinds: list[_Kind],
+    rounds: int,
+    steps: int,
+    step_once: Callable[[int], None],
+    ck: resumable.Checkpointer,
+    overlap: bool,
+) -> dict[str, Any] | None:
+    """``rounds`` rounds of ``steps`` steps of each kind (``kinds[0]`` the baseline,
+    ``kinds[1]`` the checkpointed kind). Without overlap the kinds take turns step by
+    step, in ABBA order (the other jobs on this shared machine come and go over
+    seconds: each kind meets them alike); a round ends with ``ck.wait()``, timed in the
+    checkpointed kind's round, so no persist leaks into the next round. With overlap
+    each kind runs its steps in a row (ABBA by round), the checkpointed run ending with
+    ``ck.wait()``: its copy runs during the next step, which must be its own kind's.
+
+    Without overlap a persist runs (in another process, on the other core) during the
+    steps after the one that started it, which are mostly other kinds'. The steps of
+    the ``len(kinds)`` units after a persist's start are charged to the checkpointed
+    kind: each one's excess over its own kind's mean step elsewhere moves from its
+    kind's round to the checkpointed kind's. Returns what moved (None with overlap)."""
+    block = steps if overlap else 1
+    ckpt = kinds[1]
+    beside: list[tuple[int, int, float]] = []  # (kind, round, step) after a persist start
+    pending = 0
+    for r in range(rounds):
+        totals = [0.0] * len(kinds)
+        for n, k0 in enumerate(range(0, steps, block)):
+            order = range(len(kinds)) if (r + n) % 2 == 0 else range(len(kinds) - 1, -1, -1)
+            for i in order:
+                kind = kinds[i]
+                for k in range(k0, min(k0 + block, steps)):
+                    t0 = time.perf_counter()
+                    step_once(k)
+                    t1 = time.perf_counter()
+                    got = kind.call() if kind.call is not None else None
+                    t2 = time.perf_counter()
+                    kind.steps.append(t1 - t0)
+                    totals[i] += t2 - t0
+                    if kind.call is not None:
+                        kind.calls.append(t2 - t1)
+                    if pending:
+                        beside.append((i, r, t1 - t0))
+                        pending -= 1
+                    if kind.after is not None:
+                        kind.after(got)
+                        if got and not overlap:
+                            pending = len(kinds)
+                if overlap and kind is ckpt:
+                    totals[i] += _timed_wait(ck, ckpt)
+        if not overlap:
+            totals[1] += _timed_wait(ck, ckpt)
+        for kind, total in zip(kinds, totals):
+            kind.rounds.append(total)
+    if overlap:
+        return None
+    return _charge_persists(kinds, beside)
+
+
+def _charge_persists(kinds: list[_Kind], beside: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """Move the excess of the steps beside a persist (over their kind's mean step
+    elsewhere) from their kinds' rounds to the checkpointed kind's (``kinds[1]``)."""
+    moved = [0.0] * len(kinds)
+    control = []
+    for i, kind in enumerate(kinds):
+        mine = [t for j, _, t in beside if j == i]
+        rest = len(kind.steps) - len(mine)
+        control.append((sum(kind.steps) - sum(mine)) / rest if rest else 0.0)
+    for i, r, t in beside:
+        excess = t - control[i]
+        kinds[i].rounds[r] -= excess
+        kinds[1].rounds[r] += excess
+        moved[i] += excess
+    total = sum(moved)
     return {
-        f"{kind}_segment_s": {"samples": segments, "median": median},
-        call_key: {"samples": calls, "median": statistics.median(calls), "min": min(calls)},
-        f"{kind}_throughput_ratio": base / median,
+        "steps_beside": len(beside),
+        "excess_s": total,
+        "moved_s": {kind.name: m for kind, m in zip(kinds, moved)},
+        "per_checkpointed_step_s": total / max(1, len(kinds[1].steps)),
+    }
+
+
+def _timed_wait(ck: resumable.Checkpointer, kind: _Kind) -> float:
+    t0 = time.perf_counter()
+    ck.wait()
+    dt = time.perf_counter() - t0
+    kind.waits.append(dt)
+    return dt
+
+
+def _timed_kind(base: _Kind, kind: _Kind, call_key: str) -> dict[str, Any]:
+    """One kind that timed a call after each step (the loop floor's copy, the fused
+    snapshot, the guarded one): its rounds, its calls (the fastest call is the floor
+    where it is one) and its throughput against the baseline's, three ways: the ratio
+    of the rounds' medians, of their totals, and the median of the rounds' ratios."""
+    median = statistics.median(kind.rounds)
+    name = kind.name
+    return {
+        f"{name}_segment_s": {"samples": kind.rounds, "median": median},
+        call_key: {
+            "samples": kind.calls,
+            "median": statistics.median(kind.calls),
+            "mean": statistics.mean(kind.calls),
+            "min": min(kind.calls),
+        },
+        f"{name}_step_s": {
+            "median": statistics.median(kind.steps),
+            "mean": statistics.mean(kind.steps),
+        },
+        f"{name}_throughput_ratio": statistics.median(base.rounds) / median,
+        f"{name}_total_ratio": sum(base.rounds) / sum(kind.rounds),
+        f"{name}_pair_ratio": statistics.median(x / y for x, y in zip(base.rounds, kind.rounds)),
     }
