@@ -274,7 +274,7 @@ def _core(out: Result) -> list[dict[str, Any] | None]:
 
 def _loop_interleaved(e2e: Mapping[str, Any], note: str) -> dict[str, Any] | None:
     """The MLP loop's row for a run whose kinds took turns step by step (from
-    2026-12-08; `training._interleave`). Its throughput kept is the smaller of two
+    `vm-20261207T212801Z` on; `training._interleave`). Its throughput kept is the smaller of two
     estimates: the ratio of the baseline's and the checkpointed kind's total times,
     and the median of the rounds' ratios. Its floor is a throughput too, measured the
     same way: the least snapshot that keeps the guarantees (`guarded_snapshot`) in

@@ -6,7 +6,7 @@ A deterministic MLP (fixed seed, synthetic data) trains in ``rounds`` rounds of
 ``persist_every=Every(steps=50)`` (with the synchronous API, which has no memory tier,
 only the persist every 50 steps happens). Without overlap the kinds take turns step by
 step, in ABBA order, so that the other jobs of this shared machine, which come and go
-over seconds, slow every kind alike (runs before 2026-12-08: each kind ran its 50 steps
+over seconds, slow every kind alike (runs before `vm-20261207T212801Z`: each kind ran its 50 steps
 in a row, a "segment", and the kinds' ratios differed by more than the snapshot costs).
 With ``overlap=True`` each kind still runs its steps in a row: the overlapped copy runs
 during the next step, which must be the checkpointed kind's own. A kind's steps of one

@@ -138,7 +138,7 @@ def test_the_loop_row_says_what_the_snapshot_costs_beside_its_copy_in_each_posit
 
 
 def _interleaved(out: dict) -> dict:
-    """``out`` as a run whose loop kinds took turns step by step (from 2026-12-08)."""
+    """``out`` as a run whose loop kinds took turns step by step (from `vm-20261207T212801Z` on)."""
     out["e2e"].update(
         interleaved="step",
         total_ratio=0.958,
